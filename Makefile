@@ -1,0 +1,47 @@
+# The two commands of the README (`make demo`, `make test`) do all the set-up on a fresh
+# machine: they create .venv, install the pinned CPU stack and the package, then run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# DeepSpeed JIT-builds a small op on first start; keep it in an ignored folder that is reused.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
+# Two cores: let torch's intra-op pool use them, but do not oversubscribe in multi-rank tests.
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test demo lint format clean bench
+
+venv: $(STAMP)
+
+$(STAMP): requirements/cpu.txt requirements/dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/cpu.txt -r requirements/dev.txt
+	# English punkt_tab sentence-splitter data ships inside this wheel; it is a data
+	# carrier only, so none of its (many) dependencies are needed.
+	$(PY) -m pip install -q --no-deps llama-index-core==0.14.25
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q tests
+
+demo: venv
+	$(PY) -m megatron_taco.cli.demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: venv
+	$(PY) benchmarks/bench_preprocess.py
+	$(PY) benchmarks/bench_taco_step.py
+
+clean:
+	rm -rf build demo_output .pytest_cache

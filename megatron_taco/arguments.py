@@ -1,0 +1,109 @@
+"""Frozen config dataclasses <-> Megatron-style command-line flags.
+
+Every config field is declared with :func:`option`, which records the flag name
+(Megatron-LM's spelling where one exists) and the help text. The parser is built
+from those declarations, so ``--help`` and the dataclass can never disagree.
+This module sits below every subpackage and imports none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag."""
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    choices: Sequence[Any] | None = None,
+    default_factory: Any = dataclasses.MISSING,
+    cli: bool = True,
+) -> Any:
+    metadata = {"help": help, "flag": flag, "choices": choices, "cli": cli}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_of(cls: type, name: str) -> str:
+    """The command-line spelling of field ``name`` (for error messages)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get("flag") or "--" + name.replace("_", "-")
+    raise KeyError(name)
+
+
+def require(cond: bool, cls: type, name: str, message: str) -> None:
+    """Raise ConfigError naming the flag of ``cls.name`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(f"{flag_of(cls, name)}: {message}")
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
+    group = parser.add_argument_group(title or cls.__name__)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        tp, optional = _unwrap_optional(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
+        if default is not None and kwargs["help"]:
+            kwargs["help"] += f" (default: {default})"
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = default
+        elif typing.get_origin(tp) in (tuple, list):
+            (elem, *_rest) = typing.get_args(tp) or (str,)
+            kwargs["nargs"] = "+" if not optional else "*"
+            kwargs["type"] = elem if elem is not Ellipsis else str
+            kwargs["default"] = default
+        else:
+            kwargs["type"] = tp if tp in (int, float, str) else str
+            kwargs["default"] = default
+        if f.metadata.get("choices"):
+            kwargs["choices"] = list(f.metadata["choices"])
+        if required:
+            kwargs["required"] = True
+        group.add_argument(flag, **kwargs)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """Build ``cls`` from parsed args; validation happens in its ``__post_init__``."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+            continue
+        if not f.metadata.get("cli", True) or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        tp, _ = _unwrap_optional(hints[f.name])
+        if value is not None and typing.get_origin(tp) is tuple:
+            value = tuple(value)
+        values[f.name] = value
+    return cls(**values)
