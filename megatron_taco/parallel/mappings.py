@@ -1,0 +1,191 @@
+"""Autograd-aware collectives over a tensor-parallel group (Megatron's mappings).
+
+Each op is the adjoint pair of a collective: the backward of a forward all-reduce is the
+identity and vice versa; split <-> all-gather; reduce-scatter <-> all-gather. All of them
+take the group explicitly and are the identity when it is None or has one rank.
+Splits and gathers are along ``dim`` in equal chunks, so that dimension must be divisible
+by the group size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int) -> int:
+    dim = dim % x.dim()
+    if x.shape[dim] % world != 0:
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) is not divisible "
+            f"by the tensor-parallel size {world}"
+        )
+    return dim
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    # all_reduce is in place; never modify a tensor autograd may have saved.
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    dim = _check_divisible(x, dim, world)
+    # contiguous() so the chunk can be sent by a later collective / saved without aliasing.
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    dim = dim % x.dim()
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum over the group, keep this rank's chunk along ``dim``: [.., n, ..] -> [.., n/world, ..]."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    dim = _check_divisible(x, dim, world)
+    if x.is_cuda and "nccl" in str(dist.get_backend(group)):
+        # reduce_scatter_tensor splits its input along dim 0; stacking the dim-chunks makes
+        # [world, *chunk_shape] contiguous so chunk r is what rank r receives.
+        stacked = torch.stack(x.chunk(world, dim=dim), dim=0).contiguous()
+        out = torch.empty_like(stacked[0])
+        dist.reduce_scatter_tensor(out, stacked, group=group)
+        return out
+    # gloo has no reduce_scatter. Fallback: all-reduce the whole tensor and keep our chunk.
+    # Cost: an all-reduce moves ~2x the bytes of a reduce-scatter (it is reduce-scatter +
+    # all-gather) and every rank briefly holds the full-size sum. Fine for CPU tests.
+    return _all_reduce(x, group).chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _AllGatherToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward identity; backward all-reduce (sum) of the gradient (input of a column-parallel op)."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward all-reduce (sum); backward identity (output of a row-parallel op)."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Forward: keep this rank's chunk along dim; backward: all-gather the gradient."""
+    if group_size(group) == 1:
+        return x
+    return _ScatterToTP.apply(x, group, dim)
+
+
+def gather_from_tp_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Forward: all-gather along dim; backward: keep this rank's chunk of the gradient."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, group, dim)
+
+
+def reduce_scatter_to_tp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Forward: sum over ranks and keep this rank's chunk along dim; backward: all-gather."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterToTP.apply(x, group, dim)
+
+
+def all_gather_to_tp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Forward: all-gather along dim; backward: reduce-scatter (sum) the gradient.
+
+    Differs from gather_from_tp_region in the backward: use it when every rank's copy of the
+    gathered output feeds a *different* computation (sequence parallelism), so the gradient
+    contributions must be summed, not just sliced.
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllGatherToTP.apply(x, group, dim)

@@ -1,0 +1,200 @@
+"""Process-group layout for tensor x data parallelism, and DeepSpeed's ``mpu`` interface.
+
+Layout (Megatron, no pipeline parallelism): with world size W and tensor-parallel size T,
+tensor-parallel groups are contiguous blocks [0..T-1], [T..2T-1], ... (so a TP group sits
+on one node's fast interconnect), and data-parallel groups are strided: {r, r+T, r+2T, ...}.
+W=4, T=2: TP {0,1} {2,3}; DP {0,2} {1,3}.
+
+A ``ParallelState`` is passed explicitly everywhere (there are no module-global groups). It is
+also handed to ``deepspeed.initialize(mpu=...)``: DeepSpeed then reduces gradients and shards
+ZeRO state over ``get_data_parallel_group()`` only, and sums gradient-norm contributions over
+``get_model_parallel_group()`` (the TP group) using the ``tensor_model_parallel`` attribute
+the layers set on split parameters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_taco.parallel.config import check_world_size
+
+
+def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    check_world_size(world_size, tp_size)
+    return [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
+
+
+def dp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    check_world_size(world_size, tp_size)
+    return [list(range(tp_rank, world_size, tp_size)) for tp_rank in range(tp_size)]
+
+
+class ParallelState:
+    """Ranks and groups of this process. ``tp_group``/``dp_group`` are None only in a single
+    process built without torch.distributed; every collective in parallel/ treats a None
+    group as "no parallelism", and the mpu ``get_*_group()`` methods return the world group
+    for it once torch.distributed is up (DeepSpeed needs a registered group)."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        rank: int,
+        tp_size: int,
+        tp_group: dist.ProcessGroup | None,
+        dp_group: dist.ProcessGroup | None,
+    ) -> None:
+        check_world_size(world_size, tp_size)
+        self.world_size = world_size
+        self.rank = rank
+        self.tp_size = tp_size
+        self.tp_rank = rank % tp_size
+        self.dp_size = world_size // tp_size
+        self.dp_rank = rank // tp_size
+        self.tp_group = tp_group
+        self.dp_group = dp_group
+        self.tp_ranks = tp_group_ranks(world_size, tp_size)[self.dp_rank]
+        self.dp_ranks = dp_group_ranks(world_size, tp_size)[self.tp_rank]
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+            f"dp={self.dp_rank}/{self.dp_size})"
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.tp_group is not None
+
+    def destroy(self) -> None:
+        """Destroy the subgroups this state created (not the default group)."""
+        if dist.is_initialized():
+            for group in {
+                id(g): g for g in (self.tp_group, self.dp_group) if g is not None
+            }.values():
+                dist.destroy_process_group(group)
+        self.tp_group = None
+        self.dp_group = None
+
+    # --- DeepSpeed / Megatron mpu interface ----------------------------------------------
+    # Model parallel == tensor parallel here (no pipeline stages).
+    def _registered(self, group):
+        # A single-process state (groups None) may be handed to DeepSpeed, which initialises
+        # torch.distributed itself and then needs registered groups (it calls e.g.
+        # get_global_rank(group, 0)). With one process the TP and DP groups are the world.
+        if group is None and dist.is_initialized():
+            if dist.get_world_size() != self.world_size:
+                raise RuntimeError(
+                    f"{self!r} was built without torch.distributed, which now has world size "
+                    f"{dist.get_world_size()}; call init_parallel() after initialising it"
+                )
+            return dist.group.WORLD
+        return group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_model_parallel_group(self):
+        return self._registered(self.tp_group)
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_tensor_model_parallel_group(self):
+        return self._registered(self.tp_group)
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of tp_rank 0 in this rank's TP group (broadcast source)."""
+        return self.tp_ranks[0]
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group(self):
+        return self._registered(self.dp_group)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.dp_ranks)
+
+    # No pipeline parallelism. There is deliberately no get_pipeline_model_parallel_group:
+    # DeepSpeed only asks for it when the pipeline world size is > 1.
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    # No sequence parallelism (Ulysses). DeepSpeed reads these sizes; with size 1 its
+    # "sequence x data" group is the data-parallel group. We must NOT define
+    # ``initialize_sequence_parallel``: DeepSpeed takes its presence to mean "ignore this
+    # mpu's data-parallel group", which would make ZeRO shard over the whole world.
+    def get_sequence_parallel_rank(self) -> int:
+        return 0
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return 1
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_sequence_data_parallel_group(self):
+        return self._registered(self.dp_group)
+
+
+def single_process_state(tp_size: int = 1) -> ParallelState:
+    return ParallelState(world_size=1, rank=0, tp_size=tp_size, tp_group=None, dp_group=None)
+
+
+def init_parallel(tp_size: int = 1, backend: str | None = None) -> ParallelState:
+    """Build the TP/DP groups (initialising torch.distributed from env:// if needed).
+
+    torch.distributed is initialised here only when it is not yet and WORLD_SIZE > 1 (set by
+    torchrun and the deepspeed launcher). A single process without WORLD_SIZE gets groups None.
+    Every rank must call this (``new_group`` is collective over the world).
+    """
+    if not dist.is_initialized():
+        env_world = int(os.environ.get("WORLD_SIZE", "1"))
+        if env_world > 1:
+            check_world_size(env_world, tp_size)  # fail before any rendezvous
+            if backend is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                # One GPU per process; nccl needs the device chosen before the first collective.
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend=backend, init_method="env://")
+    if not dist.is_initialized():
+        check_world_size(1, tp_size)
+        return single_process_state(tp_size)
+
+    world_size = dist.get_world_size()
+    rank = dist.get_rank()
+    check_world_size(world_size, tp_size)
+    tp_group = dp_group = None
+    # new_group is collective: every rank creates every group, in the same order, and
+    # keeps the one it belongs to.
+    for ranks in dp_group_ranks(world_size, tp_size):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = group
+    for ranks in tp_group_ranks(world_size, tp_size):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            tp_group = group
+    return ParallelState(
+        world_size=world_size, rank=rank, tp_size=tp_size, tp_group=tp_group, dp_group=dp_group
+    )
