@@ -29,7 +29,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 demo: venv
-	$(PY) -m megatron_taco.cli.demo
+	bash examples/demo.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -58,7 +58,9 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, title: str | None = None
+) -> None:
     group = parser.add_argument_group(title or cls.__name__)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
