@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The main job, end to end, on the bundled public-domain corpus (examples/corpus/), on CPU.
+# Each step is the command a researcher would run on a cluster, only smaller.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${DEMO_OUTPUT:-demo_output}
+CORPUS=examples/corpus/demo.jsonl.gz
+TRAIN_ITERS=${DEMO_TRAIN_ITERS:-300}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
+mkdir -p "$OUT"
+
+echo "== 1/4 train a sentencepiece tokenizer on $CORPUS"
+$PY tools/train_tokenizer.py --input "$CORPUS" --model-prefix "$OUT/tokenizer" \
+    --vocab-size 4000 --split-sentences
+
+echo "== 2/4 preprocess into a Megatron indexed dataset (2 workers)"
+$PY tools/preprocess_data.py --input "$CORPUS" --tokenizer-model "$OUT/tokenizer.model" \
+    --output-prefix "$OUT/demo" --split-sentences --workers 2
+
+echo "== 3/4 build train/valid/test samples"
+$PY tools/build_samples.py --data-path "$OUT/demo_text_sentence" \
+    --tokenizer-model "$OUT/tokenizer.model" --seq-length 128 --split 949,50,1 \
+    --train-samples $((TRAIN_ITERS * 16)) --valid-samples 256 --test-samples 64 \
+    --data-cache-path "$OUT/cache"
+
+echo "== 4/4 pretrain a small TACO (MLM + MPM) with DeepSpeed on 2 CPU ranks"
+rm -rf "$OUT/checkpoints"
+.venv/bin/deepspeed --num_gpus 2 pretrain_taco.py \
+    --model-size small --tensor-model-parallel-size 1 \
+    --deepspeed-config ds_configs/zero1_fp32.json \
+    --data-path "$OUT/demo_text_sentence" --tokenizer-model "$OUT/tokenizer.model" \
+    --data-cache-path "$OUT/cache" --split 949,50,1 --seq-length 128 \
+    --micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
+    --lr 1e-3 --lr-warmup-iters 30 --min-lr 1e-5 --weight-decay 0.01 \
+    --log-interval 10 --eval-interval 100 --eval-iters 4 \
+    --save "$OUT/checkpoints" --save-interval 100 \
+    --tensorboard-dir "$OUT/tensorboard"
+
+echo "== done: loss curves in $OUT/checkpoints/loss_curves.png, TensorBoard logs in $OUT/tensorboard"
