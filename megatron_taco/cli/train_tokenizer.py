@@ -1,0 +1,297 @@
+"""Train the sentencepiece model every other tool reads (taco-train-tokenizer).
+
+The corpus is streamed, document by document, through a reservoir sampler that keeps at most
+--input-sentence-size sentences, and the sample is handed to sentencepiece through its
+sentence iterator: memory is bounded by the sample, never by the corpus.
+
+The sampling is done here rather than by sentencepiece's own --shuffle_input_sentence
+because sentencepiece >= 0.2 draws it from an absl generator that is salted per process:
+the same corpus and seed gave a different model on every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import itertools
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import sentencepiece as spm
+
+from megatron_taco.arguments import (
+    ConfigError,
+    add_dataclass_args,
+    dataclass_from_args,
+    option,
+    require,
+)
+from megatron_taco.data.corpora import (
+    FORMATS,
+    CorpusError,
+    Document,
+    detect_format,
+    expand_inputs,
+    iter_records,
+)
+from megatron_taco.data.text import SentenceSplitter
+from megatron_taco.data.tokenizer import SPECIAL_PIECES, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Five specials plus room for a usable alphabet; sentencepiece itself fails later and less
+# clearly when the vocabulary cannot hold the characters it must keep.
+MIN_VOCAB_SIZE = 16
+
+
+@dataclass(frozen=True)
+class TrainTokenizerConfig:
+    input: tuple[str, ...] = option(
+        help="Input files, directories or glob patterns (any format taco-preprocess-data reads)"
+    )
+    model_prefix: str = option(help="Output prefix: writes PREFIX.model and PREFIX.vocab")
+    input_format: str = option("auto", help="Input format", choices=FORMATS)
+    json_keys: tuple[str, ...] = option(("text",), help="Document fields to train on")
+    vocab_size: int = option(32000, help="Vocabulary size, specials included")
+    model_type: str = option("unigram", help="Sentencepiece algorithm", choices=("unigram", "bpe"))
+    character_coverage: float = option(
+        0.9995, help="Fraction of characters covered by the alphabet; the rest map to [UNK]"
+    )
+    input_sentence_size: int = option(
+        10_000_000,
+        help="Train on a uniform random sample of at most this many sentences (0 = all, "
+        "unbounded memory)",
+    )
+    shuffle_input_sentence: bool = option(
+        True,
+        help="Sample the --input-sentence-size sentences uniformly over the whole corpus "
+        "(otherwise the first ones are taken and the rest is not read)",
+    )
+    split_sentences: bool = option(
+        False,
+        help="Split text into sentences with the punkt splitter (otherwise each non-empty line "
+        "is one training sentence)",
+    )
+    max_sentence_length: int = option(
+        4192, help="Sentences longer than this many bytes are left out (and counted)"
+    )
+    min_chars: int = option(0, help="Skip documents shorter than this many characters")
+    num_threads: int = option(os.cpu_count() or 1, help="Training threads")
+    seed: int = option(1234, help="Seed of the sentence sampling (reproducible models)")
+    quiet: bool = option(False, help="Hide sentencepiece's progress log")
+
+    def __post_init__(self) -> None:
+        cls = TrainTokenizerConfig
+        require(len(self.input) > 0, cls, "input", "at least one input is required")
+        for item in self.input:
+            if glob.has_magic(item):
+                require(
+                    bool(glob.glob(item, recursive=True)),
+                    cls,
+                    "input",
+                    f"pattern {item!r} matches no file",
+                )
+            else:
+                require(os.path.exists(item), cls, "input", f"{item}: no such file or directory")
+        require(bool(self.model_prefix), cls, "model_prefix", "must not be empty")
+        require(
+            not os.path.isdir(self.model_prefix),
+            cls,
+            "model_prefix",
+            f"{self.model_prefix} is a directory; give a file prefix such as {self.model_prefix}/spm",
+        )
+        require(self.input_format in FORMATS, cls, "input_format", f"must be one of {FORMATS}")
+        require(len(self.json_keys) > 0, cls, "json_keys", "at least one key is required")
+        require(
+            self.vocab_size >= MIN_VOCAB_SIZE,
+            cls,
+            "vocab_size",
+            f"{self.vocab_size} is too small: {len(SPECIAL_PIECES)} ids are taken by "
+            f"{', '.join(SPECIAL_PIECES)}; use at least {MIN_VOCAB_SIZE}",
+        )
+        require(self.model_type in ("unigram", "bpe"), cls, "model_type", "must be unigram or bpe")
+        require(
+            0.0 < self.character_coverage <= 1.0,
+            cls,
+            "character_coverage",
+            f"must be in (0, 1], got {self.character_coverage}",
+        )
+        require(self.input_sentence_size >= 0, cls, "input_sentence_size", "must be >= 0")
+        require(self.max_sentence_length > 0, cls, "max_sentence_length", "must be > 0")
+        require(self.min_chars >= 0, cls, "min_chars", "must be >= 0")
+        require(self.num_threads >= 1, cls, "num_threads", "must be >= 1")
+
+
+class _SentenceStream:
+    """Iterates the training sentences and counts what it read, for the final report."""
+
+    def __init__(self, config: TrainTokenizerConfig, inputs: list[tuple[str, str]]) -> None:
+        self.config = config
+        self.inputs = inputs  # (path, format)
+        self.documents = 0
+        self.sentences = 0  # read from the corpus
+        self.sampled = 0  # handed to sentencepiece
+        self.skipped: collections.Counter[str] = collections.Counter()
+        # Built now so that missing punkt data fails before any reading.
+        self.splitter = SentenceSplitter() if config.split_sentences else None
+
+    def __iter__(self) -> Iterator[str]:
+        size = self.config.input_sentence_size
+        if size == 0:
+            source = self._read()
+        elif not self.config.shuffle_input_sentence:
+            # the first sentences only: stops reading the corpus there
+            source = itertools.islice(self._read(), size)
+        else:
+            source = self._reservoir(size)
+        for sentence in source:
+            self.sampled += 1
+            yield sentence
+
+    def _reservoir(self, size: int) -> Iterator[str]:
+        # Algorithm R: after n sentences, each one is in the sample with probability size/n.
+        rng = random.Random(self.config.seed)
+        sample: list[str] = []
+        for n, sentence in enumerate(self._read()):
+            if n < size:
+                sample.append(sentence)
+            else:
+                j = rng.randrange(n + 1)
+                if j < size:
+                    sample[j] = sentence
+        # Popping hands each string over to sentencepiece's copy and frees ours, so the two
+        # copies of the sample never coexist in full.
+        sample.reverse()
+        while sample:
+            yield sample.pop()
+
+    def _read(self) -> Iterator[str]:
+        cfg = self.config
+        splitter = self.splitter
+        for path, fmt in self.inputs:
+            for record in iter_records(path, fmt, cfg.json_keys, min_chars=cfg.min_chars):
+                if not isinstance(record, Document):
+                    self.skipped[record.reason] += 1
+                    continue
+                self.documents += 1
+                for key in cfg.json_keys:
+                    for line in record.text[key].splitlines():
+                        line = line.strip()
+                        if not line:
+                            continue
+                        pieces = splitter.split(line) if splitter is not None else (line,)
+                        for sentence in pieces:
+                            sentence = sentence.strip()
+                            if not sentence:
+                                continue
+                            # sentencepiece would drop it too, but silently; counted here so
+                            # the report shows when --split-sentences is needed.
+                            if len(sentence.encode("utf-8")) > cfg.max_sentence_length:
+                                self.skipped["sentence_too_long"] += 1
+                                continue
+                            self.sentences += 1
+                            yield sentence
+
+
+def train_tokenizer(config: TrainTokenizerConfig) -> str:
+    """Train and verify the model; returns the path of PREFIX.model."""
+    paths = expand_inputs(list(config.input))
+    if not paths:
+        raise ConfigError(f"--input: {' '.join(config.input)} contains no input file")
+    # Every file's format is settled before the (long) reading starts.
+    inputs = [
+        (p, detect_format(p) if config.input_format == "auto" else config.input_format)
+        for p in paths
+    ]
+    stream = _SentenceStream(config, inputs)
+    out_dir = os.path.dirname(os.path.abspath(config.model_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    start = time.monotonic()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(stream),
+            model_prefix=config.model_prefix,
+            vocab_size=config.vocab_size,
+            model_type=config.model_type,
+            character_coverage=config.character_coverage,
+            input_sentence_size=0,  # sampled by _SentenceStream
+            max_sentence_length=config.max_sentence_length,
+            num_threads=config.num_threads,
+            pad_id=0,
+            pad_piece=SPECIAL_PIECES[0],
+            unk_id=1,
+            unk_piece=SPECIAL_PIECES[1],
+            bos_id=-1,
+            eos_id=-1,
+            user_defined_symbols=list(SPECIAL_PIECES[2:]),
+            # Exactly --vocab-size pieces: the embedding table and every dataset's unigram
+            # counts are sized from it. A corpus too small for it is reported below.
+            hard_vocab_limit=True,
+            minloglevel=1 if config.quiet else 0,
+        )
+    except RuntimeError as e:
+        message = str(e)
+        if stream.sampled == 0:
+            raise ConfigError(f"--input: no text found in {len(paths)} file(s)") from None
+        if "Vocabulary size too high" in message:
+            raise ConfigError(
+                f"--vocab-size: {config.vocab_size} cannot be reached on this corpus "
+                f"({stream.sentences} sentences): {message}"
+            ) from None
+        raise
+    model_path = config.model_prefix + ".model"
+    tok = Tokenizer(model_path)  # checks the special-id layout the rest of the package relies on
+    skipped = ", ".join(f"{k}={v}" for k, v in sorted(stream.skipped.items())) or "none"
+    logger.info(
+        "trained %s: %d pieces on %d of the %d sentences read from %d documents in %d file(s) "
+        "in %.1fs (skipped: %s)",
+        model_path,
+        tok.vocab_size,
+        stream.sampled,
+        stream.sentences,
+        stream.documents,
+        len(paths),
+        time.monotonic() - start,
+        skipped,
+    )
+    if stream.skipped["sentence_too_long"]:
+        logger.warning(
+            "%d sentences longer than --max-sentence-length=%d bytes were left out; consider "
+            "--split-sentences",
+            stream.skipped["sentence_too_long"],
+            config.max_sentence_length,
+        )
+    return model_path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="taco-train-tokenizer",
+        description="Train a sentencepiece tokenizer with [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0-4.",
+    )
+    add_dataclass_args(parser, TrainTokenizerConfig, "tokenizer training")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = dataclass_from_args(TrainTokenizerConfig, args)
+        train_tokenizer(config)
+    except ConfigError as e:
+        parser.error(str(e))
+    except (CorpusError, LookupError, OSError) as e:  # LookupError: no punkt data
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
