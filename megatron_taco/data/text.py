@@ -1,0 +1,460 @@
+"""Text cleaning shared by every corpus reader, wikitext -> plain text, sentence splitting.
+
+The convention every reader in ``corpora.py`` produces and ``SentenceSplitter`` relies on:
+a document is plain text with one paragraph per line (``"\\n"`` between paragraphs, no hard
+wrapping inside a paragraph). A newline is therefore a hard sentence boundary: a sentence
+never spans two lines. All the real corpora already look like this (Wikipedia paragraphs,
+OpenWebText and CC-News paragraphs, BookCorpus paragraphs or sentence-per-line files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import site
+import sys
+import zipfile
+from pathlib import Path
+
+import mwparserfromhell
+from mwparserfromhell import nodes as mw
+
+__all__ = [
+    "NO_LLAMA_INDEX_ENV",
+    "PunktNotFoundError",
+    "SentenceSplitter",
+    "find_punkt_tab",
+    "normalize_text",
+    "split_lines",
+    "wikitext_to_plain",
+]
+
+# ---------------------------------------------------------------------------------------
+# normalisation
+# ---------------------------------------------------------------------------------------
+
+# C0 controls except \t \n, DEL, C1 controls, and zero-width/bidi marks. They come from
+# bad OCR, PDF and HTML extraction, and only produce junk pieces in the tokenizer.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\u200e\u200f\u202a-\u202e\ufeff]")
+# Every horizontal space (tabs, NBSP, the U+2000 block, ideographic space) becomes one
+# ASCII space: SentencePiece would map them to "▁" anyway, and runs of them carry nothing.
+_HSPACE = re.compile(r"[ \t\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]+")
+
+
+def split_lines(text: str) -> list[str]:
+    """The non-blank lines of ``text``, each stripped, for any of \\n, \\r\\n, \\r, U+2028/2029."""
+    out = []
+    for line in text.splitlines():
+        line = _HSPACE.sub(" ", line).strip()
+        if line:
+            out.append(line)
+    return out
+
+
+def normalize_text(text: str) -> str:
+    """Canonical document text: control characters removed, horizontal whitespace collapsed,
+    lines stripped, blank lines dropped, lines joined with a single ``"\\n"``.
+
+    Blank lines are dropped rather than kept as paragraph markers because every reader
+    already emits one paragraph per line; a second separator would only double the
+    information and the sentence splitter treats every newline as a boundary anyway.
+    """
+    return "\n".join(split_lines(_CONTROL.sub("", text)))
+
+
+# ---------------------------------------------------------------------------------------
+# wikitext -> plain text
+# ---------------------------------------------------------------------------------------
+
+# Tags whose content is not article prose (or not shown on the article page at all).
+_DROP_TAGS = frozenset(
+    {
+        "ref",
+        "references",
+        "table",
+        "tr",
+        "td",
+        "th",
+        "caption",
+        "gallery",
+        "imagemap",
+        "math",
+        "chem",
+        "ce",
+        "score",
+        "timeline",
+        "graph",
+        "mapframe",
+        "maplink",
+        "syntaxhighlight",
+        "source",
+        "pre",
+        "includeonly",
+        "templatedata",
+        "templatestyles",
+        "indicator",
+        "categorytree",
+        "inputbox",
+        "hiero",
+        "charinsert",
+        "section",
+        "style",
+        "script",
+    }
+)
+_BLOCK_TAGS = frozenset({"p", "div", "blockquote", "center", "poem", "ul", "ol", "dl", "h1",
+                         "h2", "h3", "h4", "h5", "h6"})  # fmt: skip
+_MEDIA_PREFIXES = frozenset({"file", "image", "media", "category"})
+# Interlanguage links are written with a lowercase language code ([[de:Foo]]); article
+# titles with a colon start with a capital ([[Ion: Mass Appeal]]), which keeps them.
+_INTERLANGUAGE = re.compile(r"(?:[a-z]{2,3}(?:-[a-z0-9]+)*|simple)")
+# Sections made of citations, link lists and navigation, not prose. BERT-style corpora
+# drop them together with lists, tables and headings.
+_DROP_SECTIONS = frozenset(
+    {
+        "see also",
+        "references",
+        "external links",
+        "further reading",
+        "notes",
+        "bibliography",
+        "sources",
+        "footnotes",
+        "citations",
+        "notes and references",
+        "references and notes",
+        "works cited",
+        "gallery",
+    }
+)
+# Inline templates whose visible output is prose, so dropping them would break sentences.
+# Everything else (infoboxes, navboxes, citations, hatnotes, maintenance tags) is dropped.
+_FIRST_PARAM_TEMPLATES = frozenset(
+    {"nowrap", "nobr", "small", "big", "em", "strong", "nobold", "noitalic", "sic",
+     "not a typo", "smallcaps", "sc", "abbr", "ill", "interlanguage link", "lang-x", "visible anchor",
+     "vanchor", "keypress", "serif", "sans-serif", "mvar", "var", "math"}
+)  # fmt: skip
+_SECOND_PARAM_TEMPLATES = frozenset({"lang", "transl", "transliteration", "script"})
+_CONVERT_TEMPLATES = frozenset({"convert", "cvt"})
+_RANGE_WORDS = frozenset({"-", "–", "to", "and", "or", "by", "x", "×", "+/-", "to(-)"})
+
+_LIST_MARK = (
+    "\ue000"  # private-use char emitted for list items and ;terms, whose lines are dropped later
+)
+_PARA = "\n\n"
+_MAGIC_WORD = re.compile(r"__[A-Z]+__")
+_STYLE_QUOTES = re.compile(r"'{2,}")  # unbalanced '' / ''' that the parser left as text
+_EMPTY_PARENS = re.compile(r"\(\s*(?:[,;:]\s*)*\)")
+_OPEN_PUNCT = re.compile(r"\(\s*[,;:]+\s*")
+_CLOSE_PUNCT = re.compile(r"\s*[,;:]+\s*\)")
+_SPACE_BEFORE = re.compile(r"\s+([,.;:!?)\]])")
+_SPACE_AFTER = re.compile(r"([(\[])\s+")
+_HAS_WORD = re.compile(r"\w")
+
+
+def _param(tpl: mw.Template, name: int | str) -> str | None:
+    if not tpl.has(name):
+        return None
+    return _plain(tpl.get(name).value).strip()
+
+
+def _template(tpl: mw.Template) -> str:
+    name = str(tpl.name).strip().lower().replace("_", " ")
+    if name in _FIRST_PARAM_TEMPLATES or name.startswith("lang-"):
+        return _param(tpl, 1) or ""
+    if name in _SECOND_PARAM_TEMPLATES:
+        return _param(tpl, 2) or ""
+    if name in _CONVERT_TEMPLATES:
+        parts = [_param(tpl, i) for i in range(1, 5)]
+        if parts[0] is None:
+            return ""
+        if parts[1] in _RANGE_WORDS and parts[2] is not None:
+            return " ".join(p for p in parts if p)
+        return " ".join(p for p in parts[:2] if p)
+    if name in ("circa", "c."):
+        year = _param(tpl, 1)
+        return f"c. {year}" if year else "c."
+    return ""
+
+
+def _wikilink(link: mw.Wikilink) -> str:
+    title = str(link.title).strip()
+    if title.startswith(":"):
+        # [[:Category:Foo|...]] is an ordinary visible link; the colon only stops the
+        # page from being categorised.
+        title = title[1:].strip()
+    elif ":" in title:
+        prefix = title.split(":", 1)[0].strip()
+        if prefix.lower() in _MEDIA_PREFIXES:
+            return ""
+        if link.text is None and _INTERLANGUAGE.fullmatch(prefix):
+            return ""
+    if link.text is not None:
+        text = _plain(link.text)
+        if text.strip():
+            return text
+    return title
+
+
+def _tag(tag: mw.Tag) -> str:
+    markup = tag.wiki_markup
+    if markup is not None:
+        markup = str(markup)
+        if markup in ("*", "#", ";"):
+            return "\n" + _LIST_MARK
+        if markup == ":":
+            return ""  # indentation (quotes, replies): the text after it is kept
+    name = str(tag.tag).strip().lower()
+    if name in _DROP_TAGS:
+        return ""
+    if name == "br":
+        return "\n"
+    if name == "hr":
+        return _PARA
+    inner = _plain(tag.contents) if tag.contents is not None else ""
+    if name in _BLOCK_TAGS:
+        return _PARA + inner + _PARA
+    return inner
+
+
+def _node(node) -> str:
+    if isinstance(node, mw.Text):
+        return str(node.value)
+    if isinstance(node, mw.Wikilink):
+        return _wikilink(node)
+    if isinstance(node, mw.Template):
+        return _template(node)
+    if isinstance(node, mw.Tag):
+        return _tag(node)
+    if isinstance(node, mw.ExternalLink):
+        # [http://x Title] shows "Title"; bare and free URLs are not prose.
+        return _plain(node.title) if node.title is not None else ""
+    if isinstance(node, mw.HTMLEntity):
+        return node.normalize()
+    if isinstance(node, mw.Heading):
+        return _PARA
+    return ""  # Comment, Argument ({{{1}}}) and anything unknown produce nothing
+
+
+def _plain(code) -> str:
+    return "".join(_node(n) for n in code.nodes)
+
+
+def _clean_paragraph(lines: list[str]) -> str:
+    # MediaWiki renders a single newline inside a paragraph as a space.
+    para = " ".join(lines)
+    para = _STYLE_QUOTES.sub("", para)
+    para = _HSPACE.sub(" ", para)
+    para = _EMPTY_PARENS.sub("", para)
+    para = _OPEN_PUNCT.sub("(", para)
+    para = _CLOSE_PUNCT.sub(")", para)
+    para = _SPACE_AFTER.sub(r"\1", para)
+    para = _SPACE_BEFORE.sub(r"\1", para)
+    return _HSPACE.sub(" ", para).strip()
+
+
+def wikitext_to_plain(wikitext: str) -> str:
+    """Article wikitext -> plain prose, one paragraph per line.
+
+    Dropped: templates (infoboxes, navboxes, citations; a few inline prose templates such
+    as {{lang}}, {{nowrap}}, {{convert}} keep their visible text), tables, <ref>s and other
+    non-prose tags, files/images, categories, interlanguage links, comments, HTML tags (their
+    text is kept), bare URLs, magic words, list items, section headings, and whole
+    reference/link sections ("See also", "References", "External links", ...). Headings are
+    dropped like in the BERT corpora (they are not sentences), but they still end a paragraph.
+    Kept: link text ([[target|text]] -> text, [[target]] -> target), external link titles.
+    """
+    code = mwparserfromhell.parse(wikitext.replace(_LIST_MARK, ""))
+    pieces: list[str] = []
+    skip_level = 0  # > 0 while inside a dropped section of that heading level
+    for node in code.nodes:
+        if isinstance(node, mw.Heading):
+            level = node.level
+            if skip_level and level > skip_level:
+                continue
+            title = _plain(node.title).strip().strip(":").lower()
+            skip_level = level if title in _DROP_SECTIONS else 0
+            pieces.append(_PARA)
+            continue
+        if skip_level:
+            continue
+        pieces.append(_node(node))
+    text = _MAGIC_WORD.sub("", _CONTROL.sub("", "".join(pieces)))
+
+    paragraphs: list[str] = []
+    current: list[str] = []
+
+    def flush() -> None:
+        if current:
+            para = _clean_paragraph(current)
+            if _HAS_WORD.search(para):
+                paragraphs.append(para)
+            current.clear()
+
+    for line in text.split("\n"):
+        if line.lstrip().startswith(_LIST_MARK):
+            flush()
+            continue
+        line = line.strip()
+        if not line:
+            flush()
+        else:
+            current.append(line)
+    flush()
+    return "\n".join(paragraphs)
+
+
+# ---------------------------------------------------------------------------------------
+# sentence splitting (nltk punkt_tab, offline)
+# ---------------------------------------------------------------------------------------
+
+NO_LLAMA_INDEX_ENV = "MEGATRON_TACO_NO_LLAMA_INDEX_PUNKT"
+_PUNKT_DIR = ("tokenizers", "punkt_tab")
+
+
+class PunktNotFoundError(LookupError):
+    pass
+
+
+def _llama_index_caches() -> list[str]:
+    """nltk_cache directories bundled with llama-index-core, found without importing it
+    (importing llama_index.core pulls in dozens of packages we do not install)."""
+    bases: list[str] = []
+    try:
+        # llama_index is a namespace package: find_spec only lists its directories.
+        spec = importlib.util.find_spec("llama_index")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        bases.extend(spec.submodule_search_locations)
+    roots = list(sys.path)
+    with contextlib.suppress(AttributeError):  # site is stubbed out in some embedded interpreters
+        roots += site.getsitepackages() + [site.getusersitepackages()]
+    bases.extend(os.path.join(r, "llama_index") for r in roots if r)
+    out: list[str] = []
+    for base in bases:
+        cache = os.path.join(base, "core", "_static", "nltk_cache")
+        if os.path.isdir(cache) and cache not in out:
+            out.append(os.path.abspath(cache))
+    return out
+
+
+def _candidate_roots(search_llama_index: bool) -> list[str]:
+    import nltk.data
+
+    roots: list[str] = []
+    # NLTK_DATA is read here rather than relying on nltk.data.path, which captured it at
+    # import time and misses a value set later (tests, notebooks).
+    roots.extend(p for p in os.environ.get("NLTK_DATA", "").split(os.pathsep) if p)
+    roots.extend(str(p) for p in nltk.data.path)
+    if search_llama_index:
+        roots.extend(_llama_index_caches())
+    seen: list[str] = []
+    for r in roots:
+        r = os.path.abspath(os.path.expanduser(r))
+        if r not in seen:
+            seen.append(r)
+    return seen
+
+
+_PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
+
+
+def _has_model(root: str, language: str) -> bool:
+    """A complete model, unpacked or as the punkt_tab.zip that nltk's downloader leaves."""
+    model = Path(root, *_PUNKT_DIR, language)
+    if all((model / f).is_file() for f in _PUNKT_FILES):
+        return True
+    archive = Path(root, _PUNKT_DIR[0], _PUNKT_DIR[1] + ".zip")
+    if not archive.is_file():
+        return False
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            names = set(zf.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return all(f"punkt_tab/{language}/{f}" in names for f in _PUNKT_FILES)
+
+
+def find_punkt_tab(language: str = "english", *, search_llama_index: bool | None = None) -> str:
+    """The nltk data directory (the one containing tokenizers/punkt_tab/<language>/).
+
+    Searched in order: $NLTK_DATA, nltk.data.path, then the nltk_cache shipped inside an
+    installed llama-index-core wheel. Set $MEGATRON_TACO_NO_LLAMA_INDEX_PUNKT=1 (or pass
+    ``search_llama_index=False``) to skip the last one. Never downloads anything.
+    """
+    if search_llama_index is None:
+        search_llama_index = os.environ.get(NO_LLAMA_INDEX_ENV, "").strip() in ("", "0")
+    roots = _candidate_roots(search_llama_index)
+    for root in roots:
+        if _has_model(root, language):
+            return root
+    where = "\n  ".join(roots) or "(none)"
+    raise PunktNotFoundError(
+        f"nltk punkt_tab model for {language!r} not found (needed for sentence splitting). "
+        f"Searched:\n  {where}\n"
+        "Provide it offline in one of these ways:\n"
+        "  * pip install --no-deps llama-index-core   (its wheel bundles "
+        "llama_index/core/_static/nltk_cache/tokenizers/punkt_tab)\n"
+        f"  * set NLTK_DATA to a directory containing tokenizers/punkt_tab/{language}/ "
+        "(e.g. one filled by `python -m nltk.downloader -d DIR punkt_tab` on a machine with "
+        "internet access)"
+        + ("" if search_llama_index else f"\n(llama-index search disabled by {NO_LLAMA_INDEX_ENV})")
+    )
+
+
+class SentenceSplitter:
+    """Splits a document into sentences with nltk's punkt_tab model.
+
+    Every line is split on its own (a newline is a hard boundary, see the module docstring).
+    Picklable: only the language and the model directory travel to worker processes; the
+    model is loaded lazily on first use in each process.
+    """
+
+    def __init__(self, language: str = "english", *, nltk_data: str | None = None):
+        self.language = language
+        # Resolve now so a missing model fails in the parent process, before any worker starts.
+        self.nltk_data = nltk_data if nltk_data is not None else find_punkt_tab(language)
+        if not _has_model(self.nltk_data, language):
+            raise PunktNotFoundError(
+                f"{self.nltk_data}: no tokenizers/punkt_tab/{language}/ model in this directory"
+            )
+        self._tokenizer = None
+
+    def _load(self):
+        import nltk.data
+        from nltk.tokenize.punkt import PunktSentenceTokenizer, load_punkt_params
+
+        # nltk >= 3.9 refuses to open data files outside nltk.data.path (its path sandbox),
+        # so the directory we found has to be registered there, as llama-index itself does.
+        if self.nltk_data not in nltk.data.path:
+            nltk.data.path.append(self.nltk_data)
+        pointer = nltk.data.find(
+            "/".join((*_PUNKT_DIR, self.language)) + "/", paths=[self.nltk_data]
+        )
+        # Same parameters PunktTokenizer(language) loads, but from exactly the directory
+        # found above instead of whatever comes first on nltk.data.path.
+        return PunktSentenceTokenizer(load_punkt_params(pointer))
+
+    def split(self, text: str) -> list[str]:
+        if self._tokenizer is None:
+            self._tokenizer = self._load()
+        out: list[str] = []
+        for line in split_lines(text):
+            out.extend(s.strip() for s in self._tokenizer.tokenize(line) if s.strip())
+        return out
+
+    __call__ = split
+
+    def __getstate__(self):
+        return {"language": self.language, "nltk_data": self.nltk_data}
+
+    def __setstate__(self, state):
+        self.language = state["language"]
+        self.nltk_data = state["nltk_data"]
+        self._tokenizer = None
+
+    def __repr__(self) -> str:
+        return f"SentenceSplitter(language={self.language!r}, nltk_data={self.nltk_data!r})"

@@ -1,0 +1,218 @@
+"""text.py: wikitext -> plain text, normalisation, and the offline punkt_tab sentence splitter."""
+
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+
+import nltk.data
+import pytest
+
+from megatron_taco.data.text import (
+    NO_LLAMA_INDEX_ENV,
+    PunktNotFoundError,
+    SentenceSplitter,
+    find_punkt_tab,
+    normalize_text,
+    split_lines,
+    wikitext_to_plain,
+)
+
+CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
+
+
+# ---------------------------------------------------------------------------------------
+# wikitext
+
+
+def test_wikitext_drops_markup_and_keeps_link_text():
+    wikitext = (
+        "{{Infobox person|name=Ann|birth_date={{birth date|1900|1|1}}}}\n"
+        "'''Ann Harbour''' ({{lang-fr|Anne Port}}; 1900&ndash;1971) was a [[lighthouse keeper|keeper]] "
+        "on [[Skerry Rock]]s.<ref name=a>{{cite book|title=Keepers}}</ref> She kept the light for "
+        "{{convert|40|years}} without a break.<ref name=a /><!-- check -->\n"
+        "[[File:Ann.jpg|thumb|Ann with her [[lamp]]]]\n"
+        "She wrote about it in [https://example.org/diary her diary] (see https://example.org).\n"
+        "__NOTOC__\n"
+        "[[Category:Keepers]]\n[[de:Ann Harbour]]\n"
+    )
+    text = wikitext_to_plain(wikitext)
+    assert text.split("\n") == [
+        "Ann Harbour (Anne Port; 1900–1971) was a keeper on Skerry Rocks. "
+        "She kept the light for 40 years without a break.",
+        # a bare URL is not prose; the parentheses it leaves are kept as written
+        "She wrote about it in her diary (see).",
+    ]
+    for gone in ("Infobox", "cite", "Keepers", "Ann.jpg", "lamp", "Category", "de:", "NOTOC",
+                 "check", "https", "{{", "}}", "[[", "'''"):  # fmt: skip
+        assert gone not in text, gone
+    assert "keeper on Skerry Rocks." in text
+    assert "her diary" in text
+
+
+def test_wikitext_paragraphs_headings_lists_tables():
+    wikitext = (
+        "First paragraph, line one\ncontinues on line two.\n\n"
+        "Second paragraph.\n"
+        "== Early life ==\n"
+        "After the heading.\n"
+        "* a list item\n# a numbered item\n;Term\n"
+        ": An indented quotation.\n"
+        '{| class="wikitable"\n! Year !! Value\n|-\n| 1900 || 3\n|}\n'
+        "<math>x^2</math><gallery>\nA.jpg|caption\n</gallery>\n"
+        "Last words.<br/>After a break.\n"
+        "== See also ==\n* [[Other]]\nStray text of the see-also section.\n"
+        "=== Sub of see also ===\nStill dropped.\n"
+        "== External links ==\n* [https://example.org Site]\n"
+    )
+    assert wikitext_to_plain(wikitext).split("\n") == [
+        # MediaWiki renders a single newline inside a paragraph as a space
+        "First paragraph, line one continues on line two.",
+        "Second paragraph.",
+        "After the heading.",
+        "An indented quotation.",
+        "Last words. After a break.",
+    ]
+
+
+def test_wikitext_section_after_dropped_section_is_kept():
+    text = wikitext_to_plain("Intro.\n== Notes ==\nA note.\n== Legacy ==\nShe is remembered.\n")
+    assert text.split("\n") == ["Intro.", "She is remembered."]
+
+
+def test_wikitext_only_templates_is_empty():
+    assert wikitext_to_plain("{{Disambiguation}}\n[[Category:X]]\n* [[A]]\n* [[B]]\n") == ""
+
+
+def test_wikitext_colon_titles():
+    # An article title with a colon is a normal link; a lowercase language prefix without
+    # link text is an interlanguage link; [[:Category:..]] is a visible link.
+    text = wikitext_to_plain(
+        "See [[Star Wars: Episode IV]], [[fr:Phare]] and [[:Category:Lights|the lights]]."
+    )
+    assert text == "See Star Wars: Episode IV, and the lights."
+
+
+# ---------------------------------------------------------------------------------------
+# normalisation
+
+
+def test_normalize_text():
+    raw = "\ufeffTitle\r\n\r\n\r\n  First\u00a0 line\t with   tabs  \rSecond\x00 line\x07\u200b\n\n   \n"
+    assert normalize_text(raw) == "Title\nFirst line with tabs\nSecond line"
+    assert split_lines("a\u2028b\n\n c ") == ["a", "b", "c"]
+    assert normalize_text(" \n\t\n") == ""
+
+
+# ---------------------------------------------------------------------------------------
+# sentence splitting
+
+
+@pytest.fixture(scope="module")
+def splitter():
+    return SentenceSplitter()
+
+
+def test_splitter_on_real_text(splitter):
+    book = (CORPORA / "bookcorpus" / "books" / "botchan-ch1.txt").read_text()
+    sents = splitter.split(book)
+    assert len(sents) > 40
+    assert sents[0] == (
+        "Because of an hereditary recklessness, I have been playing always a losing game "
+        "since my childhood."
+    )
+    # every sentence is a piece of the original, none spans a paragraph break
+    for s in sents:
+        assert "\n" not in s and s in book
+
+
+def test_splitter_abbreviations_and_line_boundaries(splitter):
+    text = "Mr. Brown met Dr. Smith at 5 p.m. on Monday. They talked.\nA heading without a stop\nNext line."
+    assert splitter.split(text) == [
+        "Mr. Brown met Dr. Smith at 5 p.m. on Monday.",
+        "They talked.",
+        "A heading without a stop",
+        "Next line.",
+    ]
+    assert splitter.split("") == [] and splitter.split(" \n \n") == []
+
+
+def test_splitter_pickles_without_the_model(splitter):
+    text = "One sentence here. And another one!"
+    before = splitter.split(text)  # loads the model in this process
+    blob = pickle.dumps(splitter)
+    assert len(blob) < 1000  # only the language and the directory travel to workers
+    clone = pickle.loads(blob)
+    assert clone._tokenizer is None
+    assert clone.split(text) == before == ["One sentence here.", "And another one!"]
+
+
+def _copy_english(dst: Path) -> Path:
+    src = Path(find_punkt_tab()) / "tokenizers" / "punkt_tab" / "english"
+    target = dst / "tokenizers" / "punkt_tab" / "english"
+    shutil.copytree(src, target)
+    return target
+
+
+@pytest.fixture
+def isolated_nltk(monkeypatch, tmp_path):
+    """No punkt_tab anywhere: NLTK_DATA and nltk.data.path point at an empty directory and
+    the llama-index search is switched off through the environment variable."""
+    empty = tmp_path / "empty_nltk_data"
+    empty.mkdir()
+    monkeypatch.setenv("NLTK_DATA", str(empty))
+    monkeypatch.setattr(nltk.data, "path", [str(empty)])
+    monkeypatch.setenv(NO_LLAMA_INDEX_ENV, "1")
+    return empty
+
+
+def test_missing_punkt_tab_error_says_how_to_fix(isolated_nltk):
+    with pytest.raises(PunktNotFoundError) as err:
+        find_punkt_tab()
+    msg = str(err.value)
+    assert "pip install --no-deps llama-index-core" in msg
+    assert "NLTK_DATA" in msg and "tokenizers/punkt_tab/english" in msg
+    assert str(isolated_nltk) in msg  # says where it looked
+    with pytest.raises(PunktNotFoundError):
+        SentenceSplitter()
+
+
+def test_punkt_tab_found_through_nltk_data(tmp_path, monkeypatch):
+    data = tmp_path / "my_nltk_data"
+    _copy_english(data)
+    monkeypatch.setattr(nltk.data, "path", [])
+    monkeypatch.setenv(NO_LLAMA_INDEX_ENV, "1")
+    monkeypatch.setenv("NLTK_DATA", os.pathsep.join([str(tmp_path / "nothing"), str(data)]))
+    assert find_punkt_tab() == str(data)
+    sp = SentenceSplitter()
+    assert sp.nltk_data == str(data)
+    assert sp.split("It works. Offline.") == ["It works.", "Offline."]
+
+
+def test_punkt_tab_found_as_zip(tmp_path, monkeypatch):
+    unpacked = _copy_english(tmp_path / "unpacked")
+    data = tmp_path / "zipped"
+    (data / "tokenizers").mkdir(parents=True)
+    with zipfile.ZipFile(data / "tokenizers" / "punkt_tab.zip", "w") as zf:
+        for f in sorted(unpacked.iterdir()):
+            zf.write(f, f"punkt_tab/english/{f.name}")
+    monkeypatch.setattr(nltk.data, "path", [])
+    monkeypatch.setenv(NO_LLAMA_INDEX_ENV, "1")
+    monkeypatch.setenv("NLTK_DATA", str(data))
+    assert find_punkt_tab() == str(data)
+    assert SentenceSplitter().split("Zipped model. Still fine.") == ["Zipped model.", "Still fine."]
+
+
+def test_punkt_tab_found_in_llama_index_wheel(isolated_nltk, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("llama_index") is None:
+        pytest.skip("llama-index-core is not installed here")
+    with pytest.raises(PunktNotFoundError):
+        find_punkt_tab()
+    monkeypatch.delenv(NO_LLAMA_INDEX_ENV)
+    root = find_punkt_tab()
+    assert root.endswith(os.path.join("llama_index", "core", "_static", "nltk_cache"))
+    with pytest.raises(PunktNotFoundError):
+        find_punkt_tab(search_llama_index=False)
