@@ -20,7 +20,7 @@ $PY tools/preprocess_data.py --input "$CORPUS" --tokenizer-model "$OUT/tokenizer
 
 echo "== 3/4 build train/valid/test samples"
 $PY tools/build_samples.py --data-path "$OUT/demo_text_sentence" \
-    --tokenizer-model "$OUT/tokenizer.model" --seq-length 128 --split 949,50,1 \
+    --tokenizer-model "$OUT/tokenizer.model" --seq-length 128 --split 90,5,5 \
     --train-samples $((TRAIN_ITERS * 16)) --valid-samples 256 --test-samples 64 \
     --data-cache-path "$OUT/cache"
 
@@ -30,7 +30,7 @@ rm -rf "$OUT/checkpoints"
     --model-size small --tensor-model-parallel-size 1 \
     --deepspeed-config ds_configs/zero1_fp32.json \
     --data-path "$OUT/demo_text_sentence" --tokenizer-model "$OUT/tokenizer.model" \
-    --data-cache-path "$OUT/cache" --split 949,50,1 --seq-length 128 \
+    --data-cache-path "$OUT/cache" --split 90,5,5 --seq-length 128 \
     --micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
     --lr 1e-3 --lr-warmup-iters 30 --min-lr 1e-5 --weight-decay 0.01 \
     --log-interval 10 --eval-interval 100 --eval-iters 4 \
