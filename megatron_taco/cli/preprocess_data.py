@@ -1,0 +1,58 @@
+"""Tokenize raw corpora into Megatron indexed datasets (taco-preprocess-data).
+
+Megatron's tools/preprocess_data.py flags; see megatron_taco.data.preprocess for the
+pipeline, the output layout and the guarantees (deterministic, atomic outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
+from megatron_taco.data.preprocess import (
+    PreprocessConfig,
+    PreprocessError,
+    PreprocessInterrupted,
+    preprocess,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="taco-preprocess-data",
+        description="Tokenize corpora (Wikipedia XML, WikiExtractor, BookCorpus, OpenWebText, "
+        "CC-News, JSON lines, parquet) into Megatron .bin/.idx datasets with unigram counts.",
+    )
+    add_dataclass_args(parser, PreprocessConfig, "preprocess")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="Do not show the progress bar on stderr"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = dataclass_from_args(PreprocessConfig, args)
+        preprocess(config, progress=not args.no_progress)
+    except ConfigError as e:
+        parser.error(str(e))  # exits 2
+    except PreprocessError as e:
+        print(f"{parser.prog}: error: {e}\nno output was written", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, PreprocessInterrupted) else signal.SIGINT
+        print(
+            f"{parser.prog}: interrupted by {signal.Signals(signum).name}; temporary files "
+            "removed, no output was written",
+            file=sys.stderr,
+        )
+        return 128 + int(signum)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
