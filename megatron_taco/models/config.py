@@ -1,0 +1,240 @@
+"""TACO model configuration (Table 7 of the paper for the base preset)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_taco.arguments import ConfigError, add_dataclass_args, flag_of, option, require
+
+# Presets override only architecture sizes; dropout/init/eps keep the defaults.
+# "base" is TACO-base (Table 7 + A.5: relative embeddings enlarged to 768).
+# "small" is a CPU demo model with the same proportions (WE:PE hidden ~3:1, FFN 4x).
+# "tiny" exists for tests: every dimension is distinct so a transposed shape fails loudly.
+PRESETS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "small": dict(
+        num_layers=4,
+        we_hidden_size=192,
+        pe_hidden_size=64,
+        we_attention_heads=6,
+        pe_attention_heads=2,
+        kv_channels=32,
+        we_ffn_hidden_size=768,
+        pe_ffn_hidden_size=256,
+        relative_embedding_size=256,
+    ),
+    "tiny": dict(
+        num_layers=2,
+        we_hidden_size=48,
+        pe_hidden_size=16,
+        we_attention_heads=4,
+        pe_attention_heads=2,
+        kv_channels=8,
+        we_ffn_hidden_size=96,
+        pe_ffn_hidden_size=40,
+        relative_embedding_size=24,
+        max_position_embeddings=64,
+        max_relative_distance=63,
+    ),
+}
+
+
+def _opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
+    # Positional flag keeps the field table below on one line per field.
+    return option(default, help, flag=flag, **kw)
+
+
+@dataclass(frozen=True)
+class TacoConfig:
+    num_layers: int = _opt(12, "Number of TACO layers.", "--num-layers")
+    we_hidden_size: int = _opt(
+        648, "Hidden size d_WE of the word (content) stream.", "--we-hidden-size"
+    )
+    pe_hidden_size: int = _opt(120, "Hidden size d_PE of the position stream.", "--pe-hidden-size")
+    we_attention_heads: int = _opt(
+        12, "Attention heads h_WE of the word stream.", "--we-attention-heads"
+    )
+    pe_attention_heads: int = _opt(
+        6, "Attention heads h_PE of the position stream.", "--pe-attention-heads"
+    )
+    kv_channels: int = _opt(64, "Head size d_k shared by WE and PE heads.", "--kv-channels")
+    we_ffn_hidden_size: int = _opt(
+        2592, "FFN inner size of the word stream.", "--we-ffn-hidden-size"
+    )
+    pe_ffn_hidden_size: int = _opt(
+        480, "FFN inner size of the position stream.", "--pe-ffn-hidden-size"
+    )
+    max_relative_distance: int = _opt(
+        511,
+        "Maximum relative distance k (distances are clipped to [-k, k]).",
+        "--max-relative-distance",
+    )
+    relative_embedding_size: int = _opt(
+        768, "Width of the shared relative-position embedding table.", "--relative-embedding-size"
+    )
+    max_position_embeddings: int = _opt(
+        512,
+        "Number of absolute positions (position ids lie in [0, this)).",
+        "--max-position-embeddings",
+    )
+    vocab_size: int = _opt(
+        0, "Real vocabulary size; 0 until set from the tokenizer (with_vocab_size).", cli=False
+    )
+    hidden_dropout: float = _opt(
+        0.1, "Dropout on embeddings and residual branches.", "--hidden-dropout"
+    )
+    attention_dropout: float = _opt(
+        0.1, "Dropout on attention probabilities.", "--attention-dropout"
+    )
+    layernorm_epsilon: float = _opt(
+        1e-12, "LayerNorm epsilon (BERT's 1e-12).", "--layernorm-epsilon"
+    )
+    init_method_std: float = _opt(
+        0.02, "Std of the normal weight initialisation.", "--init-method-std"
+    )
+    recompute_activations: bool = _opt(
+        False,
+        "Recompute each layer in the backward pass to save activation memory.",
+        "--recompute-activations",
+    )
+    model_size: str | None = _opt(
+        None,
+        "Start from a preset; explicitly given flags override it.",
+        "--model-size",
+        choices=tuple(PRESETS),
+    )
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        for name in (
+            "num_layers",
+            "we_hidden_size",
+            "pe_hidden_size",
+            "we_attention_heads",
+            "pe_attention_heads",
+            "kv_channels",
+            "we_ffn_hidden_size",
+            "pe_ffn_hidden_size",
+            "relative_embedding_size",
+            "max_position_embeddings",
+            "max_relative_distance",
+        ):
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                cls,
+                name,
+                f"must be a positive integer, got {value!r}",
+            )
+        require(
+            self.max_relative_distance < self.max_position_embeddings,
+            cls,
+            "max_relative_distance",
+            f"k={self.max_relative_distance} must be < --max-position-embeddings "
+            f"({self.max_position_embeddings}): larger distances cannot occur",
+        )
+        require(
+            isinstance(self.vocab_size, int) and self.vocab_size >= 0,
+            cls,
+            "vocab_size",
+            f"must be a non-negative integer (0 = not set yet), got {self.vocab_size!r}",
+        )
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, cls, name, f"must be in [0, 1), got {value}")
+        require(self.layernorm_epsilon > 0, cls, "layernorm_epsilon", "must be > 0")
+        require(self.init_method_std > 0, cls, "init_method_std", "must be > 0")
+        require(
+            self.model_size is None or self.model_size in PRESETS,
+            cls,
+            "model_size",
+            f"unknown preset {self.model_size!r}; choose one of {sorted(PRESETS)}",
+        )
+
+    # -- derived sizes -------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the concatenated representation [WE; PE] that the heads see."""
+        return self.we_hidden_size + self.pe_hidden_size
+
+    @property
+    def num_relative_buckets(self) -> int:
+        """2k+1 clipped distances plus the bucket for pairs involving a masked position."""
+        return 2 * self.max_relative_distance + 2
+
+    @property
+    def mask_bucket(self) -> int:
+        return 2 * self.max_relative_distance + 1
+
+    @property
+    def conv_out_channels(self) -> int:
+        return self.we_attention_heads + self.pe_attention_heads
+
+    def conv_in_channels(self, first_layer: bool) -> int:
+        # content + c2p + p2c per WE head, position per PE head, and (after layer 1)
+        # the previous layer's fused logits for every WE and PE head.
+        base = 3 * self.we_attention_heads + self.pe_attention_heads
+        return base if first_layer else base + self.conv_out_channels
+
+    # -- construction --------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> TacoConfig:
+        if name not in PRESETS:
+            raise ConfigError(
+                f"{flag_of(cls, 'model_size')}: unknown preset {name!r}; choose one of {sorted(PRESETS)}"
+            )
+        return cls(**{**PRESETS[name], **overrides, "model_size": name})
+
+    def with_vocab_size(self, vocab_size: int) -> TacoConfig:
+        return dataclasses.replace(self, vocab_size=vocab_size)
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add the flags; unspecified ones stay absent from the namespace so that
+        ``from_args`` can tell a preset value from an explicit override."""
+        add_dataclass_args(parser, cls, title="TACO model")
+        dests = {f.name for f in dataclasses.fields(cls)}
+        for action in parser._actions:
+            if action.dest in dests:
+                action.default = argparse.SUPPRESS
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> TacoConfig:
+        given = {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(cls)
+            if hasattr(args, f.name) and getattr(args, f.name) is not None
+        }
+        given.update(overrides)
+        name = given.pop("model_size", None)
+        return cls.preset(name, **given) if name is not None else cls(**given)
+
+    def validate_parallel(self, tp_size: int) -> None:
+        """Tensor parallelism splits whole heads and FFN columns across ranks."""
+        cls = type(self)
+        for name in (
+            "we_attention_heads",
+            "pe_attention_heads",
+            "we_ffn_hidden_size",
+            "pe_ffn_hidden_size",
+        ):
+            value = getattr(self, name)
+            require(
+                value % tp_size == 0,
+                cls,
+                name,
+                f"{value} is not divisible by --tensor-model-parallel-size {tp_size}",
+            )
+
+    def require_vocab(self) -> None:
+        require(
+            self.vocab_size >= 1,
+            type(self),
+            "vocab_size",
+            "vocabulary size is not set; build the config with with_vocab_size(tokenizer.vocab_size)",
+        )

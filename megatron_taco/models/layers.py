@@ -1,0 +1,83 @@
+"""Pieces shared by the TACO and SAS models: LayerNorm, GELU, initialisation helpers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_taco.parallel.layers import (
+    init_method_normal,
+    scaled_init_method_normal,
+    set_tensor_model_parallel_attributes,
+    split_partition,
+)
+
+try:  # apex's fused kernel on GPU; it falls back to F.layer_norm itself for CPU tensors.
+    from apex.normalization import FusedLayerNorm as _ApexLayerNorm
+
+    HAVE_APEX = True
+except Exception:  # apex can fail at import for many reasons (ABI, CUDA mismatch)
+    _ApexLayerNorm = None
+    HAVE_APEX = False
+
+InitMethod = Callable[[torch.Tensor], object]
+
+__all__ = [
+    "HAVE_APEX",
+    "LayerNorm",
+    "gelu",
+    "init_from_master_",
+    "init_method_normal",
+    "init_partitioned_",
+    "scaled_init_method_normal",
+    "uniform_fan_in_init",
+]
+
+
+def LayerNorm(hidden_size: int, eps: float) -> nn.Module:  # a factory named like the class
+    if HAVE_APEX:
+        return _ApexLayerNorm(hidden_size, eps=eps)
+    return nn.LayerNorm(hidden_size, eps=eps)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    # BERT's exact (erf) GELU, not the tanh approximation.
+    return F.gelu(x)
+
+
+def uniform_fan_in_init(fan_in: int) -> InitMethod:
+    """PyTorch's default Conv2d/Linear init, U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init_(tensor: torch.Tensor):
+        return nn.init.uniform_(tensor, -bound, bound)
+
+    return init_
+
+
+@torch.no_grad()
+def init_from_master_(param: torch.Tensor, init_method: InitMethod) -> None:
+    """Initialise a replicated parameter from a CPU float32 master, like the parallel layers
+    do: the default CPU generator is then consumed identically on every rank, every tp size
+    and every device, so the model is the same whatever tp is."""
+    master = torch.empty(param.shape, dtype=torch.float32)
+    init_method(master)
+    param.copy_(master)
+
+
+@torch.no_grad()
+def init_partitioned_(
+    param: torch.Tensor,
+    full: torch.Tensor,
+    dim: int,
+    rank: int,
+    world: int,
+) -> None:
+    """Copy rank ``rank``'s contiguous slice of the full tensor ``full`` into ``param`` and
+    mark it split along ``dim`` (merge_partitions rebuilds ``full`` from the ranks' slices)."""
+    param.copy_(split_partition(full, dim, 1, rank, world))
+    set_tensor_model_parallel_attributes(param, True, dim, 1)

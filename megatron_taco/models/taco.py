@@ -1,0 +1,633 @@
+"""TACO encoder: disentangled word/position streams with attention convolution.
+
+Notation used in the shape comments: b rows, s tokens, hw/hp WE/PE heads (local to this
+tensor-parallel rank: hw/tp, hp/tp), d head size, n relative buckets in use (see
+``relative_bucket_range``), C_in/C_out channels of the 1x1 attention convolution.
+
+Tensor parallelism of the attention convolution (docs/tensor_parallel_taco.md has the
+costing and the alternatives): every rank computes the maps of its own heads, multiplies
+them with its columns of the conv weight into partial sums for ALL output heads, and a
+reduce-scatter over the tp group sums the partials and leaves each rank exactly the fused
+logits of its own output heads (its WE heads, then its PE heads). Everything after that
+(bias, PReLU, softmax, dropout, values) is local again.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_taco.models.config import TacoConfig
+from megatron_taco.models.heads import TacoPretrainingHeads
+from megatron_taco.models.layers import (
+    LayerNorm,
+    gelu,
+    init_from_master_,
+    init_method_normal,
+    init_partitioned_,
+    scaled_init_method_normal,
+    uniform_fan_in_init,
+)
+from megatron_taco.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron_taco.parallel.mappings import reduce_scatter_to_tp_region
+from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, checkpoint
+from megatron_taco.parallel.state import ParallelState
+
+# Input channel groups of the attention convolution, in the canonical (tp=1) order. Each
+# group is split over tp like the heads it comes from, so rank r's input channels are the
+# rank-r slice of every group, in this order.
+CONV_INPUT_GROUPS = ("content", "c2p", "p2c", "position", "prev_we", "prev_pe")
+
+
+def _group_heads(config: TacoConfig, group: str) -> int:
+    return (
+        config.pe_attention_heads if group in ("position", "prev_pe") else config.we_attention_heads
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Relative positions
+
+
+def relative_bucket_range(position_ids: torch.Tensor, k: int) -> tuple[int, int]:
+    """The range [lo, hi] of clipped-distance buckets that can occur in this batch.
+
+    Only buckets k-span .. k+span can occur when the example's (unmasked) positions span
+    ``span``. Projecting and multiplying only those rows instead of all 2k+1 saves a factor
+    (2k+1)/(2 span+1) on the c2p/p2c products: 4x for seq 128 with k=511. It costs one
+    device->host sync per forward (not per layer). All tp ranks see the same batch, so they
+    agree on the range.
+    """
+    lo, hi, _ = batch_layout(position_ids, None, k)
+    return lo, hi
+
+
+def batch_layout(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, k: int):
+    """(lo, hi, has_padding): the relative bucket range and whether any key is padding,
+    with a single device->host transfer."""
+    valid = position_ids >= 0
+    big = torch.iinfo(position_ids.dtype).max
+    stats = [
+        position_ids.masked_fill(~valid, -1).max(),
+        position_ids.masked_fill(~valid, big).min(),
+    ]
+    if attention_mask is not None:
+        stats.append((~attention_mask.bool()).any().to(position_ids.dtype))
+    values = torch.stack(stats).tolist()
+    hi_pos, lo_pos = values[0], values[1]
+    has_padding = attention_mask is not None and bool(values[2])
+    if hi_pos < 0:  # every position masked: only the mask bucket occurs
+        return k, k, has_padding
+    span = min(int(hi_pos - lo_pos), k)
+    return k - span, k + span, has_padding
+
+
+def relative_position_index(position_ids: torch.Tensor, k: int, lo: int, hi: int) -> torch.Tensor:
+    """Bucket of every (query i, key j) pair, from the example's position ids (never from
+    the physical column, so permuting tokens with their positions permutes the result).
+
+    r_ij = clip(p_j - p_i, -k, k) + k, and 2k+1 when p_i or p_j is the mask position (-1).
+    Returned relative to the compact table used by the forward: bucket - lo for real
+    distances, and the last slot (hi - lo + 1) for the mask bucket; with lo=0, hi=2k this is
+    exactly the canonical bucket. position_ids [b, s] -> [b, s, s] int64.
+    """
+    p = position_ids.long()
+    dist = p.unsqueeze(1) - p.unsqueeze(2)  # [b, s(i), s(j)] = p_j - p_i
+    r = dist.clamp(-k, k) + (k - lo)
+    masked = p < 0
+    pair_masked = masked.unsqueeze(1) | masked.unsqueeze(2)
+    return r.masked_fill(pair_masked, hi - lo + 1)
+
+
+def relative_table_rows(config: TacoConfig, lo: int, hi: int, device) -> torch.Tensor:
+    """Rows of the relative table used by the compact index: lo..hi, then the mask bucket."""
+    rows = torch.arange(lo, hi + 2, device=device)
+    rows[-1] = config.mask_bucket
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# Embeddings
+
+
+class TacoEmbeddings(nn.Module):
+    """Word and absolute-position embeddings (never added: they start the two streams), each
+    with its own LayerNorm + dropout as BERT normalises its embeddings, and the relative
+    position table shared by all layers."""
+
+    def __init__(self, config: TacoConfig, parallel: ParallelState) -> None:
+        super().__init__()
+        config.require_vocab()
+        self.config = config
+        init = init_method_normal(config.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.we_hidden_size, parallel, init_method=init
+        )
+        # Row max_position_embeddings is the learned "masked position" vector (position id -1).
+        # Rows [0, max_position_embeddings) double as the MPM decoder (heads.py).
+        self.position_embeddings = nn.Parameter(
+            torch.empty(config.max_position_embeddings + 1, config.pe_hidden_size)
+        )
+        init_from_master_(self.position_embeddings, init)
+        self.we_layernorm = LayerNorm(config.we_hidden_size, config.layernorm_epsilon)
+        self.pe_layernorm = LayerNorm(config.pe_hidden_size, config.layernorm_epsilon)
+        # R: 2k+1 clipped distances + the bucket of pairs involving a masked position.
+        # Normalised before the per-layer projections, as DeBERTa does (its rel_embeddings
+        # go through LayerNorm when norm_rel_ebd="layer_norm"): the table is shared by all
+        # layers, and LN keeps its scale independent of how many layers pull on it.
+        self.relative_embeddings = nn.Parameter(
+            torch.empty(config.num_relative_buckets, config.relative_embedding_size)
+        )
+        init_from_master_(self.relative_embeddings, init)
+        self.relative_layernorm = LayerNorm(
+            config.relative_embedding_size, config.layernorm_epsilon
+        )
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        # Replicated activations: dropout runs under the default RNG, which is the same on
+        # every tp rank, so all ranks drop the same elements.
+        we = self.dropout(self.we_layernorm(self.word_embeddings(input_ids)))  # [b, s, d_WE]
+        idx = position_ids.masked_fill(position_ids < 0, self.config.max_position_embeddings)
+        pe = self.dropout(
+            self.pe_layernorm(F.embedding(idx, self.position_embeddings))
+        )  # [b, s, d_PE]
+        return we, pe
+
+    def relative_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        # LayerNorm is row-wise, so normalising only the rows in use is exact.
+        return self.relative_layernorm(self.relative_embeddings.index_select(0, rows))  # [n, rel]
+
+
+# ---------------------------------------------------------------------------------------
+# Attention
+
+
+class _AttentionMaps(torch.autograd.Function):
+    """All attention maps of this rank's heads, written straight into one [C_in, b, s, s]
+    buffer (no torch.cat, no transposed copies), with a hand-written backward.
+
+    Autograd would keep every map alive until the concatenation and then copy them; here the
+    maps exist once, in the buffer the conv GEMM reads. Only q/k (s x d sized) and the index
+    are saved; the buffer itself is saved by the conv GEMM for its weight gradient.
+
+    Channel order = canonical input groups: content, c2p, p2c, position, [prev WE, prev PE].
+    """
+
+    @staticmethod
+    def forward(ctx, q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale):
+        # The maps are written with out= into one buffer of q_we's dtype, so autocast must not
+        # pick per-op dtypes here (the inputs come from one dtype already).
+        with torch.autocast(q_we.device.type, enabled=False):
+            return _AttentionMaps._forward(
+                ctx, q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale
+            )
+
+    @staticmethod
+    def _forward(ctx, q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale):
+        # q_we/k_we [hw, b, s, d]; q_pe/k_pe [hp, b, s, d]; k_r/q_r [hw, n, d];
+        # index/index_t [b, s, s] with index_t[b, i, j] = index[b, j, i]; prev [hw+hp, b, s, s].
+        hw, b, s, d = q_we.shape
+        hp, n = q_pe.shape[0], k_r.shape[1]
+        c_in = 3 * hw + hp + (prev.shape[0] if prev is not None else 0)
+        maps = q_we.new_empty(c_in, b, s, s)
+        content, c2p, p2c = maps[:hw], maps[hw : 2 * hw], maps[2 * hw : 3 * hw]
+        position = maps[3 * hw : 3 * hw + hp]
+        # Every slice is contiguous: flatten (heads, b) into one bmm batch.
+        q_flat, k_flat = q_we.view(hw * b, s, d), k_we.view(hw * b, s, d)
+        torch.baddbmm(
+            content.view(hw * b, s, s),
+            q_flat,
+            k_flat.transpose(1, 2),
+            beta=0.0,
+            alpha=scale,
+            out=content.view(hw * b, s, s),
+        )
+        torch.baddbmm(
+            position.view(hp * b, s, s),
+            q_pe.view(hp * b, s, d),
+            k_pe.view(hp * b, s, d).transpose(1, 2),
+            beta=0.0,
+            alpha=scale,
+            out=position.view(hp * b, s, s),
+        )
+        idx = index.unsqueeze(0).expand(hw, b, s, s)
+        idx_t = index_t.unsqueeze(0).expand(hw, b, s, s)
+        # c2p[i, j] = q_i . K_R[r_ij]: score each query against every bucket, pick r_ij.
+        # The scale goes on the small [hw, n, d] bucket projections, not on the score tensors.
+        scores = torch.bmm(q_we.view(hw, b * s, d), (k_r * scale).transpose(1, 2))  # [hw, b*s, n]
+        torch.gather(scores.view(hw, b, s, n), -1, idx, out=c2p)
+        del scores
+        # p2c[i, j] = Q_R[r_ji] . k_j: bucket-major scores [hw, b, n, s(j)]; gathering along
+        # the bucket dim with r_ji at (i, j) lands p2c in [i, j] order, no transpose.
+        scores_t = torch.matmul((q_r * scale).unsqueeze(1), k_we.transpose(-1, -2))  # [hw, b, n, s]
+        torch.gather(scores_t, -2, idx_t, out=p2c)
+        del scores_t
+        if prev is not None:
+            maps[3 * hw + hp :].copy_(prev)
+        ctx.save_for_backward(q_we, k_we, q_pe, k_pe, k_r, q_r, index)
+        ctx.scale = scale
+        ctx.has_prev = prev is not None
+        return maps
+
+    @staticmethod
+    def backward(ctx, grad_maps):
+        with torch.autocast(grad_maps.device.type, enabled=False):
+            return _AttentionMaps._backward(ctx, grad_maps)
+
+    @staticmethod
+    def _backward(ctx, grad_maps):
+        q_we, k_we, q_pe, k_pe, k_r, q_r, index = ctx.saved_tensors
+        scale = ctx.scale
+        hw, b, s, d = q_we.shape
+        hp, n = q_pe.shape[0], k_r.shape[1]
+        grad_maps = grad_maps.contiguous()
+        g_content = grad_maps[:hw].view(hw * b, s, s)
+        g_c2p = grad_maps[hw : 2 * hw]
+        g_p2c = grad_maps[2 * hw : 3 * hw]
+        g_position = grad_maps[3 * hw : 3 * hw + hp].view(hp * b, s, s)
+        q_flat, k_flat = q_we.view(hw * b, s, d), k_we.view(hw * b, s, d)
+
+        # content = scale * Q K^T
+        grad_q = torch.bmm(g_content, k_flat)  # [hw*b, s, d]
+        grad_k = torch.bmm(g_content.transpose(1, 2), q_flat)
+        # c2p: sum the gradient of each (i, j) into its bucket, then it is a plain product.
+        idx = index.unsqueeze(0).expand(hw, b, s, s)
+        g_scores = q_we.new_zeros(hw, b, s, n).scatter_add_(-1, idx, g_c2p)  # [hw, b, s, n]
+        g_scores = g_scores.view(hw, b * s, n)
+        grad_q = grad_q.view(hw, b * s, d).baddbmm_(g_scores, k_r)
+        grad_k_r = torch.bmm(g_scores.transpose(1, 2), q_we.view(hw, b * s, d))  # [hw, n, d]
+        del g_scores
+        # p2c: the gradient of (i, j) belongs to row j, bucket r_ji = index[j, i]: scatter the
+        # transposed gradient into a query-major [hw, b, s(j), n] layout (a -1 scatter, ~2x
+        # faster than scattering along the bucket dim of the forward's layout).
+        g_scores_t = q_we.new_zeros(hw, b, s, n).scatter_add_(-1, idx, g_p2c.transpose(-1, -2))
+        g_scores_t = g_scores_t.view(hw, b * s, n)
+        grad_q_r = torch.bmm(g_scores_t.transpose(1, 2), k_we.view(hw, b * s, d))  # [hw, n, d]
+        grad_k = grad_k.view(hw, b * s, d).baddbmm_(g_scores_t, q_r)
+        del g_scores_t
+        # position = scale * Q_PE K_PE^T
+        grad_q_pe = torch.bmm(g_position, k_pe.view(hp * b, s, d))
+        grad_k_pe = torch.bmm(g_position.transpose(1, 2), q_pe.view(hp * b, s, d))
+
+        grad_prev = grad_maps[3 * hw + hp :] if ctx.has_prev else None
+        return (
+            grad_q.mul_(scale).view(hw, b, s, d),
+            grad_k.mul_(scale).view(hw, b, s, d),
+            grad_q_pe.mul_(scale).view(hp, b, s, d),
+            grad_k_pe.mul_(scale).view(hp, b, s, d),
+            grad_k_r.mul_(scale),
+            grad_q_r.mul_(scale),
+            None,
+            None,
+            grad_prev,
+            None,
+        )
+
+
+def attention_maps(
+    q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale: float
+) -> torch.Tensor:
+    """[C_in, b, s, s]: content, c2p, p2c (per WE head), position (per PE head), then the
+    previous layer's fused logits if given; every map already divided by sqrt(d)."""
+    return _AttentionMaps.apply(q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale)
+
+
+class TacoAttention(nn.Module):
+    def __init__(
+        self,
+        config: TacoConfig,
+        parallel: ParallelState,
+        layer_number: int,
+        rng_tracker=None,
+    ) -> None:
+        super().__init__()
+        tp, rank = parallel.tp_size, parallel.tp_rank
+        config.validate_parallel(tp)
+        self.config = config
+        self.tp_group = parallel.tp_group
+        self.tp_size, self.tp_rank = tp, rank
+        self.rng_tracker = rng_tracker
+        self.first_layer = layer_number == 1
+        d = config.kv_channels
+        hw, hp = config.we_attention_heads, config.pe_attention_heads
+        self.hw, self.hp, self.d = hw // tp, hp // tp, d
+        init = init_method_normal(config.init_method_std)
+        # Megatron's init for projections that feed a residual: std / sqrt(2 * num_layers).
+        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+
+        # Fused [Q; K; V] with stride 3: rank r holds [Q_r; K_r; V_r], whole heads.
+        self.qkv_we = ColumnParallelLinear(
+            config.we_hidden_size, 3 * hw * d, parallel, init_method=init, stride=3
+        )
+        self.qkv_pe = ColumnParallelLinear(
+            config.pe_hidden_size, 3 * hp * d, parallel, init_method=init, stride=3
+        )
+        # [W_R^K; W_R^Q]: relative_embedding_size -> hw*d each, split over WE heads.
+        self.relative_kq = ColumnParallelLinear(
+            config.relative_embedding_size, 2 * hw * d, parallel, init_method=init, stride=2
+        )
+        self.out_we = RowParallelLinear(
+            hw * d, config.we_hidden_size, parallel, init_method=out_init
+        )
+        self.out_pe = RowParallelLinear(
+            hp * d, config.pe_hidden_size, parallel, init_method=out_init
+        )
+
+        # 1x1 convolution [C_out, C_in] stored as one parameter per input group, each split
+        # over tp along its input channels (dim 1) like the heads it reads, rows (output
+        # channels) in canonical order [WE heads; PE heads]. Every piece is a plain
+        # contiguous partition, so merge_partitions(dim=1) rebuilds the canonical tp=1
+        # tensor: checkpoints do not depend on tp. Init: PyTorch's Conv2d default
+        # (U(+-1/sqrt(C_in)), weight and bias) on the FULL tensor, then sliced.
+        groups = CONV_INPUT_GROUPS[:4] if self.first_layer else CONV_INPUT_GROUPS
+        c_out = config.conv_out_channels
+        c_in = config.conv_in_channels(self.first_layer)
+        conv_init = uniform_fan_in_init(c_in)
+        full = torch.empty(c_out, c_in)
+        conv_init(full)
+        self.conv_groups = groups
+        offset = 0
+        for g in groups:
+            width = _group_heads(config, g)
+            p = nn.Parameter(torch.empty(c_out, width // tp))
+            init_partitioned_(p, full[:, offset : offset + width], 1, rank, tp)
+            self.register_parameter(f"conv_{g}", p)
+            offset += width
+        bias = torch.empty(c_out)
+        conv_init(bias)
+        self.conv_bias_we = nn.Parameter(torch.empty(self.hw))
+        self.conv_bias_pe = nn.Parameter(torch.empty(self.hp))
+        init_partitioned_(self.conv_bias_we, bias[:hw], 0, rank, tp)
+        init_partitioned_(self.conv_bias_pe, bias[hw:], 0, rank, tp)
+        # PReLU: one slope per output channel (PyTorch's default 0.25).
+        self.prelu_we = nn.Parameter(torch.full((self.hw,), 0.25))
+        self.prelu_pe = nn.Parameter(torch.full((self.hp,), 0.25))
+        for p in (self.prelu_we, self.prelu_pe):
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+
+        # Row order the reduce-scatter needs: chunk r = rank r's WE heads then its PE heads.
+        perm = []
+        for r in range(tp):
+            perm += range(r * self.hw, (r + 1) * self.hw)
+            perm += range(hw + r * self.hp, hw + (r + 1) * self.hp)
+        self.register_buffer(
+            "conv_out_perm", torch.tensor(perm, dtype=torch.long), persistent=False
+        )
+        self.attention_dropout = nn.Dropout(config.attention_dropout)
+
+    def conv_bias_vector(self) -> torch.Tensor:
+        """[C_out] in the rank-major row order: this rank's bias in its own chunk, zeros in
+        the other ranks' chunks."""
+        local = torch.cat([self.conv_bias_we, self.conv_bias_pe])
+        chunk = local.shape[0]
+        return F.pad(local, (self.tp_rank * chunk, (self.tp_size - 1 - self.tp_rank) * chunk))
+
+    def conv_weight(self) -> torch.Tensor:
+        """This rank's conv weight [C_out (rank-major), C_in local], columns in the order the
+        maps are stacked in ``forward``."""
+        w = torch.cat([getattr(self, f"conv_{g}") for g in self.conv_groups], dim=1)
+        return w.index_select(0, self.conv_out_perm)
+
+    def forward(
+        self,
+        h_we: torch.Tensor,  # [b, s, d_WE]
+        h_pe: torch.Tensor,  # [b, s, d_PE]
+        prev_logits: torch.Tensor | None,  # [hw+hp, b, s, s] (local heads), None in layer 1
+        rel_index: torch.Tensor,  # [b, s, s] int64: compact bucket of (i, j)
+        rel_index_t: torch.Tensor,  # [b, s, s] int64: its transpose, bucket of (j, i)
+        rel_rows: torch.Tensor,  # [n, rel] normalised relative embeddings in use
+        key_padding: torch.Tensor | None,  # [1, b, 1, s] bool, True = padding key; None = none
+    ):
+        # Head-major layout [heads, b, s, ...] throughout: every map is then a contiguous
+        # slice of one [C_in, b, s, s] buffer, the 1x1 conv is ONE [C_out, C_in] x
+        # [C_in, b*s*s] GEMM, and the tp reduce-scatter splits dim 0 in contiguous chunks.
+        b, s, _ = h_we.shape
+        hw, hp, d = self.hw, self.hp, self.d
+        qkv_we = self.qkv_we(h_we).view(b, s, 3, hw, d).permute(2, 3, 0, 1, 4)  # [3, hw, b, s, d]
+        q_we, k_we = qkv_we[0].contiguous(), qkv_we[1].contiguous()
+        v_we = qkv_we[2]
+        qkv_pe = self.qkv_pe(h_pe).view(b, s, 3, hp, d).permute(2, 3, 0, 1, 4)  # [3, hp, b, s, d]
+        q_pe, k_pe = qkv_pe[0].contiguous(), qkv_pe[1].contiguous()
+        v_pe = qkv_pe[2]
+        n = rel_rows.shape[0]
+        kq_r = self.relative_kq(rel_rows).view(n, 2, hw, d).permute(1, 2, 0, 3)  # [2, hw, n, d]
+        k_r, q_r = (t.contiguous() for t in kq_r.unbind(0))
+
+        maps = attention_maps(
+            q_we,
+            k_we,
+            q_pe,
+            k_pe,
+            k_r,
+            q_r,
+            rel_index,
+            rel_index_t,
+            prev_logits,
+            1.0 / math.sqrt(d),
+        )  # [C_in local, b, s, s]
+        c_in = maps.shape[0]
+        # 1x1 conv with this rank's input channels: partial sums for ALL output heads, with
+        # this rank's bias added to its own chunk only, so the sum over ranks adds it once.
+        partial = torch.addmm(
+            self.conv_bias_vector().unsqueeze(1), self.conv_weight(), maps.view(c_in, b * s * s)
+        )  # [C_out, b*s*s]
+        fused = reduce_scatter_to_tp_region(partial, self.tp_group, dim=0)  # [hw+hp, b*s*s]
+        slope = torch.cat([self.prelu_we, self.prelu_pe]).to(fused.dtype)
+        # [1, C, N] puts the channels on dim 1, where F.prelu expects them, without a copy.
+        logits = F.prelu(fused.unsqueeze(0), slope).view(hw + hp, b, s, s)
+
+        scores = (
+            logits
+            if key_padding is None
+            else logits.masked_fill(key_padding, torch.finfo(logits.dtype).min)
+        )
+        # Half-precision softmax accumulates in float32 internally; asking for a float32
+        # result would instead keep a float32 copy of [hw+hp, b, s, s] alive for backward.
+        probs = torch.softmax(scores, dim=-1)
+        # Local heads only: each rank must drop different elements -> tracker RNG.
+        fork = (
+            self.rng_tracker.fork(MODEL_PARALLEL_RNG)
+            if self.rng_tracker is not None
+            else nullcontext()
+        )
+        with fork:
+            probs = self.attention_dropout(probs)
+
+        # One product for both streams: slicing probs into WE/PE parts would make autograd
+        # build two zero-filled [hw+hp, b, s, s] gradients, one per slice.
+        v = torch.cat([v_we, v_pe])  # [hw+hp, b, s, d]
+        ctx_we, ctx_pe = torch.matmul(probs, v).split([hw, hp])  # [hw, b, s, d], [hp, b, s, d]
+        out_we = self.out_we(ctx_we.permute(1, 2, 0, 3).reshape(b, s, hw * d))  # [b, s, d_WE]
+        out_pe = self.out_pe(ctx_pe.permute(1, 2, 0, 3).reshape(b, s, hp * d))  # [b, s, d_PE]
+        return out_we, out_pe, logits
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int, config: TacoConfig, parallel: ParallelState) -> None:
+        super().__init__()
+        init = init_method_normal(config.init_method_std)
+        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        self.fc1 = ColumnParallelLinear(hidden, ffn, parallel, init_method=init)
+        self.fc2 = RowParallelLinear(ffn, hidden, parallel, init_method=out_init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(gelu(self.fc1(x)))  # [b, s, ffn/tp] -> [b, s, hidden]
+
+
+class TacoLayer(nn.Module):
+    """Joint attention, then for each stream separately (pseudo-Siamese, post-LN):
+    h = LN(h + drop(attn)); h = LN(h + drop(FFN(h)))."""
+
+    def __init__(
+        self, config: TacoConfig, parallel: ParallelState, layer_number: int, rng_tracker=None
+    ):
+        super().__init__()
+        eps = config.layernorm_epsilon
+        self.attention = TacoAttention(config, parallel, layer_number, rng_tracker)
+        self.we_attention_layernorm = LayerNorm(config.we_hidden_size, eps)
+        self.pe_attention_layernorm = LayerNorm(config.pe_hidden_size, eps)
+        self.we_mlp = ParallelMLP(
+            config.we_hidden_size, config.we_ffn_hidden_size, config, parallel
+        )
+        self.pe_mlp = ParallelMLP(
+            config.pe_hidden_size, config.pe_ffn_hidden_size, config, parallel
+        )
+        self.we_output_layernorm = LayerNorm(config.we_hidden_size, eps)
+        self.pe_output_layernorm = LayerNorm(config.pe_hidden_size, eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, h_we, h_pe, prev_logits, rel_index, rel_index_t, rel_rows, key_padding):
+        a_we, a_pe, logits = self.attention(
+            h_we, h_pe, prev_logits, rel_index, rel_index_t, rel_rows, key_padding
+        )
+        # Row-parallel outputs are all-reduced (replicated): default-RNG dropout.
+        h_we = self.we_attention_layernorm(h_we + self.dropout(a_we))
+        h_pe = self.pe_attention_layernorm(h_pe + self.dropout(a_pe))
+        h_we = self.we_output_layernorm(h_we + self.dropout(self.we_mlp(h_we)))
+        h_pe = self.pe_output_layernorm(h_pe + self.dropout(self.pe_mlp(h_pe)))
+        return h_we, h_pe, logits
+
+
+# ---------------------------------------------------------------------------------------
+# Encoder
+
+
+class TacoModel(nn.Module):
+    """Encoder only: (input_ids, position_ids, attention_mask) -> (h_we [b, s, d_WE], h_pe [b, s, d_PE])."""
+
+    def __init__(self, config: TacoConfig, parallel: ParallelState, rng_tracker=None) -> None:
+        super().__init__()
+        config.validate_parallel(parallel.tp_size)
+        if parallel.tp_size > 1 and config.attention_dropout > 0 and rng_tracker is None:
+            # Without the tracker every rank would draw the same dropout mask for its
+            # different heads: silently correlated, unlike tp=1.
+            raise ValueError(
+                "tensor parallelism with attention dropout needs the rng_tracker "
+                "(parallel.random.model_parallel_seed) to drop different elements per rank"
+            )
+        self.config = config
+        self.parallel = parallel
+        self.rng_tracker = rng_tracker
+        self.embeddings = TacoEmbeddings(config, parallel)
+        self.layers = nn.ModuleList(
+            TacoLayer(config, parallel, i + 1, rng_tracker) for i in range(config.num_layers)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ):
+        config = self.config
+        k = config.max_relative_distance
+        h_we, h_pe = self.embeddings(input_ids, position_ids)
+        # Computed once per forward, shared by all layers.
+        lo, hi, has_padding = batch_layout(position_ids, attention_mask, k)
+        rel_index = relative_position_index(position_ids, k, lo, hi)  # [b, s, s]
+        rel_index_t = rel_index.transpose(1, 2).contiguous()
+        rows = relative_table_rows(config, lo, hi, input_ids.device)
+        rel_rows = self.embeddings.relative_rows(rows)  # [n, rel]
+        # Batches without padding (full-length rows are common) skip the masking pass.
+        key_padding = (
+            ~attention_mask.bool()[None, :, None, :] if has_padding else None
+        )  # [1, b, 1, s]
+
+        logits = None
+        for layer in self.layers:
+            args = (rel_index, rel_index_t, rel_rows, key_padding)
+            if config.recompute_activations and torch.is_grad_enabled():
+                if logits is None:
+                    fn, inputs = _first_layer_fn(layer), (h_we, h_pe, *args)
+                else:
+                    fn, inputs = layer, (h_we, h_pe, logits, *args)
+                h_we, h_pe, logits = checkpoint(fn, *inputs, tracker=self.rng_tracker)
+            else:
+                h_we, h_pe, logits = layer(h_we, h_pe, logits, *args)
+        return h_we, h_pe
+
+
+def _first_layer_fn(layer: TacoLayer):
+    # Layer 1 has no previous logits; keep None out of the checkpointed argument list.
+    def run(h_we, h_pe, rel_index, rel_index_t, rel_rows, key_padding):
+        return layer(h_we, h_pe, None, rel_index, rel_index_t, rel_rows, key_padding)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# Pre-training model
+
+
+class TacoForPretraining(nn.Module):
+    """forward(batch) with the TACO batch dict (architecture.md: rows [0, b) carry MLM labels,
+    rows [b, 2b) MPM labels) -> dict(loss = mlm_loss + mpm_loss, mlm_loss, mpm_loss, mlm_acc,
+    mpm_acc, mlm_tokens, mpm_tokens). Each loss is the mean over its labelled tokens;
+    accuracies are detached; token counts are int64 0-d tensors (ready for a dp all-reduce)."""
+
+    def __init__(self, config: TacoConfig, parallel: ParallelState, rng_tracker=None) -> None:
+        super().__init__()
+        self.config = config
+        self.taco = TacoModel(config, parallel, rng_tracker)
+        self.heads = TacoPretrainingHeads(config, parallel)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        h_we, h_pe = self.taco(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+        we = h_we.flatten(0, 1)  # [b*s, d_WE]
+        pe = h_pe.flatten(0, 1)  # [b*s, d_PE]
+        emb = self.taco.embeddings
+
+        def labelled(labels: torch.Tensor):
+            # Gather the labelled positions before the heads (one host sync each).
+            flat = labels.reshape(-1)
+            idx = (flat != -100).nonzero().squeeze(1)
+            x = torch.cat(
+                [we.index_select(0, idx), pe.index_select(0, idx)], dim=-1
+            )  # [N, d_WE+d_PE]
+            return x, flat.index_select(0, idx)
+
+        x, target = labelled(batch["mlm_labels"])
+        mlm_loss_tok, mlm_correct = self.heads.mlm(x, target, emb.word_embeddings.weight)
+        x, target = labelled(batch["mpm_labels"])
+        mpm_loss_tok, mpm_correct = self.heads.mpm(x, target, emb.position_embeddings)
+
+        def mean(t: torch.Tensor) -> torch.Tensor:
+            return t.sum() / max(t.numel(), 1)
+
+        mlm_loss, mpm_loss = mean(mlm_loss_tok), mean(mpm_loss_tok)
+        return {
+            "loss": mlm_loss + mpm_loss,
+            "mlm_loss": mlm_loss,
+            "mpm_loss": mpm_loss,
+            "mlm_acc": mean(mlm_correct.float()).detach(),
+            "mpm_acc": mean(mpm_correct.float()).detach(),
+            "mlm_tokens": torch.tensor(mlm_correct.numel(), device=mlm_loss.device),
+            "mpm_tokens": torch.tensor(mpm_correct.numel(), device=mpm_loss.device),
+        }
