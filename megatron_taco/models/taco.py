@@ -347,8 +347,10 @@ class TacoAttention(nn.Module):
         # over tp along its input channels (dim 1) like the heads it reads, rows (output
         # channels) in canonical order [WE heads; PE heads]. Every piece is a plain
         # contiguous partition, so merge_partitions(dim=1) rebuilds the canonical tp=1
-        # tensor: checkpoints do not depend on tp. Init: PyTorch's Conv2d default
-        # (U(+-1/sqrt(C_in)), weight and bias) on the FULL tensor, then sliced.
+        # tensor: checkpoints do not depend on tp. Init: PyTorch's Conv2d default weight
+        # (U(+-1/sqrt(C_in))) on the FULL tensor, then sliced. The bias starts at zero (as
+        # every Megatron bias): a random positive bias larger than the tiny initial maps
+        # would keep PReLU's inputs positive and leave its slope without a gradient.
         groups = CONV_INPUT_GROUPS[:4] if self.first_layer else CONV_INPUT_GROUPS
         c_out = config.conv_out_channels
         c_in = config.conv_in_channels(self.first_layer)
@@ -363,8 +365,7 @@ class TacoAttention(nn.Module):
             init_partitioned_(p, full[:, offset : offset + width], 1, rank, tp)
             self.register_parameter(f"conv_{g}", p)
             offset += width
-        bias = torch.empty(c_out)
-        conv_init(bias)
+        bias = torch.zeros(c_out)
         self.conv_bias_we = nn.Parameter(torch.empty(self.hw))
         self.conv_bias_pe = nn.Parameter(torch.empty(self.hp))
         init_partitioned_(self.conv_bias_we, bias[:hw], 0, rank, tp)
