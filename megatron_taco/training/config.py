@@ -1,0 +1,464 @@
+"""Training flags (Megatron's spelling) and the DeepSpeed JSON they are merged into.
+
+Batch sizes, gradient clipping, the optimizer and the LR schedule are set by OUR flags only;
+the DeepSpeed JSON contributes precision (fp32/bf16/fp16), the ZeRO stage and engine tuning.
+A JSON that also sets one of our values to something else is an error naming the file and
+the key, so a run never silently trains with a batch size nobody asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_taco.arguments import (
+    ConfigError,
+    add_dataclass_args,
+    dataclass_from_args,
+    flag_of,
+    option,
+    require,
+)
+
+DEFAULT_WARMUP_ITERS = 10000
+DECAY_STYLES = ("linear", "cosine", "constant")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    train_iters: int = option(
+        help="Number of optimizer steps (iterations) to train for, counted from 0 (a resumed "
+        "run continues up to this number).",
+        flag="--train-iters",
+    )
+    micro_batch_size: int = option(
+        8, "Samples per rank per forward/backward pass.", flag="--micro-batch-size"
+    )
+    global_batch_size: int | None = option(
+        None,
+        "Samples per optimizer step over all data-parallel ranks; must equal micro-batch "
+        "size x gradient-accumulation steps x data-parallel size (default: micro-batch size "
+        "x data-parallel size, no accumulation).",
+        flag="--global-batch-size",
+    )
+    lr: float = option(1e-4, "Peak learning rate.", flag="--lr")
+    min_lr: float = option(0.0, "Learning rate at the end of the decay.", flag="--min-lr")
+    lr_warmup_iters: int | None = option(
+        None,
+        f"Linear warmup iterations from 0 to --lr (default {DEFAULT_WARMUP_ITERS} unless "
+        "--lr-warmup-fraction is given).",
+        flag="--lr-warmup-iters",
+    )
+    lr_warmup_fraction: float | None = option(
+        None,
+        "Warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters).",
+        flag="--lr-warmup-fraction",
+    )
+    lr_decay_style: str = option(
+        "linear", "Decay after warmup.", flag="--lr-decay-style", choices=DECAY_STYLES
+    )
+    lr_decay_iters: int | None = option(
+        None,
+        "Iteration at which the decay reaches --min-lr (default: --train-iters).",
+        flag="--lr-decay-iters",
+    )
+    weight_decay: float = option(
+        0.01,
+        "AdamW weight decay (not applied to biases, norm weights and other 1-D parameters).",
+        flag="--weight-decay",
+    )
+    adam_beta1: float = option(0.9, "Adam beta1.", flag="--adam-beta1")
+    adam_beta2: float = option(0.999, "Adam beta2.", flag="--adam-beta2")
+    adam_eps: float = option(1e-6, "Adam epsilon.", flag="--adam-eps")
+    clip_grad: float = option(
+        1.0, "Clip the global gradient 2-norm to this value (0 disables).", flag="--clip-grad"
+    )
+    log_interval: int = option(100, "Log every this many iterations.", flag="--log-interval")
+    log_throughput: bool = option(
+        True, "Log samples/s, tokens/s and model TFLOP/s per rank.", flag="--log-throughput"
+    )
+    progress_bar: bool = option(
+        True,
+        "Show a tqdm progress bar on rank 0 (when stderr is a terminal).",
+        flag="--progress-bar",
+    )
+    eval_interval: int = option(
+        1000, "Evaluate on the validation split every this many iterations.", flag="--eval-interval"
+    )
+    eval_iters: int = option(
+        100,
+        "Global batches per evaluation (the same first batches of the split every time, so "
+        "evaluations are comparable); 0 disables evaluation.",
+        flag="--eval-iters",
+    )
+    save: str | None = option(None, "Directory to save checkpoints to.", flag="--save")
+    save_interval: int | None = option(
+        None,
+        "Save a checkpoint every this many iterations (and always at the end when --save is given).",
+        flag="--save-interval",
+    )
+    load: str | None = option(
+        None,
+        "Directory to resume from (its latest_checkpointed_iteration.txt names the checkpoint; "
+        "a directory without it starts from scratch).",
+        flag="--load",
+    )
+    ckpt_step: int | None = option(
+        None,
+        "Load the checkpoint of this iteration from --load instead of the latest one.",
+        flag="--ckpt-step",
+    )
+    # Megatron's plain switches (store_true): a BooleanOptionalAction would also offer
+    # "--no-no-load-optim". Added to the parser by add_args().
+    no_load_optim: bool = option(
+        False,
+        "Do not load the optimizer and LR-scheduler states.",
+        flag="--no-load-optim",
+        cli=False,
+    )
+    no_load_rng: bool = option(
+        False, "Do not load the RNG states.", flag="--no-load-rng", cli=False
+    )
+    finetune: bool = option(
+        False,
+        "Load only the model weights from --load and start at iteration 0 with fresh "
+        "optimizer, scheduler, RNG and data position.",
+        flag="--finetune",
+        cli=False,
+    )
+    exit_interval: int | None = option(
+        None,
+        "Exit (after saving, when --save is given) once the iteration is a multiple of this.",
+        flag="--exit-interval",
+    )
+    tensorboard_dir: str | None = option(
+        None, "Write TensorBoard scalars here (rank 0).", flag="--tensorboard-dir"
+    )
+    metrics_file: str | None = option(
+        None,
+        "JSON-lines metrics log, one line per logged step and evaluation (default: "
+        "metrics.jsonl in --tensorboard-dir, else in --save; none without either). The "
+        "loss-curve PNG is written beside it.",
+        flag="--metrics-file",
+    )
+    deepspeed_config: str | None = option(
+        None,
+        "DeepSpeed JSON (precision, ZeRO stage, engine tuning), e.g. ds_configs/zero2_bf16.json; "
+        "default: ZeRO stage 0 in fp32. Also accepted as --deepspeed_config.",
+        flag="--deepspeed-config",
+    )
+
+    def __post_init__(self) -> None:
+        cls = TrainingConfig
+
+        def positive_int(name: str, value: Any, minimum: int = 1) -> None:
+            require(
+                _is_int(value) and value >= minimum,
+                cls,
+                name,
+                f"must be an integer >= {minimum}, got {value!r}",
+            )
+
+        positive_int("train_iters", self.train_iters)
+        positive_int("micro_batch_size", self.micro_batch_size)
+        if self.global_batch_size is not None:
+            positive_int("global_batch_size", self.global_batch_size)
+            require(
+                self.global_batch_size % self.micro_batch_size == 0,
+                cls,
+                "global_batch_size",
+                f"{self.global_batch_size} is not a multiple of --micro-batch-size "
+                f"{self.micro_batch_size}",
+            )
+        require(_is_number(self.lr) and self.lr > 0, cls, "lr", f"must be > 0, got {self.lr!r}")
+        require(
+            _is_number(self.min_lr) and 0 <= self.min_lr <= self.lr,
+            cls,
+            "min_lr",
+            f"must be in [0, --lr {self.lr}], got {self.min_lr!r}",
+        )
+        if self.lr_warmup_iters is not None:
+            positive_int("lr_warmup_iters", self.lr_warmup_iters, 0)
+        if self.lr_warmup_fraction is not None:
+            require(
+                self.lr_warmup_iters is None,
+                cls,
+                "lr_warmup_fraction",
+                "give either --lr-warmup-fraction or --lr-warmup-iters, not both",
+            )
+            require(
+                _is_number(self.lr_warmup_fraction) and 0 <= self.lr_warmup_fraction <= 1,
+                cls,
+                "lr_warmup_fraction",
+                f"must be in [0, 1], got {self.lr_warmup_fraction!r}",
+            )
+        require(
+            self.lr_decay_style in DECAY_STYLES,
+            cls,
+            "lr_decay_style",
+            f"must be one of {DECAY_STYLES}, got {self.lr_decay_style!r}",
+        )
+        if self.lr_decay_iters is not None:
+            positive_int("lr_decay_iters", self.lr_decay_iters)
+        if self.lr_decay_style != "constant" and self.warmup_iters > 0:
+            # Megatron's scheduler divides by (decay - warmup).
+            flag = flag_of(cls, "lr_warmup_iters")
+            source = (
+                f"{flag} {self.lr_warmup_iters}"
+                if self.lr_warmup_iters is not None
+                else f"{flag_of(cls, 'lr_warmup_fraction')} {self.lr_warmup_fraction}"
+                if self.lr_warmup_fraction is not None
+                else f"{flag} (default {DEFAULT_WARMUP_ITERS})"
+            )
+            require(
+                self.warmup_iters < self.decay_iters,
+                cls,
+                "lr_warmup_iters",
+                f"{self.warmup_iters} warmup iterations from {source} must be fewer than the "
+                f"{self.decay_iters} decay iterations (--lr-decay-iters, default --train-iters)",
+            )
+        require(
+            _is_number(self.weight_decay) and self.weight_decay >= 0,
+            cls,
+            "weight_decay",
+            f"must be >= 0, got {self.weight_decay!r}",
+        )
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            require(
+                _is_number(value) and 0 <= value < 1, cls, name, f"must be in [0, 1), got {value!r}"
+            )
+        require(
+            _is_number(self.adam_eps) and self.adam_eps > 0,
+            cls,
+            "adam_eps",
+            f"must be > 0, got {self.adam_eps!r}",
+        )
+        require(
+            _is_number(self.clip_grad) and self.clip_grad >= 0,
+            cls,
+            "clip_grad",
+            f"must be >= 0 (0 disables clipping), got {self.clip_grad!r}",
+        )
+        positive_int("log_interval", self.log_interval)
+        positive_int("eval_interval", self.eval_interval)
+        positive_int("eval_iters", self.eval_iters, 0)
+        if self.save_interval is not None:
+            positive_int("save_interval", self.save_interval)
+            require(self.save is not None, cls, "save_interval", "needs --save")
+        if self.exit_interval is not None:
+            positive_int("exit_interval", self.exit_interval)
+        if self.ckpt_step is not None:
+            positive_int("ckpt_step", self.ckpt_step, 0)
+            require(self.load is not None, cls, "ckpt_step", "needs --load")
+        for name in ("save", "load", "tensorboard_dir", "metrics_file", "deepspeed_config"):
+            value = getattr(self, name)
+            if value is not None:
+                require(
+                    isinstance(value, (str, os.PathLike)) and str(value) != "",
+                    cls,
+                    name,
+                    f"expected a path, got {value!r}",
+                )
+                object.__setattr__(self, name, os.fspath(value))
+
+    _SWITCHES = ("no_load_optim", "no_load_rng", "finetune")
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_args(parser, cls, "training")
+        group = parser.add_argument_group("checkpoint loading")
+        for f in dataclasses.fields(cls):
+            if f.name in cls._SWITCHES:
+                group.add_argument(
+                    flag_of(cls, f.name), dest=f.name, action="store_true", help=f.metadata["help"]
+                )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainingConfig:
+        switches = {name: bool(getattr(args, name, False)) for name in cls._SWITCHES}
+        return dataclass_from_args(cls, args, **switches)
+
+    # -- derived values -----------------------------------------------------------------
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+    @property
+    def warmup_iters(self) -> int:
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * self.decay_iters)
+        if self.lr_warmup_iters is not None:
+            return self.lr_warmup_iters
+        return DEFAULT_WARMUP_ITERS
+
+    @property
+    def resolved_metrics_file(self) -> str | None:
+        if self.metrics_file is not None:
+            return self.metrics_file
+        for directory in (self.tensorboard_dir, self.save):
+            if directory is not None:
+                return os.path.join(directory, "metrics.jsonl")
+        return None
+
+    def batch_layout(self, data_parallel_size: int) -> tuple[int, int]:
+        """(global batch size, gradient-accumulation steps) for this data-parallel size."""
+        dp = data_parallel_size
+        mb = self.micro_batch_size
+        global_batch = self.global_batch_size if self.global_batch_size is not None else mb * dp
+        per_step = mb * dp
+        if global_batch % per_step != 0:
+            raise ConfigError(
+                f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
+                f"{mb} x data-parallel size {dp} (= world size / --tensor-model-parallel-size) "
+                f"= {per_step}: the global batch must be micro-batch size x "
+                "gradient-accumulation steps x data-parallel size"
+            )
+        return global_batch, global_batch // per_step
+
+    def train_samples(self, data_parallel_size: int) -> int:
+        return self.train_iters * self.batch_layout(data_parallel_size)[0]
+
+    def eval_samples(self, data_parallel_size: int) -> int:
+        return self.eval_iters * self.batch_layout(data_parallel_size)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# DeepSpeed JSON
+
+# Keys whose values our flags own: (JSON key, the flag(s) that set it).
+_OWNED_BATCH_KEYS = (
+    ("train_batch_size", "--global-batch-size"),
+    ("train_micro_batch_size_per_gpu", "--micro-batch-size"),
+    ("gradient_accumulation_steps", "--global-batch-size / --micro-batch-size"),
+    ("gradient_clipping", "--clip-grad"),
+)
+# Sections we build ourselves (so that they share one set of flags across ZeRO stages and
+# the scheduler follows Megatron's schedule).
+_OWNED_SECTIONS = (
+    ("optimizer", "--lr, --weight-decay, --adam-beta1/2, --adam-eps"),
+    ("scheduler", "--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr"),
+)
+# Large enough that DeepSpeed never prints its own progress lines; the loop logs instead.
+_QUIET_STEPS_PER_PRINT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    config: dict[str, Any]  # the dict handed to deepspeed.initialize
+    source: str  # the JSON's path, or "<default>"
+    zero_stage: int
+    precision: str  # fp32 | bf16 | fp16
+    global_batch_size: int
+    grad_accum_steps: int
+
+
+def load_deepspeed_json(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed-config: {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--deepspeed-config: {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--deepspeed-config: {path} must hold a JSON object, got {type(data).__name__}"
+        )
+    return data
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def resolve_deepspeed_config(
+    training: TrainingConfig,
+    data_parallel_size: int,
+    *,
+    device_type: str,
+    ds_json: dict[str, Any] | None = None,
+) -> DeepSpeedSettings:
+    """Merge our flags into the DeepSpeed JSON (``training.deepspeed_config``, or ``ds_json``
+    when given) and check it. ``device_type`` is the accelerator's name ("cpu", "cuda", ...):
+    fp16 is refused on CPU here, before any process group exists."""
+    source = training.deepspeed_config or "<default>"
+    raw = load_deepspeed_json(training.deepspeed_config) if ds_json is None else ds_json
+    config = copy.deepcopy(raw)
+    global_batch, accum = training.batch_layout(data_parallel_size)
+    ours = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": training.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": float(training.clip_grad),
+    }
+    for key, flag in _OWNED_BATCH_KEYS:
+        if key in config and config[key] != "auto" and config[key] != ours[key]:
+            raise ConfigError(
+                f"--deepspeed-config: {source}: key {key!r} = {config[key]!r} conflicts with "
+                f"{ours[key]!r} from {flag}; batch sizes and clipping are set by the flags only "
+                "(remove the key from the JSON or make it match)"
+            )
+        config[key] = ours[key]
+    for key, flags in _OWNED_SECTIONS:
+        if key in config:
+            raise ConfigError(
+                f"--deepspeed-config: {source}: key {key!r} is not allowed: the {key} is built "
+                f"from {flags} (remove the section from the JSON)"
+            )
+    if _enabled(config.get("amp")):
+        raise ConfigError(
+            f"--deepspeed-config: {source}: key 'amp' (apex AMP) is not supported; use 'bf16' or 'fp16'"
+        )
+    fp16, bf16 = _enabled(config.get("fp16")), _enabled(config.get("bf16"))
+    if fp16 and bf16:
+        raise ConfigError(
+            f"--deepspeed-config: {source}: keys 'fp16' and 'bf16' are both enabled; choose one"
+        )
+    precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    if precision == "fp16" and device_type == "cpu":
+        raise ConfigError(
+            f"--deepspeed-config: {source}: fp16 needs a GPU; use a bf16 or fp32 config "
+            "(e.g. ds_configs/zero2_bf16.json)"
+        )
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(
+            f"--deepspeed-config: {source}: key 'zero_optimization' must be an object"
+        )
+    stage = zero.get("stage", 0)
+    if not _is_int(stage) or stage not in (0, 1, 2, 3):
+        raise ConfigError(
+            f"--deepspeed-config: {source}: key 'zero_optimization.stage' must be 0, 1, 2 or 3, "
+            f"got {stage!r}"
+        )
+    # Our optimizer is torch's AdamW (or apex FusedAdam), which ZeRO wraps fine but DeepSpeed
+    # calls "untested" unless told otherwise.
+    config["zero_allow_untested_optimizer"] = True
+    config.setdefault("steps_per_print", _QUIET_STEPS_PER_PRINT)
+    return DeepSpeedSettings(
+        config=config,
+        source=source,
+        zero_stage=stage,
+        precision=precision,
+        global_batch_size=global_batch,
+        grad_accum_steps=accum,
+    )

@@ -1,0 +1,161 @@
+"""Process groups and the DeepSpeed engine, for any model whose ``forward(batch)`` returns a
+dict with a scalar ``"loss"`` (and other scalars to log).
+
+The default process group is always initialised here, also for a single process started
+with plain ``python``: the tensor/data-parallel groups are then real (size 1) groups and
+every code path (DeepSpeed's mpu, barriers, all-reduces of logged values) is the same as in
+a multi-rank run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_taco.parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron_taco.parallel.state import ParallelState, init_parallel
+from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
+from megatron_taco.training.optim import AnnealingLR, build_optimizer, build_scheduler
+
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def accelerator_name() -> str:
+    """'cuda', 'cpu', ... as DeepSpeed's accelerator sees it (no process-group work)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def launcher_world_size() -> int:
+    """World size announced by the launcher (deepspeed, torchrun), 1 for plain python."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(tp_size: int) -> ParallelState:
+    """Initialise torch.distributed (env://, as set by the launchers) and the TP/DP groups."""
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            # Plain `python pretrain_taco.py`: a one-process world on a free local port.
+            os.environ.update(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+            )
+        missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"WORLD_SIZE is set but {', '.join(missing)} is not: start with the deepspeed "
+                "or torchrun launcher, or plain python for one process"
+            )
+        backend = "gloo"
+        if accelerator_name() == "cuda":
+            # One GPU per process; nccl needs it chosen before the first collective.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "nccl"
+        dist.init_process_group(backend=backend, init_method="env://")
+    return init_parallel(tp_size)
+
+
+def destroy_distributed(parallel: ParallelState | None) -> None:
+    """Subgroups first, then the default group: leaving them to interpreter shutdown can
+    abort the process ("terminate called without an active exception") after the run."""
+    if parallel is not None:
+        parallel.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def count_parameters(model: nn.Module, parallel: ParallelState) -> int:
+    """Parameters of the whole model (all tensor-parallel shards, replicated ones once).
+    Call before deepspeed.initialize: ZeRO-3 partitions the parameters."""
+    local = sum(
+        p.numel() for p in model.parameters() if param_is_not_tensor_parallel_duplicate(p, parallel)
+    )
+    total = torch.tensor([local], dtype=torch.int64)
+    if dist.is_initialized() and parallel.tp_size > 1:
+        dist.all_reduce(total, group=parallel.get_tensor_model_parallel_group())
+    return int(total.item())
+
+
+def gradient_norm(model: nn.Module, parallel: ParallelState) -> float:
+    """Global 2-norm of the gradients, tensor-parallel shards included and replicated
+    parameters counted once (what DeepSpeed clips)."""
+    squares = [
+        p.grad.detach().float().pow(2).sum()
+        for p in model.parameters()
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p, parallel)
+    ]
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    if dist.is_initialized() and parallel.tp_size > 1:
+        dist.all_reduce(total, group=parallel.get_tensor_model_parallel_group())
+    return float(total.sqrt().item())
+
+
+def norm_implementations(model: nn.Module) -> list[str]:
+    """The classes of the normalisation modules the model actually contains."""
+    names = {
+        f"{type(m).__module__}.{type(m).__name__}"
+        for m in model.modules()
+        if "Norm" in type(m).__name__
+    }
+    return sorted(names)
+
+
+@dataclass
+class Engine:
+    engine: Any  # deepspeed.DeepSpeedEngine
+    optimizer_impl: str
+    scheduler: AnnealingLR
+    settings: DeepSpeedSettings
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+
+def initialize_engine(
+    model: nn.Module,
+    training: TrainingConfig,
+    settings: DeepSpeedSettings,
+    parallel: ParallelState,
+) -> Engine:
+    import deepspeed
+
+    optimizer, impl = build_optimizer(model, training)
+    scheduler = build_scheduler(optimizer, training)
+    engine, _, _, ds_scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        mpu=parallel,
+        config=settings.config,
+        dist_init_required=False,
+    )
+    if ds_scheduler is not scheduler:
+        raise RuntimeError("DeepSpeed replaced the LR scheduler; remove 'scheduler' from the JSON")
+    return Engine(engine=engine, optimizer_impl=impl, scheduler=scheduler, settings=settings)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+    }

@@ -1,0 +1,310 @@
+"""The training loop: model-agnostic, for any ``forward(batch) -> dict`` with a scalar "loss".
+
+Logged values: every 0-d tensor the model returns. Keys ending in ``_tokens`` are counts,
+summed over micro-batches and data-parallel ranks and reported per iteration; every other
+key (losses, accuracies) is averaged over the micro-batches of the logging interval and
+over the data-parallel ranks. Tensor-parallel ranks compute identical values and are not
+reduced over.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_taco.data.sampler import PretrainingSampler
+from megatron_taco.parallel.random import RNGTracker
+from megatron_taco.parallel.state import ParallelState
+from megatron_taco.training.checkpointing import TrainingState, save_checkpoint
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.engine import Engine, gradient_norm, to_device
+from megatron_taco.training.logging import TrainingLogger
+
+COUNT_SUFFIX = "_tokens"
+
+
+@dataclass
+class PretrainTask:
+    """What the builder (e.g. cli/pretrain_taco.py) hands the loop."""
+
+    model: nn.Module
+    collate_fn: Callable[[list], dict[str, Any]]
+    train_dataset: torch.utils.data.Dataset
+    valid_dataset: torch.utils.data.Dataset | None = None
+    test_dataset: torch.utils.data.Dataset | None = None
+    tokens_per_sample: int = 0  # for tokens/s
+    train_flops: Callable[[int], float] | None = None  # model FLOPs (fwd+bwd) of n samples
+
+
+class MetricAccumulator:
+    """Sums of the model's scalar outputs; reduced over the data-parallel group on demand
+    (one all-reduce per log, no host sync per micro-batch)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.micro_batches = 0
+
+    def add(self, outputs: dict[str, Any]) -> None:
+        for key, value in outputs.items():
+            if torch.is_tensor(value) and value.numel() == 1:
+                v = value.detach().reshape(()).to(torch.float64)
+                self.sums[key] = self.sums[key] + v if key in self.sums else v
+        self.micro_batches += 1
+
+    def reduce(self, parallel: ParallelState, iterations: int) -> dict[str, float]:
+        if self.micro_batches == 0:
+            return {}
+        keys = sorted(self.sums)
+        device = self.sums[keys[0]].device
+        totals = torch.stack(
+            [self.sums[k] for k in keys]
+            + [torch.tensor(float(self.micro_batches), dtype=torch.float64, device=device)]
+        )
+        if dist.is_initialized() and parallel.dp_size > 1:
+            # gloo and nccl both reduce float64.
+            dist.all_reduce(totals, group=parallel.get_data_parallel_group())
+        values = totals.tolist()
+        micro_batches = values[-1]
+        out = {}
+        for key, total in zip(keys, values):
+            if key.endswith(COUNT_SUFFIX):
+                out[key] = total / max(iterations, 1)
+            else:
+                out[key] = total / micro_batches
+        return out
+
+
+class Trainer:
+    def __init__(
+        self,
+        engine: Engine,
+        parallel: ParallelState,
+        training: TrainingConfig,
+        task: PretrainTask,
+        logger: TrainingLogger,
+        *,
+        seed: int,
+        num_workers: int = 0,
+        rng_tracker: RNGTracker | None = None,
+        checkpoint_metadata: dict[str, Any] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.ds = engine.engine
+        self.parallel = parallel
+        self.training = training
+        self.task = task
+        self.logger = logger
+        self.seed = seed
+        self.num_workers = num_workers
+        self.rng_tracker = rng_tracker
+        self.checkpoint_metadata = checkpoint_metadata
+        self.global_batch_size = engine.settings.global_batch_size
+        self.grad_accum_steps = engine.settings.grad_accum_steps
+        self.last_saved_iteration: int | None = None
+        # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only;
+        # with a plain torch optimizer (ZeRO 0, fp32) it computes and discards it.
+        self._own_grad_norm = not hasattr(self.ds.optimizer, "_global_grad_norm")
+
+    # -- data ---------------------------------------------------------------------------
+
+    def _loader(self, dataset, consumed_samples: int, total_samples: int) -> Iterator[dict]:
+        sampler = PretrainingSampler(
+            total_samples=total_samples,
+            consumed_samples=consumed_samples,
+            micro_batch_size=self.training.micro_batch_size,
+            data_parallel_rank=self.parallel.dp_rank,
+            data_parallel_size=self.parallel.dp_size,
+            drop_last=True,
+        )
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=self.task.collate_fn,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            # A DataLoader draws its workers' base seed from this generator when an iterator
+            # is created; without one it draws from torch's global RNG, so creating the
+            # validation loader (or the train loader after a resume) would shift the dropout
+            # masks and break exact resumption. The batches themselves do not depend on it:
+            # masking is seeded from (seed, sample index).
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+        return iter(loader)
+
+    # -- steps --------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def train_step(
+        self, data_iter: Iterator[dict], acc: MetricAccumulator
+    ) -> tuple[float, bool, float | None]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches. Returns (learning
+        rate used, whether DeepSpeed skipped the step on an fp16 overflow, gradient norm)."""
+        lr = float(self.ds.get_lr()[0])
+        skipped_before = self.ds.skipped_steps
+        own_norm = None
+        for micro in range(self.grad_accum_steps):
+            batch = to_device(next(data_iter), self.ds.device)
+            outputs = self.ds(batch)
+            self.ds.backward(outputs["loss"])
+            if self._own_grad_norm and micro == self.grad_accum_steps - 1:
+                # Gradients are complete (accumulated and data-parallel averaged) after the
+                # last backward; the step clips them next.
+                own_norm = gradient_norm(self.ds.module, self.parallel)
+            # DeepSpeed applies the optimizer (and steps the LR scheduler, unless the step
+            # overflowed) only at the gradient-accumulation boundary.
+            self.ds.step()
+            acc.add(outputs)
+        skipped = self.ds.skipped_steps != skipped_before
+        norm = own_norm if self._own_grad_norm else self.ds.get_global_grad_norm()
+        if skipped or norm is None:
+            return lr, skipped, None
+        norm = float(norm.item() if torch.is_tensor(norm) else norm)
+        return lr, skipped, norm if math.isfinite(norm) else None
+
+    # -- evaluation ---------------------------------------------------------------------
+
+    def evaluate(self, split: str, dataset, iteration: int) -> dict[str, float]:
+        """Loss/accuracy over the first --eval-iters global batches of ``dataset``."""
+        total = min(len(dataset), self.training.eval_samples(self.parallel.dp_size))
+        chunk = self.training.micro_batch_size * self.parallel.dp_size
+        total -= total % chunk
+        if total == 0:
+            self.logger.print(f" {split}: fewer samples than one micro-batch per rank; skipped")
+            return {}
+        acc = MetricAccumulator()
+        self.ds.eval()
+        try:
+            with torch.no_grad():
+                for batch in self._loader(dataset, 0, total):
+                    acc.add(self.ds(to_device(batch, self.ds.device)))
+        finally:
+            self.ds.train()
+        metrics = acc.reduce(self.parallel, iterations=max(total // self.global_batch_size, 1))
+        self.logger.log(split, iteration, metrics)
+        return metrics
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def save(self, state: TrainingState) -> None:
+        if self.training.save is None or self.last_saved_iteration == state.iteration:
+            return
+        start = time.perf_counter()
+        path = save_checkpoint(
+            self.ds,
+            self.training.save,
+            state,
+            self.parallel,
+            self.rng_tracker,
+            metadata=self.checkpoint_metadata,
+        )
+        self.last_saved_iteration = state.iteration
+        self.logger.print(
+            f" saved checkpoint {path} (iteration {state.iteration}, "
+            f"{time.perf_counter() - start:.1f}s)"
+        )
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def train(self, state: TrainingState) -> TrainingState:
+        t = self.training
+        if state.iteration >= t.train_iters:
+            self.logger.print(
+                f" iteration {state.iteration} >= --train-iters {t.train_iters}: nothing to train"
+            )
+            return state
+        data_iter = self._loader(
+            self.task.train_dataset, state.consumed_samples, t.train_samples(self.parallel.dp_size)
+        )
+        self.ds.train()
+        acc = MetricAccumulator()
+        interval_iters = interval_skipped = 0
+        interval_time = 0.0
+        grad_norms: list[float] = []
+        last_evaluated = None
+        while state.iteration < t.train_iters:
+            start = time.perf_counter()
+            lr, skipped, norm = self.train_step(data_iter, acc)
+            self._sync()
+            interval_time += time.perf_counter() - start
+            state.iteration += 1
+            state.consumed_samples += self.global_batch_size
+            interval_iters += 1
+            interval_skipped += int(skipped)
+            if norm is not None:
+                grad_norms.append(norm)
+            self.logger.advance()
+
+            if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
+                metrics = {
+                    "consumed_samples": state.consumed_samples,
+                    "elapsed_ms": 1000.0 * interval_time / interval_iters,
+                    "lr": lr,
+                    "global_batch_size": self.global_batch_size,
+                    # Iterations whose step was skipped contribute their losses too:
+                    # they are what the model computed.
+                    **acc.reduce(self.parallel, interval_iters),
+                    "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+                    "skipped_iterations": interval_skipped,
+                }
+                if self.engine.settings.precision == "fp16":
+                    # DeepSpeed's dynamic loss scale: it halves on overflow (that step is
+                    # skipped, and the LR scheduler is not stepped for it).
+                    scale = getattr(self.ds.optimizer, "loss_scale", None)
+                    if scale is not None:
+                        metrics["loss_scale"] = float(scale)
+                if t.log_throughput:
+                    metrics.update(self._throughput(interval_iters, interval_time))
+                self.logger.log("train", state.iteration, metrics)
+                acc = MetricAccumulator()
+                interval_iters = interval_skipped = 0
+                interval_time = 0.0
+                grad_norms = []
+
+            if (
+                self.task.valid_dataset is not None
+                and t.eval_iters > 0
+                and state.iteration % t.eval_interval == 0
+            ):
+                self.evaluate("valid", self.task.valid_dataset, state.iteration)
+                last_evaluated = state.iteration
+            if t.save_interval is not None and state.iteration % t.save_interval == 0:
+                self.save(state)
+            if t.exit_interval is not None and state.iteration % t.exit_interval == 0:
+                self.logger.print(f" exiting at iteration {state.iteration} (--exit-interval)")
+                self.save(state)
+                return state
+
+        self.save(state)
+        if (
+            self.task.valid_dataset is not None
+            and t.eval_iters > 0
+            and last_evaluated != state.iteration
+        ):
+            self.evaluate("valid", self.task.valid_dataset, state.iteration)
+        if self.task.test_dataset is not None and t.eval_iters > 0:
+            self.evaluate("test", self.task.test_dataset, state.iteration)
+        return state
+
+    def _throughput(self, iterations: int, seconds: float) -> dict[str, float]:
+        if seconds <= 0:
+            return {}
+        samples = self.global_batch_size * iterations
+        out = {"samples_per_s": samples / seconds}
+        if self.task.tokens_per_sample:
+            out["tokens_per_s"] = samples * self.task.tokens_per_sample / seconds
+        if self.task.train_flops is not None:
+            # Model FLOPs per rank (Megatron's convention): the whole model's work divided
+            # over every rank, tensor-parallel ones included.
+            flops = self.task.train_flops(self.global_batch_size) * iterations
+            out["tflops_per_rank"] = flops / seconds / self.parallel.world_size / 1e12
+        return out

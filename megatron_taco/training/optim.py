@@ -1,0 +1,187 @@
+"""AdamW with Megatron/BERT weight-decay groups and Megatron's warmup + decay LR schedule.
+
+Weight decay: every parameter with fewer than 2 dimensions, and every parameter of a
+normalisation module, is excluded. That covers biases, LayerNorm gains (including the
+embeddings' LayerNorms) and TACO's PReLU slopes and attention-convolution biases. The PReLU
+slopes are excluded on purpose: decay would pull them towards 0, i.e. towards a plain ReLU,
+which is a change of activation function rather than a regulariser. Embedding matrices and
+all other weight matrices are decayed, as in BERT and Megatron.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from megatron_taco.training.config import TrainingConfig
+
+try:  # apex is optional; importing it can fail for many reasons (ABI, CUDA mismatch).
+    from apex.optimizers import FusedAdam as _ApexFusedAdam
+except Exception:
+    _ApexFusedAdam = None
+
+logger = logging.getLogger(__name__)
+
+_NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+if hasattr(nn, "RMSNorm"):
+    _NORM_TYPES += (nn.RMSNorm,)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # apex's FusedLayerNorm/MixedFusedLayerNorm are not nn.LayerNorm subclasses.
+    return isinstance(module, _NORM_TYPES) or "Norm" in type(module).__name__
+
+
+def split_weight_decay(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(names with weight decay, names without), trainable parameters only, in model order."""
+    norm_params = {
+        id(p) for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)
+    }
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or id(p) in norm_params:
+            no_decay.append(name)
+        else:
+            decay.append(name)
+    return decay, no_decay
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = split_weight_decay(model)
+    params = dict(model.named_parameters())
+    groups = [
+        {"params": [params[n] for n in decay], "weight_decay": weight_decay, "name": "decay"},
+        {"params": [params[n] for n in no_decay], "weight_decay": 0.0, "name": "no_decay"},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: nn.Module, training: TrainingConfig
+) -> tuple[torch.optim.Optimizer, str]:
+    """(optimizer, a description of the implementation for the start-up banner)."""
+    groups = param_groups(model, training.weight_decay)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    kwargs = dict(
+        lr=training.lr,
+        betas=(training.adam_beta1, training.adam_beta2),
+        eps=training.adam_eps,
+        weight_decay=training.weight_decay,
+    )
+    on_cuda = torch.cuda.is_available()
+    if _ApexFusedAdam is not None and on_cuda:
+        return _ApexFusedAdam(
+            groups, adam_w_mode=True, **kwargs
+        ), "apex.optimizers.FusedAdam (AdamW mode)"
+    if on_cuda:
+        return torch.optim.AdamW(groups, fused=True, **kwargs), "torch.optim.AdamW (fused)"
+    return torch.optim.AdamW(groups, foreach=False, **kwargs), "torch.optim.AdamW"
+
+
+def annealing_lr(
+    step: int,
+    *,
+    max_lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    decay_steps: int,
+    decay_style: str,
+) -> float:
+    """Megatron's AnnealingLR/OptimizerParamScheduler: ``step`` optimizer steps have been
+    taken, so the first iteration runs at step 0 (lr 0 when there is a warmup)."""
+    if warmup_steps > 0 and step <= warmup_steps:
+        return max_lr * step / warmup_steps
+    if decay_style == "constant":
+        return max_lr
+    if step > decay_steps:
+        return min_lr
+    ratio = (step - warmup_steps) / (decay_steps - warmup_steps)
+    if decay_style == "linear":
+        coeff = 1.0 - ratio
+    elif decay_style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:
+        raise ValueError(f"unknown decay style {decay_style!r}")
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+class AnnealingLR(LRScheduler):
+    """The schedule above as a torch scheduler, so DeepSpeed steps it once per applied
+    optimizer step (not on fp16 overflow skips) and saves/loads it with its checkpoints.
+    ``last_epoch`` is the number of optimizer steps taken."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_lr: float,
+        min_lr: float,
+        warmup_steps: int,
+        decay_steps: int,
+        decay_style: str,
+    ) -> None:
+        self.max_lr = max_lr
+        self.min_lr = min_lr
+        self.warmup_steps = warmup_steps
+        self.decay_steps = decay_steps
+        self.decay_style = decay_style
+        super().__init__(optimizer)
+
+    def lr_at(self, step: int) -> float:
+        return annealing_lr(
+            step,
+            max_lr=self.max_lr,
+            min_lr=self.min_lr,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps,
+            decay_style=self.decay_style,
+        )
+
+    def get_lr(self) -> list[float]:
+        lr = self.lr_at(self.last_epoch)
+        return [lr for _ in self.optimizer.param_groups]
+
+    _SCHEDULE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the step count; the schedule itself comes from this run's flags, so a
+        resumed run may e.g. train longer (--train-iters, --lr-decay-iters). A changed
+        schedule is reported, not silently taken from the checkpoint."""
+        ours = {k: getattr(self, k) for k in self._SCHEDULE}
+        super().load_state_dict(state_dict)
+        changed = {k: (state_dict.get(k), v) for k, v in ours.items() if state_dict.get(k) != v}
+        for k, v in ours.items():
+            setattr(self, k, v)
+        if changed:
+            logger.warning(
+                "LR schedule differs from the checkpoint's (checkpoint -> now): %s",
+                ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+            )
+        self.apply()
+
+    def apply(self) -> None:
+        """Set every param group's lr for the current step. Needed after a checkpoint load:
+        the optimizer state may be restored after the scheduler, with the lr it had then."""
+        lr = self.lr_at(self.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._last_lr = [lr for _ in self.optimizer.param_groups]
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig) -> AnnealingLR:
+    return AnnealingLR(
+        optimizer,
+        max_lr=training.lr,
+        min_lr=training.min_lr,
+        warmup_steps=training.warmup_iters,
+        decay_steps=training.decay_iters,
+        decay_style=training.lr_decay_style,
+    )

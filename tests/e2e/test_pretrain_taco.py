@@ -1,0 +1,204 @@
+"""pretrain_taco.py as users run it: the real `deepspeed` launcher with tensor parallelism
+and an exact resume, and plain `python` with one process, on a dataset made by the
+preprocessing tool from the Botchan excerpt."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_taco.training.logging import read_metrics
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+BOTCHAN = REPO / "tests" / "fixtures" / "text" / "botchan_excerpt.txt"
+BIN = Path(sys.executable).parent  # the venv running the tests: its deepspeed launcher
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions")
+    ),
+    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+}
+for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    ENV.pop(var, None)
+MODEL_KEYS = ("loss", "mlm_loss", "mpm_loss", "mlm_acc", "mpm_acc", "mlm_tokens", "mpm_tokens")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tokenizer_model):
+    from megatron_taco.data.preprocess import PreprocessConfig, preprocess
+
+    tmp = tmp_path_factory.mktemp("data")
+    lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
+    # 20 lines per document: ~46 documents of several sentences each.
+    with open(tmp / "botchan.jsonl", "w", encoding="utf-8") as f:
+        for i in range(0, len(lines), 20):
+            f.write(json.dumps({"text": " ".join(lines[i : i + 20])}) + "\n")
+    summary = preprocess(
+        PreprocessConfig(
+            input=(str(tmp / "botchan.jsonl"),),
+            output_prefix=str(tmp / "botchan"),
+            tokenizer_model=tokenizer_model,
+            split_sentences=True,
+        ),
+        progress=False,
+    )
+    return {
+        "prefix": summary["datasets"]["text"]["prefix"],
+        "tokenizer": tokenizer_model,
+        "dir": tmp,
+    }
+
+
+def common_args(dataset, *extra: str) -> list[str]:
+    return [
+        "--model-size", "tiny", "--seq-length", "64",
+        "--data-path", dataset["prefix"], "--tokenizer-model", dataset["tokenizer"],
+        "--data-cache-path", str(dataset["dir"] / "cache"), "--split", "80,10,10",
+        "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, (
+        f"{' '.join(cmd)}\n--- stdout\n{res.stdout[-6000:]}\n--- stderr\n{res.stderr[-6000:]}"
+    )
+    return res
+
+
+def deepspeed(*args: str) -> subprocess.CompletedProcess:
+    launcher = BIN / "deepspeed"
+    assert launcher.is_file(), f"no deepspeed launcher beside {sys.executable}"
+    # A free port: other test runs on this machine may hold DeepSpeed's default 29500.
+    return run(
+        [
+            str(launcher),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "pretrain_taco.py",
+            *args,
+        ]
+    )
+
+
+def train_records(path: Path) -> dict[int, dict]:
+    return {r["iteration"]: r for r in read_metrics(str(path)) if r["split"] == "train"}
+
+
+def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    run_args = (
+        "--tensor-model-parallel-size", "2", "--train-iters", "6",
+        "--eval-interval", "3", "--eval-iters", "1", "--save-interval", "3",
+        "--num-workers", "1", "--deepspeed_config", "ds_configs/zero2_fp32.json",
+    )  # fmt: skip
+    res = deepspeed(
+        *common_args(dataset, *run_args),
+        "--save",
+        str(full_dir),
+        "--tensorboard-dir",
+        str(full_dir / "tb"),
+    )
+    out = res.stdout
+    assert "world size 2 = tensor parallel 2 x data parallel 1" in out
+    assert "ZeRO stage 2 | precision fp32" in out
+    assert "LayerNorm: torch.nn.modules.normalization.LayerNorm" in out
+    assert (full_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    for it in ("iter_0000003", "iter_0000006"):
+        files = os.listdir(full_dir / it)
+        assert {"metadata.json", "rng_state_rank_00000.pt", "rng_state_rank_00001.pt"} <= set(files)
+        # DeepSpeed's model files, one per tensor-parallel rank.
+        assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(files)
+    meta = json.loads((full_dir / "iter_0000003" / "metadata.json").read_text())
+    assert (meta["iteration"], meta["consumed_samples"], meta["tensor_model_parallel_size"]) == (
+        3,
+        12,
+        2,
+    )
+    assert meta["configs"]["training"]["train_iters"] == 6
+    assert any(p.name.startswith("events.out.tfevents") for p in (full_dir / "tb").iterdir())
+    full_metrics = full_dir / "tb" / "metrics.jsonl"
+    assert (full_dir / "tb" / "loss_curve.png").stat().st_size > 0
+    full = train_records(full_metrics)
+    assert sorted(full) == [1, 2, 3, 4, 5, 6]
+    assert [full[i]["consumed_samples"] for i in (1, 6)] == [4, 24]
+    assert all(full[i]["tflops_per_rank"] > 0 and full[i]["grad_norm"] > 0 for i in full)
+    valid = [r for r in read_metrics(str(full_metrics)) if r["split"] == "valid"]
+    assert [r["iteration"] for r in valid] == [3, 6]
+
+    # Resume from the step-3 checkpoint: steps 4-6 must log exactly the same values.
+    res = deepspeed(
+        *common_args(dataset, *run_args),
+        "--load",
+        str(full_dir),
+        "--ckpt-step",
+        "3",
+        "--save",
+        str(resumed_dir),
+    )
+    assert f"resumed from {full_dir} at iteration 3 (12 samples consumed)" in res.stdout
+    resumed = train_records(resumed_dir / "metrics.jsonl")
+    assert sorted(resumed) == [4, 5, 6]
+    for it in (4, 5, 6):
+        for key in (*MODEL_KEYS, "lr", "grad_norm", "consumed_samples"):
+            assert resumed[it][key] == full[it][key], (it, key)
+
+
+def test_plain_python_single_process(dataset, tmp_path):
+    empty = tmp_path / "nothing_saved_yet"
+    empty.mkdir()
+    res = run(
+        [
+            sys.executable, "pretrain_taco.py",
+            *common_args(dataset, "--train-iters", "2", "--eval-iters", "0", "--num-workers", "0"),
+            "--deepspeed-config", "ds_configs/zero0_bf16.json",
+            "--load", str(empty), "--save", str(tmp_path / "ckpt"),
+        ],
+        timeout=180,
+    )  # fmt: skip
+    assert "world size 1 = tensor parallel 1 x data parallel 1" in res.stdout
+    assert "ZeRO stage 0 | precision bf16" in res.stdout
+    # Megatron's behaviour for a --load directory without a tracker file.
+    assert "latest_checkpointed_iteration.txt found, training from scratch" in res.stderr
+    records = train_records(tmp_path / "ckpt" / "metrics.jsonl")
+    assert sorted(records) == [1, 2]
+    assert all(set(MODEL_KEYS) <= set(r) for r in records.values())
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_torchrun_data_parallel(dataset, tmp_path):
+    res = run(
+        [
+            str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+            "pretrain_taco.py",
+            *common_args(dataset, "--train-iters", "2", "--eval-iters", "0", "--num-workers", "0"),
+            "--global-batch-size", "8", "--deepspeed-config", "ds_configs/zero1_bf16.json",
+            "--metrics-file", str(tmp_path / "m.jsonl"),
+        ],
+        timeout=180,
+    )  # fmt: skip
+    assert "world size 2 = tensor parallel 1 x data parallel 2" in res.stdout
+    assert "global batch 8 = micro-batch 2 x grad accumulation 2 x data parallel 2" in res.stdout
+    records = train_records(tmp_path / "m.jsonl")
+    assert sorted(records) == [1, 2] and records[2]["consumed_samples"] == 16

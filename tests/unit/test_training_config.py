@@ -1,0 +1,331 @@
+"""TrainingConfig validation, the DeepSpeed JSON merge, the shipped ds_configs, and the
+CLI's promise to reject bad configs before any process-group or file work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.cli.pretrain_taco import build_parser, configs_from_args, main
+from megatron_taco.parallel.state import single_process_state
+from megatron_taco.training.config import (
+    DEFAULT_WARMUP_ITERS,
+    TrainingConfig,
+    resolve_deepspeed_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+DS_CONFIGS = REPO / "ds_configs"
+
+
+def cfg(**kw) -> TrainingConfig:
+    values = dict(train_iters=100, lr_warmup_iters=10)
+    values.update(kw)
+    return TrainingConfig(**values)
+
+
+def write_json(tmp_path: Path, data: dict, name: str = "ds.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+# -- TrainingConfig ---------------------------------------------------------------------
+
+
+def test_defaults_follow_megatron():
+    c = TrainingConfig(train_iters=20000)
+    assert (c.lr, c.min_lr, c.weight_decay, c.clip_grad) == (1e-4, 0.0, 0.01, 1.0)
+    assert (c.adam_beta1, c.adam_beta2, c.adam_eps) == (0.9, 0.999, 1e-6)
+    assert c.lr_decay_style == "linear"
+    assert c.warmup_iters == DEFAULT_WARMUP_ITERS and c.decay_iters == 20000
+
+
+def test_batch_layout_and_errors_name_the_flags():
+    c = cfg(micro_batch_size=4, global_batch_size=32)
+    assert c.batch_layout(2) == (32, 4)
+    assert c.batch_layout(8) == (32, 1)
+    with pytest.raises(ConfigError) as e:
+        c.batch_layout(3)
+    msg = str(e.value)
+    assert "--global-batch-size 32" in msg and "--micro-batch-size 4" in msg
+    assert "data-parallel size 3" in msg
+    # Without --global-batch-size: one micro-batch per data-parallel rank.
+    assert cfg(micro_batch_size=4).batch_layout(3) == (12, 1)
+
+
+def test_global_batch_must_be_a_multiple_of_micro_batch():
+    with pytest.raises(
+        ConfigError, match=r"^--global-batch-size: 10 is not a multiple of --micro-batch-size 4"
+    ):
+        cfg(micro_batch_size=4, global_batch_size=10)
+
+
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        (dict(train_iters=0), "--train-iters"),
+        (dict(micro_batch_size=0), "--micro-batch-size"),
+        (dict(lr=0.0), "--lr"),
+        (dict(min_lr=1.0), "--min-lr"),
+        (dict(lr_decay_style="step"), "--lr-decay-style"),
+        (dict(adam_beta2=1.0), "--adam-beta2"),
+        (dict(clip_grad=-1.0), "--clip-grad"),
+        (dict(eval_iters=-1), "--eval-iters"),
+        (dict(save_interval=5), "--save-interval"),
+        (dict(ckpt_step=3), "--ckpt-step"),
+        (dict(lr_warmup_fraction=0.1), "--lr-warmup-fraction"),  # with --lr-warmup-iters
+        (dict(lr_warmup_iters=100), "--lr-warmup-iters"),  # not fewer than the decay iters
+    ],
+)
+def test_invalid_values_name_their_flag(kw, flag):
+    with pytest.raises(ConfigError) as e:
+        cfg(**kw)
+    assert str(e.value).startswith(flag + ":"), str(e.value)
+
+
+def test_default_warmup_longer_than_a_short_run_is_explained():
+    with pytest.raises(ConfigError, match=r"--lr-warmup-iters \(default 10000\)"):
+        TrainingConfig(train_iters=50)
+    # A constant schedule has nothing to decay, any warmup is fine.
+    assert TrainingConfig(train_iters=50, lr_decay_style="constant").warmup_iters == 10000
+
+
+def test_warmup_fraction_is_of_the_decay_iters():
+    c = TrainingConfig(train_iters=100, lr_decay_iters=80, lr_warmup_fraction=0.25)
+    assert (c.warmup_iters, c.decay_iters) == (20, 80)
+
+
+def test_metrics_file_defaults():
+    assert cfg().resolved_metrics_file is None
+    assert cfg(save="ck").resolved_metrics_file == "ck/metrics.jsonl"
+    assert cfg(save="ck", tensorboard_dir="tb").resolved_metrics_file == "tb/metrics.jsonl"
+    assert cfg(metrics_file="m.jsonl").resolved_metrics_file == "m.jsonl"
+
+
+# -- DeepSpeed JSON ---------------------------------------------------------------------
+
+
+def test_our_values_are_written_into_the_json(tmp_path):
+    path = write_json(tmp_path, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    c = cfg(micro_batch_size=2, global_batch_size=16, clip_grad=0.5, deepspeed_config=path)
+    s = resolve_deepspeed_config(c, 2, device_type="cpu")
+    assert s.config["train_batch_size"] == 16
+    assert s.config["train_micro_batch_size_per_gpu"] == 2
+    assert s.config["gradient_accumulation_steps"] == 4
+    assert s.config["gradient_clipping"] == 0.5
+    assert (s.zero_stage, s.precision, s.source) == (2, "bf16", path)
+    assert (s.global_batch_size, s.grad_accum_steps) == (16, 4)
+
+
+def test_matching_or_auto_values_are_accepted(tmp_path):
+    path = write_json(
+        tmp_path,
+        {
+            "train_batch_size": 16,
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_clipping": 1.0,
+        },
+    )
+    c = cfg(micro_batch_size=2, global_batch_size=16, deepspeed_config=path)
+    assert (
+        resolve_deepspeed_config(c, 2, device_type="cpu").config["train_micro_batch_size_per_gpu"]
+        == 2
+    )
+
+
+@pytest.mark.parametrize(
+    "key,value,flag",
+    [
+        ("train_batch_size", 64, "--global-batch-size"),
+        ("train_micro_batch_size_per_gpu", 8, "--micro-batch-size"),
+        ("gradient_accumulation_steps", 1, "--global-batch-size / --micro-batch-size"),
+        ("gradient_clipping", 0.0, "--clip-grad"),
+    ],
+)
+def test_conflicting_json_values_name_file_key_and_flag(tmp_path, key, value, flag):
+    path = write_json(tmp_path, {key: value})
+    c = cfg(micro_batch_size=2, global_batch_size=16, deepspeed_config=path)
+    with pytest.raises(ConfigError) as e:
+        resolve_deepspeed_config(c, 2, device_type="cpu")
+    msg = str(e.value)
+    assert path in msg and repr(key) in msg and flag in msg
+
+
+@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
+def test_optimizer_and_scheduler_sections_are_refused(tmp_path, section):
+    path = write_json(tmp_path, {section: {"type": "Adam", "params": {}}})
+    with pytest.raises(ConfigError, match=rf"{path}: key '{section}' is not allowed"):
+        resolve_deepspeed_config(cfg(deepspeed_config=path), 1, device_type="cpu")
+
+
+def test_fp16_is_refused_on_cpu_only(tmp_path):
+    path = write_json(tmp_path, {"fp16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="fp16 needs a GPU; use a bf16 or fp32 config"):
+        resolve_deepspeed_config(cfg(deepspeed_config=path), 1, device_type="cpu")
+    assert (
+        resolve_deepspeed_config(cfg(deepspeed_config=path), 1, device_type="cuda").precision
+        == "fp16"
+    )
+
+
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
+        ({"amp": {"enabled": True}}, "'amp'"),
+    ],
+)
+def test_bad_json_settings(tmp_path, data, match):
+    path = write_json(tmp_path, data)
+    with pytest.raises(ConfigError, match=match):
+        resolve_deepspeed_config(cfg(deepspeed_config=path), 1, device_type="cuda")
+
+
+def test_missing_or_broken_json_names_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--deepspeed-config: .*nope.json does not exist"):
+        resolve_deepspeed_config(
+            cfg(deepspeed_config=str(tmp_path / "nope.json")), 1, device_type="cpu"
+        )
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"^--deepspeed-config: .*bad.json is not valid JSON"):
+        resolve_deepspeed_config(cfg(deepspeed_config=str(bad)), 1, device_type="cpu")
+
+
+def test_no_json_means_zero0_fp32():
+    s = resolve_deepspeed_config(cfg(), 1, device_type="cpu")
+    assert (s.zero_stage, s.precision, s.source) == (0, "fp32", "<default>")
+
+
+SHIPPED = sorted(DS_CONFIGS.glob("*.json"))
+
+
+def test_every_zero_stage_and_precision_is_shipped():
+    names = {p.stem for p in SHIPPED}
+    assert names == {f"zero{s}_{p}" for s in range(4) for p in ("fp32", "bf16", "fp16")}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_ds_configs_are_valid_for_deepspeed(path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    stage, precision = int(path.stem[4]), path.stem.split("_")[1]
+    c = cfg(micro_batch_size=4, global_batch_size=8, deepspeed_config=str(path))
+    # fp16 files are for GPU users: check them as a GPU run would, for validity only.
+    s = resolve_deepspeed_config(c, 1, device_type="cuda" if precision == "fp16" else "cpu")
+    assert (s.zero_stage, s.precision) == (stage, precision)
+    ds = DeepSpeedConfig(s.config, mpu=single_process_state())
+    assert ds.zero_optimization_stage == stage
+    assert (
+        ds.train_batch_size,
+        ds.train_micro_batch_size_per_gpu,
+        ds.gradient_accumulation_steps,
+    ) == (8, 4, 2)
+    assert ds.bfloat16_config.enabled == (precision == "bf16")
+    assert ds.float16_config.enabled == (precision == "fp16")
+    if precision == "fp16":
+        assert ds.float16_config.loss_scale == 0  # dynamic loss scaling: overflow steps are skipped
+    if precision != "fp16":
+        with pytest.raises(ConfigError):
+            resolve_deepspeed_config(
+                c,
+                1,
+                device_type="cpu",
+                ds_json={**json.loads(path.read_text()), "fp16": {"enabled": True}},
+            )
+
+
+# -- the CLI validates everything before process-group work -------------------------------
+
+
+def cli_args(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--data-path", str(tmp_path / "missing_prefix"),
+        "--tokenizer-model", str(tmp_path / "missing.model"),
+        "--model-size", "tiny", "--seq-length", "32",
+        "--train-iters", "4", "--lr-warmup-iters", "1",
+        "--micro-batch-size", "2", "--save", str(tmp_path / "ckpt"),
+        *extra,
+    ]  # fmt: skip
+
+
+def test_fp16_on_cpu_is_refused_before_process_group_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    fp16 = str(DS_CONFIGS / "zero2_fp16.json")
+    assert main(cli_args(tmp_path, "--deepspeed-config", fp16)) == 2
+    err = capsys.readouterr().err
+    assert "fp16 needs a GPU; use a bf16 or fp32 config" in err and fp16 in err
+    # Refused before the data files were even looked at (they do not exist), before any
+    # process group, and before anything was written.
+    assert "--data-path" not in err
+    assert not dist.is_initialized()
+    assert "MASTER_PORT" not in __import__("os").environ
+    assert not (tmp_path / "ckpt").exists()
+
+
+def parse(tmp_path, *extra, world_size=1):
+    args = build_parser().parse_args(cli_args(tmp_path, *extra))
+    return configs_from_args(args, world_size=world_size, device_type="cpu")
+
+
+def test_cli_checks_batch_arithmetic_against_the_launcher_world(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match="--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2",
+    ):
+        parse(
+            tmp_path, "--global-batch-size", "6", "--tensor-model-parallel-size", "2", world_size=4
+        )
+
+
+def test_cli_checks_parallel_sizes(tmp_path):
+    with pytest.raises(
+        ConfigError, match="^--tensor-model-parallel-size: 4 does not divide the world size 2"
+    ):
+        parse(tmp_path, "--tensor-model-parallel-size", "4", world_size=2)
+    # tiny has 4 WE heads and 2 PE heads: tp=4 cannot split the PE heads.
+    with pytest.raises(ConfigError, match="^--pe-attention-heads"):
+        parse(tmp_path, "--tensor-model-parallel-size", "4", world_size=4)
+
+
+def test_cli_checks_seq_length_against_positions(tmp_path):
+    with pytest.raises(
+        ConfigError, match="^--seq-length: 128 exceeds --max-position-embeddings 64"
+    ):
+        parse(tmp_path, "--seq-length", "128")
+
+
+def test_cli_checks_files_last(tmp_path):
+    with pytest.raises(ConfigError, match="^--data-path: dataset"):
+        parse(tmp_path)
+
+
+def test_cli_accepts_deepspeed_launcher_flags(tmp_path):
+    path = str(DS_CONFIGS / "zero1_bf16.json")
+    args = build_parser().parse_args(
+        cli_args(tmp_path, "--local_rank=1", "--deepspeed", "--deepspeed_config", path)
+    )
+    assert args.deepspeed_config == path and args.local_rank == 1
+    args = build_parser().parse_args(
+        cli_args(tmp_path, "--local-rank", "0", "--deepspeed-config", path)
+    )
+    assert args.deepspeed_config == path
+
+
+def test_cli_checkpoint_switches(tmp_path):
+    args = build_parser().parse_args(
+        cli_args(tmp_path, "--load", "ck", "--no-load-optim", "--no-load-rng", "--finetune")
+    )
+    t = TrainingConfig.from_args(args)
+    assert (t.load, t.no_load_optim, t.no_load_rng, t.finetune) == ("ck", True, True, True)
+    t = TrainingConfig.from_args(build_parser().parse_args(cli_args(tmp_path)))
+    assert (t.no_load_optim, t.no_load_rng, t.finetune) == (False, False, False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(cli_args(tmp_path, "--no-no-load-optim"))
