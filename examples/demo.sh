@@ -37,4 +37,4 @@ rm -rf "$OUT/checkpoints"
     --save "$OUT/checkpoints" --save-interval 100 \
     --tensorboard-dir "$OUT/tensorboard"
 
-echo "== done: loss curves in $OUT/checkpoints/loss_curves.png, TensorBoard logs in $OUT/tensorboard"
+echo "== done: loss curves in $OUT/tensorboard/loss_curve.png (metrics.jsonl beside it), checkpoints in $OUT/checkpoints"
