@@ -8,6 +8,12 @@ Pipeline::
     numbered 0, 1, 2, ...            own shard .bin/.idx + a table      .bin/.idx, verified,
     (bounded queue)                  batch -> (first seq, first doc)    renamed into place
 
+JSON-lines inputs skip the per-record framing: the reader only finds line boundaries
+(``corpora.iter_jsonl_blocks``) and a batch is a ``RawLines`` block, which for a plain file
+is just (offset, length): the worker reads the lines itself. At document level the tokenizer
+is fast enough that building, pickling and piping a RawRecord per line cost the reader about
+a tenth of the tokenizer's CPU again.
+
 * Memory stays flat whatever the input size: the task queue holds at most ``2 * workers``
   batches, and each batch is capped in records (``--chunk-size``) and bytes.
 * Every worker writes its own shard, so there is no single-writer bottleneck. Batches are
@@ -30,6 +36,7 @@ in parallel from one stream, and the merge is part of the run.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -54,10 +61,12 @@ from megatron_taco.data.corpora import (
     FORMATS,
     SKIP_REASONS,
     CorpusError,
+    RawLines,
     RawRecord,
     Skipped,
     detect_format,
     expand_inputs,
+    iter_jsonl_blocks,
     iter_raw,
     parse_raw,
 )
@@ -352,11 +361,17 @@ class BatchEncoder:
         self.min_chars = min_chars
         self.encode_threads = encode_threads
 
-    def encode(self, records: list[RawRecord]) -> _EncodedBatch:
+    def encode(self, records: list[RawRecord | Skipped] | RawLines) -> _EncodedBatch:
         skipped: Counter = Counter()
         examples: dict[str, list[str]] = {}
         docs = []
+        if isinstance(records, RawLines):
+            records = records.records()
         for raw in records:
+            if isinstance(raw, Skipped):  # framing skips of RawLines (blank, not UTF-8)
+                skipped[raw.reason] += 1
+                _add_example(examples, raw.reason, raw.source)
+                continue
             try:
                 res = parse_raw(raw, self.json_keys, min_chars=self.min_chars)
             except Exception as e:
@@ -509,6 +524,13 @@ def _worker_main(spec: _WorkerSpec, rank: int, tasks, results) -> None:
             encode_threads=spec.encode_threads,
         )
         shards = _ShardWriter(spec, rank, tokenizer.vocab_size)
+        # Everything alive now (modules, the tokenizer) lives as long as the process: out
+        # of the collector's sight, a full collection only walks the batch in flight. And a
+        # batch allocates a few thousand containers (records, documents, id lists) that all
+        # die with it: with the default threshold of 700 the collector ran several times per
+        # batch for nothing.
+        gc.freeze()
+        gc.set_threshold(20_000, *gc.get_threshold()[1:])
         parent = mp.parent_process()
         while True:
             try:
@@ -527,6 +549,27 @@ def _worker_main(spec: _WorkerSpec, rank: int, tasks, results) -> None:
         results.put(("done", rank, shards.finish()))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
+
+
+# The workers do no linear algebra, but importing numpy starts a BLAS thread per core in
+# each of them (~50 ms of CPU per worker, and N workers x cores threads); sentencepiece has
+# its own threads (encode_threads).
+_MATH_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def _single_threaded_math():
+    """The environment spawned workers inherit: one BLAS/OpenMP thread. Restored after."""
+    saved = {k: os.environ.get(k) for k in _MATH_THREAD_VARS}
+    os.environ.update(dict.fromkeys(_MATH_THREAD_VARS, "1"))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class _WorkerPool:
@@ -548,8 +591,9 @@ class _WorkerPool:
             )
             for rank in range(n)
         ]
-        for p in self.procs:
-            p.start()
+        with _single_threaded_math():
+            for p in self.procs:
+                p.start()
 
     def _handle(self, msg) -> None:
         kind, rank = msg[0], msg[1]
@@ -561,19 +605,15 @@ class _WorkerPool:
             raise PreprocessError(f"worker {rank} failed:\n{msg[2]}")
 
     def poll(self, timeout: float = 0.0) -> None:
-        """Handle worker messages; raise if a worker failed or died."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                remaining = deadline - time.monotonic()
-                msg = (
-                    self.results.get(timeout=remaining)
-                    if remaining > 0
-                    else self.results.get_nowait()
-                )
-            except queue.Empty:
-                break
-            self._handle(msg)
+        """Handle worker messages, waiting up to ``timeout`` for the first one; raise if a
+        worker failed or died."""
+        # Return as soon as something arrived: waiting out the whole timeout after the last
+        # worker's report used to add up to _POLL_S to every run.
+        with contextlib.suppress(queue.Empty):
+            msg = self.results.get(timeout=timeout) if timeout > 0 else self.results.get_nowait()
+            while True:
+                self._handle(msg)
+                msg = self.results.get_nowait()
         for rank, p in enumerate(self.procs):
             if rank not in self.done and p.exitcode is not None:
                 # Its last message may still be in the pipe (a traceback put just before exit).
@@ -649,6 +689,9 @@ class _InputMeter:
         self._real = os.path.realpath(f.path)
         self._size = f.size
         self._estimate = 0
+
+    def add_bytes(self, n: int) -> None:
+        self._estimate += n
 
     def add_payload(self, raw: RawRecord) -> int:
         p = raw.payload
@@ -904,6 +947,13 @@ def _read_input(f: _InputFile, json_keys: tuple[str, ...]):
         raise PreprocessError(f"{f.path}: cannot read input: {e}") from e
 
 
+def _read_jsonl_blocks(f: _InputFile, max_lines: int):
+    try:
+        yield from iter_jsonl_blocks(f.path, max_lines=max_lines, max_bytes=MAX_BATCH_BYTES)
+    except (CorpusError, OSError) as e:
+        raise PreprocessError(f"{f.path}: cannot read input: {e}") from e
+
+
 class Preprocessor:
     """One preprocessing run. ``worker_target`` is the function each worker process runs."""
 
@@ -1011,9 +1061,36 @@ class Preprocessor:
         seq = 0
         batch: list[RawRecord] = []
         batch_bytes = 0
+
+        def submit(work) -> None:
+            nonlocal seq
+            pool.submit((seq, work))
+            seq += 1
+            pool.poll()
+            if bar is not None:  # consumed() reads /proc; only the bar needs it
+                prog.update(meter.consumed())
+
         try:
             for f in self.files:
                 meter.start(f)
+                if f.fmt == "jsonl":
+                    # Framing JSON lines is splitting lines: whole blocks of undecoded lines
+                    # go to the workers, which is far cheaper than a RawRecord per line
+                    # built, pickled and unpickled (the reader's CPU is the workers' too).
+                    if batch:
+                        submit(batch)
+                        batch, batch_bytes = [], 0
+                    for item in _read_jsonl_blocks(f, cfg.chunk_size):
+                        if isinstance(item, Skipped):
+                            records_read += 1
+                            reader_skips[item.reason] += 1
+                            _add_example(reader_examples, item.reason, item.source)
+                            continue
+                        records_read += item.count
+                        meter.add_bytes(item.nbytes)
+                        submit(item)
+                    meter.finish()
+                    continue
                 for item in _read_input(f, cfg.json_keys):
                     records_read += 1
                     if isinstance(item, Skipped):
@@ -1023,15 +1100,11 @@ class Preprocessor:
                     batch.append(item)
                     batch_bytes += meter.add_payload(item)
                     if len(batch) >= cfg.chunk_size or batch_bytes >= MAX_BATCH_BYTES:
-                        pool.submit((seq, batch))
-                        seq += 1
+                        submit(batch)
                         batch, batch_bytes = [], 0
-                        pool.poll()
-                        prog.update(meter.consumed())
                 meter.finish()
             if batch:
-                pool.submit((seq, batch))
-                seq += 1
+                submit(batch)
             reports = pool.finish()
         finally:
             if bar is not None:

@@ -23,6 +23,7 @@ from megatron_taco.data.corpora import (
     Skipped,
     detect_format,
     expand_inputs,
+    iter_jsonl_blocks,
     iter_raw,
     iter_records,
     open_binary,
@@ -333,6 +334,66 @@ def test_truncated_stream_keeps_records_before_the_cut(ext):
     sonnets = texts(read(CORPORA / "jsonl" / "sonnets.jsonl")[0])
     assert 0 < len(docs) < 240
     assert texts(docs) == (sonnets * 40)[: len(docs)]
+
+
+def blocks_as_records(path, **kw):
+    """iter_jsonl_blocks(path) expanded back to records, checking each block's shape."""
+    got, blocks = [], 0
+    for item in iter_jsonl_blocks(path, **kw):
+        if isinstance(item, Skipped):
+            got.append(item)
+            continue
+        blocks += 1
+        lines = pickle.loads(pickle.dumps(item)).read_lines()  # as it travels to a worker
+        assert len(lines) == item.count and sum(map(len, lines)) == item.nbytes
+        assert 1 <= item.count <= kw["max_lines"]
+        # a block only passes max_bytes by its last line
+        assert sum(map(len, lines[:-1])) < kw["max_bytes"]
+        got.extend(item.records())
+    return got, blocks
+
+
+@pytest.mark.parametrize(
+    "rel",
+    ["jsonl/sonnets.jsonl", "jsonl/sonnets.jsonl.zst", "bad/mixed.jsonl"]
+    + [f"bad/truncated.jsonl.{ext}" for ext in ("gz", "bz2", "xz", "zst")],
+)
+def test_jsonl_blocks_frame_exactly_like_iter_raw(rel):
+    path = str(CORPORA / rel)
+    expected = list(iter_raw(path, "jsonl"))
+    for max_lines, max_bytes in ((1, 1 << 20), (2, 1 << 20), (10_000, 300)):
+        got, blocks = blocks_as_records(path, max_lines=max_lines, max_bytes=max_bytes)
+        assert got == expected
+        assert blocks > 1
+
+
+def test_jsonl_blocks_edge_cases_of_plain_files(tmp_path, monkeypatch):
+    # Reads of a few bytes put every line boundary at some read boundary.
+    monkeypatch.setattr(corpora, "_SCAN_BYTES", 7)
+    long = json.dumps({"text": "word " * 200})
+    contents = {
+        "no_final_newline": '{"text": "a"}\n{"text": "b"}',
+        "crlf_and_blank": '{"text": "a"}\r\n\r\n  \n{"text": "b"}\r\n',
+        "long_line": f'{{"text": "x"}}\n{long}\n{{"text": "y"}}\n',
+        "only_newlines": "\n\n\n",
+        "empty": "",
+    }
+    for name, text in contents.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(text.encode())
+        expected = list(iter_raw(str(path), "jsonl"))
+        for max_lines, max_bytes in ((1, 1 << 20), (2, 1 << 20), (3, 40), (100, 1)):
+            got, _ = blocks_as_records(str(path), max_lines=max_lines, max_bytes=max_bytes)
+            assert got == expected, (name, max_lines, max_bytes)
+
+
+def test_jsonl_block_of_a_file_changed_since_is_an_error(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n')
+    (block,) = iter_jsonl_blocks(str(path), max_lines=10, max_bytes=1 << 20)
+    path.write_text('{"text": "a"}\n')
+    with pytest.raises(CorpusError, match="changed while being read"):
+        block.records()
 
 
 def test_truncated_wikipedia_dumps():

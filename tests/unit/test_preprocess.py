@@ -366,6 +366,27 @@ def test_stale_temp_of_dead_run_is_removed(tmp_path, tokenizer_model, corpus):
 # input progress
 
 
+def test_workers_start_with_single_threaded_math_and_the_env_is_restored(monkeypatch):
+    import multiprocessing as mp
+
+    from megatron_taco.data.preprocess import _MATH_THREAD_VARS, _single_threaded_math
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    ctx = mp.get_context("spawn")
+    seen = ctx.Queue()
+    with _single_threaded_math():
+        child = ctx.Process(target=_report_env, args=(seen, _MATH_THREAD_VARS))
+        child.start()
+    assert seen.get(timeout=60) == dict.fromkeys(_MATH_THREAD_VARS, "1")
+    child.join()
+    assert os.environ["OMP_NUM_THREADS"] == "8" and "OPENBLAS_NUM_THREADS" not in os.environ
+
+
+def _report_env(queue, names):
+    queue.put({k: os.environ.get(k) for k in names})
+
+
 def test_input_meter_counts_compressed_bytes_read(tmp_path):
     path = tmp_path / "big.jsonl.gz"
     payload = os.urandom(3 << 20).hex().encode()  # incompressible: 6 MB of hex

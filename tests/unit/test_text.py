@@ -1,7 +1,10 @@
 """text.py: wikitext -> plain text, normalisation, and the offline punkt_tab sentence splitter."""
 
+import contextlib
 import os
 import pickle
+import random
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -9,6 +12,14 @@ from pathlib import Path
 import nltk.data
 import pytest
 
+from megatron_taco.data import corpora
+from megatron_taco.data.corpora import (
+    CorpusError,
+    Document,
+    detect_format,
+    expand_inputs,
+    iter_records,
+)
 from megatron_taco.data.text import (
     NO_LLAMA_INDEX_ENV,
     PunktNotFoundError,
@@ -20,6 +31,7 @@ from megatron_taco.data.text import (
 )
 
 CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
+BOTCHAN = Path(__file__).resolve().parents[1] / "fixtures" / "text" / "botchan_excerpt.txt"
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,6 +115,69 @@ def test_normalize_text():
     assert normalize_text(raw) == "Title\nFirst line with tabs\nSecond line"
     assert split_lines("a\u2028b\n\n c ") == ["a", "b", "c"]
     assert normalize_text(" \n\t\n") == ""
+
+
+# The definition normalize_text and split_lines were first written as (one regex pass for
+# the controls, then per line one for the spaces). The fast versions must agree with it.
+_REF_CONTROL = re.compile(
+    r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\u200e\u200f\u202a-\u202e\ufeff]"
+)
+_REF_HSPACE = re.compile(r"[ \t\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]+")
+
+
+def reference_split_lines(text):
+    return [ln for ln in (_REF_HSPACE.sub(" ", x).strip() for x in text.splitlines()) if ln]
+
+
+def reference_normalize(text):
+    return "\n".join(reference_split_lines(_REF_CONTROL.sub("", text)))
+
+
+# Every character class the implementation treats specially: controls (C0 incl. the
+# \x1c-\x1f separators, DEL, C1 incl. NEL), each kind of space and line break, zero-width
+# and bidi marks, BOM, and non-printables it must leave alone (soft hyphen, word joiner,
+# private use, astral) next to plain letters, spaces and newlines in bulk.
+_FUZZ_ALPHABET = list("ab .\n\n   ") + [chr(c) for c in (
+    0x00, 0x01, 0x08, 0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x0E, 0x1C, 0x1D, 0x1E, 0x1F, 0x7F, 0x80,
+    0x85, 0x9F, 0xA0, 0xAD, 0xE9, 0x1680, 0x2000, 0x2009, 0x200A, 0x200B, 0x200C, 0x200E,
+    0x200F, 0x2028, 0x2029, 0x202A, 0x202E, 0x202F, 0x205F, 0x2060, 0x3000, 0xE000, 0xFEFF,
+    0x1F600,
+)]  # fmt: skip
+
+
+def test_normalize_text_equals_reference_on_random_text():
+    rng = random.Random(0)
+    for _ in range(30_000):
+        n = rng.randint(0, 16)
+        # half pure ASCII, which takes its own short cut
+        alphabet = _FUZZ_ALPHABET if rng.random() < 0.5 else _FUZZ_ALPHABET[:16]
+        text = "".join(rng.choice(alphabet) for _ in range(n))
+        assert normalize_text(text) == reference_normalize(text), repr(text)
+        assert split_lines(text) == reference_split_lines(text), repr(text)
+
+
+def test_normalize_text_equals_reference_on_every_fixture(monkeypatch):
+    files = []
+    for path in expand_inputs([str(CORPORA), str(BOTCHAN)]):
+        try:
+            files.append((path, detect_format(path)))
+        except CorpusError:
+            continue  # bad/not_a_corpus.bin
+    keys = ("text", "title")  # a second field where the format has one
+
+    def records():
+        out = []
+        for path, fmt in files:
+            for k in (keys[:1], keys):
+                with contextlib.suppress(CorpusError):
+                    out.append(list(iter_records(path, fmt, k)))
+        return out
+
+    fast = records()
+    monkeypatch.setattr(corpora, "normalize_text", reference_normalize)
+    assert records() == fast
+    docs = [r for recs in fast for r in recs if isinstance(r, Document)]
+    assert len(docs) > 100 and len({f for f, _ in files}) > 30
 
 
 # ---------------------------------------------------------------------------------------
