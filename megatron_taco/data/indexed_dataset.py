@@ -53,6 +53,18 @@ class IndexedDatasetError(ValueError):
     """An indexed dataset file is missing, truncated or corrupt; the message names the file."""
 
 
+def write_index_header(f, dtype, num_sequences: int, num_document_indices: int) -> None:
+    """The .idx header; the caller then writes int32 sizes, int64 pointers and the int64
+    document indices (``num_document_indices`` = documents + 1, starting with 0). Exposed so
+    a writer that streams the columns (the preprocessing merge) shares the format's one
+    definition."""
+    f.write(
+        _HEADER.pack(
+            _MAGIC, _VERSION, _dtype_code(np.dtype(dtype)), num_sequences, num_document_indices
+        )
+    )
+
+
 def data_file_path(prefix: str | os.PathLike) -> str:
     return os.fspath(prefix) + ".bin"
 
@@ -444,11 +456,7 @@ class IndexedDatasetBuilder:
         if sizes.shape[0] > 1:
             np.cumsum(sizes[:-1].astype(np.int64) * itemsize, out=pointers[1:])
         with open(idx_path, "wb") as f:
-            f.write(
-                _HEADER.pack(
-                    _MAGIC, _VERSION, _dtype_code(self.dtype), sizes.shape[0], docs.shape[0]
-                )
-            )
+            write_index_header(f, self.dtype, sizes.shape[0], docs.shape[0])
             f.write(sizes.astype("<i4", copy=False).tobytes(order="C"))
             f.write(pointers.astype("<i8", copy=False).tobytes(order="C"))
             f.write(docs.astype("<i8", copy=False).tobytes(order="C"))

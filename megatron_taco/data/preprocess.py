@@ -44,7 +44,6 @@ import queue
 import re
 import shutil
 import signal
-import struct
 import sys
 import threading
 import time
@@ -76,6 +75,7 @@ from megatron_taco.data.indexed_dataset import (
     best_dtype,
     data_file_path,
     index_file_path,
+    write_index_header,
 )
 
 __all__ = [
@@ -102,10 +102,6 @@ PARSE_ERROR = "parse_error"
 MAX_BATCH_BYTES = 4 << 20
 _EXAMPLES_PER_REASON = 3
 _POLL_S = 0.2
-_MAGIC = b"MMIDIDX\x00\x00"
-# megatron.core.datasets.indexed_dataset.DType codes of the two dtypes best_dtype returns.
-_DTYPE_CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}
-_INDEX_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents+1
 _COMPRESSION_MAGIC = (b"\x1f\x8b", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd", b"BZh")
 
 
@@ -821,7 +817,7 @@ def _merge_key(
     # Streamed column by column, one slice per batch: the index of a 40 GB corpus is never
     # held in memory twice.
     with open(index_file_path(out_prefix), "wb") as f:
-        f.write(_INDEX_HEADER.pack(_MAGIC, 1, _DTYPE_CODES[dtype], n_seq, n_doc + 1))
+        write_index_header(f, dtype, n_seq, n_doc + 1)
         for pc in order:
             f.write(shards[pc.shard].sizes[pc.s0 : pc.s1].astype("<i4").tobytes())
         base = 0
