@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -109,3 +110,24 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -
             value = tuple(value)
         values[f.name] = value
     return cls(**values)
+
+
+def run_cli(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    body: Callable[[argparse.Namespace], Any],
+    *,
+    user_errors: tuple[type[BaseException], ...] = (),
+) -> int:
+    """The shared shell of the tools' main(): parse, log at INFO, run ``body``. A ConfigError
+    is a usage error (exit 2, with the usage line); ``user_errors`` (bad input files and the
+    like) print ``prog: error: ...`` and exit 1, without a traceback."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        body(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    except user_errors as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    return 0

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from megatron_taco.arguments import (
-    ConfigError,
     add_dataclass_args,
     dataclass_from_args,
     option,
     require,
+    run_cli,
 )
 from megatron_taco.data.bert_dataset import BertSampleDataset, build_train_valid_test_datasets
 from megatron_taco.data.blending import BlendedDataset
@@ -156,30 +156,28 @@ def summarise(
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = dataclass_from_args(DataConfig, args)
-        counts = dataclass_from_args(SampleCounts, args)
-        config.validate_files()
-        from megatron_taco.data.tokenizer import Tokenizer
+def _build_and_summarise(args: argparse.Namespace) -> None:
+    config = dataclass_from_args(DataConfig, args)
+    counts = dataclass_from_args(SampleCounts, args)
+    config.validate_files()
+    from megatron_taco.data.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer(config.tokenizer_model)
-        splits = build_train_valid_test_datasets(
-            config, tokenizer, (counts.train_samples, counts.valid_samples, counts.test_samples)
-        )
-    except ConfigError as e:
-        parser.error(str(e))
-    except (IndexedDatasetError, ValueError, OSError) as e:
-        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    tokenizer = Tokenizer(config.tokenizer_model)
+    requested = (counts.train_samples, counts.valid_samples, counts.test_samples)
+    splits = build_train_valid_test_datasets(config, tokenizer, requested)
     print(f"sample indices cached in {config.cache_dir()}")
     for prefix in config.prefixes:
         print(f"  {os.path.basename(prefix)}: {prefix}")
-    requested = (counts.train_samples, counts.valid_samples, counts.test_samples)
     print(summarise(config, splits, tokenizer, requested))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(
+        build_parser(),
+        argv,
+        _build_and_summarise,
+        user_errors=(IndexedDatasetError, ValueError, OSError),
+    )
 
 
 if __name__ == "__main__":

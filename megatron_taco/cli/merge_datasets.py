@@ -23,6 +23,7 @@ from megatron_taco.arguments import (
     dataclass_from_args,
     option,
     require,
+    run_cli,
 )
 from megatron_taco.data.indexed_dataset import (
     IndexedDataset,
@@ -222,16 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        merge_datasets(dataclass_from_args(MergeConfig, args))
-    except ConfigError as e:
-        parser.error(str(e))
-    except IndexedDatasetError as e:
-        parser.exit(1, f"{parser.prog}: error: {e}\n")
-    return 0
+    return run_cli(
+        build_parser(),
+        argv,
+        lambda args: merge_datasets(dataclass_from_args(MergeConfig, args)),
+        user_errors=(IndexedDatasetError,),
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from megatron_taco.arguments import (
     dataclass_from_args,
     option,
     require,
+    run_cli,
 )
 from megatron_taco.data.corpora import (
     FORMATS,
@@ -280,17 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = dataclass_from_args(TrainTokenizerConfig, args)
-        train_tokenizer(config)
-    except ConfigError as e:
-        parser.error(str(e))
-    except (CorpusError, LookupError, OSError) as e:  # LookupError: no punkt data
-        parser.exit(1, f"{parser.prog}: error: {e}\n")
-    return 0
+    return run_cli(
+        build_parser(),
+        argv,
+        lambda args: train_tokenizer(dataclass_from_args(TrainTokenizerConfig, args)),
+        user_errors=(CorpusError, LookupError, OSError),  # LookupError: no punkt data
+    )
 
 
 if __name__ == "__main__":
