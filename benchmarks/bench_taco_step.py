@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from megatron_taco.models.config import TacoConfig
 from megatron_taco.models.flops import taco_train_flops
-from megatron_taco.models.taco import TacoForPretraining
+from megatron_taco.models.taco.config import TacoConfig
+from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import single_process_state
 
 

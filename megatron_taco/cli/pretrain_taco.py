@@ -28,7 +28,7 @@ import numpy as np
 from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
 from megatron_taco.data.config import DataConfig
 from megatron_taco.data.masking import MaskingConfig
-from megatron_taco.models.config import TacoConfig
+from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.training.config import (
     DeepSpeedSettings,
@@ -175,7 +175,7 @@ def run(cfg: PretrainConfigs) -> int:
     from megatron_taco.data.taco_collator import TacoMaskingCollator
     from megatron_taco.data.tokenizer import Tokenizer
     from megatron_taco.models.flops import taco_train_flops
-    from megatron_taco.models.taco import TacoForPretraining
+    from megatron_taco.models.taco.model import TacoForPretraining
     from megatron_taco.parallel.random import model_parallel_seed
     from megatron_taco.training.checkpointing import TrainingState, load_checkpoint
     from megatron_taco.training.engine import (

@@ -1,7 +1,2 @@
-"""Model definitions (TACO, SAS). Imports only ``megatron_taco.parallel`` and torch."""
-
-from megatron_taco.models.config import TacoConfig
-from megatron_taco.models.flops import taco_train_flops
-from megatron_taco.models.taco import TacoForPretraining, TacoModel
-
-__all__ = ["TacoConfig", "TacoForPretraining", "TacoModel", "taco_train_flops"]
+"""Model definitions (TACO, SAS) on the tensor-parallel layers. Imports only
+``megatron_taco.parallel`` and torch."""

@@ -201,8 +201,8 @@ def test_zero_trains_and_resumes_exactly(zero_results, stage, precision):
 
 def _taco_worker(rank, world_size, tmp):
     from megatron_taco.data.taco_collator import TacoMaskingCollator
-    from megatron_taco.models.config import TacoConfig
-    from megatron_taco.models.taco import TacoForPretraining
+    from megatron_taco.models.taco.config import TacoConfig
+    from megatron_taco.models.taco.model import TacoForPretraining
 
     parallel = init_parallel(2)
     assert (parallel.tp_size, parallel.dp_size) == (2, 2)

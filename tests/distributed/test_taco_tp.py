@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_taco.models.taco import TacoForPretraining
+from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.layers import (
     gather_full_weight,
     merge_partitions,

@@ -156,8 +156,8 @@ def test_no_decay_on_biases_norms_and_prelu():
 
 
 def test_real_taco_groups():
-    from megatron_taco.models.config import TacoConfig
-    from megatron_taco.models.taco import TacoForPretraining
+    from megatron_taco.models.taco.config import TacoConfig
+    from megatron_taco.models.taco.model import TacoForPretraining
     from megatron_taco.parallel.state import single_process_state
 
     model = TacoForPretraining(TacoConfig.preset("tiny", vocab_size=100), single_process_state())

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from megatron_taco.arguments import ConfigError
-from megatron_taco.models.config import PRESETS, TacoConfig
+from megatron_taco.models.taco.config import PRESETS, TacoConfig
 
 
 def test_defaults_are_taco_base_table7():

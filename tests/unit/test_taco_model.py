@@ -4,14 +4,11 @@ import math
 import pytest
 import torch
 
-from megatron_taco.models import taco as taco_module
-from megatron_taco.models.config import TacoConfig
+from megatron_taco.models.common.relative import relative_bucket_range, relative_position_index
 from megatron_taco.models.flops import taco_forward_flops, taco_train_flops
-from megatron_taco.models.taco import (
-    TacoForPretraining,
-    relative_bucket_range,
-    relative_position_index,
-)
+from megatron_taco.models.taco import model as taco_module
+from megatron_taco.models.taco.config import TacoConfig
+from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import single_process_state
 
 VOCAB = 97

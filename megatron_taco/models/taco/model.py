@@ -21,17 +21,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taco.models.config import TacoConfig
-from megatron_taco.models.heads import TacoPretrainingHeads
-from megatron_taco.models.layers import (
+from megatron_taco.models.common.layers import (
     LayerNorm,
-    gelu,
     init_from_master_,
     init_method_normal,
     init_partitioned_,
     scaled_init_method_normal,
     uniform_fan_in_init,
 )
+from megatron_taco.models.common.lm_head import gather_labelled, masked_mean
+from megatron_taco.models.common.mlp import ParallelMLP
+from megatron_taco.models.common.relative import (
+    batch_layout,
+    c2p_backward,
+    c2p_scores,
+    p2c_backward,
+    p2c_scores,
+    relative_position_index,
+    relative_table_rows,
+)
+from megatron_taco.models.taco.config import TacoConfig
+from megatron_taco.models.taco.heads import TacoPretrainingHeads
 from megatron_taco.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -52,67 +62,6 @@ def _group_heads(config: TacoConfig, group: str) -> int:
     return (
         config.pe_attention_heads if group in ("position", "prev_pe") else config.we_attention_heads
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Relative positions
-
-
-def relative_bucket_range(position_ids: torch.Tensor, k: int) -> tuple[int, int]:
-    """The range [lo, hi] of clipped-distance buckets that can occur in this batch.
-
-    Only buckets k-span .. k+span can occur when the example's (unmasked) positions span
-    ``span``. Projecting and multiplying only those rows instead of all 2k+1 saves a factor
-    (2k+1)/(2 span+1) on the c2p/p2c products: 4x for seq 128 with k=511. It costs one
-    device->host sync per forward (not per layer). All tp ranks see the same batch, so they
-    agree on the range.
-    """
-    lo, hi, _ = batch_layout(position_ids, None, k)
-    return lo, hi
-
-
-def batch_layout(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, k: int):
-    """(lo, hi, has_padding): the relative bucket range and whether any key is padding,
-    with a single device->host transfer."""
-    valid = position_ids >= 0
-    big = torch.iinfo(position_ids.dtype).max
-    stats = [
-        position_ids.masked_fill(~valid, -1).max(),
-        position_ids.masked_fill(~valid, big).min(),
-    ]
-    if attention_mask is not None:
-        stats.append((~attention_mask.bool()).any().to(position_ids.dtype))
-    values = torch.stack(stats).tolist()
-    hi_pos, lo_pos = values[0], values[1]
-    has_padding = attention_mask is not None and bool(values[2])
-    if hi_pos < 0:  # every position masked: only the mask bucket occurs
-        return k, k, has_padding
-    span = min(int(hi_pos - lo_pos), k)
-    return k - span, k + span, has_padding
-
-
-def relative_position_index(position_ids: torch.Tensor, k: int, lo: int, hi: int) -> torch.Tensor:
-    """Bucket of every (query i, key j) pair, from the example's position ids (never from
-    the physical column, so permuting tokens with their positions permutes the result).
-
-    r_ij = clip(p_j - p_i, -k, k) + k, and 2k+1 when p_i or p_j is the mask position (-1).
-    Returned relative to the compact table used by the forward: bucket - lo for real
-    distances, and the last slot (hi - lo + 1) for the mask bucket; with lo=0, hi=2k this is
-    exactly the canonical bucket. position_ids [b, s] -> [b, s, s] int64.
-    """
-    p = position_ids.long()
-    dist = p.unsqueeze(1) - p.unsqueeze(2)  # [b, s(i), s(j)] = p_j - p_i
-    r = dist.clamp(-k, k) + (k - lo)
-    masked = p < 0
-    pair_masked = masked.unsqueeze(1) | masked.unsqueeze(2)
-    return r.masked_fill(pair_masked, hi - lo + 1)
-
-
-def relative_table_rows(config: TacoConfig, lo: int, hi: int, device) -> torch.Tensor:
-    """Rows of the relative table used by the compact index: lo..hi, then the mask bucket."""
-    rows = torch.arange(lo, hi + 2, device=device)
-    rows[-1] = config.mask_bucket
-    return rows
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,7 +146,7 @@ class _AttentionMaps(torch.autograd.Function):
         # q_we/k_we [hw, b, s, d]; q_pe/k_pe [hp, b, s, d]; k_r/q_r [hw, n, d];
         # index/index_t [b, s, s] with index_t[b, i, j] = index[b, j, i]; prev [hw+hp, b, s, s].
         hw, b, s, d = q_we.shape
-        hp, n = q_pe.shape[0], k_r.shape[1]
+        hp = q_pe.shape[0]
         c_in = 3 * hw + hp + (prev.shape[0] if prev is not None else 0)
         maps = q_we.new_empty(c_in, b, s, s)
         content, c2p, p2c = maps[:hw], maps[hw : 2 * hw], maps[2 * hw : 3 * hw]
@@ -220,18 +169,9 @@ class _AttentionMaps(torch.autograd.Function):
             alpha=scale,
             out=position.view(hp * b, s, s),
         )
-        idx = index.unsqueeze(0).expand(hw, b, s, s)
-        idx_t = index_t.unsqueeze(0).expand(hw, b, s, s)
-        # c2p[i, j] = q_i . K_R[r_ij]: score each query against every bucket, pick r_ij.
-        # The scale goes on the small [hw, n, d] bucket projections, not on the score tensors.
-        scores = torch.bmm(q_we.view(hw, b * s, d), (k_r * scale).transpose(1, 2))  # [hw, b*s, n]
-        torch.gather(scores.view(hw, b, s, n), -1, idx, out=c2p)
-        del scores
-        # p2c[i, j] = Q_R[r_ji] . k_j: bucket-major scores [hw, b, n, s(j)]; gathering along
-        # the bucket dim with r_ji at (i, j) lands p2c in [i, j] order, no transpose.
-        scores_t = torch.matmul((q_r * scale).unsqueeze(1), k_we.transpose(-1, -2))  # [hw, b, n, s]
-        torch.gather(scores_t, -2, idx_t, out=p2c)
-        del scores_t
+        # c2p[i, j] = q_i . K_R[r_ij], p2c[i, j] = Q_R[r_ji] . k_j (models/common/relative.py).
+        c2p_scores(q_we, k_r, index, scale, out=c2p)
+        p2c_scores(k_we, q_r, index_t, scale, out=p2c)
         if prev is not None:
             maps[3 * hw + hp :].copy_(prev)
         ctx.save_for_backward(q_we, k_we, q_pe, k_pe, k_r, q_r, index)
@@ -249,7 +189,7 @@ class _AttentionMaps(torch.autograd.Function):
         q_we, k_we, q_pe, k_pe, k_r, q_r, index = ctx.saved_tensors
         scale = ctx.scale
         hw, b, s, d = q_we.shape
-        hp, n = q_pe.shape[0], k_r.shape[1]
+        hp = q_pe.shape[0]
         grad_maps = grad_maps.contiguous()
         g_content = grad_maps[:hw].view(hw * b, s, s)
         g_c2p = grad_maps[hw : 2 * hw]
@@ -260,21 +200,10 @@ class _AttentionMaps(torch.autograd.Function):
         # content = scale * Q K^T
         grad_q = torch.bmm(g_content, k_flat)  # [hw*b, s, d]
         grad_k = torch.bmm(g_content.transpose(1, 2), q_flat)
-        # c2p: sum the gradient of each (i, j) into its bucket, then it is a plain product.
-        idx = index.unsqueeze(0).expand(hw, b, s, s)
-        g_scores = q_we.new_zeros(hw, b, s, n).scatter_add_(-1, idx, g_c2p)  # [hw, b, s, n]
-        g_scores = g_scores.view(hw, b * s, n)
-        grad_q = grad_q.view(hw, b * s, d).baddbmm_(g_scores, k_r)
-        grad_k_r = torch.bmm(g_scores.transpose(1, 2), q_we.view(hw, b * s, d))  # [hw, n, d]
-        del g_scores
-        # p2c: the gradient of (i, j) belongs to row j, bucket r_ji = index[j, i]: scatter the
-        # transposed gradient into a query-major [hw, b, s(j), n] layout (a -1 scatter, ~2x
-        # faster than scattering along the bucket dim of the forward's layout).
-        g_scores_t = q_we.new_zeros(hw, b, s, n).scatter_add_(-1, idx, g_p2c.transpose(-1, -2))
-        g_scores_t = g_scores_t.view(hw, b * s, n)
-        grad_q_r = torch.bmm(g_scores_t.transpose(1, 2), k_we.view(hw, b * s, d))  # [hw, n, d]
-        grad_k = grad_k.view(hw, b * s, d).baddbmm_(g_scores_t, q_r)
-        del g_scores_t
+        grad_q, grad_k = grad_q.view(hw, b * s, d), grad_k.view(hw, b * s, d)
+        grad_k_r = c2p_backward(g_c2p, q_we, k_r, index, grad_q)
+        # p2c's index is index_t, whose transpose is index.
+        grad_q_r = p2c_backward(g_p2c, k_we, q_r, index, grad_k)
         # position = scale * Q_PE K_PE^T
         grad_q_pe = torch.bmm(g_position, k_pe.view(hp * b, s, d))
         grad_k_pe = torch.bmm(g_position.transpose(1, 2), q_pe.view(hp * b, s, d))
@@ -473,18 +402,6 @@ class TacoAttention(nn.Module):
         return out_we, out_pe, logits
 
 
-class ParallelMLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int, config: TacoConfig, parallel: ParallelState) -> None:
-        super().__init__()
-        init = init_method_normal(config.init_method_std)
-        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
-        self.fc1 = ColumnParallelLinear(hidden, ffn, parallel, init_method=init)
-        self.fc2 = RowParallelLinear(ffn, hidden, parallel, init_method=out_init)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(gelu(self.fc1(x)))  # [b, s, ffn/tp] -> [b, s, hidden]
-
-
 class TacoLayer(nn.Module):
     """Joint attention, then for each stream separately (pseudo-Siamese, post-LN):
     h = LN(h + drop(attn)); h = LN(h + drop(FFN(h)))."""
@@ -497,12 +414,9 @@ class TacoLayer(nn.Module):
         self.attention = TacoAttention(config, parallel, layer_number, rng_tracker)
         self.we_attention_layernorm = LayerNorm(config.we_hidden_size, eps)
         self.pe_attention_layernorm = LayerNorm(config.pe_hidden_size, eps)
-        self.we_mlp = ParallelMLP(
-            config.we_hidden_size, config.we_ffn_hidden_size, config, parallel
-        )
-        self.pe_mlp = ParallelMLP(
-            config.pe_hidden_size, config.pe_ffn_hidden_size, config, parallel
-        )
+        mlp = {"init_std": config.init_method_std, "num_layers": config.num_layers}
+        self.we_mlp = ParallelMLP(config.we_hidden_size, config.we_ffn_hidden_size, parallel, **mlp)
+        self.pe_mlp = ParallelMLP(config.pe_hidden_size, config.pe_ffn_hidden_size, parallel, **mlp)
         self.we_output_layernorm = LayerNorm(config.we_hidden_size, eps)
         self.pe_output_layernorm = LayerNorm(config.pe_hidden_size, eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -554,7 +468,7 @@ class TacoModel(nn.Module):
         lo, hi, has_padding = batch_layout(position_ids, attention_mask, k)
         rel_index = relative_position_index(position_ids, k, lo, hi)  # [b, s, s]
         rel_index_t = rel_index.transpose(1, 2).contiguous()
-        rows = relative_table_rows(config, lo, hi, input_ids.device)
+        rows = relative_table_rows(lo, hi, config.mask_bucket, input_ids.device)
         rel_rows = self.embeddings.relative_rows(rows)  # [n, rel]
         # Batches without padding (full-length rows are common) skip the masking pass.
         key_padding = (
@@ -607,21 +521,15 @@ class TacoForPretraining(nn.Module):
 
         def labelled(labels: torch.Tensor):
             # Gather the labelled positions before the heads (one host sync each).
-            flat = labels.reshape(-1)
-            idx = (flat != -100).nonzero().squeeze(1)
-            x = torch.cat(
-                [we.index_select(0, idx), pe.index_select(0, idx)], dim=-1
-            )  # [N, d_WE+d_PE]
-            return x, flat.index_select(0, idx)
+            h_we, target, idx = gather_labelled(we, labels)
+            return torch.cat([h_we, pe.index_select(0, idx)], dim=-1), target  # [N, d_WE+d_PE]
 
         x, target = labelled(batch["mlm_labels"])
         mlm_loss_tok, mlm_correct = self.heads.mlm(x, target, emb.word_embeddings.weight)
         x, target = labelled(batch["mpm_labels"])
         mpm_loss_tok, mpm_correct = self.heads.mpm(x, target, emb.position_embeddings)
 
-        def mean(t: torch.Tensor) -> torch.Tensor:
-            return t.sum() / max(t.numel(), 1)
-
+        mean = masked_mean
         mlm_loss, mpm_loss = mean(mlm_loss_tok), mean(mpm_loss_tok)
         return {
             "loss": mlm_loss + mpm_loss,

@@ -1,0 +1,167 @@
+"""Relative-position attention pieces shared by TACO and SAS^DA (DeBERTa's disentangled attention).
+
+Both models score each (query i, key j) pair against a table of relative-position rows:
+
+    c2p[i, j] = q_i . K_R[c2p_index[i, j]]        (content to position)
+    p2c[i, j] = k_j . Q_R[p2c_index[i, j]]        (position to content)
+
+where K_R / Q_R are the relative rows projected per head. The models differ only in how a
+pair maps to a row (``c2p_index`` / ``p2c_index``):
+
+* TACO: r_ij = clip(p_j - p_i, -k, k) + k from the example's position ids, a separate
+  bucket for pairs involving a masked position, c2p at r_ij and p2c at r_ji (the transpose);
+* DeBERTa-v2 (transformers' semantics): delta = i - j, optionally log-bucketed, row
+  clamp(delta + span, 0, 2 span - 1) for both c2p and p2c.
+
+Shapes: h heads (local to the tp rank), b rows, s tokens, d head size, n table rows.
+The products never materialise [h, b, s, s, d]: each query is scored against all n rows
+([h, b*s, n], one GEMM) and the row of each pair is gathered; the backward scatters the
+pair gradients back into the n rows and is again one GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ---------------------------------------------------------------------------------------
+# TACO's buckets: from position ids, with a mask bucket and a compact range
+
+
+def batch_layout(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, k: int):
+    """(lo, hi, has_padding): the range [lo, hi] of clipped-distance buckets that can occur
+    in this batch and whether any key is padding, with a single device->host transfer.
+
+    Only buckets k-span .. k+span occur when the (unmasked) positions span ``span``;
+    projecting and multiplying only those rows instead of all 2k+1 saves a factor
+    (2k+1)/(2 span+1) on the c2p/p2c products (4x for seq 128 with k=511). All tp ranks see
+    the same batch, so they agree on the range.
+    """
+    valid = position_ids >= 0
+    big = torch.iinfo(position_ids.dtype).max
+    stats = [
+        position_ids.masked_fill(~valid, -1).max(),
+        position_ids.masked_fill(~valid, big).min(),
+    ]
+    if attention_mask is not None:
+        stats.append((~attention_mask.bool()).any().to(position_ids.dtype))
+    values = torch.stack(stats).tolist()
+    hi_pos, lo_pos = values[0], values[1]
+    has_padding = attention_mask is not None and bool(values[2])
+    if hi_pos < 0:  # every position masked: only the mask bucket occurs
+        return k, k, has_padding
+    span = min(int(hi_pos - lo_pos), k)
+    return k - span, k + span, has_padding
+
+
+def relative_bucket_range(position_ids: torch.Tensor, k: int) -> tuple[int, int]:
+    lo, hi, _ = batch_layout(position_ids, None, k)
+    return lo, hi
+
+
+def relative_position_index(position_ids: torch.Tensor, k: int, lo: int, hi: int) -> torch.Tensor:
+    """Bucket of every (query i, key j) pair, from the example's position ids (never from
+    the physical column, so permuting tokens with their positions permutes the result).
+
+    r_ij = clip(p_j - p_i, -k, k) + k, and 2k+1 when p_i or p_j is the mask position (-1).
+    Returned relative to the compact table used by the forward: bucket - lo for real
+    distances, and the last slot (hi - lo + 1) for the mask bucket; with lo=0, hi=2k this is
+    exactly the canonical bucket. position_ids [b, s] -> [b, s, s] int64.
+    """
+    p = position_ids.long()
+    dist = p.unsqueeze(1) - p.unsqueeze(2)  # [b, s(i), s(j)] = p_j - p_i
+    r = dist.clamp(-k, k) + (k - lo)
+    masked = p < 0
+    pair_masked = masked.unsqueeze(1) | masked.unsqueeze(2)
+    return r.masked_fill(pair_masked, hi - lo + 1)
+
+
+def relative_table_rows(lo: int, hi: int, mask_bucket: int, device) -> torch.Tensor:
+    """Rows of the relative table used by the compact index: lo..hi, then the mask bucket."""
+    rows = torch.arange(lo, hi + 2, device=device)
+    rows[-1] = mask_bucket
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# DeBERTa-v2's buckets
+
+
+def log_bucket_position(relative_pos: torch.Tensor, bucket_size: int, max_position: int):
+    """DeBERTa-v2's log buckets: distances inside +-bucket_size/2 are kept, larger ones are
+    compressed logarithmically so that max_position maps to +-(bucket_size/2 - 1) + mid."""
+    sign = torch.sign(relative_pos)
+    mid = bucket_size // 2
+    inside = (relative_pos < mid) & (relative_pos > -mid)
+    abs_pos = torch.where(inside, torch.full_like(relative_pos, mid - 1), relative_pos.abs())
+    # float32 like transformers: the ceil of a float64 log can land in another bucket.
+    ratio = torch.log(torch.tensor((max_position - 1) / mid, dtype=torch.float32))
+    log_pos = torch.ceil(torch.log(abs_pos.float() / mid) / ratio * (mid - 1)) + mid
+    return torch.where(abs_pos <= mid, relative_pos.float(), log_pos * sign).long()
+
+
+def deberta_relative_index(
+    seq_length: int, span: int, position_buckets: int, max_relative_positions: int, device=None
+) -> torch.Tensor:
+    """[1, s, s] int64: the table row of every (i, j) pair, for both c2p and p2c, as in
+    transformers' DeBERTa-v2 (delta = i - j, log-bucketed when position_buckets > 0, then
+    clamp(delta + span, 0, 2 span - 1)); ``span`` is the table's half size."""
+    ids = torch.arange(seq_length, device=device)
+    delta = ids[:, None] - ids[None, :]  # [s(i), s(j)] = i - j
+    if position_buckets > 0 and max_relative_positions > 0:
+        delta = log_bucket_position(delta, position_buckets, max_relative_positions)
+    return (delta + span).clamp(0, 2 * span - 1).unsqueeze(0)
+
+
+# ---------------------------------------------------------------------------------------
+# The c2p / p2c products (forward and hand-written backward)
+
+
+def c2p_scores(q, k_r, index, scale: float, out=None):
+    """c2p[h, b, i, j] = scale * q[h, b, i] . k_r[h, index[b, i, j]].
+    q [h, b, s, d], k_r [h, n, d], index [b, s, s] (may be expanded) -> [h, b, s, s]."""
+    h, b, s, d = q.shape
+    n = k_r.shape[1]
+    # Score each query against every row (scale on the small [h, n, d] side), pick r_ij.
+    scores = torch.bmm(q.reshape(h, b * s, d), (k_r * scale).transpose(1, 2))  # [h, b*s, n]
+    idx = index.unsqueeze(0).expand(h, b, s, s)
+    return torch.gather(scores.view(h, b, s, n), -1, idx, out=out)
+
+
+def p2c_scores(k, q_r, index, scale: float, out=None):
+    """p2c[h, b, i, j] = scale * k[h, b, j] . q_r[h, index[b, i, j]].
+    k [h, b, s, d], q_r [h, n, d], index [b, s, s] -> [h, b, s, s]."""
+    h, b, s, _ = k.shape
+    # Row-major scores [h, b, n, s(j)]; gathering along the row dim with index[i, j] at
+    # (i, j) lands p2c in [i, j] order without a transpose.
+    scores_t = torch.matmul((q_r * scale).unsqueeze(1), k.transpose(-1, -2))  # [h, b, n, s]
+    idx = index.unsqueeze(0).expand(h, b, s, s)
+    return torch.gather(scores_t, -2, idx, out=out)
+
+
+def c2p_backward(grad, q, k_r, index, grad_q):
+    """Unscaled gradients of c2p_scores: adds d/dq into ``grad_q`` [h, b*s, d] in place and
+    returns d/dk_r [h, n, d]. grad [h, b, s, s]."""
+    h, b, s, d = q.shape
+    n = k_r.shape[1]
+    idx = index.unsqueeze(0).expand(h, b, s, s)
+    # Sum the gradient of each (i, j) into its row; then it is a plain product.
+    g_scores = q.new_zeros(h, b, s, n).scatter_add_(-1, idx, grad).view(h, b * s, n)
+    grad_q.baddbmm_(g_scores, k_r)
+    return torch.bmm(g_scores.transpose(1, 2), q.reshape(h, b * s, d))
+
+
+def p2c_backward(grad, k, q_r, index_t, grad_k):
+    """Unscaled gradients of p2c_scores: adds d/dk into ``grad_k`` [h, b*s, d] in place and
+    returns d/dq_r [h, n, d]. ``index_t`` is the transpose of the forward's index
+    (index_t[b, j, i] = index[b, i, j])."""
+    h, b, s, d = k.shape
+    n = q_r.shape[1]
+    idx_t = index_t.unsqueeze(0).expand(h, b, s, s)
+    # The gradient of (i, j) belongs to key j: scatter the transposed gradient into a
+    # key-major [h, b, s(j), n] layout (a last-dim scatter, ~2x faster than scattering
+    # along the row dim of the forward's layout).
+    g_scores = (
+        k.new_zeros(h, b, s, n).scatter_add_(-1, idx_t, grad.transpose(-1, -2)).view(h, b * s, n)
+    )
+    grad_k.baddbmm_(g_scores, q_r)
+    return torch.bmm(g_scores.transpose(1, 2), k.reshape(h, b * s, d))
