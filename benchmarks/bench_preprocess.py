@@ -236,7 +236,7 @@ def get_tokenizer(corpus: str, vocab_size: int) -> str:
 
 
 def _bare_worker(rank, n, corpus, model, split, chunk, threads, ready, go, results):
-    from megatron_taco.data.text import SentenceSplitter
+    from megatron_taco.preprocessing.text import SentenceSplitter
     from megatron_taco.data.tokenizer import Tokenizer
 
     tok = Tokenizer(model)
@@ -271,7 +271,7 @@ def bare_limit(corpus, model, workers, split, chunk) -> tuple[float, int, float]
         )
         for r in range(workers)
     ]
-    from megatron_taco.data.preprocess import _single_threaded_math
+    from megatron_taco.preprocessing.preprocess import _single_threaded_math
 
     with _single_threaded_math():  # the environment the tool gives its workers
         for p in procs:
@@ -302,7 +302,7 @@ def _cpu_seconds() -> float:
 
 def full_tool(corpus, model, workers, split, chunk, out_dir) -> tuple[float, dict, float]:
     """(wall seconds, the tool's summary, CPU seconds of the main process and workers)."""
-    from megatron_taco.data.preprocess import PreprocessConfig, preprocess
+    from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
 
     cfg = PreprocessConfig(
         input=(corpus,),

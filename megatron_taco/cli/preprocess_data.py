@@ -1,6 +1,6 @@
 """Tokenize raw corpora into Megatron indexed datasets (taco-preprocess-data).
 
-Megatron's tools/preprocess_data.py flags; see megatron_taco.data.preprocess for the
+Megatron's tools/preprocess_data.py flags; see megatron_taco.preprocessing.preprocess for the
 pipeline, the output layout and the guarantees (deterministic, atomic outputs).
 """
 
@@ -11,7 +11,7 @@ import signal
 import sys
 
 from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
-from megatron_taco.data.preprocess import (
+from megatron_taco.preprocessing.preprocess import (
     PreprocessConfig,
     PreprocessError,
     PreprocessInterrupted,

@@ -33,7 +33,8 @@ from megatron_taco.arguments import (
     require,
     run_cli,
 )
-from megatron_taco.data.corpora import (
+from megatron_taco.data.tokenizer import SPECIAL_PIECES, Tokenizer
+from megatron_taco.preprocessing.corpora import (
     FORMATS,
     CorpusError,
     Document,
@@ -41,8 +42,7 @@ from megatron_taco.data.corpora import (
     expand_inputs,
     iter_records,
 )
-from megatron_taco.data.text import SentenceSplitter
-from megatron_taco.data.tokenizer import SPECIAL_PIECES, Tokenizer
+from megatron_taco.preprocessing.text import SentenceSplitter
 
 logger = logging.getLogger(__name__)
 

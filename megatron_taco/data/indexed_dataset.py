@@ -73,6 +73,15 @@ def index_file_path(prefix: str | os.PathLike) -> str:
     return os.fspath(prefix) + ".idx"
 
 
+UNIGRAM_SUFFIX = "_unigram.npy"
+
+
+def unigram_path(prefix: str) -> str:
+    """Token counts of the dataset (int64 [vocab_size]), written by the preprocessing and
+    summed by the merge; SAS's cold-start distribution."""
+    return prefix + UNIGRAM_SUFFIX
+
+
 def best_dtype(vocab_size: int) -> np.dtype:
     # Same threshold as megatron-core's DType.optimal_dtype, so token files are interchangeable.
     if vocab_size < 65500:

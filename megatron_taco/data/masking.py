@@ -1,11 +1,11 @@
-"""Span masking of tokens (SpanBERT) and of positions (TACO appendix A.2).
+"""Span sampling shared by every masking scheme, and SpanBERT token masking (MLM).
 
-Both corruptions share one span sampler that works on "units": whole words for
-token masking, single non-special tokens for position masking. One call handles
-one sample and is seeded by the caller, so results depend only on the sample and
-its seed (see taco_collator.py).
+One span sampler works on "units": whole words for token masking, single
+non-special tokens for TACO's position masking (position_masking.py), whole words
+for SAS's replacement sets (sas_collator.py). One call handles one sample and is
+seeded by the caller, so results depend only on the sample and its seed.
 
-Span sampling, shared by both tasks:
+Span sampling:
 
 * span length ``l`` (in units) ~ geometric(p) truncated at ``max_span``, i.e.
   ``P(l) ∝ p (1 - p)^(l - 1)`` for ``l = 1..max_span`` (SpanBERT's
@@ -33,16 +33,17 @@ import numpy as np
 from megatron_taco.arguments import option, require
 
 IGNORE_INDEX = -100
-MASK_POSITION = -1
 # Ids 0..4 are [PAD] [UNK] [CLS] [SEP] [MASK] (tokenizer.SPECIAL_PIECES); the
 # tokenizer module is not imported so DataLoader workers stay light.
 NUM_SPECIAL_IDS = 5
 
-_MASK, _RANDOM, _KEEP = 0, 1, 2
+ACTION_MASK, ACTION_RANDOM, ACTION_KEEP = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
-class MaskingConfig:
+class TokenMaskingConfig:
+    """SpanBERT token masking (MLM): spans of whole words, 80/10/10 per span."""
+
     mask_prob: float = option(
         0.15, "Fraction of maskable tokens selected for MLM", flag="--mask-prob"
     )
@@ -58,43 +59,11 @@ class MaskingConfig:
         "Probability a selected token span becomes random tokens (the rest is kept)",
         flag="--random-replace-prob",
     )
-    position_mask_prob: float = option(
-        0.15, "Fraction of non-special positions selected for MPM", flag="--position-mask-prob"
-    )
-    position_span_geometric_p: float = option(
-        0.2, "Geometric p of MPM span lengths (in tokens)", flag="--position-span-geometric-p"
-    )
-    max_position_span_length: int = option(
-        6, "Longest MPM span, in tokens", flag="--max-position-span-length"
-    )
-    position_mask_replace_prob: float = option(
-        0.8,
-        "Probability a selected position span becomes the mask position",
-        flag="--position-mask-replace-prob",
-    )
-    position_shuffle_prob: float = option(
-        0.1,
-        "Probability a selected position span is shuffled (the rest is kept)",
-        flag="--position-shuffle-prob",
-    )
 
     def __post_init__(self) -> None:
         cls = type(self)
-        for name in ("mask_prob", "position_mask_prob"):
-            value = getattr(self, name)
-            require(0.0 < value <= 1.0, cls, name, f"must be in (0, 1], got {value}")
-        for name in ("span_geometric_p", "position_span_geometric_p"):
-            value = getattr(self, name)
-            require(0.0 < value <= 1.0, cls, name, f"must be in (0, 1], got {value}")
-        for name in ("max_span_length", "max_position_span_length"):
-            value = getattr(self, name)
-            require(isinstance(value, int) and value >= 1, cls, name, f"must be >= 1, got {value}")
-        for name in (
-            "mask_replace_prob",
-            "random_replace_prob",
-            "position_mask_replace_prob",
-            "position_shuffle_prob",
-        ):
+        check_span_options(self, "mask_prob", "span_geometric_p", "max_span_length")
+        for name in ("mask_replace_prob", "random_replace_prob"):
             value = getattr(self, name)
             require(0.0 <= value <= 1.0, cls, name, f"must be in [0, 1], got {value}")
         require(
@@ -103,12 +72,16 @@ class MaskingConfig:
             "random_replace_prob",
             "mask and random replacement probabilities must sum to at most 1",
         )
-        require(
-            self.position_mask_replace_prob + self.position_shuffle_prob <= 1.0,
-            cls,
-            "position_shuffle_prob",
-            "mask and shuffle probabilities must sum to at most 1",
-        )
+
+
+def check_span_options(config, prob: str, geometric_p: str, max_span: str) -> None:
+    """Validate a masking config's (selection probability, span p, longest span) fields."""
+    cls = type(config)
+    for name in (prob, geometric_p):
+        value = getattr(config, name)
+        require(0.0 < value <= 1.0, cls, name, f"must be in (0, 1], got {value}")
+    value = getattr(config, max_span)
+    require(isinstance(value, int) and value >= 1, cls, max_span, f"must be >= 1, got {value}")
 
 
 @functools.lru_cache(maxsize=32)
@@ -197,17 +170,21 @@ def sample_spans(
     )
 
 
-def _span_token_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def span_token_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of arange(start, start + length) over spans."""
     offsets = np.cumsum(lengths) - lengths
     return np.arange(int(lengths.sum())) - np.repeat(offsets - starts, lengths)
 
 
-def _span_actions(
+def span_actions(
     rng: np.random.Generator, num_spans: int, first_prob: float, second_prob: float
 ) -> np.ndarray:
     u = rng.random(num_spans)
-    return np.where(u < first_prob, _MASK, np.where(u < first_prob + second_prob, _RANDOM, _KEEP))
+    return np.where(
+        u < first_prob,
+        ACTION_MASK,
+        np.where(u < first_prob + second_prob, ACTION_RANDOM, ACTION_KEEP),
+    )
 
 
 def word_units(
@@ -263,13 +240,13 @@ def span_mask_tokens(
         return input_ids, labels
     span_start = starts[first]
     span_tokens = ends[first + count - 1] - span_start
-    selected = _span_token_indices(span_start, span_tokens)
+    selected = span_token_indices(span_start, span_tokens)
     labels[selected] = tokens[selected]
     actions = np.repeat(
-        _span_actions(rng, first.size, mask_replace_prob, random_replace_prob), span_tokens
+        span_actions(rng, first.size, mask_replace_prob, random_replace_prob), span_tokens
     )
-    input_ids[selected[actions == _MASK]] = mask_id
-    replaced = selected[actions == _RANDOM]
+    input_ids[selected[actions == ACTION_MASK]] = mask_id
+    replaced = selected[actions == ACTION_RANDOM]
     if replaced.size:
         if random_token_ids is not None:
             pool = np.asarray(random_token_ids)
@@ -277,87 +254,3 @@ def span_mask_tokens(
         else:
             input_ids[replaced] = rng.integers(NUM_SPECIAL_IDS, vocab_size, size=replaced.size)
     return input_ids, labels
-
-
-def true_position_ids(length: int, seq_length: int) -> np.ndarray:
-    """Physical index for real tokens ([CLS] = 0); 0 on padding, which attention hides."""
-    positions = np.arange(seq_length, dtype=np.int64)
-    positions[length:] = 0
-    return positions
-
-
-def _corrupt_position_spans(
-    position_ids: np.ndarray,
-    labels: np.ndarray,
-    starts: np.ndarray,
-    lengths: np.ndarray,
-    rng: np.random.Generator,
-    *,
-    seq_length: int,
-    mask_replace_prob: float,
-    shuffle_prob: float,
-) -> None:
-    """Apply A.2's per-span mask / shuffle / keep in place to spans of true positions."""
-    if not starts.size:
-        return
-    selected = _span_token_indices(starts, lengths)
-    labels[selected] = position_ids[selected]
-    actions = _span_actions(rng, starts.size, mask_replace_prob, shuffle_prob)
-    position_ids[selected[np.repeat(actions, lengths) == _MASK]] = MASK_POSITION
-    for start, span in zip(starts[actions == _RANDOM], lengths[actions == _RANDOM]):
-        start, span = int(start), int(span)
-        if span == 1:
-            position_ids[start] = rng.integers(seq_length)
-            continue
-        # Uniform over non-identity permutations by rejection (accepts w.p. >= 1/2).
-        while True:
-            perm = rng.permutation(span)
-            if (perm != np.arange(span)).any():
-                break
-        position_ids[start : start + span] = labels[start : start + span][perm]
-
-
-def span_mask_positions(
-    length: int,
-    special: np.ndarray,
-    rng: np.random.Generator,
-    *,
-    seq_length: int,
-    mask_prob: float = 0.15,
-    geometric_p: float = 0.2,
-    max_span: int = 6,
-    mask_replace_prob: float = 0.8,
-    shuffle_prob: float = 0.1,
-) -> tuple[np.ndarray, np.ndarray]:
-    """TACO position masking of one sample; returns (position_ids, position_labels).
-
-    Spans are of non-special tokens. Per span: MASK_POSITION (mask_replace_prob),
-    shuffled with a non-identity permutation, or for a one-token span replaced by a
-    uniform position in [0, seq_length) (shuffle_prob), else kept.
-    """
-    maskable = ~np.asarray(special, dtype=bool)
-    maskable[length:] = False
-    units = np.flatnonzero(maskable)
-    linked = np.concatenate((units[1:] == units[:-1] + 1, [False]))
-    budget = mask_budget(mask_prob, units.size)
-    first, count, _ = sample_spans(
-        np.ones(units.size, dtype=np.int64),
-        linked,
-        budget,
-        rng,
-        geometric_p=geometric_p,
-        max_span=max_span,
-    )
-    position_ids = true_position_ids(length, seq_length)
-    labels = np.full(seq_length, IGNORE_INDEX, dtype=np.int64)
-    _corrupt_position_spans(
-        position_ids,
-        labels,
-        units[first],
-        count,
-        rng,
-        seq_length=seq_length,
-        mask_replace_prob=mask_replace_prob,
-        shuffle_prob=shuffle_prob,
-    )
-    return position_ids, labels

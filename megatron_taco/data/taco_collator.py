@@ -18,15 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_taco.data.masking import (
-    IGNORE_INDEX,
-    MaskingConfig,
+from megatron_taco.data.masking import IGNORE_INDEX, TokenMaskingConfig, span_mask_tokens
+from megatron_taco.data.position_masking import (
+    PositionMaskingConfig,
     span_mask_positions,
-    span_mask_tokens,
     true_position_ids,
 )
 
-__all__ = ["MaskingConfig", "TacoMaskingCollator"]
+__all__ = ["TacoMaskingCollator"]
 
 TOKEN_STREAM = 0
 POSITION_STREAM = 1
@@ -47,7 +46,9 @@ class TacoMaskingCollator:
         vocab_size: int,
         seq_length: int,
         seed: int,
-        masking: MaskingConfig | None = None,
+        masking: TokenMaskingConfig | None = None,
+        position_masking: PositionMaskingConfig | None = None,
+        num_positions: int | None = None,
         random_token_ids: Sequence[int] | np.ndarray | None = None,
         special_ids: Sequence[int] | None = None,
     ) -> None:
@@ -60,7 +61,14 @@ class TacoMaskingCollator:
         self.vocab_size = int(vocab_size)
         self.seq_length = int(seq_length)
         self.seed = int(seed)
-        self.masking = masking if masking is not None else MaskingConfig()
+        self.masking = masking if masking is not None else TokenMaskingConfig()
+        self.position_masking = (
+            position_masking if position_masking is not None else PositionMaskingConfig()
+        )
+        # Size of the model's absolute position table: the range of a one-position shuffle.
+        self.num_positions = int(num_positions) if num_positions is not None else self.seq_length
+        if self.num_positions < self.seq_length:
+            raise ValueError(f"num_positions {self.num_positions} < seq_length {self.seq_length}")
         if random_token_ids is None and special_ids is not None:
             keep = np.ones(self.vocab_size, dtype=bool)
             keep[np.asarray(list(special_ids), dtype=np.int64)] = False
@@ -77,7 +85,14 @@ class TacoMaskingCollator:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: Any, *, seq_length: int, seed: int, masking: MaskingConfig | None = None
+        cls,
+        tokenizer: Any,
+        *,
+        seq_length: int,
+        seed: int,
+        masking: TokenMaskingConfig | None = None,
+        position_masking: PositionMaskingConfig | None = None,
+        num_positions: int | None = None,
     ) -> TacoMaskingCollator:
         """Extract the plain values from a data.tokenizer.Tokenizer (duck-typed)."""
         return cls(
@@ -87,6 +102,8 @@ class TacoMaskingCollator:
             seq_length=seq_length,
             seed=seed,
             masking=masking,
+            position_masking=position_masking,
+            num_positions=num_positions,
             random_token_ids=np.flatnonzero(~np.asarray(tokenizer.is_special_mask())),
         )
 
@@ -106,7 +123,7 @@ class TacoMaskingCollator:
         if (tokens[length:] != self.pad_id).any():
             raise ValueError(f"sample {index}: tokens after length={length} are not padding")
         special = np.asarray(sample["special"], dtype=bool)
-        cfg = self.masking
+        cfg, pos = self.masking, self.position_masking
         input_ids, mlm_labels = span_mask_tokens(
             tokens,
             np.asarray(sample["word_starts"], dtype=bool),
@@ -127,11 +144,12 @@ class TacoMaskingCollator:
             special,
             np.random.default_rng([self.seed, index, POSITION_STREAM]),
             seq_length=self.seq_length,
-            mask_prob=cfg.position_mask_prob,
-            geometric_p=cfg.position_span_geometric_p,
-            max_span=cfg.max_position_span_length,
-            mask_replace_prob=cfg.position_mask_replace_prob,
-            shuffle_prob=cfg.position_shuffle_prob,
+            num_positions=self.num_positions,
+            mask_prob=pos.position_mask_prob,
+            geometric_p=pos.position_span_geometric_p,
+            max_span=pos.max_position_span_length,
+            mask_replace_prob=pos.position_mask_replace_prob,
+            shuffle_prob=pos.position_shuffle_prob,
         )
         return input_ids, mlm_labels, position_ids, mpm_labels
 

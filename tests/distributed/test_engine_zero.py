@@ -33,7 +33,7 @@ from megatron_taco.training.config import (
 from megatron_taco.training.engine import initialize_engine
 from megatron_taco.training.logging import TrainingLogger, read_metrics
 from megatron_taco.training.loop import PretrainTask, Trainer
-from tests.distributed.harness import run_distributed
+from tests.helpers import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 DS_CONFIGS = REPO / "ds_configs"

@@ -30,7 +30,7 @@ from megatron_taco.parallel import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
-from tests.distributed.harness import run_distributed
+from tests.helpers import run_distributed
 
 ATOL = 1e-6
 

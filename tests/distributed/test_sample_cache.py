@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 
 from megatron_taco.data.indexed_dataset import IndexedDatasetBuilder
-from tests.distributed.harness import run_distributed
+from tests.helpers import run_distributed
 
 
 class FakeTokenizer:

@@ -15,8 +15,7 @@ from megatron_taco.parallel.layers import (
 )
 from megatron_taco.parallel.random import model_parallel_seed
 from megatron_taco.parallel.state import init_parallel
-from tests.distributed.harness import run_distributed
-from tests.unit.test_taco_model import VOCAB, make_batch, tiny_config
+from tests.helpers import VOCAB, make_batch, run_distributed, tiny_config
 
 # Parameters whose rows beyond the real vocabulary are padding (the padded size depends on tp).
 VOCAB_PADDED = ("taco.embeddings.word_embeddings.weight", "heads.mlm_bias")

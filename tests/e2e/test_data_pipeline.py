@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from megatron_taco.data.indexed_dataset import IndexedDataset, data_file_path
-from megatron_taco.data.preprocess import unigram_path
-from megatron_taco.data.text import SentenceSplitter, normalize_text
 from megatron_taco.data.tokenizer import Tokenizer
+from megatron_taco.preprocessing.preprocess import unigram_path
+from megatron_taco.preprocessing.text import SentenceSplitter, normalize_text
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "examples" / "corpus" / "demo.jsonl.gz"

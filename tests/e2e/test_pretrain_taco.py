@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_taco.training.logging import read_metrics
+from tests.helpers import TACO_METRIC_KEYS, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -31,18 +31,11 @@ ENV = {
 }
 for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
     ENV.pop(var, None)
-MODEL_KEYS = ("loss", "mlm_loss", "mpm_loss", "mlm_acc", "mpm_acc", "mlm_tokens", "mpm_tokens")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, tokenizer_model):
-    from megatron_taco.data.preprocess import PreprocessConfig, preprocess
+    from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
 
     tmp = tmp_path_factory.mktemp("data")
     lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
@@ -161,7 +154,7 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
     resumed = train_records(resumed_dir / "metrics.jsonl")
     assert sorted(resumed) == [4, 5, 6]
     for it in (4, 5, 6):
-        for key in (*MODEL_KEYS, "lr", "grad_norm", "consumed_samples"):
+        for key in (*TACO_METRIC_KEYS, "lr", "grad_norm", "consumed_samples"):
             assert resumed[it][key] == full[it][key], (it, key)
 
 
@@ -183,7 +176,7 @@ def test_plain_python_single_process(dataset, tmp_path):
     assert "latest_checkpointed_iteration.txt found, training from scratch" in res.stderr
     records = train_records(tmp_path / "ckpt" / "metrics.jsonl")
     assert sorted(records) == [1, 2]
-    assert all(set(MODEL_KEYS) <= set(r) for r in records.values())
+    assert all(set(TACO_METRIC_KEYS) <= set(r) for r in records.values())
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 

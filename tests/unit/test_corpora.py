@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from megatron_taco.data import corpora
-from megatron_taco.data.corpora import (
+from megatron_taco.preprocessing import corpora
+from megatron_taco.preprocessing.corpora import (
     FORMATS,
     SKIP_REASONS,
     CorpusError,

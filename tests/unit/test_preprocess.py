@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from megatron_taco.arguments import ConfigError
-from megatron_taco.data.corpora import (
+from megatron_taco.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from megatron_taco.preprocessing.corpora import (
     Skipped,
     detect_format,
     expand_inputs,
     iter_records,
 )
-from megatron_taco.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
-from megatron_taco.data.preprocess import (
+from megatron_taco.preprocessing.preprocess import (
     PARSE_ERROR,
     BatchEncoder,
     PreprocessConfig,
@@ -36,7 +36,7 @@ from megatron_taco.data.preprocess import (
     summary_path,
     unigram_path,
 )
-from megatron_taco.data.text import SentenceSplitter
+from megatron_taco.preprocessing.text import SentenceSplitter
 
 CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 BOTCHAN = Path(__file__).resolve().parents[1] / "fixtures" / "text" / "botchan_excerpt.txt"
@@ -232,7 +232,7 @@ def test_nothing_written_is_an_error(tmp_path, tokenizer_model):
 
 
 def test_batch_encoder_eod_only_on_last_sequence_and_empty_dropped(tokenizer, splitter):
-    from megatron_taco.data.corpora import RawRecord
+    from megatron_taco.preprocessing.corpora import RawRecord
 
     records = [
         RawRecord("jsonl", json.dumps({"text": "First one. Second one here.\nThird."}), "a"),
@@ -369,7 +369,7 @@ def test_stale_temp_of_dead_run_is_removed(tmp_path, tokenizer_model, corpus):
 def test_workers_start_with_single_threaded_math_and_the_env_is_restored(monkeypatch):
     import multiprocessing as mp
 
-    from megatron_taco.data.preprocess import _MATH_THREAD_VARS, _single_threaded_math
+    from megatron_taco.preprocessing.preprocess import _MATH_THREAD_VARS, _single_threaded_math
 
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)

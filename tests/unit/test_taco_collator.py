@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_taco.data.masking import IGNORE_INDEX, MaskingConfig, mask_budget
+from megatron_taco.data.masking import IGNORE_INDEX, TokenMaskingConfig, mask_budget
+from megatron_taco.data.position_masking import PositionMaskingConfig
 from megatron_taco.data.taco_collator import TacoMaskingCollator
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -120,8 +121,10 @@ def test_token_and_position_streams_are_independent():
         sample = make_sample(i)
         sample["word_starts"] = np.arange(SEQ) < sample["length"]
         samples.append(sample)
-    cfg = MaskingConfig(max_span_length=3, max_position_span_length=3)
-    batch = collator(masking=cfg)(samples)
+    batch = collator(
+        masking=TokenMaskingConfig(max_span_length=3),
+        position_masking=PositionMaskingConfig(max_position_span_length=3),
+    )(samples)
     b = len(samples)
     same = sum(
         torch.equal(
@@ -134,15 +137,11 @@ def test_token_and_position_streams_are_independent():
 
 def test_masking_config_is_used():
     samples = [make_sample(i) for i in range(8)]
-    cfg = MaskingConfig(
-        mask_prob=0.5,
-        position_mask_prob=0.3,
-        mask_replace_prob=1.0,
-        random_replace_prob=0.0,
-        position_mask_replace_prob=1.0,
-        position_shuffle_prob=0.0,
+    cfg = TokenMaskingConfig(mask_prob=0.5, mask_replace_prob=1.0, random_replace_prob=0.0)
+    pos = PositionMaskingConfig(
+        position_mask_prob=0.3, position_mask_replace_prob=1.0, position_shuffle_prob=0.0
     )
-    batch = collator(masking=cfg)(samples)
+    batch = collator(masking=cfg, position_masking=pos)(samples)
     b = len(samples)
     for i, sample in enumerate(samples):
         n = int((~sample["special"]).sum())
@@ -155,7 +154,7 @@ def test_masking_config_is_used():
 
 
 def test_random_token_sources():
-    cfg = MaskingConfig(mask_replace_prob=0.0, random_replace_prob=1.0, mask_prob=0.5)
+    cfg = TokenMaskingConfig(mask_replace_prob=0.0, random_replace_prob=1.0, mask_prob=0.5)
     samples = [make_sample(i) for i in range(30)]
     special_ids = [PAD, UNK, CLS, SEP, MASK] + list(range(5, 400))
     batch = collator(masking=cfg, special_ids=special_ids)(samples)

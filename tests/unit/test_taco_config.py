@@ -132,8 +132,8 @@ def _parse(argv):
 
 
 def test_flags_without_preset():
-    c = _parse(["--num-layers", "6", "--we-hidden-size", "512", "--recompute-activations"])
-    assert c.num_layers == 6 and c.we_hidden_size == 512 and c.recompute_activations
+    c = _parse(["--num-layers", "6", "--we-hidden-size", "600", "--recompute-activations"])
+    assert c.num_layers == 6 and c.we_hidden_size == 600 and c.recompute_activations
     assert c.pe_hidden_size == 120 and c.model_size is None
     assert _parse([]) == TacoConfig()
 
@@ -153,3 +153,48 @@ def test_unknown_preset_rejected_by_the_parser():
 def test_bad_flag_value_names_the_flag():
     with pytest.raises(ConfigError, match="--max-relative-distance"):
         _parse(["--max-position-embeddings", "128"])  # k=511 >= 128
+
+
+# Paper configurations (vocab 30522, k = 511): Table 5 varies (d_WE, d_PE) with 6+6 heads
+# and relative width d_PE; Table 6 varies the heads at (648, 120); Table 3 is TACO-base
+# (relative width 768). FFNs are 4x each stream's hidden size. The paper counts the
+# encoder (embeddings and layers), not the pre-training heads.
+PAPER_COUNTS = [
+    (dict(we_hidden_size=648, pe_hidden_size=120, we_attention_heads=6, pe_attention_heads=6,
+          we_ffn_hidden_size=2592, pe_ffn_hidden_size=480, relative_embedding_size=120), 80.4),
+    (dict(we_hidden_size=576, pe_hidden_size=192, we_attention_heads=6, pe_attention_heads=6,
+          we_ffn_hidden_size=2304, pe_ffn_hidden_size=768, relative_embedding_size=192), 71.1),
+    (dict(we_hidden_size=504, pe_hidden_size=264, we_attention_heads=6, pe_attention_heads=6,
+          we_ffn_hidden_size=2016, pe_ffn_hidden_size=1056, relative_embedding_size=264), 64.3),
+    (dict(we_attention_heads=12, pe_attention_heads=6, relative_embedding_size=120), 87.5),
+    (dict(we_attention_heads=12, pe_attention_heads=12, relative_embedding_size=120), 88.6),
+    (dict(), 100.1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("sizes,paper_millions", PAPER_COUNTS)
+def test_parameter_counts_match_the_paper(sizes, paper_millions):
+    import torch
+
+    from megatron_taco.models.taco.model import TacoModel
+    from megatron_taco.parallel.state import single_process_state
+
+    config = TacoConfig(vocab_size=30522, **sizes)
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        model = TacoModel(config, single_process_state())
+    emb = model.embeddings.word_embeddings
+    padding = (emb.padded_vocab_size - emb.vocab_size) * config.we_hidden_size
+    count = sum(p.numel() for p in model.parameters()) - padding
+    assert abs(count / 1e6 - paper_millions) < 0.1, (sizes, count)
+
+
+def test_value_head_size_defaults_to_hidden_over_heads():
+    base = TacoConfig()
+    assert (base.we_value_size, base.pe_value_size) == (54, 20)
+    assert TacoConfig(we_value_channels=64, pe_value_channels=64).we_value_size == 64
+    c = _parse(["--we-value-channels", "32", "--pe-value-channels", "16"])
+    assert (c.we_value_size, c.pe_value_size) == (32, 16)
+    with pytest.raises(ConfigError, match="--we-value-channels: defaults to --we-hidden-size"):
+        TacoConfig(we_hidden_size=650)
+    with pytest.raises(ConfigError, match="--pe-value-channels: must be a positive integer"):
+        TacoConfig(pe_value_channels=0)

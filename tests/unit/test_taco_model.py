@@ -8,51 +8,7 @@ from megatron_taco.models.common.relative import relative_bucket_range, relative
 from megatron_taco.models.flops import taco_forward_flops, taco_train_flops
 from megatron_taco.models.taco import model as taco_module
 from megatron_taco.models.taco.config import TacoConfig
-from megatron_taco.models.taco.model import TacoForPretraining
-from megatron_taco.parallel.state import single_process_state
-
-VOCAB = 97
-SEQ = 32
-
-
-def tiny_config(**overrides) -> TacoConfig:
-    return TacoConfig.preset("tiny", vocab_size=VOCAB, **overrides)
-
-
-def make_batch(
-    b: int = 2, s: int = SEQ, seed: int = 0, vocab: int = VOCAB
-) -> dict[str, torch.Tensor]:
-    """A TACO batch as the collator builds it: rows [0, b) masked tokens + true positions,
-    rows [b, 2b) true tokens + masked positions (-1, a shuffled span), some padding."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(5, vocab, (b, s), generator=g)
-    lengths = [s - 3 * i for i in range(b)]
-    ids = torch.cat([tokens, tokens]).clone()
-    pos = torch.arange(s).repeat(2 * b, 1)
-    mask = torch.zeros(2 * b, s, dtype=torch.bool)
-    mlm = torch.full((2 * b, s), -100)
-    mpm = torch.full((2 * b, s), -100)
-    for r in range(b):
-        n = lengths[r]
-        mask[r, :n] = mask[b + r, :n] = True
-        ids[r, n:] = ids[b + r, n:] = 0
-        pos[r, n:] = pos[b + r, n:] = 0
-        sel = torch.randperm(n - 2, generator=g)[:5] + 1
-        mlm[r, sel] = tokens[r, sel]
-        ids[r, sel] = 4  # [MASK]
-        sel = torch.randperm(n - 2, generator=g)[:6] + 1
-        mpm[b + r, sel] = pos[b + r, sel]
-        pos[b + r, sel[:4]] = -1  # masked positions
-        pos[b + r, sel[4:]] = pos[b + r, sel[4:]].flip(0)  # a shuffled pair
-    return dict(
-        input_ids=ids, position_ids=pos, attention_mask=mask, mlm_labels=mlm, mpm_labels=mpm
-    )
-
-
-def build(config: TacoConfig, seed: int = 0) -> TacoForPretraining:
-    torch.manual_seed(seed)
-    return TacoForPretraining(config, single_process_state())
-
+from tests.helpers import SEQ, VOCAB, build, make_batch, tiny_config
 
 # ---------------------------------------------------------------------------------------
 # Relative positions

@@ -12,15 +12,15 @@ from pathlib import Path
 import nltk.data
 import pytest
 
-from megatron_taco.data import corpora
-from megatron_taco.data.corpora import (
+from megatron_taco.preprocessing import corpora
+from megatron_taco.preprocessing.corpora import (
     CorpusError,
     Document,
     detect_format,
     expand_inputs,
     iter_records,
 )
-from megatron_taco.data.text import (
+from megatron_taco.preprocessing.text import (
     NO_LLAMA_INDEX_ENV,
     PunktNotFoundError,
     SentenceSplitter,

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, flag_of, option, require
+from megatron_taco.arguments import flag_of, option, require
+from megatron_taco.models.common.config import PresetConfig
 
 # Presets override only architecture sizes; dropout/init/eps keep the defaults.
 # "base" is TACO-base (Table 7 + A.5: relative embeddings enlarged to 768).
@@ -48,7 +47,10 @@ def _opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class TacoConfig:
+class TacoConfig(PresetConfig):
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
+    ARGS_TITLE: ClassVar[str] = "TACO model"
+
     num_layers: int = _opt(12, "Number of TACO layers.", "--num-layers")
     we_hidden_size: int = _opt(
         648, "Hidden size d_WE of the word (content) stream.", "--we-hidden-size"
@@ -60,7 +62,20 @@ class TacoConfig:
     pe_attention_heads: int = _opt(
         6, "Attention heads h_PE of the position stream.", "--pe-attention-heads"
     )
-    kv_channels: int = _opt(64, "Head size d_k shared by WE and PE heads.", "--kv-channels")
+    kv_channels: int = _opt(
+        64, "Query/key head size d_k (also of the relative projections).", "--kv-channels"
+    )
+    we_value_channels: int | None = _opt(
+        None,
+        "Value head size d_v of the WE heads (default d_WE / h_WE, as the paper's parameter "
+        "counts require).",
+        "--we-value-channels",
+    )
+    pe_value_channels: int | None = _opt(
+        None,
+        "Value head size d_v of the PE heads (default d_PE / h_PE).",
+        "--pe-value-channels",
+    )
     we_ffn_hidden_size: int = _opt(
         2592, "FFN inner size of the word stream.", "--we-ffn-hidden-size"
     )
@@ -109,7 +124,7 @@ class TacoConfig:
 
     def __post_init__(self) -> None:
         cls = type(self)
-        for name in (
+        self.require_positive_ints(
             "num_layers",
             "we_hidden_size",
             "pe_hidden_size",
@@ -121,14 +136,22 @@ class TacoConfig:
             "relative_embedding_size",
             "max_position_embeddings",
             "max_relative_distance",
+        )
+        for name, hidden, heads in (
+            ("we_value_channels", "we_hidden_size", "we_attention_heads"),
+            ("pe_value_channels", "pe_hidden_size", "pe_attention_heads"),
         ):
-            value = getattr(self, name)
-            require(
-                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                cls,
-                name,
-                f"must be a positive integer, got {value!r}",
-            )
+            if getattr(self, name) is not None:
+                self.require_positive_ints(name)
+            else:
+                h, n = getattr(self, hidden), getattr(self, heads)
+                require(
+                    h % n == 0,
+                    cls,
+                    name,
+                    f"defaults to {flag_of(cls, hidden)} / {flag_of(cls, heads)}, but {h} is not "
+                    f"divisible by {n}; give the value head size explicitly",
+                )
         require(
             self.max_relative_distance < self.max_position_embeddings,
             cls,
@@ -162,6 +185,15 @@ class TacoConfig:
         return self.we_hidden_size + self.pe_hidden_size
 
     @property
+    def we_value_size(self) -> int:
+        """d_v of a WE head: values, the per-head attention output and W_WE^O's input."""
+        return self.we_value_channels or self.we_hidden_size // self.we_attention_heads
+
+    @property
+    def pe_value_size(self) -> int:
+        return self.pe_value_channels or self.pe_hidden_size // self.pe_attention_heads
+
+    @property
     def num_relative_buckets(self) -> int:
         """2k+1 clipped distances plus the bucket for pairs involving a masked position."""
         return 2 * self.max_relative_distance + 2
@@ -180,61 +212,11 @@ class TacoConfig:
         base = 3 * self.we_attention_heads + self.pe_attention_heads
         return base if first_layer else base + self.conv_out_channels
 
-    # -- construction --------------------------------------------------------------------
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> TacoConfig:
-        if name not in PRESETS:
-            raise ConfigError(
-                f"{flag_of(cls, 'model_size')}: unknown preset {name!r}; choose one of {sorted(PRESETS)}"
-            )
-        return cls(**{**PRESETS[name], **overrides, "model_size": name})
-
-    def with_vocab_size(self, vocab_size: int) -> TacoConfig:
-        return dataclasses.replace(self, vocab_size=vocab_size)
-
-    @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Add the flags; unspecified ones stay absent from the namespace so that
-        ``from_args`` can tell a preset value from an explicit override."""
-        add_dataclass_args(parser, cls, title="TACO model")
-        dests = {f.name for f in dataclasses.fields(cls)}
-        for action in parser._actions:
-            if action.dest in dests:
-                action.default = argparse.SUPPRESS
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> TacoConfig:
-        given = {
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(cls)
-            if hasattr(args, f.name) and getattr(args, f.name) is not None
-        }
-        given.update(overrides)
-        name = given.pop("model_size", None)
-        return cls.preset(name, **given) if name is not None else cls(**given)
-
     def validate_parallel(self, tp_size: int) -> None:
-        """Tensor parallelism splits whole heads and FFN columns across ranks."""
-        cls = type(self)
-        for name in (
+        self.require_divisible(
+            tp_size,
             "we_attention_heads",
             "pe_attention_heads",
             "we_ffn_hidden_size",
             "pe_ffn_hidden_size",
-        ):
-            value = getattr(self, name)
-            require(
-                value % tp_size == 0,
-                cls,
-                name,
-                f"{value} is not divisible by --tensor-model-parallel-size {tp_size}",
-            )
-
-    def require_vocab(self) -> None:
-        require(
-            self.vocab_size >= 1,
-            type(self),
-            "vocab_size",
-            "vocabulary size is not set; build the config with with_vocab_size(tokenizer.vocab_size)",
         )

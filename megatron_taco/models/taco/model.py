@@ -247,29 +247,31 @@ class TacoAttention(nn.Module):
         self.tp_size, self.tp_rank = tp, rank
         self.rng_tracker = rng_tracker
         self.first_layer = layer_number == 1
-        d = config.kv_channels
+        d, dv_we, dv_pe = config.kv_channels, config.we_value_size, config.pe_value_size
         hw, hp = config.we_attention_heads, config.pe_attention_heads
         self.hw, self.hp, self.d = hw // tp, hp // tp, d
+        self.dv_we, self.dv_pe = dv_we, dv_pe
         init = init_method_normal(config.init_method_std)
         # Megatron's init for projections that feed a residual: std / sqrt(2 * num_layers).
         out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
 
-        # Fused [Q; K; V] with stride 3: rank r holds [Q_r; K_r; V_r], whole heads.
+        # Fused per head [q_h; k_h; v_h] (queries/keys d_k wide, values d_v wide, Eq. 2): a
+        # contiguous split over tp gives each rank whole heads whatever d_v is.
         self.qkv_we = ColumnParallelLinear(
-            config.we_hidden_size, 3 * hw * d, parallel, init_method=init, stride=3
+            config.we_hidden_size, hw * (2 * d + dv_we), parallel, init_method=init
         )
         self.qkv_pe = ColumnParallelLinear(
-            config.pe_hidden_size, 3 * hp * d, parallel, init_method=init, stride=3
+            config.pe_hidden_size, hp * (2 * d + dv_pe), parallel, init_method=init
         )
         # [W_R^K; W_R^Q]: relative_embedding_size -> hw*d each, split over WE heads.
         self.relative_kq = ColumnParallelLinear(
             config.relative_embedding_size, 2 * hw * d, parallel, init_method=init, stride=2
         )
         self.out_we = RowParallelLinear(
-            hw * d, config.we_hidden_size, parallel, init_method=out_init
+            hw * dv_we, config.we_hidden_size, parallel, init_method=out_init
         )
         self.out_pe = RowParallelLinear(
-            hp * d, config.pe_hidden_size, parallel, init_method=out_init
+            hp * dv_pe, config.pe_hidden_size, parallel, init_method=out_init
         )
 
         # 1x1 convolution [C_out, C_in] stored as one parameter per input group, each split
@@ -343,12 +345,13 @@ class TacoAttention(nn.Module):
         # [C_in, b*s*s] GEMM, and the tp reduce-scatter splits dim 0 in contiguous chunks.
         b, s, _ = h_we.shape
         hw, hp, d = self.hw, self.hp, self.d
-        qkv_we = self.qkv_we(h_we).view(b, s, 3, hw, d).permute(2, 3, 0, 1, 4)  # [3, hw, b, s, d]
-        q_we, k_we = qkv_we[0].contiguous(), qkv_we[1].contiguous()
-        v_we = qkv_we[2]
-        qkv_pe = self.qkv_pe(h_pe).view(b, s, 3, hp, d).permute(2, 3, 0, 1, 4)  # [3, hp, b, s, d]
-        q_pe, k_pe = qkv_pe[0].contiguous(), qkv_pe[1].contiguous()
-        v_pe = qkv_pe[2]
+        dv_we, dv_pe = self.dv_we, self.dv_pe
+        qkv_we = self.qkv_we(h_we).view(b, s, hw, 2 * d + dv_we).permute(2, 0, 1, 3)
+        q_we, k_we, v_we = qkv_we.split([d, d, dv_we], dim=-1)  # [hw, b, s, d | d | dv_we]
+        q_we, k_we = q_we.contiguous(), k_we.contiguous()
+        qkv_pe = self.qkv_pe(h_pe).view(b, s, hp, 2 * d + dv_pe).permute(2, 0, 1, 3)
+        q_pe, k_pe, v_pe = qkv_pe.split([d, d, dv_pe], dim=-1)  # [hp, b, s, d | d | dv_pe]
+        q_pe, k_pe = q_pe.contiguous(), k_pe.contiguous()
         n = rel_rows.shape[0]
         kq_r = self.relative_kq(rel_rows).view(n, 2, hw, d).permute(1, 2, 0, 3)  # [2, hw, n, d]
         k_r, q_r = (t.contiguous() for t in kq_r.unbind(0))
@@ -393,12 +396,14 @@ class TacoAttention(nn.Module):
         with fork:
             probs = self.attention_dropout(probs)
 
-        # One product for both streams: slicing probs into WE/PE parts would make autograd
-        # build two zero-filled [hw+hp, b, s, s] gradients, one per slice.
-        v = torch.cat([v_we, v_pe])  # [hw+hp, b, s, d]
-        ctx_we, ctx_pe = torch.matmul(probs, v).split([hw, hp])  # [hw, b, s, d], [hp, b, s, d]
-        out_we = self.out_we(ctx_we.permute(1, 2, 0, 3).reshape(b, s, hw * d))  # [b, s, d_WE]
-        out_pe = self.out_pe(ctx_pe.permute(1, 2, 0, 3).reshape(b, s, hp * d))  # [b, s, d_PE]
+        # WE heads weight WE values (d_v = dv_we), PE heads PE values (dv_pe). split() (not
+        # slicing) so the backward concatenates the two gradients instead of building a
+        # zero-filled [hw+hp, b, s, s] tensor per part.
+        probs_we, probs_pe = probs.split([hw, hp])
+        ctx_we = torch.matmul(probs_we, v_we)  # [hw, b, s, dv_we]
+        ctx_pe = torch.matmul(probs_pe, v_pe)  # [hp, b, s, dv_pe]
+        out_we = self.out_we(ctx_we.permute(1, 2, 0, 3).reshape(b, s, hw * dv_we))  # [b, s, d_WE]
+        out_pe = self.out_pe(ctx_pe.permute(1, 2, 0, 3).reshape(b, s, hp * dv_pe))  # [b, s, d_PE]
         return out_we, out_pe, logits
 
 

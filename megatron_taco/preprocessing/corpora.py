@@ -73,7 +73,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, TextIO
 
-from megatron_taco.data.text import normalize_text, wikitext_to_plain
+from megatron_taco.preprocessing.text import normalize_text, wikitext_to_plain
 
 __all__ = [
     "BOOKCORPUS_MAX_LINES",

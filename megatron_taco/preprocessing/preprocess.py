@@ -56,7 +56,16 @@ from typing import Any
 import numpy as np
 
 from megatron_taco.arguments import ConfigError, option, require
-from megatron_taco.data.corpora import (
+from megatron_taco.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    best_dtype,
+    data_file_path,
+    index_file_path,
+    unigram_path,
+    write_index_header,
+)
+from megatron_taco.preprocessing.corpora import (
     FORMATS,
     SKIP_REASONS,
     CorpusError,
@@ -68,14 +77,6 @@ from megatron_taco.data.corpora import (
     iter_jsonl_blocks,
     iter_raw,
     parse_raw,
-)
-from megatron_taco.data.indexed_dataset import (
-    IndexedDataset,
-    IndexedDatasetBuilder,
-    best_dtype,
-    data_file_path,
-    index_file_path,
-    write_index_header,
 )
 
 __all__ = [
@@ -91,7 +92,6 @@ __all__ = [
     "unigram_path",
 ]
 
-UNIGRAM_SUFFIX = "_unigram.npy"
 SUMMARY_SUFFIX = "_summary.json"
 # A record whose parsing raised instead of returning Skipped (a bug or a pathological page
 # deep in a 20 GB dump): counted and reported with its source, like any other skip, so one
@@ -216,10 +216,6 @@ def dataset_prefix(output_prefix: str, key: str, level: str) -> str:
     return f"{output_prefix}_{key}_{level}"
 
 
-def unigram_path(prefix: str) -> str:
-    return prefix + UNIGRAM_SUFFIX
-
-
 def summary_path(output_prefix: str) -> str:
     return output_prefix + SUMMARY_SUFFIX
 
@@ -291,7 +287,7 @@ def _load_tokenizer(path: str):
 
 
 def _make_splitter():
-    from megatron_taco.data.text import PunktNotFoundError, SentenceSplitter
+    from megatron_taco.preprocessing.text import PunktNotFoundError, SentenceSplitter
 
     try:
         return SentenceSplitter()
