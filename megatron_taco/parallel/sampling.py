@@ -1,0 +1,195 @@
+"""Exact sampling from softmax(logits / T) over a vocabulary split across TP ranks.
+
+SAS self-augmentation replaces masked tokens with draws from the model's own MLM head. The
+vocabulary is split like VocabParallelEmbedding (rank r holds global columns [r*Vp, (r+1)*Vp),
+columns >= vocab_size are padding), and nothing of size [N, padded_vocab] is ever gathered.
+
+Gumbel-max: argmax_j(logit_j / T + G_j) with G_j iid Gumbel is distributed as softmax(logit/T).
+The argmax of a union is the argmax of the per-shard argmaxes, so each rank reduces its shard
+to one (value, id) per row and a single small collective picks the winner.
+
+The noise is counter-based: G for (row key, global column, seed) is a pure function of those
+integers, so the draws do not depend on the TP size, the row chunking or the device layout.
+tp=1 and tp=2 draw the same ids from the same logits, and a resumed run redraws them exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_taco.parallel.mappings import group_rank, group_size
+
+_M32 = 0xFFFFFFFF
+# Distinct starting states for the independent 32-bit hash lanes (digits of pi).
+_LANE_INIT = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+_COLUMN_INIT = 0xA4093822
+_ROW_KEY_INIT = (0x299F31D0, 0x082EFA98)
+
+
+# Integer hashing on int64 tensors (or Python ints). Every value is kept in [0, 2^32) and every
+# product below 2^63, so nothing relies on signed-overflow wrap-around and CPU and CUDA agree.
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for 0 <= x < 2^32 and any 32-bit constant c."""
+    y = x * (c & 0x7FFFFFFF)  # < 2^32 * 2^31 = 2^63
+    if c >> 31:
+        # x * 2^31 mod 2^32 keeps only x's lowest bit; y + 2^31 still stays below 2^63.
+        y = y + ((x & 1) << 31)
+    return y & _M32
+
+
+def _fmix32(x):
+    # murmur3's finaliser: a bijection of 32-bit words in which every input bit flips every
+    # output bit with probability ~1/2.
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _absorb(h, x):
+    """Fold both 32-bit words of the int64 ``x`` (two's complement) into the 32-bit state h."""
+    h = _fmix32((x & _M32) ^ h)
+    return _fmix32(((x >> 32) & _M32) ^ h)
+
+
+def _stream(row_lane_a, row_lane_b, column_hash):
+    # For a fixed row this is a bijection of the column hash, so a row's columns never share a
+    # value; two 32-bit row lanes make rows with identical noise a ~2^-64 event.
+    return _fmix32(_fmix32(column_hash ^ row_lane_a) ^ row_lane_b)
+
+
+def counter_uniform(
+    keys: torch.Tensor, columns: torch.Tensor, seed: int, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Stateless uniforms strictly inside (0, 1): out[n, c] is a pure function of
+    (keys[n], columns[c] or columns[n, c], seed). keys: int64 [N] (any value); columns: int64
+    [C] or [N, C] in [0, 2^32). float32 gives odd multiples of 2^-24 (23 random bits, every
+    one exactly representable), float64 odd multiples of 2^-53 (52 bits from two lanes)."""
+    if keys.dtype != torch.int64 or columns.dtype != torch.int64:
+        raise TypeError(f"keys and columns must be int64, got {keys.dtype} and {columns.dtype}")
+    if keys.dim() != 1 or columns.dim() not in (1, 2):
+        raise ValueError(
+            f"expected keys [N] and columns [C] or [N, C], got "
+            f"{tuple(keys.shape)} and {tuple(columns.shape)}"
+        )
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    lanes = [_absorb(init, seed) for init in _LANE_INIT]  # Python ints
+    rows = keys.unsqueeze(-1)  # [N, 1]
+    col_hash = _absorb(_COLUMN_INIT, columns if columns.dim() == 2 else columns.unsqueeze(0))
+    hi = _stream(_absorb(lanes[0], rows), _absorb(lanes[1], rows), col_hash)  # [N, C]
+    if dtype == torch.float32:
+        k = hi >> 9  # 23 bits: 2k+1 < 2^24 is exact in float32's 24-bit significand
+        return ((k << 1) | 1).to(torch.float32).mul_(2.0**-24)
+    lo = _stream(_absorb(lanes[2], rows), _absorb(lanes[3], rows), col_hash)
+    k = (hi << 20) | (lo >> 12)  # 52 bits
+    return ((k << 1) | 1).to(torch.float64).mul_(2.0**-53)
+
+
+def sample_row_keys(
+    instance_ids: torch.Tensor, positions: torch.Tensor, epoch: int
+) -> torch.Tensor:
+    """One non-negative int64 key per (instance, position, epoch), for counter_uniform.
+    instance_ids [B] with positions [B, W] (a row of positions per instance), or both of the
+    same (broadcastable) shape. Keys are 63-bit hashes, so distinct triples collide with
+    probability ~2^-63 per pair; the seed is mixed in later, by counter_uniform."""
+    instance_ids, positions = instance_ids.long(), positions.long()
+    if positions.dim() == instance_ids.dim() + 1:
+        instance_ids = instance_ids.unsqueeze(-1)  # [B, 1] against [B, W]
+    lanes = []
+    for init in _ROW_KEY_INIT:
+        h = _absorb(_absorb(init, instance_ids), positions)
+        lanes.append(_absorb(h, epoch))
+    return ((lanes[0] & 0x7FFFFFFF) << 32) | lanes[1]
+
+
+def _banned_columns(columns: torch.Tensor, vocab_size: int, exclude_ids) -> torch.Tensor:
+    """[Vp] bool: padding columns and this shard's excluded ids. No host sync, so no
+    boolean indexing: out-of-shard ids are sent to a spare slot Vp that is dropped."""
+    banned = columns >= vocab_size
+    if exclude_ids is None:
+        return banned
+    local_vocab = columns.numel()
+    local = exclude_ids.to(columns.device, torch.int64).reshape(-1) - columns[0]
+    outside = (local < 0) | (local >= local_vocab)
+    local = local.masked_fill(outside, local_vocab)
+    hit = torch.zeros(local_vocab + 1, dtype=torch.bool, device=columns.device)
+    hit[local] = True
+    return banned | hit[:local_vocab]
+
+
+def _pick_winner(value: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
+    """Global winner ids [N] from each rank's best (value [N], global id [N])."""
+    world = group_size(group)
+    if world > 1:
+        # One collective for any dtype: the ids ride along bit-for-bit in the value dtype
+        # (int32 <-> float32, int64 <-> float64 views; all_gather only copies bytes).
+        id_dtype = torch.int32 if value.dtype == torch.float32 else torch.int64
+        packed = torch.stack([value, ids.to(id_dtype).view(value.dtype)])  # [2, N]
+        parts = [torch.empty_like(packed) for _ in range(world)]
+        dist.all_gather(parts, packed, group=group)
+        values = torch.stack([p[0] for p in parts])  # [tp, N]
+        all_ids = torch.stack([p[1].view(id_dtype) for p in parts]).long()  # [tp, N]
+        # argmax returns the first maximal rank, i.e. the smallest id on an exact tie, as
+        # torch's argmax over the whole row does at tp=1; every rank computes the same.
+        rank = values.argmax(dim=0, keepdim=True)  # [1, N]
+        value = values.gather(0, rank).squeeze(0)
+        ids = all_ids.gather(0, rank).squeeze(0)
+    # A row with nothing drawable (everything excluded or -inf) has no sample.
+    return ids.masked_fill(value == float("-inf"), -1)
+
+
+@torch.no_grad()
+def vocab_parallel_sample(
+    local_logits: torch.Tensor,
+    group,
+    *,
+    vocab_size: int,
+    row_keys: torch.Tensor,
+    seed: int,
+    temperature: float = 1.0,
+    exclude_ids: torch.Tensor | None = None,
+    chunk_elements: int | None = None,
+) -> torch.Tensor:
+    """Global token ids [...] drawn from softmax(logits / temperature) over the real vocabulary
+    minus ``exclude_ids``, identical on every rank of ``group``. local_logits [..., Vp] (this
+    rank's slice), row_keys int64 [...] (see sample_row_keys). A row with no drawable id gets
+    -1. The draw depends only on (seed, row key, the logits, temperature), not on tp or
+    ``chunk_elements`` (rows go ~chunk_elements logits at a time, bounding the [rows, Vp]
+    int64 hash temporaries; None: 2^16 on CPU, where staying in cache is 4x faster, else 2^24).
+    Noise is float64 for float64 logits, float32 otherwise; at float32 the uniforms have
+    2^-23 resolution, which caps each Gumbel variate at ~16.6."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if row_keys.shape != local_logits.shape[:-1]:
+        raise ValueError(
+            f"row_keys {tuple(row_keys.shape)} must match logits "
+            f"{tuple(local_logits.shape)} without the vocabulary dimension"
+        )
+    local_vocab = local_logits.shape[-1]
+    start = group_rank(group) * local_vocab
+    dtype = torch.float64 if local_logits.dtype == torch.float64 else torch.float32
+    logits = local_logits.reshape(-1, local_vocab)  # [N, Vp]
+    keys = row_keys.reshape(-1).to(logits.device, torch.int64)
+    columns = torch.arange(start, start + local_vocab, device=logits.device)  # global ids
+    banned = _banned_columns(columns, vocab_size, exclude_ids)  # [Vp]
+
+    n = logits.shape[0]
+    best = torch.full((n,), float("-inf"), dtype=dtype, device=logits.device)
+    best_idx = torch.zeros(n, dtype=torch.int64, device=logits.device)
+    if chunk_elements is None:
+        chunk_elements = 1 << 24 if logits.is_cuda else 1 << 16
+    step = max(1, chunk_elements // local_vocab)
+    for lo in range(0, n, step):
+        rows = slice(lo, lo + step)
+        # Gumbel(0, 1) = -log(-log U), in place on the fresh uniforms.
+        scores = counter_uniform(keys[rows], columns, seed, dtype=dtype)
+        scores.log_().neg_().log_().neg_()  # [n, Vp]
+        scores += logits[rows].to(dtype) / temperature
+        scores.masked_fill_(banned, float("-inf"))
+        best[rows], best_idx[rows] = scores.max(dim=-1)
+    return _pick_winner(best, best_idx + start, group).reshape(row_keys.shape)
