@@ -172,10 +172,12 @@ def get_sample_index(
     config: DataConfig,
     split_name: str,
     doc_range: tuple[int, int],
-    num_samples: int,
+    num_samples: int | None,
     cache_dir: str | None,
+    num_epochs: int | None = None,
 ) -> CacheEntry:
-    """The (cached) sample index of one split of one dataset."""
+    """The (cached) sample index of one split of one dataset: ``num_samples`` samples, or
+    ``num_epochs`` whole passes over the split's documents."""
     description = {
         "kind": "bert_sample_index",
         "version": SAMPLE_INDEX_VERSION,
@@ -187,7 +189,8 @@ def get_sample_index(
         "short_seq_prob": config.short_seq_prob,
         "min_sentences": config.min_sentences,
         "seed": config.seed,
-        "num_samples": int(num_samples),
+        "num_samples": None if num_samples is None else int(num_samples),
+        **({"num_epochs": int(num_epochs)} if num_epochs is not None else {}),
     }
 
     def build():
@@ -197,6 +200,7 @@ def get_sample_index(
                 ds.document_indices,
                 doc_range,
                 num_samples=num_samples,
+                num_epochs=num_epochs,
                 max_seq_length=config.seq_length,
                 short_seq_prob=config.short_seq_prob,
                 min_sentences=config.min_sentences,
@@ -240,6 +244,26 @@ def _check_num_samples(train_valid_test_num_samples) -> list[int]:
             raise ValueError(f"number of {name} samples must be an integer >= 0, got {v!r}")
         out.append(int(v))
     return out
+
+
+def train_samples_per_pass(config: DataConfig) -> int:
+    """Samples in one pass of the BERT sample mapping over every dataset's train split (the
+    sum over --data-path datasets): SAS's instance count before rounding to whole batches.
+    Call it on every rank (it synchronises on the cache)."""
+    config.validate_files()
+    total = 0
+    for prefix in config.prefixes:
+        ds = IndexedDataset(prefix)
+        doc_range = get_split_document_ranges(ds.num_documents, config.split)[0]
+        if doc_range[0] == doc_range[1]:
+            raise ConfigError(
+                f"--split: {config.split!r} gives the train split none of the documents of {prefix}"
+            )
+        entry = get_sample_index(
+            ds, config, SPLIT_NAMES[0], doc_range, None, config.cache_dir(), num_epochs=1
+        )
+        total += int(entry.arrays["sample_index"].shape[0])
+    return total
 
 
 def build_train_valid_test_datasets(

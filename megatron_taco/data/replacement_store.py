@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -350,7 +350,7 @@ class ShardRecord:
         if self.crc32 >= 2**32:
             raise ReplacementStoreError(f"shard {self.file}: crc32 {self.crc32} exceeds 32 bits")
 
-    def expected_by(self, layout: StoreLayout, shard: int) -> None:
+    def check_against(self, layout: StoreLayout, shard: int) -> None:
         """Raises unless this record is what ``layout`` says shard ``shard`` must be."""
         first, stop = layout.shard_range(shard)
         expected = (layout.shard_file(shard), first, stop - first, layout.shard_bytes(shard))
@@ -378,7 +378,7 @@ class Manifest:
                 f"lists {len(self.shards)} shards, the layout has {self.layout.num_shards}"
             )
         for k, record in enumerate(self.shards):
-            record.expected_by(self.layout, k)
+            record.check_against(self.layout, k)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -387,16 +387,7 @@ class Manifest:
             "generation": self.generation,
             "complete": True,
             "layout": self.layout.to_json(),
-            "shards": [
-                {
-                    "file": r.file,
-                    "first_instance": r.first_instance,
-                    "num_instances": r.num_instances,
-                    "bytes": r.bytes,
-                    "crc32": r.crc32,
-                }
-                for r in self.shards
-            ],
+            "shards": [asdict(r) for r in self.shards],
         }
 
     @classmethod
@@ -660,8 +651,8 @@ def commit_generation(root: str | os.PathLike, generation: int, layout: StoreLay
                 f"{path}: {scan.unwritten} of {stop - first} rows never written (first: "
                 f"instance {scan.first_unwritten}); refusing to commit generation {generation}"
             )
-        records.append(ShardRecord(layout.shard_file(k), first, stop - first,
-                                   layout.shard_bytes(k), scan.crc32))  # fmt: skip
+        size = layout.shard_bytes(k)
+        records.append(ShardRecord(layout.shard_file(k), first, stop - first, size, scan.crc32))
     manifest = Manifest(_check_generation(generation), layout, tuple(records))
     text = json.dumps(manifest.to_json(), indent=1) + "\n"
     _atomic_write(os.path.join(directory, MANIFEST_NAME), text.encode("utf-8"))

@@ -16,7 +16,8 @@ import json
 import logging
 import os
 import random
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,8 @@ FORMAT = "megatron_taco/1"
 class TrainingState:
     iteration: int = 0
     consumed_samples: int = 0
+    # Each training callback's state_dict(), by callback name (metadata.json "callbacks").
+    callback_states: dict[str, Any] = field(default_factory=dict)
 
 
 def checkpoint_tag(iteration: int) -> str:
@@ -135,6 +138,29 @@ def save_checkpoint(
     return iter_dir
 
 
+_SIZE_MISMATCH = re.compile(
+    r"size mismatch for (\S+): copying a param with shape (.+?) from checkpoint, "
+    r"the shape in current model is (.+?)\."
+)
+
+
+def _shape_mismatch_error(error: RuntimeError, iter_dir: str) -> Exception:
+    """A checkpoint of another architecture: one line naming the first mismatched parameter
+    (DeepSpeed re-raises torch's multi-line load_state_dict error) instead of a traceback."""
+    found = _SIZE_MISMATCH.findall(str(error))
+    if not found:
+        return error
+    name, saved, current = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return ConfigError(
+        f"--load: {iter_dir} was saved by a model of another shape: {name} is {saved} there "
+        f"and {current} here{more}. Model flags must match the checkpoint's (its "
+        "metadata.json lists them); TACO checkpoints written before the value heads became "
+        "d_WE/h_WE and d_PE/h_PE wide load with --we-value-channels and --pe-value-channels "
+        "set to their --kv-channels"
+    )
+
+
 def read_tracker(load_dir: str) -> int | None:
     path = tracker_path(load_dir)
     if not os.path.isfile(path):
@@ -199,13 +225,16 @@ def load_checkpoint(
             f"{saved_tp}, this run uses {parallel.tp_size}"
         )
     restore_optim = load_optim and not finetune
-    load_path, client_state = engine.load_checkpoint(
-        load_dir,
-        tag=tag,
-        load_optimizer_states=restore_optim,
-        load_lr_scheduler_states=restore_optim,
-        load_module_only=finetune,
-    )
+    try:
+        load_path, client_state = engine.load_checkpoint(
+            load_dir,
+            tag=tag,
+            load_optimizer_states=restore_optim,
+            load_lr_scheduler_states=restore_optim,
+            load_module_only=finetune,
+        )
+    except RuntimeError as e:
+        raise _shape_mismatch_error(e, iter_dir) from None
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {iter_dir}")
     scheduler = getattr(engine, "lr_scheduler", None)
@@ -219,6 +248,7 @@ def load_checkpoint(
     state = TrainingState(
         iteration=int(client_state.get("iteration", iteration)),
         consumed_samples=int(client_state.get("consumed_samples", meta.get("consumed_samples", 0))),
+        callback_states=dict(meta.get("callbacks", {})),
     )
     if load_rng:
         path = rng_state_path(iter_dir, parallel.rank)

@@ -4,7 +4,12 @@ Logged values: every 0-d tensor the model returns. Keys ending in ``_tokens`` ar
 summed over micro-batches and data-parallel ranks and reported per iteration; every other
 key (losses, accuracies) is averaged over the micro-batches of the logging interval and
 over the data-parallel ranks. Tensor-parallel ranks compute identical values and are not
-reduced over.
+reduced over. Non-scalar outputs (e.g. SAS's MLM logits for its sampler) are left to
+the callbacks (callbacks.py), which see every training micro-batch and its outputs.
+
+Epochs: a task that defines ``samples_per_epoch`` (a multiple of the global batch size) is
+trained epoch by epoch; each epoch gets its own data iterator, created only after the
+previous epoch ended and its callbacks ran, so nothing prefetched reads across the boundary.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +27,7 @@ from torch import nn
 from megatron_taco.data.sampler import PretrainingSampler
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
+from megatron_taco.training.callbacks import Callback, CallbackList
 from megatron_taco.training.checkpointing import TrainingState, save_checkpoint
 from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.engine import Engine, gradient_norm, to_device
@@ -41,6 +47,8 @@ class PretrainTask:
     test_dataset: torch.utils.data.Dataset | None = None
     tokens_per_sample: int = 0  # for tokens/s
     train_flops: Callable[[int], float] | None = None  # model FLOPs (fwd+bwd) of n samples
+    samples_per_epoch: int | None = None  # None: one stream without epochs (TACO)
+    callbacks: list[Callback] = field(default_factory=list)
 
 
 class MetricAccumulator:
@@ -53,7 +61,7 @@ class MetricAccumulator:
 
     def add(self, outputs: dict[str, Any]) -> None:
         for key, value in outputs.items():
-            if torch.is_tensor(value) and value.numel() == 1:
+            if torch.is_tensor(value) and value.dim() == 0:
                 v = value.detach().reshape(()).to(torch.float64)
                 self.sums[key] = self.sums[key] + v if key in self.sums else v
         self.micro_batches += 1
@@ -79,6 +87,26 @@ class MetricAccumulator:
             else:
                 out[key] = total / micro_batches
         return out
+
+
+class _Interval:
+    """What the loop accumulates between two log lines."""
+
+    def __init__(self) -> None:
+        self.acc = MetricAccumulator()
+        self.iterations = self.skipped = 0
+        self.seconds = 0.0
+        self.grad_norms: list[float] = []
+
+    def add(self, seconds: float, skipped: bool, norm: float | None) -> None:
+        self.iterations += 1
+        self.seconds += seconds
+        self.skipped += int(skipped)
+        if norm is not None:
+            self.grad_norms.append(norm)
+
+    def mean_grad_norm(self) -> float:
+        return sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
 
 
 class Trainer:
@@ -108,6 +136,13 @@ class Trainer:
         self.global_batch_size = engine.settings.global_batch_size
         self.grad_accum_steps = engine.settings.grad_accum_steps
         self.last_saved_iteration: int | None = None
+        self.callbacks = CallbackList(task.callbacks)
+        spe = task.samples_per_epoch
+        if spe is not None and (spe <= 0 or spe % self.global_batch_size):
+            raise ValueError(
+                f"samples_per_epoch {spe} must be a positive multiple of the global batch size "
+                f"{self.global_batch_size}"
+            )
         # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only;
         # with a plain torch optimizer (ZeRO 0, fp32) it computes and discards it.
         self._own_grad_norm = not hasattr(self.ds.optimizer, "_global_grad_norm")
@@ -145,7 +180,7 @@ class Trainer:
             torch.cuda.synchronize()
 
     def train_step(
-        self, data_iter: Iterator[dict], acc: MetricAccumulator
+        self, data_iter: Iterator[dict], acc: MetricAccumulator, state: TrainingState
     ) -> tuple[float, bool, float | None]:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns (learning
         rate used, whether DeepSpeed skipped the step on an fp16 overflow, gradient norm)."""
@@ -164,6 +199,7 @@ class Trainer:
             # overflowed) only at the gradient-accumulation boundary.
             self.ds.step()
             acc.add(outputs)
+            self.callbacks.after_micro_batch(self, state, batch, outputs)
         skipped = self.ds.skipped_steps != skipped_before
         norm = own_norm if self._own_grad_norm else self.ds.get_global_grad_norm()
         if skipped or norm is None:
@@ -199,19 +235,42 @@ class Trainer:
         if self.training.save is None or self.last_saved_iteration == state.iteration:
             return
         start = time.perf_counter()
+        self.callbacks.on_save(self, state)
+        metadata = {
+            **(self.checkpoint_metadata or {}),
+            "epoch": self.epoch_of(state.consumed_samples),
+            "callbacks": self.callbacks.state_dict(),
+        }
         path = save_checkpoint(
-            self.ds,
-            self.training.save,
-            state,
-            self.parallel,
-            self.rng_tracker,
-            metadata=self.checkpoint_metadata,
+            self.ds, self.training.save, state, self.parallel, self.rng_tracker, metadata=metadata
         )
         self.last_saved_iteration = state.iteration
         self.logger.print(
             f" saved checkpoint {path} (iteration {state.iteration}, "
             f"{time.perf_counter() - start:.1f}s)"
         )
+
+    # -- the loop -----------------------------------------------------------------------
+
+    # -- epochs -------------------------------------------------------------------------
+
+    def epoch_of(self, consumed_samples: int) -> int:
+        """0-based epoch of the step that starts after ``consumed_samples``."""
+        spe = self.task.samples_per_epoch
+        return consumed_samples // spe if spe else 0
+
+    def num_epochs(self) -> int:
+        spe = self.task.samples_per_epoch
+        total = self.training.train_samples(self.parallel.dp_size)
+        return -(-total // spe) if spe else 1
+
+    def _train_iter(self, state: TrainingState) -> Iterator[dict]:
+        """Batches from the current position to the end of its epoch (or of training)."""
+        end = self.training.train_samples(self.parallel.dp_size)
+        spe = self.task.samples_per_epoch
+        if spe:
+            end = min(end, (self.epoch_of(state.consumed_samples) + 1) * spe)
+        return self._loader(self.task.train_dataset, state.consumed_samples, end)
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -222,54 +281,33 @@ class Trainer:
                 f" iteration {state.iteration} >= --train-iters {t.train_iters}: nothing to train"
             )
             return state
-        data_iter = self._loader(
-            self.task.train_dataset, state.consumed_samples, t.train_samples(self.parallel.dp_size)
-        )
+        self.callbacks.load_state_dict(state.callback_states)
+        self.callbacks.on_train_start(self, state)
+        epoch = self.epoch_of(state.consumed_samples)
+        self.callbacks.on_epoch_start(self, state, epoch)
+        data_iter = self._train_iter(state)
         self.ds.train()
-        acc = MetricAccumulator()
-        interval_iters = interval_skipped = 0
-        interval_time = 0.0
-        grad_norms: list[float] = []
+        interval = _Interval()
         last_evaluated = None
         while state.iteration < t.train_iters:
             start = time.perf_counter()
-            lr, skipped, norm = self.train_step(data_iter, acc)
+            lr, skipped, norm = self.train_step(data_iter, interval.acc, state)
             self._sync()
-            interval_time += time.perf_counter() - start
+            interval.add(time.perf_counter() - start, skipped, norm)
             state.iteration += 1
             state.consumed_samples += self.global_batch_size
-            interval_iters += 1
-            interval_skipped += int(skipped)
-            if norm is not None:
-                grad_norms.append(norm)
             self.logger.advance()
+            epoch_ended = self.epoch_of(state.consumed_samples) != epoch
+            if epoch_ended:
+                self.callbacks.on_epoch_end(self, state, epoch)
+                self.logger.print(
+                    f" epoch {epoch + 1}/{self.num_epochs()} ended at iteration {state.iteration}"
+                )
 
             if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
-                metrics = {
-                    "consumed_samples": state.consumed_samples,
-                    "elapsed_ms": 1000.0 * interval_time / interval_iters,
-                    "lr": lr,
-                    "global_batch_size": self.global_batch_size,
-                    # Iterations whose step was skipped contribute their losses too:
-                    # they are what the model computed.
-                    **acc.reduce(self.parallel, interval_iters),
-                    "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-                    "skipped_iterations": interval_skipped,
-                }
-                if self.engine.settings.precision == "fp16":
-                    # DeepSpeed's dynamic loss scale: it halves on overflow (that step is
-                    # skipped, and the LR scheduler is not stepped for it).
-                    scale = getattr(self.ds.optimizer, "loss_scale", None)
-                    if scale is not None:
-                        metrics["loss_scale"] = float(scale)
-                if t.log_throughput:
-                    metrics.update(self._throughput(interval_iters, interval_time))
+                metrics = self._train_metrics(state, interval, lr, epoch)
                 self.logger.log("train", state.iteration, metrics)
-                acc = MetricAccumulator()
-                interval_iters = interval_skipped = 0
-                interval_time = 0.0
-                grad_norms = []
-
+                interval = _Interval()
             if (
                 self.task.valid_dataset is not None
                 and t.eval_iters > 0
@@ -283,6 +321,12 @@ class Trainer:
                 self.logger.print(f" exiting at iteration {state.iteration} (--exit-interval)")
                 self.save(state)
                 return state
+            if epoch_ended and state.iteration < t.train_iters:
+                # A fresh iterator per epoch: nothing of the next epoch was prefetched
+                # before this epoch's callbacks ran.
+                epoch += 1
+                self.callbacks.on_epoch_start(self, state, epoch)
+                data_iter = self._train_iter(state)
 
         self.save(state)
         if (
@@ -294,6 +338,33 @@ class Trainer:
         if self.task.test_dataset is not None and t.eval_iters > 0:
             self.evaluate("test", self.task.test_dataset, state.iteration)
         return state
+
+    def _train_metrics(
+        self, state: TrainingState, interval: _Interval, lr: float, epoch: int
+    ) -> dict[str, Any]:
+        metrics: dict[str, Any] = {
+            "consumed_samples": state.consumed_samples,
+            "elapsed_ms": 1000.0 * interval.seconds / interval.iterations,
+            "lr": lr,
+            "global_batch_size": self.global_batch_size,
+            # Iterations whose step was skipped contribute their losses too: they are what
+            # the model computed.
+            **interval.acc.reduce(self.parallel, interval.iterations),
+            "grad_norm": interval.mean_grad_norm(),
+            "skipped_iterations": interval.skipped,
+        }
+        if self.task.samples_per_epoch:
+            metrics["epoch"] = epoch + 1  # 1-based, as the paper counts epochs
+        metrics.update(self.callbacks.metrics())
+        if self.engine.settings.precision == "fp16":
+            # DeepSpeed's dynamic loss scale: it halves on overflow (that step is skipped,
+            # and the LR scheduler is not stepped for it).
+            scale = getattr(self.ds.optimizer, "loss_scale", None)
+            if scale is not None:
+                metrics["loss_scale"] = float(scale)
+        if self.training.log_throughput:
+            metrics.update(self._throughput(interval.iterations, interval.seconds))
+        return metrics
 
     def _throughput(self, iterations: int, seconds: float) -> dict[str, float]:
         if seconds <= 0:

@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_taco.parallel.random import model_parallel_seed
 from megatron_taco.parallel.state import init_parallel
+from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
     TRACKER_FILENAME,
     TrainingState,
@@ -99,7 +100,7 @@ def _training(tmp: str, **overrides) -> TrainingConfig:
     return TrainingConfig(**values)
 
 
-def _run(parallel, training, ds_file, model_seed, state=None, load_step=None):
+def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, **task_kwargs):
     settings = resolve_deepspeed_config(
         training, parallel.dp_size, device_type="cpu", ds_json=load_deepspeed_json(ds_file)
     )
@@ -123,6 +124,7 @@ def _run(parallel, training, ds_file, model_seed, state=None, load_step=None):
         valid_dataset=ToyDataset(),
         tokens_per_sample=SEQ,
         train_flops=lambda n: 6.0 * n * SEQ * 32 * 32,
+        **task_kwargs,
     )
     trainer = Trainer(engine, parallel, training, task, logger, seed=7, num_workers=0)
     state = trainer.train(state)
@@ -342,3 +344,75 @@ def test_checkpoint_tracker_and_partial_loads(tmp_path):
     assert TRACKER_FILENAME in missing
     assert "must hold an iteration number" in out["errors"]["garbage"]
     assert "--no-load-rng" in out["errors"]["rng"]
+
+
+class Recorder(Callback):
+    """Records every hook call; its state (a counter) must survive a checkpoint."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.micro_batches = 0
+        self.loaded = None
+
+    def on_train_start(self, trainer, state):
+        self.events.append(("train_start", state.iteration))
+
+    def on_epoch_start(self, trainer, state, epoch):
+        self.events.append(("epoch_start", epoch, state.iteration))
+
+    def after_micro_batch(self, trainer, state, batch, outputs):
+        assert trainer.ds.training, "after_micro_batch must never run during evaluation"
+        assert batch["tokens"].shape == (4, SEQ) and outputs["loss"].requires_grad
+        self.micro_batches += 1
+
+    def on_epoch_end(self, trainer, state, epoch):
+        self.events.append(("epoch_end", epoch, state.iteration))
+
+    def on_save(self, trainer, state):
+        self.events.append(("save", state.iteration))
+
+    def metrics(self):
+        return {"recorded_micro_batches": float(self.micro_batches)}
+
+    def state_dict(self):
+        return {"micro_batches": self.micro_batches}
+
+    def load_state_dict(self, state):
+        self.loaded = dict(state)
+        self.micro_batches = state["micro_batches"]
+
+
+def _callbacks_worker(rank, world_size, tmp):
+    parallel = init_parallel(1)
+    ds_file = str(DS_CONFIGS / "zero1_fp32.json")
+    # Global batch 16 (micro 4 x accumulation 2 x dp 2); epochs of 3 iterations.
+    full = _training(os.path.join(tmp, "full"), train_iters=7, save_interval=4, eval_interval=2)
+    recorder = Recorder()
+    torch.manual_seed(1)
+    _run(parallel, full, ds_file, 0, samples_per_epoch=48, callbacks=[recorder])
+    resumed_cfg = _training(
+        os.path.join(tmp, "resumed"), train_iters=7, load=full.save, eval_interval=2
+    )
+    resumed = Recorder()
+    _run(parallel, resumed_cfg, ds_file, 5, load_step=4, samples_per_epoch=48, callbacks=[resumed])
+    records = read_metrics(full.metrics_file) if rank == 0 else None
+    return recorder.events, recorder.micro_batches, resumed.events, resumed.loaded, records
+
+
+def test_callbacks_and_epochs_on_a_real_engine(tmp_path):
+    events, micro, resumed_events, loaded, records = run_distributed(
+        _callbacks_worker, 2, str(tmp_path)
+    )[0]
+    assert events == [
+        ("train_start", 0), ("epoch_start", 0, 0), ("epoch_end", 0, 3), ("epoch_start", 1, 3),
+        ("save", 4), ("epoch_end", 1, 6), ("epoch_start", 2, 6), ("save", 7),
+    ]  # fmt: skip
+    assert micro == 7 * 2  # accumulation steps per iteration, training only
+    # Resumed mid-epoch 1 at iteration 4: the saved state comes back, epoch 1 restarts.
+    assert loaded == {"micro_batches": 8}
+    assert resumed_events[:2] == [("train_start", 4), ("epoch_start", 1, 4)]
+    train = {r["iteration"]: r for r in records if r["split"] == "train"}
+    assert [train[i]["epoch"] for i in range(1, 8)] == [1, 1, 1, 2, 2, 2, 3]
+    assert train[7]["recorded_micro_batches"] == 14

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_taco.arguments import ConfigError
-from megatron_taco.cli.pretrain_taco import build_parser, configs_from_args, main
+from megatron_taco.cli.pretrain_taco import SPEC, main
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.training.config import (
     DEFAULT_WARMUP_ITERS,
@@ -271,8 +271,8 @@ def test_fp16_on_cpu_is_refused_before_process_group_work(tmp_path, capsys, monk
 
 
 def parse(tmp_path, *extra, world_size=1):
-    args = build_parser().parse_args(cli_args(tmp_path, *extra))
-    return configs_from_args(args, world_size=world_size, device_type="cpu")
+    args = SPEC.build_parser().parse_args(cli_args(tmp_path, *extra))
+    return SPEC.configs_from_args(args, world_size=world_size, device_type="cpu")
 
 
 def test_cli_checks_batch_arithmetic_against_the_launcher_world(tmp_path):
@@ -309,23 +309,23 @@ def test_cli_checks_files_last(tmp_path):
 
 def test_cli_accepts_deepspeed_launcher_flags(tmp_path):
     path = str(DS_CONFIGS / "zero1_bf16.json")
-    args = build_parser().parse_args(
+    args = SPEC.build_parser().parse_args(
         cli_args(tmp_path, "--local_rank=1", "--deepspeed", "--deepspeed_config", path)
     )
     assert args.deepspeed_config == path and args.local_rank == 1
-    args = build_parser().parse_args(
+    args = SPEC.build_parser().parse_args(
         cli_args(tmp_path, "--local-rank", "0", "--deepspeed-config", path)
     )
     assert args.deepspeed_config == path
 
 
 def test_cli_checkpoint_switches(tmp_path):
-    args = build_parser().parse_args(
+    args = SPEC.build_parser().parse_args(
         cli_args(tmp_path, "--load", "ck", "--no-load-optim", "--no-load-rng", "--finetune")
     )
     t = TrainingConfig.from_args(args)
     assert (t.load, t.no_load_optim, t.no_load_rng, t.finetune) == ("ck", True, True, True)
-    t = TrainingConfig.from_args(build_parser().parse_args(cli_args(tmp_path)))
+    t = TrainingConfig.from_args(SPEC.build_parser().parse_args(cli_args(tmp_path)))
     assert (t.no_load_optim, t.no_load_rng, t.finetune) == (False, False, False)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(cli_args(tmp_path, "--no-no-load-optim"))
+        SPEC.build_parser().parse_args(cli_args(tmp_path, "--no-no-load-optim"))

@@ -1,0 +1,85 @@
+"""Hooks into the training loop, with state that is saved in checkpoints.
+
+A model's spec hands the trainer a list of callbacks (e.g. SAS's RTD-weight schedule and its
+self-augmentation store). The trainer calls, in order:
+
+    on_train_start                       once, after a checkpoint (if any) was loaded
+    on_epoch_start(epoch)                before the first step of each epoch, including the
+                                         epoch a resumed run restarts in the middle of
+    after_micro_batch(batch, outputs)    after each training forward/backward (never in eval)
+    on_epoch_end(epoch)                  after the last step of an epoch, before that
+                                         iteration's log, evaluation and checkpoint
+    on_save                              before a checkpoint's files are written (flush)
+    metrics()                            extra values for the training log line
+    state_dict / load_state_dict         JSON-serialisable state, stored in the checkpoint's
+                                         metadata.json under "callbacks"[name]
+
+Epochs exist when the task defines ``samples_per_epoch`` (a multiple of the global batch
+size); epoch e covers iterations [e * steps_per_epoch, (e + 1) * steps_per_epoch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Callback:
+    name = "callback"  # key of this callback's state in checkpoints; unique per run
+
+    def on_train_start(self, trainer, state) -> None:
+        pass
+
+    def on_epoch_start(self, trainer, state, epoch: int) -> None:
+        pass
+
+    def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
+        pass
+
+    def on_epoch_end(self, trainer, state, epoch: int) -> None:
+        pass
+
+    def on_save(self, trainer, state) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class CallbackList:
+    """Calls every callback in order; checks that state keys are unique."""
+
+    def __init__(self, callbacks: list[Callback] | None = None) -> None:
+        self.callbacks = list(callbacks or [])
+        names = [c.name for c in self.callbacks]
+        if len(names) != len(set(names)):
+            raise ValueError(f"callback names must be unique, got {names}")
+
+    def __getattr__(self, hook: str):
+        if not hook.startswith("on_") and hook != "after_micro_batch":
+            raise AttributeError(hook)
+
+        def call(*args, **kwargs) -> None:
+            for callback in self.callbacks:
+                getattr(callback, hook)(*args, **kwargs)
+
+        return call
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for callback in self.callbacks:
+            out.update(callback.metrics())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {c.name: c.state_dict() for c in self.callbacks}
+
+    def load_state_dict(self, states: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            if callback.name in states:
+                callback.load_state_dict(states[callback.name])

@@ -1,0 +1,377 @@
+"""The pretraining driver shared by every model: flags, checks before any process group,
+distributed set-up, engine, checkpoint loading, logging, the training loop and teardown.
+
+A model plugs in through a ``ModelSpec``: its config class (presets + flags), its task
+config groups (e.g. TACO's masking), cross-checks, and ``build(ctx) -> ModelParts`` (model,
+collator, datasets, FLOPs, callbacks, banner lines). ``pretrain_taco.py`` and
+``pretrain_sas.py`` are ``spec.main()``.
+
+Every flag is checked (including the DeepSpeed JSON and the existence of the data,
+tokenizer and JSON files) before any process group is created, so a typo fails at once on
+every rank instead of after a rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
+from megatron_taco.data.config import DataConfig
+from megatron_taco.parallel.config import ParallelConfig, check_world_size
+from megatron_taco.training.callbacks import Callback
+from megatron_taco.training.config import (
+    DeepSpeedSettings,
+    TrainingConfig,
+    resolve_deepspeed_config,
+)
+
+logger = logging.getLogger("megatron_taco.pretrain")
+
+
+@dataclass(frozen=True)
+class PretrainConfigs:
+    parallel: ParallelConfig
+    model: Any  # the spec's model config (a PresetConfig dataclass)
+    data: DataConfig
+    task: dict[str, Any]  # the spec's other config groups by name (e.g. "masking")
+    training: TrainingConfig
+    deepspeed: DeepSpeedSettings
+    world_size: int
+    device_type: str
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.parallel.tensor_model_parallel_size
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "parallel": dataclasses.asdict(self.parallel),
+            "model": dataclasses.asdict(self.model),
+            "data": dataclasses.asdict(self.data),
+            **{name: dataclasses.asdict(cfg) for name, cfg in self.task.items()},
+            "training": dataclasses.asdict(self.training),
+            "deepspeed": self.deepspeed.config,
+        }
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a spec's build() gets once the process groups exist."""
+
+    configs: PretrainConfigs
+    model_config: Any  # with the tokenizer's vocabulary size
+    parallel: Any  # ParallelState
+    rng_tracker: Any  # RNGTracker
+    tokenizer: Any  # data.tokenizer.Tokenizer
+    seed: int
+
+
+@dataclass
+class ModelParts:
+    """What a spec builds for a run."""
+
+    model: Any  # nn.Module: forward(batch) -> dict with a scalar "loss"
+    collate_fn: Callable[[list], dict]
+    train_dataset: Any
+    valid_dataset: Any = None
+    test_dataset: Any = None
+    tokens_per_sample: int = 0
+    train_flops: Callable[[int], float] | None = None  # hardware-honest FLOPs of n samples
+    paper_flops: Callable[[int, int], float] | None = None  # (global batch, steps), ELECTRA's way
+    samples_per_epoch: int | None = None
+    callbacks: list[Callback] = field(default_factory=list)
+    banner: list[str] = field(default_factory=list)  # model-specific start-up lines
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # "TACO"
+    prog: str  # "pretrain_taco.py"
+    description: str
+    model_config: type  # a PresetConfig dataclass with add_args/from_args/validate_parallel
+    task_configs: tuple[tuple[str, type, str], ...]  # (name, dataclass, argparse title)
+    build: Callable[[BuildContext], ModelParts]
+    # Cross-checks of the configs, run before any process group exists.
+    check: Callable[[PretrainConfigs], None] = lambda cfg: None
+
+    def build_parser(self) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(
+            prog=self.prog, description=self.description, allow_abbrev=False
+        )
+        add_dataclass_args(parser, ParallelConfig, "parallelism")
+        self.model_config.add_args(parser)
+        add_dataclass_args(parser, DataConfig, "data")
+        for _name, cls, title in self.task_configs:
+            add_dataclass_args(parser, cls, title)
+        TrainingConfig.add_args(parser)
+        add_launcher_compat_args(parser)
+        return parser
+
+    def configs_from_args(
+        self, args: argparse.Namespace, *, world_size: int, device_type: str
+    ) -> PretrainConfigs:
+        """Build and cross-check every config; reads the DeepSpeed JSON and checks that the
+        data, tokenizer and JSON files exist. No process-group work."""
+        parallel = dataclass_from_args(ParallelConfig, args)
+        model = self.model_config.from_args(args)
+        data = dataclass_from_args(DataConfig, args)
+        task = {name: dataclass_from_args(cls, args) for name, cls, _ in self.task_configs}
+        training = TrainingConfig.from_args(args)
+        tp = parallel.tensor_model_parallel_size
+        check_world_size(world_size, tp)
+        model.validate_parallel(tp)
+        if data.seq_length > model.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-length: {data.seq_length} exceeds --max-position-embeddings "
+                f"{model.max_position_embeddings} (positions are 0..seq_length-1)"
+            )
+        deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
+        data.validate_files()
+        configs = PretrainConfigs(
+            parallel=parallel,
+            model=model,
+            data=data,
+            task=task,
+            training=training,
+            deepspeed=deepspeed,
+            world_size=world_size,
+            device_type=device_type,
+        )
+        self.check(configs)
+        return configs
+
+    def parse_configs(self, argv: list[str] | None = None) -> PretrainConfigs:
+        from megatron_taco.training.engine import accelerator_name, launcher_world_size
+
+        args = self.build_parser().parse_args(argv)
+        return self.configs_from_args(
+            args, world_size=launcher_world_size(), device_type=accelerator_name()
+        )
+
+    def main(self, argv: list[str] | None = None) -> int:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        try:
+            cfg = self.parse_configs(argv)
+            # Errors found later (e.g. a --load directory without the named checkpoint) are
+            # reported the same way, after pretrain() has torn the process groups down.
+            return pretrain(cfg, self)
+        except ConfigError as e:
+            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            return 2
+
+
+def add_launcher_compat_args(parser: argparse.ArgumentParser) -> None:
+    ds = parser.add_argument_group("DeepSpeed launcher compatibility")
+    # DeepSpeed's own spelling of --deepspeed-config; both fill the same field.
+    ds.add_argument(
+        "--deepspeed_config",
+        dest="deepspeed_config",
+        default=argparse.SUPPRESS,
+        help="Same as --deepspeed-config.",
+    )
+    ds.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="Accepted for DeepSpeed compatibility; DeepSpeed is always used.",
+    )
+    # The deepspeed launcher passes --local_rank; the rank is read from LOCAL_RANK instead.
+    ds.add_argument(
+        "--local_rank",
+        "--local-rank",
+        dest="local_rank",
+        type=int,
+        default=None,
+        help=argparse.SUPPRESS,
+    )
+
+
+def _banner(
+    cfg: PretrainConfigs,
+    spec: ModelSpec,
+    parts: ModelParts,
+    *,
+    parameters: int,
+    norms: list[str],
+    optimizer: str,
+    resumed: str,
+) -> str:
+    t, ds, m = cfg.training, cfg.deepspeed, cfg.model
+    tp = cfg.parallel.tensor_model_parallel_size
+    lines = [
+        "=" * 78,
+        f"megatron_taco: {spec.name} pretraining",
+        f"  world size {cfg.world_size} = tensor parallel {tp} x data parallel "
+        f"{cfg.data_parallel_size}  (accelerator: {cfg.device_type})",
+        f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision}",
+        f"  global batch {ds.global_batch_size} = micro-batch {t.micro_batch_size} x "
+        f"grad accumulation {ds.grad_accum_steps} x data parallel {cfg.data_parallel_size}; "
+        f"seq length {cfg.data.seq_length}",
+        f"  model: {spec.name}{f' ({m.model_size})' if m.model_size else ''}, "
+        f"{m.num_layers} layers, {parameters:,} parameters",
+        *(f"  {line}" for line in parts.banner),
+        f"  LayerNorm: {', '.join(norms) or 'none'}",
+        f"  optimizer: {optimizer}; lr {t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_iters} iters, "
+        f"{t.lr_decay_style} decay over {t.decay_iters} iters; weight decay {t.weight_decay:g}; "
+        f"clip grad {t.clip_grad:g}",
+    ]
+    if parts.samples_per_epoch:
+        steps = parts.samples_per_epoch // ds.global_batch_size
+        total = t.train_samples(cfg.data_parallel_size)
+        lines.append(
+            f"  epochs: {-(-total // parts.samples_per_epoch)} of {parts.samples_per_epoch:,} "
+            f"samples ({steps} iterations each)"
+        )
+    if parts.paper_flops is not None:
+        per_step = parts.paper_flops(ds.global_batch_size, 1)
+        lines.append(
+            f"  train FLOPs (ELECTRA's convention): {per_step:.4g} per iteration, "
+            f"{parts.paper_flops(ds.global_batch_size, t.train_iters):.4g} for "
+            f"--train-iters {t.train_iters}"
+        )
+    lines += [f"  train iterations {t.train_iters}; {resumed}", "=" * 78]
+    return "\n".join(lines)
+
+
+def _seed_everything(seed: int, parallel):
+    from megatron_taco.parallel.random import model_parallel_seed
+
+    # Our data pipeline uses explicit generators; the global ones are seeded (and
+    # checkpointed) for any library code that draws from them.
+    random.seed(seed)
+    np.random.seed(seed)  # noqa: NPY002
+    return model_parallel_seed(seed, parallel)
+
+
+def _load(engine, t: TrainingConfig, parallel, rng_tracker):
+    from megatron_taco.training.checkpointing import TrainingState, load_checkpoint
+
+    if t.load is None:
+        return TrainingState(), "starting from scratch"
+    loaded = load_checkpoint(
+        engine.engine,
+        t.load,
+        parallel,
+        rng_tracker,
+        ckpt_step=t.ckpt_step,
+        load_optim=not t.no_load_optim,
+        load_rng=not t.no_load_rng,
+        finetune=t.finetune,
+    )
+    if loaded is None:
+        return TrainingState(), "starting from scratch"
+    if t.finetune:
+        return loaded, f"fine-tuning from {t.load}"
+    return loaded, (
+        f"resumed from {t.load} at iteration {loaded.iteration} "
+        f"({loaded.consumed_samples} samples consumed)"
+    )
+
+
+def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
+    # Heavy imports after validation: --help and config errors stay fast.
+    import deepspeed  # noqa: F401  (creates DeepSpeed's logger, tuned below)
+    import torch
+
+    from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.training.engine import (
+        count_parameters,
+        destroy_distributed,
+        init_distributed,
+        initialize_engine,
+        norm_implementations,
+    )
+    from megatron_taco.training.logging import TrainingLogger
+    from megatron_taco.training.loop import PretrainTask, Trainer
+    from megatron_taco.training.plots import plot_loss_curves
+
+    # DeepSpeed's INFO output (config dumps, per-step notes) drowns the training log.
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    t = cfg.training
+    parallel = train_logger = None
+    try:
+        parallel = init_distributed(cfg.parallel.tensor_model_parallel_size)
+        if parallel.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        seed = cfg.data.seed
+        rng_tracker = _seed_everything(seed, parallel)
+        tokenizer = Tokenizer(cfg.data.tokenizer_model)
+        ctx = BuildContext(
+            configs=cfg,
+            model_config=cfg.model.with_vocab_size(tokenizer.vocab_size),
+            parallel=parallel,
+            rng_tracker=rng_tracker,
+            tokenizer=tokenizer,
+            seed=seed,
+        )
+        parts = spec.build(ctx)
+        parameters = count_parameters(parts.model, parallel)
+        norms = norm_implementations(parts.model)
+        engine = initialize_engine(parts.model, t, cfg.deepspeed, parallel)
+        state, resumed = _load(engine, t, parallel, rng_tracker)
+        train_logger = TrainingLogger(
+            rank=parallel.rank,
+            train_iters=t.train_iters,
+            start_iteration=state.iteration,
+            tensorboard_dir=t.tensorboard_dir,
+            metrics_file=t.resolved_metrics_file,
+            progress_bar=t.progress_bar,
+        )
+        train_logger.print(
+            _banner(
+                cfg,
+                spec,
+                parts,
+                parameters=parameters,
+                norms=norms,
+                optimizer=engine.optimizer_impl,
+                resumed=resumed,
+            )
+        )
+        task = PretrainTask(
+            model=parts.model,
+            collate_fn=parts.collate_fn,
+            train_dataset=parts.train_dataset,
+            valid_dataset=parts.valid_dataset,
+            test_dataset=parts.test_dataset,
+            tokens_per_sample=parts.tokens_per_sample,
+            train_flops=parts.train_flops,
+            samples_per_epoch=parts.samples_per_epoch,
+            callbacks=parts.callbacks,
+        )
+        trainer = Trainer(
+            engine,
+            parallel,
+            t,
+            task,
+            train_logger,
+            seed=seed,
+            num_workers=cfg.data.num_workers,
+            rng_tracker=rng_tracker,
+            checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict()},
+        )
+        trainer.train(state)
+        train_logger.close()
+        metrics_file = t.resolved_metrics_file
+        if parallel.rank == 0 and metrics_file is not None and os.path.isfile(metrics_file):
+            png = plot_loss_curves(metrics_file)
+            if png is not None:
+                train_logger.print(f" loss curves: {png}")
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return 0
+    finally:
+        if train_logger is not None:
+            train_logger.close()
+        destroy_distributed(parallel)

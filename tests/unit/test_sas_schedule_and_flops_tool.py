@@ -1,0 +1,53 @@
+"""SAS's per-epoch lambda schedule and the FLOPs tool against the SAS paper's Table 1."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.cli.count_flops import main as count_flops
+from megatron_taco.cli.pretrain_sas import RtdScheduleConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_lambda_steps_linearly_per_epoch():
+    sas = RtdScheduleConfig()
+    assert [sas.weight(e, 5) for e in range(5)] == [50, 87.5, 125, 162.5, 200]
+    assert sas.weight(0, 1) == 50
+    constant = RtdScheduleConfig(rtd_weight=50, rtd_weight_final=50)  # SAS^c
+    assert {constant.weight(e, 7) for e in range(7)} == {50}
+    with pytest.raises(ConfigError, match="--rtd-weight"):
+        RtdScheduleConfig(rtd_weight=-1)
+
+
+# SAS paper Table 1: batch 512, 250k steps, seq 128, vocab 30522.
+TABLE1 = [
+    (["--model", "bert"], 1.274e18),
+    (["--model", "electra"], 1.294e18),
+    (["--model", "sas"], 1.279e18),
+]
+
+
+@pytest.mark.parametrize("args,paper", TABLE1, ids=["bert", "electra", "sas"])
+def test_count_flops_reproduces_table1(capsys, args, paper):
+    assert count_flops([*args, "--model-size", "small"]) == 0
+    out = capsys.readouterr().out
+    value = float(out.split(": ")[1].split(" ")[0])
+    assert value == pytest.approx(paper, rel=0.01), out
+
+
+def test_count_flops_variants_and_cli():
+    res = subprocess.run(
+        [sys.executable, "tools/count_flops.py", "--model", "sas", "--disentangled-attention"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    da = float(res.stdout.split(": ")[1].split(" ")[0])
+    assert da == pytest.approx(1.385e18, rel=0.01)  # SAS^DA-Small, Table 1
+    res = subprocess.run(
+        [sys.executable, "tools/count_flops.py", "--model", "taco", "--model-size", "nope"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert res.returncode == 2 and "unknown preset 'nope'" in res.stderr
