@@ -236,8 +236,8 @@ def get_tokenizer(corpus: str, vocab_size: int) -> str:
 
 
 def _bare_worker(rank, n, corpus, model, split, chunk, threads, ready, go, results):
-    from megatron_taco.preprocessing.text import SentenceSplitter
     from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.preprocessing.text import SentenceSplitter
 
     tok = Tokenizer(model)
     splitter = SentenceSplitter() if split else None

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from timing import gemm_peak, time_steps
 
 from megatron_taco.models.flops import taco_train_flops
 from megatron_taco.models.taco.config import TacoConfig
@@ -99,34 +99,6 @@ def deberta_train_flops(dcfg, seq: int, rows: int, head_fraction: float = 1.0) -
     per_seq = 2 * L * (heads * seq * seq * d * 2 + 2 * heads * seq * n * d)
     rel = 2 * L * n * h * 2 * att
     return 3.0 * (rows * seq * per_token + rows * per_seq + rel)
-
-
-def gemm_peak(device, dtype=torch.float32, n: int = 2048, iters: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(3):
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(iters):
-            a @ b
-        sync(device)
-        best = min(best, (time.perf_counter() - t) / iters)
-    return 2 * n**3 / best
-
-
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_steps(step, steps: int, device) -> float:
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(device)
-    return (time.perf_counter() - t) / steps
 
 
 def main(argv=None) -> None:

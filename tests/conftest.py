@@ -36,3 +36,31 @@ def tokenizer(tokenizer_model):
     from megatron_taco.data.tokenizer import Tokenizer
 
     return Tokenizer(tokenizer_model)
+
+
+@pytest.fixture(scope="session")
+def botchan_dataset(tmp_path_factory, tokenizer_model) -> dict:
+    """The Botchan excerpt preprocessed by the real tool: ~46 documents of 20 lines."""
+    import json
+
+    from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
+
+    tmp = tmp_path_factory.mktemp("data")
+    lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
+    with open(tmp / "botchan.jsonl", "w", encoding="utf-8") as f:
+        for i in range(0, len(lines), 20):
+            f.write(json.dumps({"text": " ".join(lines[i : i + 20])}) + "\n")
+    summary = preprocess(
+        PreprocessConfig(
+            input=(str(tmp / "botchan.jsonl"),),
+            output_prefix=str(tmp / "botchan"),
+            tokenizer_model=tokenizer_model,
+            split_sentences=True,
+        ),
+        progress=False,
+    )
+    return {
+        "prefix": summary["datasets"]["text"]["prefix"],
+        "tokenizer": tokenizer_model,
+        "dir": tmp,
+    }

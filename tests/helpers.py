@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +20,7 @@ import torch.multiprocessing as mp
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import single_process_state
+from megatron_taco.training.logging import read_metrics
 
 TACO_METRIC_KEYS = (
     "loss",
@@ -144,3 +148,109 @@ def make_batch(
 def build(config: TacoConfig, seed: int = 0) -> TacoForPretraining:
     torch.manual_seed(seed)
     return TacoForPretraining(config, single_process_state())
+
+
+# ---------------------------------------------------------------------------------------
+# SAS
+
+SAS_METRIC_KEYS = (
+    "loss",
+    "mlm_loss",
+    "rtd_loss",
+    "rtd_weight",
+    "mlm_acc",
+    "rtd_acc",
+    "rtd_acc_replaced",
+    "rtd_acc_original",
+    "replaced_share",
+    "mlm_tokens",
+    "rtd_tokens",
+)
+SAS_SEQ = 24
+
+
+def tiny_sas_config(**overrides):
+    from megatron_taco.models.sas.config import SasConfig
+
+    return SasConfig.preset("tiny", vocab_size=VOCAB, **overrides)
+
+
+def make_sas_batch(
+    b: int = 2, s: int = SAS_SEQ, seed: int = 0, vocab: int = VOCAB
+) -> dict[str, torch.Tensor]:
+    """A SAS batch as its collator builds it: ~15% of each row's real tokens (never
+    position 0, the [CLS]) replaced by random tokens, one replacement per row equal to the
+    original (a "hit", RTD label 0), rows padded with id 0 to lengths s, s-5, s-10, ..."""
+    from megatron_taco.models.sas.model import rtd_labels
+
+    g = torch.Generator().manual_seed(seed)
+    original = torch.randint(5, vocab, (b, s), generator=g)
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    ids = original.clone()
+    mlm = torch.full((b, s), -100)
+    for r in range(b):
+        n = s - 5 * r
+        mask[r, :n] = True
+        ids[r, n:] = 0
+        chosen = torch.randperm(n - 1, generator=g)[: max(2, round(0.15 * n))] + 1
+        mlm[r, chosen] = original[r, chosen]
+        ids[r, chosen] = (
+            original[r, chosen] + torch.randint(1, vocab - 5, chosen.shape, generator=g) - 5
+        ) % (vocab - 5) + 5
+        ids[r, chosen[0]] = original[r, chosen[0]]  # a hit
+    return dict(
+        input_ids=ids,
+        attention_mask=mask,
+        mlm_labels=mlm,
+        rtd_labels=rtd_labels(ids, mlm, mask),
+    )
+
+
+def build_sas(config, seed: int = 0, rng_tracker=None):
+    from megatron_taco.models.sas.model import SasForPretraining
+
+    torch.manual_seed(seed)
+    return SasForPretraining(config, single_process_state(), rng_tracker)
+
+
+# ---------------------------------------------------------------------------------------
+# Real launchers (deepspeed, torchrun, plain python) from the venv running the tests
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions")
+    ),
+    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+}
+for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    ENV.pop(_var, None)
+
+
+def run(cmd: list[str], timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert res.returncode == 0, (
+            f"{' '.join(cmd)}\n--- stdout\n{res.stdout[-6000:]}\n--- stderr\n{res.stderr[-6000:]}"
+        )
+    return res
+
+
+def deepspeed_command(script: str, *args: str, num_gpus: int = 2) -> list[str]:
+    launcher = BIN / "deepspeed"
+    assert launcher.is_file(), f"no deepspeed launcher beside {sys.executable}"
+    # A free port: other test runs on this machine may hold DeepSpeed's default 29500.
+    return [str(launcher), "--num_gpus", str(num_gpus), "--master_port", str(free_port()),
+            script, *args]  # fmt: skip
+
+
+def deepspeed(script: str, *args: str, num_gpus: int = 2, timeout: int = 240):
+    return run(deepspeed_command(script, *args, num_gpus=num_gpus), timeout=timeout)
+
+
+def train_records(path) -> dict[int, dict]:
+    return {r["iteration"]: r for r in read_metrics(str(path)) if r["split"] == "train"}

@@ -18,6 +18,7 @@ import os
 import sys
 
 from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.cli.sas_augmentation import SelfAugmentationConfig
 from megatron_taco.data.sas_collator import ReplacementConfig
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.training.callbacks import Callback
@@ -62,7 +63,14 @@ class RtdWeightSchedule(Callback):
 
 
 def check_sas(cfg: PretrainConfigs) -> None:
-    """Before any process group: the cold-start files exist and fit the vocabulary."""
+    """Before any process group: the cold-start files exist, the store has a home."""
+    augmentation = cfg.task["self_augmentation"]
+    if augmentation.self_augmentation and augmentation.store_dir(cfg.training.save) is None:
+        raise ConfigError(
+            "--replacement-store: self-augmentation keeps the sampled tokens on disk between "
+            "epochs; give --save (the store goes under it) or --replacement-store DIR, or "
+            "--no-self-augmentation"
+        )
     if cfg.task["replacement"].cold_start == "unigram":
         from megatron_taco.data.indexed_dataset import unigram_path
 
@@ -112,12 +120,19 @@ def build_instances(ctx: BuildContext):
     train, valid, test = build_train_valid_test_datasets(
         data, ctx.tokenizer, (per_pass, eval_samples, eval_samples)
     )
-    epochs = -(-t.train_samples(ctx.parallel.dp_size) // instances)
+    if t.train_epochs is not None:
+        epochs = t.train_epochs
+    else:
+        epochs = -(-t.train_samples(ctx.parallel.dp_size) // instances)
     stream = InstanceEpochDataset(train, instances, epochs, data.seed)
     return stream, valid, test, instances
 
 
 def build_sas(ctx: BuildContext) -> ModelParts:
+    import numpy as np
+
+    from megatron_taco.cli.sas_augmentation import SelfAugmentation, StoreSource
+    from megatron_taco.data.replacement_store import StoreLayout
     from megatron_taco.data.sas_collator import ColdStart, SasCollator, cold_start_probs
     from megatron_taco.models.flops import sas_train_flops
     from megatron_taco.models.sas.model import SasForPretraining
@@ -128,12 +143,36 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     probs = cold_start_probs(
         replacement, data.prefixes, data.weights, ctx.tokenizer.is_special_mask()
     )
+    augmentation = cfg.task["self_augmentation"]
+    cold = ColdStart(probs, ctx.seed)
+    callbacks: list[Callback] = []
+    source = cold
+    if augmentation.self_augmentation:
+        root = augmentation.store_dir(cfg.training.save)
+        source = StoreSource(cold, root)
+        layout = StoreLayout(
+            num_instances=instances,
+            width=replacement.width(data.seq_length),
+            vocab_size=ctx.tokenizer.vocab_size,
+            num_shards=augmentation.replacement_store_shards,
+        )
+        special_ids = np.flatnonzero(ctx.tokenizer.is_special_mask())
+        callbacks.append(
+            SelfAugmentation(
+                augmentation,
+                root=root,
+                layout=layout,
+                seed=ctx.seed,
+                special_ids=special_ids,
+                vocab_size=ctx.tokenizer.vocab_size,
+            )
+        )
     collator = SasCollator(
         pad_id=ctx.tokenizer.pad_id,
         seq_length=data.seq_length,
         seed=ctx.seed,
         config=replacement,
-        source=ColdStart(probs, ctx.seed),
+        source=source,
     )
     model = SasForPretraining(model_config, ctx.parallel, ctx.rng_tracker)
     shape = sas_shape(model_config, data.seq_length)
@@ -158,14 +197,20 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         train_flops=train_flops,
         paper_flops=paper_flops,
         samples_per_epoch=instances,
-        callbacks=[RtdWeightSchedule(model, schedule)],
+        callbacks=[RtdWeightSchedule(model, schedule), *callbacks],
         banner=[
             f"variant: {variant}; hidden {model_config.hidden_size}, FFN "
             f"{model_config.ffn_hidden_size}, {model_config.num_attention_heads} heads, "
             f"embedding {model_config.embedding_size}",
             f"replacements: {replacement.mask_prob:g} of each instance's tokens; cold start "
             f"{replacement.cold_start}; lambda {schedule.rtd_weight:g} -> "
-            f"{schedule.rtd_weight_final:g} per epoch",
+            f"{schedule.rtd_weight_final:g} per epoch; "
+            + (
+                f"self-augmentation from epoch 2 (T={augmentation.sampling_temperature:g}, "
+                f"store {augmentation.store_dir(cfg.training.save)})"
+                if augmentation.self_augmentation
+                else "no self-augmentation (cold start in every epoch)"
+            ),
         ],
     )
 
@@ -178,9 +223,11 @@ SPEC = ModelSpec(
     task_configs=(
         ("replacement", ReplacementConfig, "replaced tokens"),
         ("rtd_schedule", RtdScheduleConfig, "RTD loss weight"),
+        ("self_augmentation", SelfAugmentationConfig, "self-augmentation"),
     ),
     build=build_sas,
     check=check_sas,
+    has_epochs=True,
 )
 
 

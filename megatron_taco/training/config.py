@@ -41,10 +41,17 @@ def _is_number(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    train_iters: int = option(
-        help="Number of optimizer steps (iterations) to train for, counted from 0 (a resumed "
-        "run continues up to this number).",
+    train_iters: int | None = option(
+        None,
+        "Number of optimizer steps (iterations) to train for, counted from 0 (a resumed "
+        "run continues up to this number). Give this or --train-epochs.",
         flag="--train-iters",
+    )
+    train_epochs: int | None = option(
+        None,
+        "Train this many epochs over the model's fixed instances (SAS); --train-iters then "
+        "follows from the instances per epoch.",
+        flag="--train-epochs",
     )
     micro_batch_size: int = option(
         8, "Samples per rank per forward/backward pass.", flag="--micro-batch-size"
@@ -174,7 +181,16 @@ class TrainingConfig:
                 f"must be an integer >= {minimum}, got {value!r}",
             )
 
-        positive_int("train_iters", self.train_iters)
+        require(
+            (self.train_iters is None) != (self.train_epochs is None),
+            cls,
+            "train_iters",
+            "give exactly one of --train-iters and --train-epochs",
+        )
+        if self.train_iters is not None:
+            positive_int("train_iters", self.train_iters)
+        else:
+            positive_int("train_epochs", self.train_epochs)
         positive_int("micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
             positive_int("global_batch_size", self.global_batch_size)
@@ -215,7 +231,9 @@ class TrainingConfig:
         )
         if self.lr_decay_iters is not None:
             positive_int("lr_decay_iters", self.lr_decay_iters)
-        if self.lr_decay_style != "constant" and self.warmup_iters > 0:
+        if self.decay_iters is None:
+            pass  # --train-epochs: checked again once the iterations are known
+        elif self.lr_decay_style != "constant" and self.warmup_iters > 0:
             # Megatron's scheduler divides by (decay - warmup).
             flag = flag_of(cls, "lr_warmup_iters")
             source = (
@@ -297,8 +315,12 @@ class TrainingConfig:
     # -- derived values -----------------------------------------------------------------
 
     @property
-    def decay_iters(self) -> int:
+    def decay_iters(self) -> int | None:
         return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+    def with_train_iters(self, train_iters: int) -> TrainingConfig:
+        """--train-epochs resolved into iterations (validated again)."""
+        return dataclasses.replace(self, train_iters=train_iters, train_epochs=None)
 
     @property
     def warmup_iters(self) -> int:
@@ -333,6 +355,10 @@ class TrainingConfig:
         return global_batch, global_batch // per_step
 
     def train_samples(self, data_parallel_size: int) -> int:
+        if self.train_iters is None:
+            raise ConfigError(
+                "--train-epochs: this model has no fixed epochs; give --train-iters instead"
+            )
         return self.train_iters * self.batch_layout(data_parallel_size)[0]
 
     def eval_samples(self, data_parallel_size: int) -> int:

@@ -103,6 +103,7 @@ class ModelSpec:
     build: Callable[[BuildContext], ModelParts]
     # Cross-checks of the configs, run before any process group exists.
     check: Callable[[PretrainConfigs], None] = lambda cfg: None
+    has_epochs: bool = False  # trains real epochs over fixed instances (--train-epochs)
 
     def build_parser(self) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(
@@ -134,6 +135,10 @@ class ModelSpec:
             raise ConfigError(
                 f"--seq-length: {data.seq_length} exceeds --max-position-embeddings "
                 f"{model.max_position_embeddings} (positions are 0..seq_length-1)"
+            )
+        if training.train_epochs is not None and not self.has_epochs:
+            raise ConfigError(
+                f"--train-epochs: {self.name} trains a number of iterations; give --train-iters"
             )
         deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
         data.validate_files()
@@ -316,6 +321,10 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
             seed=seed,
         )
         parts = spec.build(ctx)
+        if t.train_iters is None:  # --train-epochs: now that an epoch's size is known
+            steps = parts.samples_per_epoch // cfg.deepspeed.global_batch_size
+            t = t.with_train_iters(t.train_epochs * steps)
+            cfg = dataclasses.replace(cfg, training=t)
         parameters = count_parameters(parts.model, parallel)
         norms = norm_implementations(parts.model)
         engine = initialize_engine(parts.model, t, cfg.deepspeed, parallel)

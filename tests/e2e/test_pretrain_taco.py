@@ -6,57 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_taco.training.logging import read_metrics
-from tests.helpers import TACO_METRIC_KEYS, free_port
+from tests.helpers import BIN, TACO_METRIC_KEYS, deepspeed, free_port, run, train_records
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-BOTCHAN = REPO / "tests" / "fixtures" / "text" / "botchan_excerpt.txt"
-BIN = Path(sys.executable).parent  # the venv running the tests: its deepspeed launcher
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONUNBUFFERED": "1",
-    "TORCH_EXTENSIONS_DIR": os.environ.get(
-        "TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions")
-    ),
-    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-}
-for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-    ENV.pop(var, None)
-
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory, tokenizer_model):
-    from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
-
-    tmp = tmp_path_factory.mktemp("data")
-    lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
-    # 20 lines per document: ~46 documents of several sentences each.
-    with open(tmp / "botchan.jsonl", "w", encoding="utf-8") as f:
-        for i in range(0, len(lines), 20):
-            f.write(json.dumps({"text": " ".join(lines[i : i + 20])}) + "\n")
-    summary = preprocess(
-        PreprocessConfig(
-            input=(str(tmp / "botchan.jsonl"),),
-            output_prefix=str(tmp / "botchan"),
-            tokenizer_model=tokenizer_model,
-            split_sentences=True,
-        ),
-        progress=False,
-    )
-    return {
-        "prefix": summary["datasets"]["text"]["prefix"],
-        "tokenizer": tokenizer_model,
-        "dir": tmp,
-    }
+def dataset(botchan_dataset):
+    return botchan_dataset
 
 
 def common_args(dataset, *extra: str) -> list[str]:
@@ -70,35 +32,6 @@ def common_args(dataset, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    res = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, (
-        f"{' '.join(cmd)}\n--- stdout\n{res.stdout[-6000:]}\n--- stderr\n{res.stderr[-6000:]}"
-    )
-    return res
-
-
-def deepspeed(*args: str) -> subprocess.CompletedProcess:
-    launcher = BIN / "deepspeed"
-    assert launcher.is_file(), f"no deepspeed launcher beside {sys.executable}"
-    # A free port: other test runs on this machine may hold DeepSpeed's default 29500.
-    return run(
-        [
-            str(launcher),
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "pretrain_taco.py",
-            *args,
-        ]
-    )
-
-
-def train_records(path: Path) -> dict[int, dict]:
-    return {r["iteration"]: r for r in read_metrics(str(path)) if r["split"] == "train"}
-
-
 def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
     run_args = (
@@ -107,6 +40,7 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
         "--num-workers", "1", "--deepspeed_config", "ds_configs/zero2_fp32.json",
     )  # fmt: skip
     res = deepspeed(
+        "pretrain_taco.py",
         *common_args(dataset, *run_args),
         "--save",
         str(full_dir),
@@ -142,6 +76,7 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
 
     # Resume from the step-3 checkpoint: steps 4-6 must log exactly the same values.
     res = deepspeed(
+        "pretrain_taco.py",
         *common_args(dataset, *run_args),
         "--load",
         str(full_dir),

@@ -329,3 +329,28 @@ def test_cli_checkpoint_switches(tmp_path):
     assert (t.no_load_optim, t.no_load_rng, t.finetune) == (False, False, False)
     with pytest.raises(SystemExit):
         SPEC.build_parser().parse_args(cli_args(tmp_path, "--no-no-load-optim"))
+
+
+def test_train_iters_or_epochs_exactly_one():
+    with pytest.raises(ConfigError, match="exactly one of --train-iters and --train-epochs"):
+        TrainingConfig()
+    with pytest.raises(ConfigError, match="exactly one of --train-iters and --train-epochs"):
+        TrainingConfig(train_iters=5, train_epochs=2)
+    t = TrainingConfig(train_epochs=3, lr_warmup_iters=10)
+    assert t.train_iters is None and t.decay_iters is None
+    with pytest.raises(ConfigError, match="--train-epochs: this model has no fixed epochs"):
+        t.train_samples(1)
+    resolved = t.with_train_iters(30)
+    assert (resolved.train_iters, resolved.train_epochs, resolved.decay_iters) == (30, None, 30)
+    with pytest.raises(ConfigError, match="--lr-warmup-iters"):
+        t.with_train_iters(8)  # warmup 10 >= 8 decay iterations: re-validated
+
+
+def test_taco_refuses_train_epochs_before_process_groups(tmp_path):
+    args = [a for a in cli_args(tmp_path) if a not in ("--train-iters", "4")]
+    with pytest.raises(ConfigError, match="^--train-epochs: TACO trains a number of iterations"):
+        SPEC.configs_from_args(
+            SPEC.build_parser().parse_args([*args, "--train-epochs", "2"]),
+            world_size=1,
+            device_type="cpu",
+        )

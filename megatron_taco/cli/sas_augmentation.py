@@ -1,0 +1,254 @@
+"""SAS's self-augmentation (paper, eqs. 1-2): the tokens the model reads at an instance's
+replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t.
+
+* Sampling reuses the MLM logits the loss already computed (no extra forward): one token per
+  slot of S from softmax(logits / T), exact under tensor parallelism without gathering the
+  vocabulary (parallel/sampling.py: Gumbel-max with counter-based noise keyed by (seed,
+  instance, position, epoch), so a resumed run, or another layout, draws the same tokens).
+* The rows go to the sharded on-disk store (data/replacement_store.py, docs/replacement_store.md):
+  generation t holds what epoch t sampled. Shard k is written only by data-parallel rank
+  k mod dp (tensor-parallel rank 0): each micro-batch's rows are all-gathered over the
+  data-parallel group and every rank keeps those of its shards, so no two processes ever
+  write one file and the shard count does not depend on the layout.
+* Checkpoints flush the rows written so far; the end of epoch t commits generation t
+  (flush everywhere, barrier, one manifest written atomically by rank 0) before epoch t+1's
+  data loader exists. A crash and ``--load`` replays the steps since the checkpoint and
+  rewrites the same rows with the same tokens, so the committed store is byte-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_taco.arguments import option, require
+from megatron_taco.data.replacement_store import (
+    GenerationReader,
+    GenerationWriter,
+    StoreLayout,
+    commit_generation,
+    delete_generations,
+)
+from megatron_taco.data.sas_collator import ColdStart
+from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
+from megatron_taco.training.callbacks import Callback
+
+SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfAugmentationConfig:
+    self_augmentation: bool = option(
+        True,
+        "Replace with tokens sampled from the model's own MLM head in the previous epoch "
+        "(SAS); --no-self-augmentation keeps the cold start in every epoch (the paper's "
+        "Unig-MLM-RTD ablation).",
+        flag="--self-augmentation",
+    )
+    sampling_temperature: float = option(
+        1.0, "Temperature T of the MLM softmax the replacements are sampled from.",
+        flag="--sampling-temperature",
+    )  # fmt: skip
+    replacement_store: str | None = option(
+        None,
+        "Directory of the sharded replacement store (default: replacement_store under --save).",
+        flag="--replacement-store",
+    )
+    replacement_store_shards: int = option(
+        64,
+        "Shards per generation (fixed for the run; shard k is written by data-parallel rank "
+        "k mod dp).",
+        flag="--replacement-store-shards",
+    )
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        require(
+            self.sampling_temperature > 0,
+            cls,
+            "sampling_temperature",
+            f"must be > 0, got {self.sampling_temperature}",
+        )
+        require(
+            isinstance(self.replacement_store_shards, int) and self.replacement_store_shards >= 1,
+            cls,
+            "replacement_store_shards",
+            f"must be an integer >= 1, got {self.replacement_store_shards!r}",
+        )
+
+    def store_dir(self, save: str | None) -> str | None:
+        if self.replacement_store is not None:
+            return self.replacement_store
+        return None if save is None else os.path.join(save, "replacement_store")
+
+
+class StoreSource:
+    """The collator's replacements: the cold start in epoch 0, generation t-1 of the store
+    in epoch t. Picklable (DataLoader workers reopen the store lazily)."""
+
+    def __init__(self, cold: ColdStart, root: str) -> None:
+        self.cold, self.root = cold, root
+        self._readers: dict[int, GenerationReader] = {}
+
+    def replacements(self, instance: int, epoch: int, positions: np.ndarray) -> np.ndarray:
+        if epoch == 0:
+            return self.cold.replacements(instance, epoch, positions)
+        reader = self._readers.get(epoch - 1)
+        if reader is None:
+            # Verified once by the callback before the epoch's loader was created.
+            reader = self._readers[epoch - 1] = GenerationReader(
+                self.root, epoch - 1, verify=False
+            )
+        row = reader.read(np.asarray([instance]))[0]
+        return row[: positions.shape[0]].astype(np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"cold": self.cold, "root": self.root, "_readers": {}}
+
+
+class SelfAugmentation(Callback):
+    name = "self_augmentation"
+
+    def __init__(
+        self,
+        config: SelfAugmentationConfig,
+        *,
+        root: str,
+        layout: StoreLayout,
+        seed: int,
+        special_ids: np.ndarray,
+        vocab_size: int,
+    ) -> None:
+        self.config, self.root, self.layout = config, root, layout
+        self.seed = seed + SAMPLING_SEED_OFFSET
+        self.special_ids = torch.as_tensor(special_ids, dtype=torch.long)
+        self.vocab_size = vocab_size
+        self.writer: GenerationWriter | None = None
+        self.epoch = 0
+        self.write_seconds = 0.0
+        self.steps = 0
+
+    # -- ownership and layout -----------------------------------------------------------
+
+    def _owned_shards(self, parallel) -> list[int]:
+        if parallel.tp_rank != 0:
+            return []  # tp ranks hold the same rows; one of them writes
+        return list(range(parallel.dp_rank, self.layout.num_shards, parallel.dp_size))
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def on_train_start(self, trainer, state) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def on_epoch_start(self, trainer, state, epoch: int) -> None:
+        self.epoch = epoch
+        if epoch >= 1:
+            # Epoch t reads generation t-1: refuse a missing or corrupt one before any
+            # batch is built (names the file and what is wrong).
+            if trainer.parallel.rank == 0:
+                GenerationReader(self.root, epoch - 1, verify=True).close()
+            self._barrier()
+        self.writer = None
+        owned = self._owned_shards(trainer.parallel)
+        if epoch + 1 < trainer.num_epochs() and owned:
+            self.writer = GenerationWriter(self.root, epoch, self.layout, owned)
+        self._barrier()
+
+    @torch.no_grad()
+    def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
+        if epoch_is_last(trainer, self.epoch):
+            return
+        start = time.perf_counter()
+        tokens = self._sample(trainer.parallel, batch, outputs)  # [b, W]
+        instances = batch["instance_ids"].to(tokens.device)
+        group = trainer.parallel.get_data_parallel_group()
+        if trainer.parallel.dp_size > 1:
+            # Every dp rank's rows, so that each keeps those of the shards it owns.
+            tokens = _all_gather(tokens, group)
+            instances = _all_gather(instances, group)
+        if self.writer is not None:
+            ids, rows = instances.cpu().numpy(), tokens.cpu().numpy()
+            mine = np.isin(self.layout.shard_of(ids), self.writer.owned_shards)
+            self.writer.write(ids[mine], rows[mine])
+        self.write_seconds += time.perf_counter() - start
+        self.steps += 1
+
+    def _sample(self, parallel, batch: dict, outputs: dict) -> torch.Tensor:
+        """One token per slot of S [b, W] (0 in unused slots), from the MLM logits at S."""
+        logits = outputs["mlm_logits"]  # [N, V_padded/tp], rows at S in flat b*s order
+        flat = outputs["mlm_positions"]  # [N] indices into b*s
+        slots = batch["replaced_positions"].to(logits.device)  # [b, W], -1 = unused
+        b, s = batch["input_ids"].shape
+        row_of = torch.full((b * s,), -1, dtype=torch.long, device=logits.device)
+        row_of[flat] = torch.arange(flat.shape[0], device=logits.device)
+        used = slots >= 0
+        index = torch.arange(b, device=logits.device)[:, None] * s + slots.clamp(min=0)
+        rows = row_of[index[used]]  # logits row of every used slot
+        keys = sample_row_keys(
+            batch["instance_ids"].to(logits.device)[:, None].expand_as(slots)[used],
+            slots[used],
+            self.epoch,
+        )
+        drawn = vocab_parallel_sample(
+            logits.index_select(0, rows),
+            parallel.tp_group,
+            vocab_size=self.vocab_size,
+            row_keys=keys,
+            seed=self.seed,
+            temperature=self.config.sampling_temperature,
+            exclude_ids=self.special_ids.to(logits.device),
+        )
+        tokens = torch.zeros_like(slots)
+        tokens[used] = drawn
+        return tokens
+
+    def on_save(self, trainer, state) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def on_epoch_end(self, trainer, state, epoch: int) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None
+        if epoch_is_last(trainer, epoch):
+            return
+        self._barrier()  # every owner flushed
+        if trainer.parallel.rank == 0:
+            commit_generation(self.root, epoch, self.layout)
+            # Epoch t+1 reads generation t; a checkpoint inside epoch t may still need
+            # generation t-1. Older ones can go.
+            delete_generations(self.root, keep={epoch - 1, epoch})
+        self._barrier()
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "self_augmented": float(self.epoch >= 1),
+            "store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1),
+        }
+        self.write_seconds, self.steps = 0.0, 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generation_being_written": self.epoch, "root": self.root}
+
+
+def epoch_is_last(trainer, epoch: int) -> bool:
+    # Nothing reads what the last epoch would sample.
+    return epoch + 1 >= trainer.num_epochs()
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
