@@ -228,7 +228,7 @@ class SelfAugmentation(Callback):
             commit_generation(self.root, epoch, self.layout)
             # Epoch t+1 reads generation t; a checkpoint inside epoch t may still need
             # generation t-1. Older ones can go.
-            delete_generations(self.root, keep={epoch - 1, epoch})
+            delete_generations(self.root, keep={g for g in (epoch - 1, epoch) if g >= 0})
         self._barrier()
 
     def metrics(self) -> dict[str, float]:

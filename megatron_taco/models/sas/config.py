@@ -1,0 +1,214 @@
+"""SAS model configuration (Table 5 of the SAS paper for the small and base presets).
+
+One post-LN encoder in two flavours: SAS / SAS^c (BERT/ELECTRA attention, absolute
+position embeddings added to the input) and SAS^DA (``--disentangled-attention``:
+DeBERTa-v2's attention with relative positions shared by all layers, Q/K projections
+shared with the content, optional log buckets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from megatron_taco.arguments import flag_of, option, require
+from megatron_taco.models.common.config import PresetConfig
+
+# Presets override only architecture sizes; dropout/init/eps keep the defaults.
+# "small"/"base" are Table 5's "All Other Small Models" / "All Base Models" columns.
+# "tiny" exists for tests: embedding_size != hidden_size exercises the projection, and the
+# head size 12 makes sqrt(3 d) exact in float32 (DeBERTa computes that scale in float32).
+PRESETS: dict[str, dict[str, Any]] = {
+    "base": dict(
+        num_layers=12,
+        hidden_size=768,
+        ffn_hidden_size=3072,
+        num_attention_heads=12,
+        embedding_size=768,
+        max_position_embeddings=512,
+    ),
+    "small": dict(
+        num_layers=12,
+        hidden_size=256,
+        ffn_hidden_size=1024,
+        num_attention_heads=4,
+        embedding_size=256,
+        max_position_embeddings=512,
+    ),
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=48,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        embedding_size=32,
+        max_position_embeddings=64,
+        position_buckets=16,
+        max_relative_positions=64,
+    ),
+}
+
+
+def _opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
+    return option(default, help, flag=flag, **kw)
+
+
+@dataclass(frozen=True)
+class SasConfig(PresetConfig):
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
+    ARGS_TITLE: ClassVar[str] = "SAS model"
+
+    num_layers: int = _opt(12, "Number of encoder layers.", "--num-layers")
+    hidden_size: int = _opt(768, "Hidden size of the encoder.", "--hidden-size")
+    ffn_hidden_size: int = _opt(3072, "FFN inner hidden size.", "--ffn-hidden-size")
+    num_attention_heads: int = _opt(
+        12, "Attention heads (head size = hidden size / heads).", "--num-attention-heads"
+    )
+    embedding_size: int = _opt(
+        768,
+        "Width of the token (and absolute position) embeddings; a projection to the hidden "
+        "size is added when they differ (ELECTRA's factorised embedding).",
+        "--embedding-size",
+    )
+    max_position_embeddings: int = _opt(
+        512, "Longest sequence (rows of the absolute position table).", "--max-position-embeddings"
+    )
+    disentangled_attention: bool = _opt(
+        False,
+        "SAS^DA: DeBERTa-v2's disentangled attention (c2c + c2p + p2c, relative positions "
+        "projected by each layer's shared query/key projections).",
+        "--disentangled-attention",
+    )
+    position_buckets: int = _opt(
+        256,
+        "SAS^DA: DeBERTa's log-bucketed relative positions (table of 2 x this rows); 0 = plain "
+        "clipping at --max-relative-positions.",
+        "--position-buckets",
+    )
+    max_relative_positions: int | None = _opt(
+        None,
+        "SAS^DA: largest relative distance of the log buckets, or the clipping distance when "
+        "--position-buckets is 0 (default: --max-position-embeddings).",
+        "--max-relative-positions",
+    )
+    position_biased_input: bool | None = _opt(
+        None,
+        "Add absolute position embeddings to the input (default: on for SAS, off for SAS^DA, "
+        "as in DeBERTa-v2/v3).",
+        "--position-biased-input",
+    )
+    vocab_size: int = _opt(
+        0, "Real vocabulary size; 0 until set from the tokenizer (with_vocab_size).", cli=False
+    )
+    hidden_dropout: float = _opt(
+        0.1, "Dropout on embeddings and residual branches.", "--hidden-dropout"
+    )
+    attention_dropout: float = _opt(
+        0.1, "Dropout on attention probabilities.", "--attention-dropout"
+    )
+    layernorm_epsilon: float = _opt(
+        1e-12, "LayerNorm epsilon (BERT's 1e-12).", "--layernorm-epsilon"
+    )
+    init_method_std: float = _opt(
+        0.02, "Std of the normal weight initialisation.", "--init-method-std"
+    )
+    recompute_activations: bool = _opt(
+        False,
+        "Recompute each layer in the backward pass to save activation memory.",
+        "--recompute-activations",
+    )
+    model_size: str | None = _opt(
+        None,
+        "Start from a preset (Table 5); explicitly given flags override it.",
+        "--model-size",
+        choices=tuple(PRESETS),
+    )
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        self.require_positive_ints(
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "embedding_size",
+            "max_position_embeddings",
+        )
+        require(
+            self.hidden_size % self.num_attention_heads == 0,
+            cls,
+            "num_attention_heads",
+            f"{flag_of(cls, 'hidden_size')} {self.hidden_size} is not divisible by "
+            f"{self.num_attention_heads} heads",
+        )
+        if self.max_relative_positions is not None:
+            self.require_positive_ints("max_relative_positions")
+        self._check_buckets()
+        require(
+            isinstance(self.vocab_size, int) and self.vocab_size >= 0,
+            cls,
+            "vocab_size",
+            f"must be a non-negative integer (0 = not set yet), got {self.vocab_size!r}",
+        )
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, cls, name, f"must be in [0, 1), got {value}")
+        require(self.layernorm_epsilon > 0, cls, "layernorm_epsilon", "must be > 0")
+        require(self.init_method_std > 0, cls, "init_method_std", "must be > 0")
+        require(
+            self.model_size is None or self.model_size in PRESETS,
+            cls,
+            "model_size",
+            f"unknown preset {self.model_size!r}; choose one of {sorted(PRESETS)}",
+        )
+
+    def _check_buckets(self) -> None:
+        cls, buckets = type(self), self.position_buckets
+        require(
+            isinstance(buckets, int) and not isinstance(buckets, bool) and buckets >= 0,
+            cls,
+            "position_buckets",
+            f"must be a non-negative integer (0 = no buckets), got {buckets!r}",
+        )
+        if buckets == 0:
+            return
+        # The log buckets divide by log((max_relative_positions - 1) / (buckets / 2)): it must
+        # be positive, i.e. the log range must start beyond the exact range.
+        require(buckets >= 2, cls, "position_buckets", f"must be 0 or >= 2, got {buckets}")
+        require(
+            self.relative_positions > buckets // 2 + 1,
+            cls,
+            "max_relative_positions",
+            f"{self.relative_positions} must exceed {flag_of(cls, 'position_buckets')} / 2 + 1 "
+            f"= {buckets // 2 + 1} for the log buckets",
+        )
+
+    # -- derived sizes -------------------------------------------------------------------
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def uses_position_embeddings(self) -> bool:
+        """--position-biased-input resolved: absolute positions feed the input."""
+        if self.position_biased_input is None:
+            return not self.disentangled_attention
+        return self.position_biased_input
+
+    @property
+    def relative_positions(self) -> int:
+        """--max-relative-positions resolved (DeBERTa's max_relative_positions)."""
+        return self.max_relative_positions or self.max_position_embeddings
+
+    @property
+    def relative_span(self) -> int:
+        """Half size of the relative table (DeBERTa's att_span / pos_ebd_size)."""
+        return self.position_buckets if self.position_buckets > 0 else self.relative_positions
+
+    @property
+    def relative_table_size(self) -> int:
+        """Rows of the shared relative embedding table, 0 without disentangled attention."""
+        return 2 * self.relative_span if self.disentangled_attention else 0
+
+    def validate_parallel(self, tp_size: int) -> None:
+        self.require_divisible(tp_size, "num_attention_heads", "ffn_hidden_size")

@@ -1,0 +1,339 @@
+import argparse
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.models.sas import PRESETS, SasConfig, SasForPretraining
+from megatron_taco.models.sas.model import rtd_labels
+from megatron_taco.parallel.random import model_parallel_seed
+from megatron_taco.parallel.state import ParallelState, single_process_state
+from tests.helpers import (
+    SAS_METRIC_KEYS,
+    SAS_SEQ,
+    VOCAB,
+    build_sas,
+    make_sas_batch,
+    tiny_sas_config,
+)
+
+VARIANTS = {"sas": {}, "sas_da": {"disentangled_attention": True}}
+
+
+def _cfg(variant: str, **overrides) -> SasConfig:
+    return tiny_sas_config(**VARIANTS[variant], **overrides)
+
+
+# ---------------------------------------------------------------------------------------
+# Config
+
+
+def test_presets_are_table5():
+    small, base = SasConfig.preset("small"), SasConfig.preset("base")
+    sizes = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+    assert [getattr(small, f) for f in sizes] == [12, 256, 1024, 4]
+    assert [getattr(base, f) for f in sizes] == [12, 768, 3072, 12]
+    assert (small.embedding_size, base.embedding_size) == (256, 768)
+    assert small.head_size == base.head_size == 64
+    assert small.max_position_embeddings == base.max_position_embeddings == 512
+    assert SasConfig() == dataclasses.replace(base, model_size=None)
+    assert base.layernorm_epsilon == 1e-12 and base.init_method_std == 0.02
+    assert base.hidden_dropout == base.attention_dropout == 0.1
+    for name in PRESETS:
+        SasConfig.preset(name).validate_parallel(2)
+
+
+def test_derived_properties():
+    c = SasConfig()
+    assert c.uses_position_embeddings and c.relative_table_size == 0
+    da = SasConfig(disentangled_attention=True)
+    assert not da.uses_position_embeddings  # DeBERTa-v2/v3 default
+    assert da.position_biased_input is None  # resolved in the property, never mutated
+    assert (da.relative_positions, da.relative_span, da.relative_table_size) == (512, 256, 512)
+    clipped = SasConfig(disentangled_attention=True, position_buckets=0, max_relative_positions=128)
+    assert (clipped.relative_span, clipped.relative_table_size) == (128, 256)
+    assert SasConfig(
+        disentangled_attention=True, position_biased_input=True
+    ).uses_position_embeddings
+    assert not SasConfig(position_biased_input=False).uses_position_embeddings
+    tiny = tiny_sas_config()
+    assert tiny.embedding_size != tiny.hidden_size and tiny.head_size == 12
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    SasConfig.add_args(parser)
+    return SasConfig.from_args(parser.parse_args(argv))
+
+
+def test_flags():
+    c = _parse(["--model-size", "small", "--disentangled-attention", "--num-layers", "3"])
+    assert c.model_size == "small" and c.num_layers == 3 and c.hidden_size == 256
+    assert c.disentangled_attention and c.position_biased_input is None
+    assert not c.uses_position_embeddings
+    c = _parse(["--disentangled-attention", "--position-biased-input", "--position-buckets", "0"])
+    assert c.uses_position_embeddings and c.relative_span == 512
+    assert not _parse(["--no-position-biased-input"]).uses_position_embeddings
+    assert _parse([]) == SasConfig()
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        ({"num_layers": 0}, "--num-layers"),
+        ({"hidden_size": -4}, "--hidden-size"),
+        ({"ffn_hidden_size": 0}, "--ffn-hidden-size"),
+        ({"embedding_size": 0}, "--embedding-size"),
+        ({"num_attention_heads": 5}, "--num-attention-heads"),  # 768 % 5
+        ({"max_position_embeddings": 0}, "--max-position-embeddings"),
+        ({"position_buckets": -1}, "--position-buckets"),
+        ({"position_buckets": 1}, "--position-buckets"),
+        ({"position_buckets": 256, "max_relative_positions": 129}, "--max-relative-positions"),
+        ({"max_relative_positions": 0}, "--max-relative-positions"),
+        ({"hidden_dropout": 1.0}, "--hidden-dropout"),
+        ({"attention_dropout": -0.1}, "--attention-dropout"),
+        ({"layernorm_epsilon": 0.0}, "--layernorm-epsilon"),
+        ({"init_method_std": 0.0}, "--init-method-std"),
+        ({"model_size": "huge"}, "--model-size"),
+    ],
+)
+def test_invalid_values_name_the_flag(overrides, flag):
+    with pytest.raises(ConfigError, match=flag):
+        SasConfig(**overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, tp, flag",
+    [({}, 5, "--num-attention-heads"), ({"ffn_hidden_size": 3070}, 4, "--ffn-hidden-size")],
+)
+def test_validate_parallel_names_the_flag(overrides, tp, flag):
+    with pytest.raises(ConfigError, match=flag) as err:
+        SasConfig(**overrides).validate_parallel(tp)
+    assert "--tensor-model-parallel-size" in str(err.value)
+
+
+def test_model_needs_the_vocabulary_and_a_tracker_for_tp():
+    with pytest.raises(ConfigError, match="--vocab-size"):
+        SasForPretraining(SasConfig.preset("tiny"), single_process_state())
+    with pytest.raises(ValueError, match="rng_tracker"):
+        # Rank 0 of a tp=2 layout; the check fires before any collective.
+        tp2 = ParallelState(world_size=2, rank=0, tp_size=2, tp_group=None, dp_group=None)
+        SasForPretraining(tiny_sas_config(), tp2)
+
+
+# ---------------------------------------------------------------------------------------
+# Forward / outputs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_shapes_and_outputs(variant):
+    cfg = _cfg(variant)
+    model = build_sas(cfg)
+    batch = make_sas_batch()
+    hidden = model.sas(batch["input_ids"], batch["attention_mask"])
+    assert hidden.shape == (2, SAS_SEQ, cfg.hidden_size)
+    out = model(batch)
+    assert set(out) == {*SAS_METRIC_KEYS, "mlm_logits", "mlm_positions"}
+    n = (batch["mlm_labels"] != -100).sum().item()
+    assert out["mlm_tokens"].item() == n
+    assert out["rtd_tokens"].item() == batch["attention_mask"].sum().item()
+    assert out["mlm_tokens"].dtype == out["rtd_tokens"].dtype == torch.int64
+    assert out["mlm_logits"].shape == (n, 128) and out["mlm_logits"].dtype == torch.float32
+    for key in SAS_METRIC_KEYS:
+        assert out[key].dim() == 0 and torch.isfinite(out[key]), key
+    for key in ("mlm_acc", "rtd_acc", "rtd_acc_replaced", "rtd_acc_original", "replaced_share"):
+        assert not out[key].requires_grad and 0 <= out[key].item() <= 1, key
+    assert not out["mlm_logits"].requires_grad
+    # Untrained: MLM near uniform over the vocabulary, RTD near log 2.
+    assert abs(out["mlm_loss"].item() - math.log(VOCAB)) < 1.0
+    assert abs(out["rtd_loss"].item() - math.log(2)) < 0.1
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_parameter_gets_a_gradient(variant):
+    # position_biased_input on for SAS^DA too, so the absolute table is covered.
+    model = build_sas(_cfg(variant, position_biased_input=True))
+    model(make_sas_batch())["loss"].backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_overfits_one_batch(variant):
+    torch.manual_seed(0)
+    model = build_sas(_cfg(variant, hidden_dropout=0.0, attention_dropout=0.0))
+    model.set_rtd_weight(1.0)
+    batch = make_sas_batch(seed=5)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(50):
+        opt.zero_grad()
+        out = model(batch)
+        out["loss"].backward()
+        opt.step()
+        losses.append(out["loss"].item())
+    assert losses[-1] < 0.1 * losses[0], losses[::10]
+    assert out["mlm_acc"].item() == 1.0 and out["rtd_acc"].item() == 1.0
+
+
+def test_loss_combines_with_the_rtd_weight():
+    model = build_sas(tiny_sas_config())
+    batch = make_sas_batch()
+    assert model.rtd_weight == 50.0
+    model.set_rtd_weight(7.5)
+    out = model(batch)
+    assert out["rtd_weight"].item() == 7.5
+    assert out["loss"].item() == (out["mlm_loss"] + 7.5 * out["rtd_loss"]).item()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="RTD loss weight"):
+            model.set_rtd_weight(bad)
+
+
+def test_rtd_labels_and_accuracy_splits_on_a_hand_built_batch():
+    #            CLS  a  b  c  d  e  PAD PAD
+    original = torch.tensor([[2, 10, 11, 12, 13, 14, 0, 0]])
+    ids = torch.tensor([[2, 10, 30, 12, 31, 14, 0, 0]])  # S = {2, 3, 4}; 3 is a hit
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    mlm = torch.full_like(ids, -100)
+    mlm[0, [2, 3, 4]] = original[0, [2, 3, 4]]
+    labels = rtd_labels(ids, mlm, mask)
+    assert labels.tolist() == [[0, 0, 1, 0, 1, 0, -100, -100]]  # the hit is "original"
+
+    model = build_sas(tiny_sas_config(hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    batch = dict(input_ids=ids, attention_mask=mask, mlm_labels=mlm, rtd_labels=labels)
+    out = model(batch)
+    with torch.no_grad():
+        logits = model.heads.rtd_logits(model.sas(ids, mask))[0, :6]
+    pred = (logits > 0).long()
+    target = labels[0, :6]
+    correct = (pred == target).float()
+    assert out["rtd_acc"].item() == pytest.approx(correct.mean().item())
+    assert out["rtd_acc_replaced"].item() == pytest.approx(correct[target == 1].mean().item())
+    assert out["rtd_acc_original"].item() == pytest.approx(correct[target == 0].mean().item())
+    assert out["replaced_share"].item() == pytest.approx(1 / 3)
+    assert (out["mlm_tokens"].item(), out["rtd_tokens"].item()) == (3, 6)
+    expected = F.binary_cross_entropy_with_logits(logits, target.float())
+    assert out["rtd_loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_padding_gets_no_rtd_loss(variant):
+    model = build_sas(_cfg(variant, hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    batch = make_sas_batch(b=3)
+    real = batch["attention_mask"]
+    with torch.no_grad():
+        out = model(batch)
+        logits = model.heads.rtd_logits(model.sas(batch["input_ids"], real))
+        expected = F.binary_cross_entropy_with_logits(
+            logits[real], batch["rtd_labels"][real].float()
+        )
+        assert out["rtd_loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+        # Whatever sits in the padded columns changes nothing.
+        noisy = dict(batch, input_ids=batch["input_ids"].masked_fill(~real, 7))
+        torch.testing.assert_close(model(noisy)["rtd_loss"], out["rtd_loss"])
+        torch.testing.assert_close(model(noisy)["mlm_loss"], out["mlm_loss"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mlm_logits_rows_are_the_replaced_positions(variant):
+    model = build_sas(_cfg(variant, hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    batch = make_sas_batch(b=3, seed=4)
+    with torch.no_grad():
+        out = model(batch)
+        hidden = model.sas(batch["input_ids"], batch["attention_mask"]).flatten(0, 1)
+        word = model.sas.embeddings.word_embeddings.weight
+    flat_labels = batch["mlm_labels"].reshape(-1)
+    positions = out["mlm_positions"]
+    assert positions.tolist() == (flat_labels != -100).nonzero().squeeze(1).tolist()
+    rows = model.heads.mlm_logits(hidden[positions], word)
+    torch.testing.assert_close(out["mlm_logits"], rows)
+    loss = F.cross_entropy(out["mlm_logits"][:, :VOCAB], flat_labels[positions])
+    assert out["mlm_loss"].item() == pytest.approx(loss.item(), rel=1e-6)
+    row, col = positions // SAS_SEQ, positions % SAS_SEQ
+    assert torch.equal(batch["mlm_labels"][row, col], flat_labels[positions])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_batches_without_labels_give_no_nan(variant):
+    model = build_sas(_cfg(variant))
+    batch = make_sas_batch()
+    no_s = dict(batch, mlm_labels=torch.full_like(batch["mlm_labels"], -100))
+    no_s["rtd_labels"] = rtd_labels(no_s["input_ids"], no_s["mlm_labels"], batch["attention_mask"])
+    out = model(no_s)
+    assert out["mlm_tokens"].item() == 0 and out["mlm_loss"].item() == 0.0
+    assert out["mlm_logits"].shape == (0, 128) and out["replaced_share"].item() == 0.0
+    assert out["rtd_acc_replaced"].item() == 0.0  # no replaced token: 0, not NaN
+    out["loss"].backward()
+    empty = {k: v[:0] for k, v in batch.items()}
+    padded = dict(batch, attention_mask=torch.zeros_like(batch["attention_mask"]))
+    padded["rtd_labels"] = torch.full_like(batch["rtd_labels"], -100)
+    for b in (empty, padded):
+        out = model(b)
+        for key in SAS_METRIC_KEYS:
+            assert torch.isfinite(out[key]), key
+        assert out["rtd_tokens"].item() == 0 and out["rtd_loss"].item() == 0.0
+        out["loss"].backward()
+
+
+def _relative_close(a: dict, b: dict, rtol: float) -> None:
+    for name, x in a.items():
+        tol = rtol * max(x.abs().max().item(), 1e-30)
+        assert (b[name] - x).abs().max().item() <= tol, name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_recompute_gives_identical_loss_and_gradients(variant):
+    results = []
+    for recompute in (False, True):
+        tracker = model_parallel_seed(11, single_process_state())  # also seeds the default RNG
+        cfg = _cfg(variant, recompute_activations=recompute, hidden_dropout=0.2)
+        model = SasForPretraining(cfg, single_process_state(), tracker).double()
+        out = model(make_sas_batch(b=3, seed=2))
+        out["loss"].backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((out["loss"].item(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-12)
+    _relative_close(grads_a, grads_b, rtol=1e-10)
+    # Dropout is really on: another seed gives another loss.
+    tracker = model_parallel_seed(12, single_process_state())
+    model = SasForPretraining(_cfg(variant, hidden_dropout=0.2), single_process_state(), tracker)
+    assert model.double()(make_sas_batch(b=3, seed=2))["loss"].item() != pytest.approx(loss_a)
+
+
+def test_relative_rows_in_use_are_compact():
+    model = build_sas(_cfg("sas_da"))
+    lo, hi, index, index_t = model.sas.relative_index(SAS_SEQ, torch.device("cpu"))
+    # 24 tokens, 16 buckets (mid 8, log range to 64): |delta| <= 23 buckets to
+    # ceil(log(23/8) / log(63/8) * 7) + 8 = 12, i.e. rows 16 - 12 .. 16 + 12 of 32.
+    assert (lo, hi) == (4, 28)
+    assert index.min().item() == 0 and index.max().item() == hi - lo
+    assert torch.equal(index_t, index.transpose(1, 2))
+    assert model.sas.relative_index(SAS_SEQ, torch.device("cpu"))[2] is index  # cached
+
+
+def test_disentangled_scores_backward_matches_autograd():
+    from megatron_taco.models.common.relative import deberta_relative_index
+    from megatron_taco.models.sas.model import disentangled_scores
+
+    h, b, s, d, span = 2, 2, 5, 3, 4
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(h, b, s, d, generator=g, dtype=torch.float64) for _ in range(2))
+    q_r, k_r = (torch.randn(h, 2 * span, d, generator=g, dtype=torch.float64) for _ in range(2))
+    index = deberta_relative_index(s, span, 0, span)
+    index_t = index.transpose(1, 2).contiguous()
+    inputs = tuple(t.requires_grad_() for t in (q, k, q_r, k_r))
+
+    def fn(q, k, q_r, k_r):
+        return disentangled_scores(q, k, q_r, k_r, index, index_t, 0.5)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    # The forward is DeBERTa's sum: c2c + q_i.K_r[idx(i, j)] + k_j.Q_r[idx(i, j)].
+    i = index[0]
+    want = q @ k.transpose(-1, -2)
+    want = want + torch.einsum("hbid,hijd->hbij", q, k_r[:, i])
+    want = want + torch.einsum("hbjd,hijd->hbij", k, q_r[:, i])
+    torch.testing.assert_close(fn(*inputs), 0.5 * want)
