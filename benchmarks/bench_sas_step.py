@@ -129,7 +129,7 @@ def main(argv=None) -> None:
         ),
     }
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for name, (fn, model, opt) in steps.items():  # warm-up
+    for fn, model, opt in steps.values():  # warm-up
         fn(model, opt, batch)
     sync(device)
     for _ in range(args.repeats):

@@ -74,7 +74,9 @@ def check_sas(cfg: PretrainConfigs) -> None:
     if cfg.task["replacement"].cold_start == "unigram":
         from megatron_taco.data.indexed_dataset import unigram_path
 
-        missing = [unigram_path(p) for p in cfg.data.prefixes if not os.path.isfile(unigram_path(p))]
+        missing = [
+            unigram_path(p) for p in cfg.data.prefixes if not os.path.isfile(unigram_path(p))
+        ]
         if missing:
             raise ConfigError(
                 f"--cold-start unigram: {missing[0]} does not exist (tools/preprocess_data.py "

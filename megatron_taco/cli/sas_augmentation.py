@@ -102,9 +102,7 @@ class StoreSource:
         reader = self._readers.get(epoch - 1)
         if reader is None:
             # Verified once by the callback before the epoch's loader was created.
-            reader = self._readers[epoch - 1] = GenerationReader(
-                self.root, epoch - 1, verify=False
-            )
+            reader = self._readers[epoch - 1] = GenerationReader(self.root, epoch - 1, verify=False)
         row = reader.read(np.asarray([instance]))[0]
         return row[: positions.shape[0]].astype(np.int64)
 

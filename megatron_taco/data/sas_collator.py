@@ -80,9 +80,7 @@ def replaced_positions(
     starts, ends, linked = word_units(word_starts, maskable)
     rng = np.random.default_rng([int(seed), int(index), SELECT_STREAM])
     # One-word spans: whole words in a uniformly random order until the budget is covered.
-    first, _, _ = sample_spans(
-        ends - starts, linked, budget, rng, geometric_p=1.0, max_span=1
-    )
+    first, _, _ = sample_spans(ends - starts, linked, budget, rng, geometric_p=1.0, max_span=1)
     words = [np.arange(starts[u], ends[u]) for u in first]
     return np.concatenate(words)[:budget].astype(np.int64)
 

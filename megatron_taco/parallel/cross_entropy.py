@@ -28,6 +28,12 @@ def _mask_padding(logits: torch.Tensor, start: int, vocab_size: int | None) -> t
     return logits.masked_fill(col >= vocab_size, float("-inf"))
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Losses and softmax sums in float32 for half-precision logits; float64 stays float64
+    (exact comparisons in tests run the whole model in float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
@@ -38,7 +44,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_logits, target, group, vocab_size, ignore_index):
         # Compute in float32 whatever the input dtype (bf16 exp/log sums lose too much).
-        logits = local_logits.float()
+        logits = at_least_float32(local_logits)
         start, end = _vocab_range(logits.shape[-1], group)
         logits = _mask_padding(logits, start, vocab_size)
 
@@ -74,7 +80,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         one_hot_sub = (~not_local).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -one_hot_sub)
-        scale = grad_loss.float().masked_fill(ignored, 0.0).unsqueeze(-1)
+        scale = grad_loss.to(softmax.dtype).masked_fill(ignored, 0.0).unsqueeze(-1)
         grad.mul_(scale)
         return grad.to(ctx.input_dtype), None, None, None, None
 
@@ -106,7 +112,7 @@ def vocab_parallel_argmax(
     """Global argmax ids [...] over the split vocabulary (padding excluded). Ties resolve to
     the smallest id, like torch.argmax on the full logits."""
     start, _ = _vocab_range(local_logits.shape[-1], group)
-    logits = _mask_padding(local_logits.float(), start, vocab_size)
+    logits = _mask_padding(at_least_float32(local_logits), start, vocab_size)
     local_max, local_idx = logits.max(dim=-1)
     if group_size(group) == 1:
         return local_idx

@@ -60,6 +60,20 @@ def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def stack_dim_chunks(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
+    """[.., n, ..] -> contiguous [world, .., n/world, ..] whose slot r is chunk r along ``dim``.
+
+    reduce_scatter_tensor hands rank r the sum of the r-th dim-0 block of the flat input
+    memory, so this is the layout the NCCL branch of ``_reduce_scatter`` feeds it. A pure
+    function so a CPU test can check it against ``rank_chunk`` (no GPU run exercises it)."""
+    return torch.stack(x.chunk(world, dim=dim), dim=0).contiguous()
+
+
+def rank_chunk(x: torch.Tensor, world: int, rank: int, dim: int) -> torch.Tensor:
+    """Chunk ``rank`` of ``world`` equal chunks along ``dim``: what the gloo fallback keeps."""
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
 def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum over the group, keep this rank's chunk along ``dim``: [.., n, ..] -> [.., n/world, ..]."""
     world = group_size(group)
@@ -67,16 +81,14 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     dim = _check_divisible(x, dim, world)
     if x.is_cuda and "nccl" in str(dist.get_backend(group)):
-        # reduce_scatter_tensor splits its input along dim 0; stacking the dim-chunks makes
-        # [world, *chunk_shape] contiguous so chunk r is what rank r receives.
-        stacked = torch.stack(x.chunk(world, dim=dim), dim=0).contiguous()
+        stacked = stack_dim_chunks(x, world, dim)
         out = torch.empty_like(stacked[0])
         dist.reduce_scatter_tensor(out, stacked, group=group)
         return out
     # gloo has no reduce_scatter. Fallback: all-reduce the whole tensor and keep our chunk.
     # Cost: an all-reduce moves ~2x the bytes of a reduce-scatter (it is reduce-scatter +
     # all-gather) and every rank briefly holds the full-size sum. Fine for CPU tests.
-    return _all_reduce(x, group).chunk(world, dim=dim)[group_rank(group)].contiguous()
+    return rank_chunk(_all_reduce(x, group), world, group_rank(group), dim)
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -19,7 +19,11 @@ from megatron_taco.models.common.layers import (
     init_from_master_,
     init_method_normal,
 )
-from megatron_taco.parallel.cross_entropy import vocab_parallel_argmax, vocab_parallel_cross_entropy
+from megatron_taco.parallel.cross_entropy import (
+    at_least_float32,
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+)
 from megatron_taco.parallel.layers import pad_vocab_size, set_tensor_model_parallel_attributes
 from megatron_taco.parallel.mappings import copy_to_tp_region
 from megatron_taco.parallel.state import ParallelState
@@ -55,10 +59,11 @@ def vocab_parallel_bias(vocab_size: int, parallel: ParallelState) -> nn.Paramete
 
 
 def tied_lm_logits(h: torch.Tensor, word_weight: torch.Tensor, bias: torch.Tensor, group):
-    """h [N, d] (replicated) -> float32 logits [N, V_padded/tp] of this rank's vocabulary."""
+    """h [N, d] (replicated) -> logits [N, V_padded/tp] of this rank's vocabulary, at least
+    float32."""
     # Entering the vocab-split matmul: backward all-reduces dL/dh over tp.
     h = copy_to_tp_region(h, group)
-    return F.linear(h, word_weight, bias).float()
+    return at_least_float32(F.linear(h, word_weight, bias))
 
 
 def lm_loss_and_correct(logits: torch.Tensor, labels: torch.Tensor, group, vocab_size: int):

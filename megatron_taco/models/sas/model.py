@@ -48,6 +48,7 @@ from megatron_taco.models.common.relative import (
     p2c_scores,
 )
 from megatron_taco.models.sas.config import SasConfig
+from megatron_taco.parallel.cross_entropy import at_least_float32
 from megatron_taco.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -428,7 +429,7 @@ class SasForPretraining(nn.Module):
             logits, target, self.tp_group, self.config.vocab_size
         )
         mlm_loss = masked_mean(mlm_tok)
-        rtd = self._rtd(self.heads.rtd_logits(hidden).float(), batch)
+        rtd = self._rtd(at_least_float32(self.heads.rtd_logits(hidden)), batch)
         device = mlm_loss.device
         return {
             "loss": mlm_loss + self.rtd_weight * rtd["rtd_loss"],

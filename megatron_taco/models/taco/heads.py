@@ -28,6 +28,7 @@ from megatron_taco.models.common.lm_head import (
     vocab_parallel_bias,
 )
 from megatron_taco.models.taco.config import TacoConfig
+from megatron_taco.parallel.cross_entropy import at_least_float32
 from megatron_taco.parallel.state import ParallelState
 
 
@@ -55,6 +56,6 @@ class TacoPretrainingHeads(nn.Module):
         """x [N, d_WE+d_PE], labels [N] true positions -> (per-token loss [N], correct [N])."""
         h = self.mpm_transform(x)  # [N, d_PE]
         table = position_weight[: self.config.max_position_embeddings]  # drop the mask row
-        logits = F.linear(h, table, self.mpm_bias).float()  # [N, max_positions]
+        logits = at_least_float32(F.linear(h, table, self.mpm_bias))  # [N, max_positions]
         loss = F.cross_entropy(logits, labels, reduction="none")
         return loss, logits.argmax(dim=-1) == labels
