@@ -68,14 +68,20 @@ def build_electra():
     common = dict(vocab_size=VOCAB, embedding_size=128, max_position_embeddings=512)
     disc = ElectraForPreTraining(
         ElectraConfig(
-            hidden_size=256, num_hidden_layers=12, num_attention_heads=4,
-            intermediate_size=1024, **common,
+            hidden_size=256,
+            num_hidden_layers=12,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            **common,
         )  # fmt: skip
     )
     gen = ElectraForMaskedLM(
         ElectraConfig(
-            hidden_size=64, num_hidden_layers=12, num_attention_heads=1,
-            intermediate_size=256, **common,
+            hidden_size=64,
+            num_hidden_layers=12,
+            num_attention_heads=1,
+            intermediate_size=256,
+            **common,
         )  # fmt: skip
     )
     gen.electra.embeddings = disc.electra.embeddings  # ELECTRA ties the embeddings
@@ -112,7 +118,9 @@ def main(argv=None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     batch = sas_batch(args.batch, args.seq_length, g)
-    batch["original"] = torch.where(batch["mlm_labels"] >= 0, batch["mlm_labels"], batch["input_ids"])
+    batch["original"] = torch.where(
+        batch["mlm_labels"] >= 0, batch["mlm_labels"], batch["input_ids"]
+    )
     batch = {k: v.to(device) for k, v in batch.items()}
 
     sas, sas_da = build_sas(False).to(device), build_sas(True).to(device)
@@ -134,7 +142,9 @@ def main(argv=None) -> None:
     sync(device)
     for _ in range(args.repeats):
         for name, (fn, model, opt) in steps.items():
-            times[name].append(time_steps(lambda f=fn, m=model, o=opt: f(m, o, batch), args.steps, device))
+            times[name].append(
+                time_steps(lambda f=fn, m=model, o=opt: f(m, o, batch), args.steps, device)
+            )
     tokens = args.batch * args.seq_length
     print(f"batch {args.batch} x seq {args.seq_length} on {device}, {args.repeats} repeats")
     electra = statistics.median(times["ELECTRA-small"])
