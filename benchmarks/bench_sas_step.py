@@ -1,7 +1,7 @@
 """Step time of SAS-small against transformers' ELECTRA-small, side by side in one run.
 
 One SAS step: encoder + MLM head at the replaced positions + RTD head, the loss, backward,
-AdamW, and the self-augmentation draw from the MLM logits (Gumbel-max). One ELECTRA step
+AdamW, and the self-augmentation draw from the MLM logits (inverse CDF). One ELECTRA step
 (the peer SAS replaces): generator MLM forward (hidden / 4, embeddings tied, generator head
 on the masked positions only, as ELECTRA's own code does), sampling the replacements from
 its softmax, discriminator forward with its RTD head, loss = MLM + 50 RTD, backward, AdamW.

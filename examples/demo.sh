@@ -7,25 +7,26 @@ PY=${PY:-.venv/bin/python}
 OUT=${DEMO_OUTPUT:-demo_output}
 CORPUS=examples/corpus/demo.jsonl.gz
 TRAIN_ITERS=${DEMO_TRAIN_ITERS:-300}
+SAS_EPOCHS=${DEMO_SAS_EPOCHS:-3}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
 mkdir -p "$OUT"
 
-echo "== 1/4 train a sentencepiece tokenizer on $CORPUS"
+echo "== 1/5 train a sentencepiece tokenizer on $CORPUS"
 $PY tools/train_tokenizer.py --input "$CORPUS" --model-prefix "$OUT/tokenizer" \
     --vocab-size 4000 --split-sentences
 
-echo "== 2/4 preprocess into a Megatron indexed dataset (2 workers)"
+echo "== 2/5 preprocess into a Megatron indexed dataset (2 workers)"
 $PY tools/preprocess_data.py --input "$CORPUS" --tokenizer-model "$OUT/tokenizer.model" \
     --output-prefix "$OUT/demo" --split-sentences --workers 2
 
-echo "== 3/4 build train/valid/test samples"
+echo "== 3/5 build train/valid/test samples"
 $PY tools/build_samples.py --data-path "$OUT/demo_text_sentence" \
     --tokenizer-model "$OUT/tokenizer.model" --seq-length 128 --split 90,5,5 \
     --train-samples $((TRAIN_ITERS * 16)) --valid-samples 256 --test-samples 64 \
     --data-cache-path "$OUT/cache"
 
-echo "== 4/4 pretrain a small TACO (MLM + MPM) with DeepSpeed on 2 CPU ranks"
-rm -rf "$OUT/checkpoints"
+echo "== 4/5 pretrain a small TACO (MLM + MPM) with DeepSpeed on 2 CPU ranks"
+rm -rf "$OUT/taco"
 .venv/bin/deepspeed --num_gpus 2 pretrain_taco.py \
     --model-size small --tensor-model-parallel-size 1 \
     --deepspeed-config ds_configs/zero1_fp32.json \
@@ -34,7 +35,21 @@ rm -rf "$OUT/checkpoints"
     --micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
     --lr 1e-3 --lr-warmup-iters 30 --min-lr 1e-5 --weight-decay 0.01 \
     --log-interval 10 --eval-interval 100 --eval-iters 4 \
-    --save "$OUT/checkpoints" --save-interval 100 \
-    --tensorboard-dir "$OUT/tensorboard"
+    --save "$OUT/taco/checkpoints" --save-interval 100 \
+    --tensorboard-dir "$OUT/taco/tensorboard"
 
-echo "== done: loss curves in $OUT/tensorboard/loss_curve.png (metrics.jsonl beside it), checkpoints in $OUT/checkpoints"
+echo "== 5/5 pretrain a small SAS (MLM + lambda RTD) for 3 epochs: cold start, then self-augmentation"
+# SAS-small's width (Table 5) at 4 layers so that 3 epochs take a few minutes on 2 cores.
+rm -rf "$OUT/sas"
+.venv/bin/deepspeed --num_gpus 2 pretrain_sas.py \
+    --model-size small --num-layers 4 --deepspeed-config ds_configs/zero1_fp32.json \
+    --data-path "$OUT/demo_text_sentence" --tokenizer-model "$OUT/tokenizer.model" \
+    --data-cache-path "$OUT/cache" --split 90,5,5 --seq-length 128 \
+    --micro-batch-size 16 --global-batch-size 32 --train-epochs "$SAS_EPOCHS" \
+    --lr 1e-3 --lr-warmup-iters 20 --min-lr 1e-5 --weight-decay 0.01 \
+    --log-interval 10 --eval-interval 100 --eval-iters 4 \
+    --save "$OUT/sas/checkpoints" --save-interval 100 \
+    --tensorboard-dir "$OUT/sas/tensorboard"
+
+echo "== done: loss curves in $OUT/taco/tensorboard/loss_curve.png and $OUT/sas/tensorboard/loss_curve.png"
+echo "   (metrics.jsonl beside each), checkpoints in $OUT/taco/checkpoints and $OUT/sas/checkpoints"

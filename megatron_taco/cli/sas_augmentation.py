@@ -3,8 +3,9 @@ replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t
 
 * Sampling reuses the MLM logits the loss already computed (no extra forward): one token per
   slot of S from softmax(logits / T), exact under tensor parallelism without gathering the
-  vocabulary (parallel/sampling.py: Gumbel-max with counter-based noise keyed by (seed,
-  instance, position, epoch), so a resumed run, or another layout, draws the same tokens).
+  vocabulary (parallel/sampling.py: an inverse-CDF draw with a counter-based uniform keyed
+  by (seed, instance, position, epoch), so a resumed run, or another layout, draws the same
+  tokens).
 * The rows go to the sharded on-disk store (data/replacement_store.py, docs/replacement_store.md):
   generation t holds what epoch t sampled. Shard k is written only by data-parallel rank
   k mod dp (tensor-parallel rank 0): each micro-batch's rows are all-gathered over the

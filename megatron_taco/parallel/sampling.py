@@ -4,13 +4,17 @@ SAS self-augmentation replaces masked tokens with draws from the model's own MLM
 vocabulary is split like VocabParallelEmbedding (rank r holds global columns [r*Vp, (r+1)*Vp),
 columns >= vocab_size are padding), and nothing of size [N, padded_vocab] is ever gathered.
 
-Gumbel-max: argmax_j(logit_j / T + G_j) with G_j iid Gumbel is distributed as softmax(logit/T).
-The argmax of a union is the argmax of the per-shard argmaxes, so each rank reduces its shard
-to one (value, id) per row and a single small collective picks the winner.
+Inverse CDF over the shards: with one uniform u per row, the draw is the first global column
+whose cumulative probability exceeds u. Each rank sums its shard's exp(logit/T - max); the
+per-shard sums are all-gathered ([tp, N], small), every rank finds which shard holds u's
+column, and only that shard searches its own cumulative sum. Exact: the result has the law
+softmax(logits / T), restricted to the allowed columns. (Gumbel-max would need one random
+number per vocabulary entry: ~10x the cost of the exp + cumsum on CPU.)
 
-The noise is counter-based: G for (row key, global column, seed) is a pure function of those
-integers, so the draws do not depend on the TP size, the row chunking or the device layout.
-tp=1 and tp=2 draw the same ids from the same logits, and a resumed run redraws them exactly.
+The uniform is counter-based: u for (row key, seed) is a pure function of those integers, and
+the shard sums are accumulated in float64, so the draws do not depend on the TP size (up to
+float64 rounding at an exact CDF boundary), the row chunking or the device layout, and a
+resumed run redraws them exactly.
 """
 
 from __future__ import annotations
@@ -122,27 +126,6 @@ def _banned_columns(columns: torch.Tensor, vocab_size: int, exclude_ids) -> torc
     return banned | hit[:local_vocab]
 
 
-def _pick_winner(value: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
-    """Global winner ids [N] from each rank's best (value [N], global id [N])."""
-    world = group_size(group)
-    if world > 1:
-        # One collective for any dtype: the ids ride along bit-for-bit in the value dtype
-        # (int32 <-> float32, int64 <-> float64 views; all_gather only copies bytes).
-        id_dtype = torch.int32 if value.dtype == torch.float32 else torch.int64
-        packed = torch.stack([value, ids.to(id_dtype).view(value.dtype)])  # [2, N]
-        parts = [torch.empty_like(packed) for _ in range(world)]
-        dist.all_gather(parts, packed, group=group)
-        values = torch.stack([p[0] for p in parts])  # [tp, N]
-        all_ids = torch.stack([p[1].view(id_dtype) for p in parts]).long()  # [tp, N]
-        # argmax returns the first maximal rank, i.e. the smallest id on an exact tie, as
-        # torch's argmax over the whole row does at tp=1; every rank computes the same.
-        rank = values.argmax(dim=0, keepdim=True)  # [1, N]
-        value = values.gather(0, rank).squeeze(0)
-        ids = all_ids.gather(0, rank).squeeze(0)
-    # A row with nothing drawable (everything excluded or -inf) has no sample.
-    return ids.masked_fill(value == float("-inf"), -1)
-
-
 @torch.no_grad()
 def vocab_parallel_sample(
     local_logits: torch.Tensor,
@@ -158,11 +141,9 @@ def vocab_parallel_sample(
     """Global token ids [...] drawn from softmax(logits / temperature) over the real vocabulary
     minus ``exclude_ids``, identical on every rank of ``group``. local_logits [..., Vp] (this
     rank's slice), row_keys int64 [...] (see sample_row_keys). A row with no drawable id gets
-    -1. The draw depends only on (seed, row key, the logits, temperature), not on tp or
-    ``chunk_elements`` (rows go ~chunk_elements logits at a time, bounding the [rows, Vp]
-    int64 hash temporaries; None: 2^16 on CPU, where staying in cache is 4x faster, else 2^24).
-    Noise is float64 for float64 logits, float32 otherwise; at float32 the uniforms have
-    2^-23 resolution, which caps each Gumbel variate at ~16.6."""
+    -1. The draw depends only on (seed, row key, the logits, temperature); rows go
+    ~chunk_elements logits at a time (None: 2^16 on CPU, where staying in cache pays, else
+    2^24), which bounds the float64 temporaries and does not change the draws."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if row_keys.shape != local_logits.shape[:-1]:
@@ -171,25 +152,64 @@ def vocab_parallel_sample(
             f"{tuple(local_logits.shape)} without the vocabulary dimension"
         )
     local_vocab = local_logits.shape[-1]
-    start = group_rank(group) * local_vocab
-    dtype = torch.float64 if local_logits.dtype == torch.float64 else torch.float32
+    rank, world = group_rank(group), group_size(group)
+    start = rank * local_vocab
     logits = local_logits.reshape(-1, local_vocab)  # [N, Vp]
+    n = logits.shape[0]
     keys = row_keys.reshape(-1).to(logits.device, torch.int64)
     columns = torch.arange(start, start + local_vocab, device=logits.device)  # global ids
     banned = _banned_columns(columns, vocab_size, exclude_ids)  # [Vp]
-
-    n = logits.shape[0]
-    best = torch.full((n,), float("-inf"), dtype=dtype, device=logits.device)
-    best_idx = torch.zeros(n, dtype=torch.int64, device=logits.device)
     if chunk_elements is None:
         chunk_elements = 1 << 24 if logits.is_cuda else 1 << 16
     step = max(1, chunk_elements // local_vocab)
+
+    # 1. The global max per row (for a stable exp), then each shard's sum of exp.
+    peak = torch.full((n,), float("-inf"), dtype=torch.float64, device=logits.device)
     for lo in range(0, n, step):
         rows = slice(lo, lo + step)
-        # Gumbel(0, 1) = -log(-log U), in place on the fresh uniforms.
-        scores = counter_uniform(keys[rows], columns, seed, dtype=dtype)
-        scores.log_().neg_().log_().neg_()  # [n, Vp]
-        scores += logits[rows].to(dtype) / temperature
-        scores.masked_fill_(banned, float("-inf"))
-        best[rows], best_idx[rows] = scores.max(dim=-1)
-    return _pick_winner(best, best_idx + start, group).reshape(row_keys.shape)
+        # Out of place: .double() is a no-op on float64 logits, which must not change.
+        scaled = (logits[rows].double() / temperature).masked_fill_(banned, float("-inf"))
+        peak[rows] = scaled.max(dim=-1).values
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    finite_peak = peak.masked_fill(peak == float("-inf"), 0.0)
+    local_sum = torch.empty(n, dtype=torch.float64, device=logits.device)
+    for lo in range(0, n, step):
+        rows = slice(lo, lo + step)
+        local_sum[rows] = _shard_exp(logits[rows], banned, temperature, finite_peak[rows]).sum(-1)
+    sums = _all_gather_rows(local_sum, group)  # [tp, N]
+    # 2. Which shard holds u's column: the first whose running total exceeds u * total.
+    before = sums.cumsum(0) - sums  # [tp, N] mass of the shards before each
+    total = sums.sum(0)  # [N]
+    target = counter_uniform(keys, torch.zeros(1, dtype=torch.int64, device=keys.device), seed,
+                             dtype=torch.float64).squeeze(1) * total  # fmt: skip
+    owner = ((before <= target) & (sums > 0)).long().cumsum(0).argmax(0)  # last eligible shard
+    # 3. The owner searches its own cumulative sum; the others propose -1.
+    ids = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
+    offset = target - before[rank]
+    for lo in range(0, n, step):
+        rows = slice(lo, lo + step)
+        cum = _shard_exp(logits[rows], banned, temperature, finite_peak[rows]).cumsum_(-1)
+        found = torch.searchsorted(cum, offset[rows, None], right=True).squeeze(1)
+        # u * total can round onto the shard's last positive column's cumulative value.
+        last = (cum < cum[:, -1:]).sum(-1)
+        ids[rows] = torch.minimum(found, last) + start
+    ids = ids.masked_fill((owner != rank) | (total <= 0), -1)
+    if world > 1:
+        dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=group)
+    return ids.reshape(row_keys.shape)
+
+
+def _shard_exp(logits, banned, temperature: float, peak) -> torch.Tensor:
+    """exp(logit / T - global max) in float64 [rows, Vp]; banned columns are exactly 0."""
+    scaled = (logits.double() / temperature).sub_(peak[:, None])
+    return scaled.exp_().masked_fill_(banned, 0.0)
+
+
+def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x.unsqueeze(0)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts)

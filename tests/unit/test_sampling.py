@@ -210,12 +210,15 @@ def test_sample_mutations_fail_the_same_statistic():
     # Temperature ignored: draws from softmax(logits) instead of softmax(logits / 0.5).
     assert chi_square_pvalue(_draw_counts(logits, 1.0), expected) < FAIL_P
 
-    # Uniform instead of Gumbel noise: argmax(logits/T + U) is not the softmax law.
-    def uniform_noise_sampler(logits, group, *, vocab_size, row_keys, seed, temperature):
-        u = counter_uniform(row_keys, torch.arange(vocab_size), seed)
-        return (logits / temperature + u).argmax(dim=-1)
+    # Inverse CDF of the wrong weights (linear in the logits instead of exponential).
+    def linear_weights_sampler(logits, group, *, vocab_size, row_keys, seed, temperature):
+        u = counter_uniform(row_keys, torch.zeros(1, dtype=torch.long), seed).squeeze(1)
+        weights = (logits / temperature - logits.min(-1, keepdim=True).values).double()
+        cum = weights.cumsum(-1)
+        picked = torch.searchsorted(cum, (u.double() * cum[:, -1])[:, None]).squeeze(1)
+        return picked.clamp(max=logits.shape[-1] - 1)
 
-    counts = _draw_counts(logits, 0.5, sampler=uniform_noise_sampler)
+    counts = _draw_counts(logits, 0.5, sampler=linear_weights_sampler)
     assert chi_square_pvalue(counts, expected) < FAIL_P
 
 
