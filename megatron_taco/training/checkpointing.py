@@ -139,8 +139,8 @@ def save_checkpoint(
 
 
 _SIZE_MISMATCH = re.compile(
-    r"size mismatch for (\S+): copying a param with shape (.+?) from checkpoint, "
-    r"the shape in current model is (.+?)\."
+    r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) from "
+    r"checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))"
 )
 
 

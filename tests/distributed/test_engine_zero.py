@@ -416,3 +416,38 @@ def test_callbacks_and_epochs_on_a_real_engine(tmp_path):
     train = {r["iteration"]: r for r in records if r["split"] == "train"}
     assert [train[i]["epoch"] for i in range(1, 8)] == [1, 1, 1, 2, 2, 2, 3]
     assert train[7]["recorded_micro_batches"] == 14
+
+
+def _old_value_size_worker(rank, world_size, tmp):
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.models.taco.config import TacoConfig
+    from megatron_taco.models.taco.model import TacoForPretraining
+    from megatron_taco.training.checkpointing import save_checkpoint
+
+    parallel = init_parallel(1)
+    training = _training(tmp, load=os.path.join(tmp, "ckpt"))
+    settings = resolve_deepspeed_config(training, 1, device_type="cpu")
+    # Before the fix every value head was --kv-channels (8 in tiny) wide.
+    for value_channels, save in ((8, True), (None, False)):
+        config = TacoConfig.preset(
+            "tiny", vocab_size=100, we_value_channels=value_channels,
+            pe_value_channels=value_channels,
+        )  # fmt: skip
+        engine = initialize_engine(
+            TacoForPretraining(config, parallel), training, settings, parallel
+        )
+        if save:
+            save_checkpoint(engine.engine, training.save, TrainingState(3, 12), parallel)
+    try:
+        load_checkpoint(engine.engine, training.load, parallel)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_checkpoint_of_another_shape_is_one_clear_error(tmp_path):
+    message = run_distributed(_old_value_size_worker, 1, str(tmp_path))[0]
+    assert message is not None and "\n" not in message
+    assert "iter_0000003 was saved by a model of another shape" in message
+    assert "taco.layers.0.attention.qkv_we.weight is torch.Size([96, 48]) there" in message
+    assert "torch.Size([112, 48]) here" in message and "--we-value-channels" in message
