@@ -42,6 +42,8 @@ format: venv
 bench: venv
 	$(PY) benchmarks/bench_preprocess.py
 	$(PY) benchmarks/bench_taco_step.py
+	$(PY) benchmarks/bench_sas_step.py
+	$(PY) benchmarks/bench_sas_store.py
 
 clean:
 	rm -rf build demo_output .pytest_cache
