@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -254,3 +255,24 @@ def deepspeed(script: str, *args: str, num_gpus: int = 2, timeout: int = 240):
 
 def train_records(path) -> dict[int, dict]:
     return {r["iteration"]: r for r in read_metrics(str(path)) if r["split"] == "train"}
+
+
+# ---------------------------------------------------------------------------------------
+# Masking
+
+
+def masking_sample(rng, seq_length: int = 128, min_length: int = 40, max_word: int = 3):
+    """[CLS] A [SEP] B [SEP] [PAD]..., words of 1..MAX_WORD tokens."""
+    length = int(rng.integers(min_length, seq_length + 1))
+    sep = int(rng.integers(3, length - 3))
+    tokens = np.zeros(seq_length, dtype=np.int64)
+    tokens[:length] = rng.integers(100, 200, length)
+    tokens[[0, sep, length - 1]] = [2, 3, 3]  # [CLS] [SEP] [SEP]
+    special = np.ones(seq_length, dtype=bool)
+    special[1 : length - 1] = False
+    special[sep] = True
+    word_starts = np.zeros(seq_length, dtype=bool)
+    starts = np.cumsum(rng.integers(1, max_word + 1, seq_length))
+    word_starts[starts[starts < length]] = True
+    word_starts[:length] |= special[:length]
+    return tokens, word_starts, special, length

@@ -12,29 +12,13 @@ from megatron_taco.data.masking import (
     span_mask_tokens,
     word_units,
 )
+from tests.helpers import masking_sample as make_sample
 
 CLS, SEP, MASK = 2, 3, 4
 SEQ = 128
-MAX_WORD = 3
+MAX_WORD = 3  # masking_sample's longest word
 # chi-square 0.999 quantiles (false-alarm rate 1e-3 per test), by degrees of freedom.
 CHI2_999 = {2: 13.816, 5: 20.515}
-
-
-def make_sample(rng, seq_length=SEQ, min_length=40):
-    """[CLS] A [SEP] B [SEP] [PAD]..., words of 1..MAX_WORD tokens."""
-    length = int(rng.integers(min_length, seq_length + 1))
-    sep = int(rng.integers(3, length - 3))
-    tokens = np.zeros(seq_length, dtype=np.int64)
-    tokens[:length] = rng.integers(100, 200, length)
-    tokens[[0, sep, length - 1]] = [CLS, SEP, SEP]
-    special = np.ones(seq_length, dtype=bool)
-    special[1 : length - 1] = False
-    special[sep] = True
-    word_starts = np.zeros(seq_length, dtype=bool)
-    starts = np.cumsum(rng.integers(1, MAX_WORD + 1, seq_length))
-    word_starts[starts[starts < length]] = True
-    word_starts[:length] |= special[:length]
-    return tokens, word_starts, special, length
 
 
 def word_boundaries(word_starts, special):

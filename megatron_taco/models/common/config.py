@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, flag_of, require
+from megatron_taco.arguments import ConfigError, add_dataclass_args, flag_of, option, require
 
 
 class PresetConfig:
@@ -78,3 +79,59 @@ class PresetConfig:
                 name,
                 f"{value} is not divisible by --tensor-model-parallel-size {tp_size}",
             )
+
+
+@dataclass(frozen=True)
+class EncoderConfig(PresetConfig):
+    """Fields every encoder config has (before the model's own, which follow)."""
+
+    vocab_size: int = option(
+        0, "Real vocabulary size; 0 until set from the tokenizer (with_vocab_size).", cli=False
+    )
+    hidden_dropout: float = option(
+        0.1, "Dropout on embeddings and residual branches.", flag="--hidden-dropout"
+    )
+    attention_dropout: float = option(
+        0.1, "Dropout on attention probabilities.", flag="--attention-dropout"
+    )
+    layernorm_epsilon: float = option(
+        1e-12, "LayerNorm epsilon (BERT's 1e-12).", flag="--layernorm-epsilon"
+    )
+    init_method_std: float = option(
+        0.02, "Std of the normal weight initialisation.", flag="--init-method-std"
+    )
+    recompute_activations: bool = option(
+        False,
+        "Recompute each layer in the backward pass to save activation memory.",
+        flag="--recompute-activations",
+    )
+
+    def validate_common(self) -> None:
+        cls = type(self)
+        require(
+            isinstance(self.vocab_size, int) and self.vocab_size >= 0,
+            cls,
+            "vocab_size",
+            f"must be a non-negative integer (0 = not set yet), got {self.vocab_size!r}",
+        )
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0, cls, name, f"must be in [0, 1), got {value}")
+        require(self.layernorm_epsilon > 0, cls, "layernorm_epsilon", "must be > 0")
+        require(self.init_method_std > 0, cls, "init_method_std", "must be > 0")
+        require(
+            self.model_size is None or self.model_size in cls.PRESETS,
+            cls,
+            "model_size",
+            f"unknown preset {self.model_size!r}; choose one of {sorted(cls.PRESETS)}",
+        )
+
+
+def require_tracker_for_tp_dropout(config: EncoderConfig, tp_size: int, rng_tracker) -> None:
+    if tp_size > 1 and config.attention_dropout > 0 and rng_tracker is None:
+        # Without the tracker every rank would draw the same dropout mask for its different
+        # heads: silently correlated, unlike tp=1.
+        raise ValueError(
+            "tensor parallelism with attention dropout needs the rng_tracker "
+            "(parallel.random.model_parallel_seed) to drop different elements per rank"
+        )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatron_taco.arguments import flag_of, option, require
-from megatron_taco.models.common.config import PresetConfig
+from megatron_taco.models.common.config import EncoderConfig
 
 # Presets override only architecture sizes; dropout/init/eps keep the defaults.
 # "small"/"base" are Table 5's "All Other Small Models" / "All Base Models" columns.
@@ -53,7 +53,7 @@ def _opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class SasConfig(PresetConfig):
+class SasConfig(EncoderConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     ARGS_TITLE: ClassVar[str] = "SAS model"
 
@@ -96,26 +96,6 @@ class SasConfig(PresetConfig):
         "as in DeBERTa-v2/v3).",
         "--position-biased-input",
     )
-    vocab_size: int = _opt(
-        0, "Real vocabulary size; 0 until set from the tokenizer (with_vocab_size).", cli=False
-    )
-    hidden_dropout: float = _opt(
-        0.1, "Dropout on embeddings and residual branches.", "--hidden-dropout"
-    )
-    attention_dropout: float = _opt(
-        0.1, "Dropout on attention probabilities.", "--attention-dropout"
-    )
-    layernorm_epsilon: float = _opt(
-        1e-12, "LayerNorm epsilon (BERT's 1e-12).", "--layernorm-epsilon"
-    )
-    init_method_std: float = _opt(
-        0.02, "Std of the normal weight initialisation.", "--init-method-std"
-    )
-    recompute_activations: bool = _opt(
-        False,
-        "Recompute each layer in the backward pass to save activation memory.",
-        "--recompute-activations",
-    )
     model_size: str | None = _opt(
         None,
         "Start from a preset (Table 5); explicitly given flags override it.",
@@ -143,23 +123,7 @@ class SasConfig(PresetConfig):
         if self.max_relative_positions is not None:
             self.require_positive_ints("max_relative_positions")
         self._check_buckets()
-        require(
-            isinstance(self.vocab_size, int) and self.vocab_size >= 0,
-            cls,
-            "vocab_size",
-            f"must be a non-negative integer (0 = not set yet), got {self.vocab_size!r}",
-        )
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            require(0.0 <= value < 1.0, cls, name, f"must be in [0, 1), got {value}")
-        require(self.layernorm_epsilon > 0, cls, "layernorm_epsilon", "must be > 0")
-        require(self.init_method_std > 0, cls, "init_method_std", "must be > 0")
-        require(
-            self.model_size is None or self.model_size in PRESETS,
-            cls,
-            "model_size",
-            f"unknown preset {self.model_size!r}; choose one of {sorted(PRESETS)}",
-        )
+        self.validate_common()
 
     def _check_buckets(self) -> None:
         cls, buckets = type(self), self.position_buckets

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_taco.models.common.config import require_tracker_for_tp_dropout
 from megatron_taco.models.common.layers import (
     LayerNorm,
     gelu,
@@ -285,13 +286,7 @@ class SasModel(nn.Module):
     def __init__(self, config: SasConfig, parallel: ParallelState, rng_tracker=None) -> None:
         super().__init__()
         config.validate_parallel(parallel.tp_size)
-        if parallel.tp_size > 1 and config.attention_dropout > 0 and rng_tracker is None:
-            # Without the tracker every rank would draw the same dropout mask for its
-            # different heads: silently correlated, unlike tp=1.
-            raise ValueError(
-                "tensor parallelism with attention dropout needs the rng_tracker "
-                "(parallel.random.model_parallel_seed) to drop different elements per rank"
-            )
+        require_tracker_for_tp_dropout(config, parallel.tp_size, rng_tracker)
         self.config = config
         self.rng_tracker = rng_tracker
         self.embeddings = SasEmbeddings(config, parallel)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatron_taco.arguments import flag_of, option, require
-from megatron_taco.models.common.config import PresetConfig
+from megatron_taco.models.common.config import EncoderConfig
 
 # Presets override only architecture sizes; dropout/init/eps keep the defaults.
 # "base" is TACO-base (Table 7 + A.5: relative embeddings enlarged to 768).
@@ -47,7 +47,7 @@ def _opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class TacoConfig(PresetConfig):
+class TacoConfig(EncoderConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     ARGS_TITLE: ClassVar[str] = "TACO model"
 
@@ -95,26 +95,6 @@ class TacoConfig(PresetConfig):
         "Number of absolute positions (position ids lie in [0, this)).",
         "--max-position-embeddings",
     )
-    vocab_size: int = _opt(
-        0, "Real vocabulary size; 0 until set from the tokenizer (with_vocab_size).", cli=False
-    )
-    hidden_dropout: float = _opt(
-        0.1, "Dropout on embeddings and residual branches.", "--hidden-dropout"
-    )
-    attention_dropout: float = _opt(
-        0.1, "Dropout on attention probabilities.", "--attention-dropout"
-    )
-    layernorm_epsilon: float = _opt(
-        1e-12, "LayerNorm epsilon (BERT's 1e-12).", "--layernorm-epsilon"
-    )
-    init_method_std: float = _opt(
-        0.02, "Std of the normal weight initialisation.", "--init-method-std"
-    )
-    recompute_activations: bool = _opt(
-        False,
-        "Recompute each layer in the backward pass to save activation memory.",
-        "--recompute-activations",
-    )
     model_size: str | None = _opt(
         None,
         "Start from a preset; explicitly given flags override it.",
@@ -159,23 +139,7 @@ class TacoConfig(PresetConfig):
             f"k={self.max_relative_distance} must be < --max-position-embeddings "
             f"({self.max_position_embeddings}): larger distances cannot occur",
         )
-        require(
-            isinstance(self.vocab_size, int) and self.vocab_size >= 0,
-            cls,
-            "vocab_size",
-            f"must be a non-negative integer (0 = not set yet), got {self.vocab_size!r}",
-        )
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            require(0.0 <= value < 1.0, cls, name, f"must be in [0, 1), got {value}")
-        require(self.layernorm_epsilon > 0, cls, "layernorm_epsilon", "must be > 0")
-        require(self.init_method_std > 0, cls, "init_method_std", "must be > 0")
-        require(
-            self.model_size is None or self.model_size in PRESETS,
-            cls,
-            "model_size",
-            f"unknown preset {self.model_size!r}; choose one of {sorted(PRESETS)}",
-        )
+        self.validate_common()
 
     # -- derived sizes -------------------------------------------------------------------
 
