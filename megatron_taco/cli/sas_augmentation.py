@@ -28,10 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taco.arguments import option, require
+from megatron_taco.arguments import ConfigError, option, require
 from megatron_taco.data.replacement_store import (
     GenerationReader,
     GenerationWriter,
+    ReplacementStoreError,
     StoreLayout,
     commit_generation,
     delete_generations,
@@ -140,6 +141,20 @@ class SelfAugmentation(Callback):
             return []  # tp ranks hold the same rows; one of them writes
         return list(range(parallel.dp_rank, self.layout.num_shards, parallel.dp_size))
 
+    def _verify(self, rank: int, generation: int) -> None:
+        """Epoch t reads generation t-1: refuse a missing, truncated or corrupt one before any
+        batch is built, on every rank, naming the file (rank 0 reads it once)."""
+        problem = [None]
+        if rank == 0:
+            try:
+                GenerationReader(self.root, generation, verify=True).close()
+            except ReplacementStoreError as e:
+                problem[0] = str(e)
+        if dist.is_initialized():
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise ConfigError(f"--replacement-store: {problem[0]}")
+
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -152,11 +167,7 @@ class SelfAugmentation(Callback):
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
         self.epoch = epoch
         if epoch >= 1:
-            # Epoch t reads generation t-1: refuse a missing or corrupt one before any
-            # batch is built (names the file and what is wrong).
-            if trainer.parallel.rank == 0:
-                GenerationReader(self.root, epoch - 1, verify=True).close()
-            self._barrier()
+            self._verify(trainer.parallel.rank, epoch - 1)
         self.writer = None
         owned = self._owned_shards(trainer.parallel)
         if epoch + 1 < trainer.num_epochs() and owned:

@@ -108,3 +108,32 @@ def test_generation_is_layout_independent_and_read_back_exactly(tmp_path):
             source.replacements(inst, 0, where), cold.replacements(inst, 0, where)
         )
     assert os.path.isfile(tmp_path / "dp1" / "gen_00000" / "manifest.json")
+
+
+def _epoch_start_on_a_damaged_store(rank, world_size, root):
+    from megatron_taco.arguments import ConfigError
+
+    parallel = init_parallel(1)
+    layout = StoreLayout(num_instances=N, width=WIDTH, vocab_size=VOCAB, num_shards=3)
+    callback = SelfAugmentation(
+        SelfAugmentationConfig(), root=root, layout=layout, seed=11,
+        special_ids=SPECIALS, vocab_size=VOCAB,
+    )  # fmt: skip
+    trainer = SimpleNamespace(parallel=parallel, num_epochs=lambda: 3)
+    try:
+        callback.on_epoch_start(trainer, TrainingState(), 1)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_damaged_generation_is_refused_on_every_rank_by_name(tmp_path):
+    root = tmp_path / "store"
+    run_distributed(_write_generation, 2, 1, str(root))
+    shard = root / "gen_00000" / "shard_00001.bin"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 4)
+    messages = run_distributed(_epoch_start_on_a_damaged_store, 2, str(root))
+    for message in messages:
+        assert message is not None and message.startswith("--replacement-store: ")
+        assert "shard_00001.bin" in message and "truncated" in message
