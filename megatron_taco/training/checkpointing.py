@@ -1,22 +1,44 @@
-"""Checkpoints: Megatron's directory layout around DeepSpeed's checkpoint files.
+"""Checkpoints: Megatron's directory layout around DeepSpeed's checkpoint files, written so
+that no crash leaves "latest" naming a half-written checkpoint, and read so that nothing in a
+checkpoint can run code.
 
     {save}/latest_checkpointed_iteration.txt   the iteration to resume from (written last)
     {save}/iter_0000300/                       DeepSpeed's files (model, ZeRO optimizer
                                                partitions, LR scheduler, client state)
-        metadata.json                          iteration, consumed samples, configs, sizes
-        rng_state_rank_00000.pt ...            one per global rank
+        metadata.json                          iteration, consumed samples, configs, and the
+                                               manifest: every other file's size and CRC-32
+        rng_state_rank_00000.pt ...            one per global rank (tensors and numbers only)
 
-The tracker is replaced atomically only after a barrier, i.e. once every rank's files are
-on disk, so a crash at any point leaves "latest" naming a complete checkpoint.
+Saving (every rank): all files go to ``iter_0000300.tmp-<token>`` and are fsynced; rank 0
+writes metadata.json with the manifest last, renames the directory into place (swapping it
+atomically with an existing ``iter_0000300``, e.g. after a --ckpt-step rollback, so the
+directory the tracker names is never half-written), fsyncs, and only then replaces the
+tracker. A write that fails (a full disk) fails the whole save on every rank: the partial
+directory is removed and the tracker keeps naming the previous checkpoint.
+
+Loading: before any process group exists, every rank verifies the checkpoint it will load
+(metadata, manifest sizes and checksums, and that no .pt file pickles anything but tensors,
+numbers, strings and DeepSpeed's few bookkeeping classes); the files are then read with
+``torch.load(weights_only=True)``, DeepSpeed's through SafeCheckpointEngine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import functools
 import json
 import logging
 import os
+import pickle
 import random
 import re
+import secrets
+import shutil
+import signal
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.arguments import ConfigError, option, require
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
 
@@ -32,7 +54,66 @@ logger = logging.getLogger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
-FORMAT = "megatron_taco/1"
+FORMAT = "megatron_taco/2"  # 2: manifest + metadata checksum, RNG states as tensors
+RNG_FORMAT = 2
+# The crash tests' hook: SIGKILL at a named point of a save, e.g. "after_metadata@4" (the
+# save of iteration 4 only). Every rank passes after_model_files and after_rng_files; rank 0
+# alone after_metadata (complete, not yet renamed), after_rename (before the tracker) and
+# after_tracker (before replaced or retired checkpoints are deleted).
+KILL_ENV = "MEGATRON_TACO_TEST_KILL_AT"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+# A save in progress or crashed (.tmp-), or a replaced/retired checkpoint being deleted (.del-).
+_LEFTOVER = re.compile(
+    r"^(iter_\d{7,}\.(tmp|del)-[0-9a-f]+|" + re.escape(TRACKER_FILENAME) + r"\.tmp\.\d+)$"
+)
+_CHUNK = 1 << 20
+
+
+class RunError(RuntimeError):
+    """A run stopped for a reason the user can act on (a full disk, a diverged loss): the
+    driver prints the one-line message and exits 1, without a traceback."""
+
+
+class CheckpointSaveError(RunError):
+    pass
+
+
+class CheckpointInvalid(ConfigError):
+    """The checkpoint to load is incomplete or corrupt (an older one may still verify)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_retain: int | None = option(
+        None,
+        "Keep only the newest N complete checkpoints in --save (by save time), deleting older "
+        "ones after each save; the one latest_checkpointed_iteration.txt names is never "
+        "deleted. Default: keep all.",
+        flag="--save-retain",
+    )
+    load_fallback: bool = option(
+        False,
+        "When the checkpoint --load's tracker names is missing, incomplete or corrupt, load "
+        "the newest older checkpoint in --load that verifies instead of stopping.",
+        flag="--load-fallback",
+    )
+
+    def __post_init__(self) -> None:
+        if self.save_retain is not None:
+            require(
+                isinstance(self.save_retain, int)
+                and not isinstance(self.save_retain, bool)
+                and self.save_retain >= 1,
+                CheckpointConfig,
+                "save_retain",
+                f"must be an integer >= 1, got {self.save_retain!r}",
+            )
+        require(
+            isinstance(self.load_fallback, bool),
+            CheckpointConfig,
+            "load_fallback",
+            f"must be true or false, got {self.load_fallback!r}",
+        )
 
 
 @dataclass
@@ -60,26 +141,114 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+def _kill_point(point: str, iteration: int) -> None:
+    if os.environ.get(KILL_ENV) in (point, f"{point}@{iteration}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- files ------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, write: Callable[[Any], None]) -> None:
+    with open(path, "wb") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
-def _atomic_torch_save(obj: Any, path: str) -> None:
+def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
+    _write_durably(tmp, lambda f: f.write(text.encode("utf-8")))
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def file_checksum(path: str) -> tuple[int, str]:
+    """(size in bytes, CRC-32 as 8 hex digits), streamed."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, f"{crc:08x}"
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _free_space(path: str) -> str:
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / 2**20:.1f} MiB free there"
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind ``error``: torch.save reports a failed write of its zip writer as a
+    RuntimeError whose context is the file object's OSError."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError):
+            return error
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return None
+
+
+def _describe_write_error(path: str, error: OSError) -> str:
+    return f"{path}: {error.strerror or error} ({_free_space(os.path.dirname(path) or '.')})"
+
+
+def complete_iterations(directory: str) -> list[int]:
+    """Iterations with a checkpoint directory holding metadata.json (written last, so present
+    only in checkpoints that were complete when renamed into place), ascending."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = _ITER_DIR.match(name)
+        if match and os.path.isfile(os.path.join(directory, name, METADATA_FILENAME)):
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+# -- RNG states -------------------------------------------------------------------------
 
 
 def get_rng_states(rng_tracker: RNGTracker | None) -> dict[str, Any]:
-    # numpy's legacy global state on purpose: it is what third-party code draws from.
+    """Every RNG's state as tensors and numbers only, so that the file loads with
+    weights_only=True. numpy's legacy global state on purpose: third-party code draws from it."""
+    version, mt, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()  # noqa: NPY002
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),  # noqa: NPY002
+        "format": RNG_FORMAT,
+        "python": {
+            "version": version,
+            "state": torch.tensor(mt, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(cached),
+        },
         "torch_cpu": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": rng_tracker.get_states() if rng_tracker is not None else None,
@@ -87,13 +256,537 @@ def get_rng_states(rng_tracker: RNGTracker | None) -> dict[str, Any]:
 
 
 def set_rng_states(states: dict[str, Any], rng_tracker: RNGTracker | None) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])  # noqa: NPY002
+    py, npy = states["python"], states["numpy"]
+    random.setstate((int(py["version"]), tuple(py["state"].tolist()), py["gauss"]))
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, npy["pos"], npy["has_gauss"], npy["gauss"]))  # noqa: NPY002
     torch.set_rng_state(states["torch_cpu"])
     if states.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
     if rng_tracker is not None and states.get("tracker") is not None:
         rng_tracker.set_states(states["tracker"])
+
+
+def _load_rng_file(path: str) -> dict[str, Any]:
+    states = safe_torch_load(path, hint="; pass --no-load-rng to resume without the RNG states")
+    if not isinstance(states, dict) or states.get("format") != RNG_FORMAT:
+        found = states.get("format") if isinstance(states, dict) else type(states).__name__
+        raise ConfigError(
+            f"--load: {path} is not an RNG state file of format {RNG_FORMAT} (found "
+            f"{found!r}); pass --no-load-rng to resume without the RNG states"
+        )
+    return states
+
+
+# -- safe loading -----------------------------------------------------------------------
+
+
+def _deepspeed_safe_globals() -> list[type]:
+    """The classes DeepSpeed pickles into its ZeRO optimizer files besides tensors and
+    containers: plain attribute holders and an enum, harmless to rebuild."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _error_detail(error: BaseException) -> str:
+    """The informative line of torch's multi-paragraph weights_only message."""
+    noise = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith(noise)]
+    text = (useful or lines or [type(error).__name__])[-1]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def safe_torch_load(path: str, map_location: Any = "cpu", *, hint: str = "") -> Any:
+    """torch.load with weights_only=True; any failure is one ConfigError naming the file."""
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ConfigError(
+            f"--load: {path} holds pickled objects other than tensors, numbers and strings "
+            f"({_error_detail(e)}); refusing to load it{hint}"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise ConfigError(
+            f"--load: {path} is not a readable checkpoint file ({_error_detail(e)}){hint}"
+        ) from None
+
+
+def unsafe_globals(path: str) -> list[str]:
+    """The globals a torch zip file would import beyond the weights_only defaults and
+    DeepSpeed's safe classes, found by reading its pickle's opcodes (nothing is executed)."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in _deepspeed_safe_globals()}
+    found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    return [name for name in found if name not in allowed]
+
+
+class SafeCheckpointEngine:
+    """Mixed into DeepSpeed's TorchCheckpointEngine (_engine_class; deepspeed is imported only
+    once a run starts): loads go through safe_torch_load; each file is fsynced; a write that
+    fails (disk full) is recorded instead of raised, so every rank keeps to DeepSpeed's
+    sequence of collectives and the save fails as a whole afterwards (save_checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.zipfile_serialization = True  # the opcode scan and weights_only need zip files
+        self.begin()
+
+    def begin(self) -> None:
+        self.written: list[str] = []
+        self.error: str | None = None
+
+    def attempt(self, path: str, fn: Callable[..., Any], *args: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # re-raised below unless an OSError is behind it
+            os_error = _os_error(e)
+            if os_error is None:
+                raise
+            self.error = _describe_write_error(os_error.filename or path, os_error)
+            if os.path.isfile(path):
+                _remove(path)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        def write() -> None:
+            _write_durably(path, lambda f: torch.save(state_dict, f))
+            self.written.append(path)
+
+        self.attempt(path, write)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return safe_torch_load(path, map_location)
+
+
+@functools.cache
+def _engine_class() -> type:
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    return type("SafeTorchCheckpointEngine", (SafeCheckpointEngine, TorchCheckpointEngine), {})
+
+
+def _safe_engine(engine) -> SafeCheckpointEngine:
+    writer = getattr(engine, "checkpoint_engine", None)
+    if isinstance(writer, SafeCheckpointEngine):
+        return writer
+    writer = _engine_class()()
+    engine.checkpoint_engine = writer
+    # DeepSpeed's rank 0 copies zero_to_fp32.py into --save with shutil at every ZeRO save;
+    # a full disk there must fail the save like any other write, not raise on rank 0 alone.
+    copy = getattr(engine, "_copy_recovery_script", None)
+    if copy is not None:
+        engine._copy_recovery_script = lambda path: writer.attempt(path, copy, path)
+    return writer
+
+
+# -- metadata and manifest --------------------------------------------------------------
+
+
+def _metadata_checksum(meta: dict[str, Any]) -> str:
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return f"{zlib.crc32(text.encode('utf-8')):08x}"
+
+
+def _write_metadata(iter_dir: str, meta: dict[str, Any], files: dict[str, dict]) -> None:
+    # Round-tripped first so the checksum covers exactly what a reader will parse.
+    body = json.loads(json.dumps({**meta, "files": files}, default=str))
+    body["checksum"] = _metadata_checksum(body)
+    text = json.dumps(body, indent=2)
+    _write_durably(os.path.join(iter_dir, METADATA_FILENAME), lambda f: f.write(text.encode()))
+
+
+def read_metadata(iter_dir: str) -> dict[str, Any]:
+    path = os.path.join(iter_dir, METADATA_FILENAME)
+    if not os.path.isfile(path):
+        raise CheckpointInvalid(f"{path} is missing")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointInvalid(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointInvalid(f"{path} must hold a JSON object, got {type(meta).__name__}")
+    if "checksum" in meta and meta["checksum"] != _metadata_checksum(meta):
+        raise CheckpointInvalid(
+            f"{path} does not match its checksum (it was changed or is corrupt)"
+        )
+    return meta
+
+
+def _manifest_entry(path: str) -> dict[str, Any]:
+    size, crc = file_checksum(path)
+    return {"bytes": size, "crc32": crc}
+
+
+def _relative_files(iter_dir: str) -> set[str]:
+    found = set()
+    for root, _dirs, names in os.walk(iter_dir):
+        for name in names:
+            found.add(os.path.relpath(os.path.join(root, name), iter_dir).replace(os.sep, "/"))
+    return found - {METADATA_FILENAME}
+
+
+def _check_manifest_entry(iter_dir: str, name: str, entry: Any) -> str:
+    meta_path = os.path.join(iter_dir, METADATA_FILENAME)
+    parts = name.split("/")
+    if not name or os.path.isabs(name) or ".." in parts:
+        raise CheckpointInvalid(f"{meta_path} lists a file outside the checkpoint: {name!r}")
+    valid = (
+        isinstance(entry, dict)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("crc32"), str)
+    )
+    if not valid:
+        raise CheckpointInvalid(f"{meta_path}: malformed manifest entry for {name!r}")
+    return os.path.join(iter_dir, *parts)
+
+
+def verify_files(iter_dir: str, meta: dict[str, Any]) -> None:
+    """Every file against the manifest (presence, size, CRC-32), nothing unlisted, and no .pt
+    file that pickles anything unsafe. Raises CheckpointInvalid naming the file."""
+    present = _relative_files(iter_dir)
+    manifest = meta.get("files")
+    if manifest is None:  # a checkpoint written without one (an older version or a tool)
+        logger.warning("%s has no file manifest: sizes and checksums are not verified", iter_dir)
+        manifest = {name: None for name in sorted(present)}
+    elif not isinstance(manifest, dict):
+        raise CheckpointInvalid(f"{os.path.join(iter_dir, METADATA_FILENAME)}: malformed manifest")
+    for name, entry in sorted(manifest.items()):
+        path = os.path.join(iter_dir, *name.split("/"))
+        if entry is not None:
+            path = _check_manifest_entry(iter_dir, name, entry)
+            if name not in present:
+                raise CheckpointInvalid(f"{path} is missing")
+            size, crc = file_checksum(path)
+            if size != entry["bytes"]:
+                raise CheckpointInvalid(
+                    f"{path} has {size} bytes, the manifest says {entry['bytes']} (truncated "
+                    "or overwritten)"
+                )
+            if crc != entry["crc32"]:
+                raise CheckpointInvalid(
+                    f"{path} is corrupt: CRC-32 {crc}, the manifest says {entry['crc32']}"
+                )
+        if name.endswith(".pt"):
+            _check_pickle(path)
+    unlisted = sorted(present - set(manifest))
+    if unlisted:
+        raise CheckpointInvalid(
+            f"{os.path.join(iter_dir, unlisted[0])} is not in the manifest of {METADATA_FILENAME}"
+        )
+
+
+def _check_pickle(path: str) -> None:
+    try:
+        unsafe = unsafe_globals(path)
+    except (RuntimeError, OSError, ValueError, EOFError) as e:
+        raise CheckpointInvalid(
+            f"{path} is not a readable torch checkpoint ({_error_detail(e)})"
+        ) from None
+    if unsafe:
+        raise CheckpointInvalid(
+            f"{path} holds pickled objects other than tensors, numbers and strings "
+            f"({', '.join(unsafe[:3])}); refusing to load it"
+        )
+
+
+def verify_checkpoint(load_dir: str, iteration: int, *, tp_size: int | None = None) -> dict:
+    """Everything a load of ``iteration`` needs, checked without any process group; returns
+    its metadata. CheckpointInvalid names the damaged file; a tensor-parallel mismatch is a
+    ConfigError naming the flag."""
+    iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
+    if not os.path.isdir(iter_dir):
+        raise CheckpointInvalid(f"checkpoint directory {iter_dir} does not exist")
+    meta = read_metadata(iter_dir)
+    if meta.get("iteration", iteration) != iteration:
+        raise CheckpointInvalid(
+            f"{os.path.join(iter_dir, METADATA_FILENAME)} is of iteration {meta['iteration']}"
+        )
+    saved_tp = meta.get("tensor_model_parallel_size")
+    if tp_size is not None and saved_tp is not None and saved_tp != tp_size:
+        raise ConfigError(
+            f"--tensor-model-parallel-size: {iter_dir} was saved with tensor parallel size "
+            f"{saved_tp}, this run uses {tp_size}"
+        )
+    verify_files(iter_dir, meta)
+    return meta
+
+
+def newest_verified(load_dir: str, below: int | None, *, tp_size: int | None = None) -> int | None:
+    """The newest complete checkpoint in ``load_dir`` older than ``below`` that verifies."""
+    for iteration in reversed(complete_iterations(load_dir)):
+        if below is not None and iteration >= below:
+            continue
+        try:
+            verify_checkpoint(load_dir, iteration, tp_size=tp_size)
+        except ConfigError:
+            continue
+        return iteration
+    return None
+
+
+def choose_checkpoint(
+    load_dir: str, ckpt_step: int | None, *, tp_size: int | None = None, fallback: bool = False
+) -> int | None:
+    """The iteration --load will restore, verified (None: no tracker, a fresh start)."""
+    try:
+        iteration = ckpt_step if ckpt_step is not None else read_tracker(load_dir)
+    except ConfigError as e:
+        older = newest_verified(load_dir, None, tp_size=tp_size) if fallback else None
+        if older is None:
+            raise
+        logger.warning("%s; --load-fallback: loading iteration %d instead", e, older)
+        return older
+    if iteration is None:
+        return None
+    try:
+        verify_checkpoint(load_dir, iteration, tp_size=tp_size)
+        return iteration
+    except CheckpointInvalid as e:
+        problem = f"--load: checkpoint iteration {iteration} is incomplete or corrupt: {e}"
+        older = newest_verified(load_dir, iteration, tp_size=tp_size)
+    if older is None:
+        raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
+    if fallback:
+        logger.warning("%s; --load-fallback: loading iteration %d instead", problem, older)
+        return older
+    raise CheckpointInvalid(
+        f"{problem}; the last complete checkpoint there is iteration {older}: pass "
+        f"--ckpt-step {older}, or --load-fallback to fall back automatically"
+    )
+
+
+def check_save_dir(save_dir: str) -> None:
+    """--save is created and test-written now, so that a wrong path fails before any
+    rendezvous instead of at the first save."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ConfigError(f"--save: {save_dir} exists and is not a directory")
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--save: cannot create {save_dir}: {e.strerror or e}") from None
+    probe = os.path.join(save_dir, f".write_test.{os.uname().nodename}.{os.getpid()}")
+    try:
+        _write_durably(probe, lambda f: f.write(b"megatron_taco write test\n"))
+    except OSError as e:
+        raise ConfigError(
+            f"--save: cannot write in {save_dir}: {e.strerror or e} ({_free_space(save_dir)})"
+        ) from None
+    finally:
+        _remove(probe)
+
+
+# DeepSpeed checkpoint options that bypass this module's writer or loader.
+_UNSUPPORTED_DS_CHECKPOINT_KEYS = {
+    "writer": "checkpoints are written by megatron_taco's own writer",
+    "use_node_local_storage": "every rank must see the same checkpoint directory",
+    "load_universal": "DeepSpeed loads universal checkpoints with unrestricted pickle",
+}
+
+
+def prepare_checkpoints(
+    training, checkpoint: CheckpointConfig, *, tp_size: int, ds_config: dict, zero_stage: int
+) -> int | None:
+    """The checkpoint checks every rank runs before the rendezvous. Returns the iteration
+    --load will restore (verified), None when there is nothing to load."""
+    if checkpoint.save_retain is not None:
+        require(training.save is not None, CheckpointConfig, "save_retain", "needs --save")
+    if checkpoint.load_fallback:
+        require(training.load is not None, CheckpointConfig, "load_fallback", "needs --load")
+        require(
+            training.ckpt_step is None,
+            CheckpointConfig,
+            "load_fallback",
+            "cannot be combined with --ckpt-step, which names the one checkpoint to load",
+        )
+    section = ds_config.get("checkpoint")
+    for key, why in _UNSUPPORTED_DS_CHECKPOINT_KEYS.items():
+        if isinstance(section, dict) and section.get(key):
+            raise ConfigError(f"--deepspeed-config: key 'checkpoint.{key}' is not supported: {why}")
+    if training.save is not None:
+        check_save_dir(training.save)
+    if training.load is None:
+        return None
+    if zero_stage == 3 and (training.finetune or training.no_load_optim):
+        flag = "--finetune" if training.finetune else "--no-load-optim"
+        raise ConfigError(
+            f"{flag}: not supported with ZeRO stage 3, where DeepSpeed rebuilds the weights "
+            "without the optimizer files through zero_to_fp32, which unpickles them unsafely; "
+            "load with a ZeRO stage 0-2 config"
+        )
+    return choose_checkpoint(
+        training.load, training.ckpt_step, tp_size=tp_size, fallback=checkpoint.load_fallback
+    )
+
+
+# -- saving -----------------------------------------------------------------------------
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+class _NoExchange(Exception):
+    pass
+
+
+def _exchange(a: str, b: str) -> None:
+    """Swap two directories atomically (renameat2 RENAME_EXCHANGE: Linux 3.15+, on ext4,
+    xfs, btrfs, tmpfs; not on NFS)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        raise _NoExchange("the C library has no renameat2")
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+            raise _NoExchange(os.strerror(code))
+        raise OSError(code, os.strerror(code), a)
+
+
+def _publish(save_dir: str, tmp_dir: str, iteration: int, token: str) -> str | None:
+    """Move the complete checkpoint in ``tmp_dir`` to its name without a moment in which the
+    tracker names a missing or partial directory. Returns a directory left to delete."""
+    final = os.path.join(save_dir, checkpoint_tag(iteration))
+    if not os.path.lexists(final):
+        os.rename(tmp_dir, final)
+        return None
+    try:
+        _exchange(tmp_dir, final)
+        return tmp_dir  # now holds the replaced checkpoint
+    except _NoExchange as e:
+        reason = str(e)
+    # Without an atomic swap: while iter_N is briefly absent the tracker must name another
+    # complete checkpoint.
+    if _read_tracker_quietly(save_dir) == iteration:
+        others = [i for i in complete_iterations(save_dir) if i != iteration]
+        if not others:
+            raise CheckpointSaveError(
+                f"cannot replace {final} safely: this file system cannot swap directories "
+                f"atomically ({reason}) and {save_dir} holds no other complete checkpoint for "
+                "the tracker to name meanwhile; save to a new --save directory"
+            )
+        _atomic_write_text(tracker_path(save_dir), f"{others[-1]}\n")
+    aside = f"{final}.del-{token}"
+    os.rename(final, aside)
+    os.rename(tmp_dir, final)
+    return aside
+
+
+def _read_tracker_quietly(directory: str) -> int | None:
+    try:
+        return read_tracker(directory)
+    except ConfigError:
+        return None
+
+
+def _retire(save_dir: str, keep: int, token: str) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints (never the tracker's)."""
+    tracked = _read_tracker_quietly(save_dir)
+
+    def saved_at(iteration: int) -> tuple[float, int]:
+        path = os.path.join(save_dir, checkpoint_tag(iteration), METADATA_FILENAME)
+        return os.path.getmtime(path), iteration
+
+    newest_first = sorted(complete_iterations(save_dir), key=saved_at, reverse=True)
+    for iteration in newest_first[keep:]:
+        if iteration == tracked:
+            continue
+        path = os.path.join(save_dir, checkpoint_tag(iteration))
+        # Renamed first: a directory deleted halfway must not look like a checkpoint.
+        aside = f"{path}.del-{token}"
+        os.rename(path, aside)
+        _remove(aside)
+
+
+def _sweep_leftovers(save_dir: str) -> None:
+    for name in os.listdir(save_dir):
+        if _LEFTOVER.match(name):
+            _remove(os.path.join(save_dir, name))
+
+
+def _shared_token(device: torch.device) -> str:
+    """A random name part, the same on every rank (DeepSpeed checks the tag is)."""
+    value = torch.tensor([secrets.randbits(48)], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.broadcast(value, src=0)
+    return f"{int(value.item()):012x}"
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _start_save(save_dir: str, tmp_dir: str) -> None:
+    os.makedirs(save_dir, exist_ok=True)
+    _sweep_leftovers(save_dir)
+    os.makedirs(tmp_dir)
+
+
+def _write_rng(path: str, rng_tracker: RNGTracker | None, writer: SafeCheckpointEngine) -> None:
+    states = get_rng_states(rng_tracker)
+    _write_durably(path, lambda f: torch.save(states, f))
+    writer.written.append(path)
+
+
+def _own_manifest(writer: SafeCheckpointEngine, tmp_dir: str) -> dict[str, dict]:
+    """Size and CRC-32 of the files this rank wrote (read back from the page cache)."""
+    entries = {}
+    for path in writer.written:
+        name = os.path.relpath(path, tmp_dir).replace(os.sep, "/")
+        if not name.startswith("../"):
+            writer.attempt(path, lambda p=path, n=name: entries.__setitem__(n, _manifest_entry(p)))
+    return entries
+
+
+def _finalize(
+    save_dir: str, tmp_dir: str, meta: dict, files: dict, token: str, retain: int | None
+) -> None:
+    """Rank 0, once every rank's files are on disk: manifest, rename, tracker, clean-up."""
+    iteration = meta["iteration"]
+    for name in sorted(_relative_files(tmp_dir) - set(files)):  # written by other means
+        path = os.path.join(tmp_dir, *name.split("/"))
+        _fsync_file(path)
+        files[name] = _manifest_entry(path)
+    for root, _dirs, _names in os.walk(tmp_dir, topdown=False):
+        _fsync_dir(root)
+    _write_metadata(tmp_dir, meta, files)
+    _fsync_dir(tmp_dir)
+    _kill_point("after_metadata", iteration)
+    replaced = _publish(save_dir, tmp_dir, iteration, token)
+    _fsync_dir(save_dir)
+    _kill_point("after_rename", iteration)
+    _atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+    _kill_point("after_tracker", iteration)
+    if replaced is not None:
+        _remove(replaced)
+    if retain is not None:
+        _retire(save_dir, retain, token)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(
@@ -103,40 +796,79 @@ def save_checkpoint(
     parallel: ParallelState,
     rng_tracker: RNGTracker | None = None,
     metadata: dict[str, Any] | None = None,
+    *,
+    retain: int | None = None,
 ) -> str:
-    """Collective: every rank must call it. Returns the iteration directory."""
-    tag = checkpoint_tag(state.iteration)
-    iter_dir = os.path.join(save_dir, tag)
+    """Collective: every rank must call it. Returns the checkpoint directory; a failed write
+    on any rank raises CheckpointSaveError on every rank, the previous checkpoint intact."""
+    writer = _safe_engine(engine)
+    writer.begin()
+    iteration = state.iteration
+    token = _shared_token(engine.device)
+    tmp_dir = os.path.join(save_dir, f"{checkpoint_tag(iteration)}.tmp-{token}")
     if parallel.rank == 0:
-        os.makedirs(iter_dir, exist_ok=True)
+        writer.attempt(tmp_dir, _start_save, save_dir, tmp_dir)
     _barrier()
     client_state = {
-        "iteration": state.iteration,
+        "iteration": iteration,
         "consumed_samples": state.consumed_samples,
         "format": FORMAT,
     }
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
-    _atomic_torch_save(get_rng_states(rng_tracker), rng_state_path(iter_dir, parallel.rank))
+    tmp_tag = os.path.basename(tmp_dir)
+    engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
+    _kill_point("after_model_files", iteration)
+    rng_path = rng_state_path(tmp_dir, parallel.rank)
+    writer.attempt(rng_path, _write_rng, rng_path, rng_tracker, writer)
+    _kill_point("after_rng_files", iteration)
+    gathered = _gather((writer.error, _own_manifest(writer, tmp_dir)))
+    message = None
     if parallel.rank == 0:
-        meta = {
-            "format": FORMAT,
-            "iteration": state.iteration,
-            "consumed_samples": state.consumed_samples,
-            "world_size": parallel.world_size,
-            "tensor_model_parallel_size": parallel.tp_size,
-            "data_parallel_size": parallel.dp_size,
-            **(metadata or {}),
-        }
-        _atomic_write_text(
-            os.path.join(iter_dir, METADATA_FILENAME), json.dumps(meta, indent=2, default=str)
-        )
-    # Every rank's files are on disk before "latest" may point at them.
-    _barrier()
-    if parallel.rank == 0:
-        _atomic_write_text(tracker_path(save_dir), f"{state.iteration}\n")
-    _barrier()
-    return iter_dir
+        error = next((err for err, _ in gathered if err is not None), None)
+        if error is None:
+            meta = {
+                "format": FORMAT,
+                "iteration": iteration,
+                "consumed_samples": state.consumed_samples,
+                "world_size": parallel.world_size,
+                "tensor_model_parallel_size": parallel.tp_size,
+                "data_parallel_size": parallel.dp_size,
+                **(metadata or {}),
+            }
+            files = {name: entry for _, entries in gathered for name, entry in entries.items()}
+            error = _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain)
+        if error is not None:
+            _remove(tmp_dir)
+            message = _save_failure(save_dir, iteration, error)
+    message = _broadcast(message)
+    if message is not None:
+        raise CheckpointSaveError(message)
+    return os.path.join(save_dir, checkpoint_tag(iteration))
 
+
+def _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain) -> str | None:
+    try:
+        _finalize(save_dir, tmp_dir, meta, files, token, retain)
+    except CheckpointSaveError as e:
+        return str(e)
+    except OSError as e:
+        return _describe_write_error(e.filename or tmp_dir, e)
+    return None
+
+
+def _save_failure(save_dir: str, iteration: int, error: str) -> str:
+    tracked = _read_tracker_quietly(save_dir)
+    still = (
+        f"{tracker_path(save_dir)} still names iteration {tracked}"
+        if tracked is not None
+        else f"{save_dir} holds no earlier checkpoint"
+    )
+    return (
+        f"saving checkpoint iteration {iteration} failed: {error}; the partial checkpoint was "
+        f"removed and {still}"
+    )
+
+
+# -- loading ----------------------------------------------------------------------------
 
 _SIZE_MISMATCH = re.compile(
     r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) from "
@@ -165,8 +897,11 @@ def read_tracker(load_dir: str) -> int | None:
     path = tracker_path(load_dir)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--load: cannot read {path}: {e}") from None
     try:
         iteration = int(text)
     except ValueError:
@@ -193,7 +928,9 @@ def load_checkpoint(
 
     Returns None (after a warning) when ``load_dir`` has no tracker file and no
     ``ckpt_step`` is given: Megatron then starts from scratch. With ``finetune`` only the
-    model weights are loaded and the returned state is iteration 0.
+    model weights are loaded and the returned state is iteration 0. The driver verified the
+    checkpoint before any process group existed (prepare_checkpoints); every file is read
+    with weights_only=True regardless.
     """
     if ckpt_step is not None:
         iteration = ckpt_step
@@ -213,11 +950,7 @@ def load_checkpoint(
             f"--load: checkpoint directory {iter_dir} (iteration {iteration} from {source}) "
             "does not exist"
         )
-    meta_path = os.path.join(iter_dir, METADATA_FILENAME)
-    meta: dict[str, Any] = {}
-    if os.path.isfile(meta_path):
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
+    meta = read_metadata(iter_dir)
     saved_tp = meta.get("tensor_model_parallel_size")
     if saved_tp is not None and saved_tp != parallel.tp_size:
         raise ConfigError(
@@ -225,6 +958,13 @@ def load_checkpoint(
             f"{saved_tp}, this run uses {parallel.tp_size}"
         )
     restore_optim = load_optim and not finetune
+    if not restore_optim and engine.zero_optimization_partition_weights():
+        # DeepSpeed would rebuild the weights through zero_to_fp32's unrestricted torch.load.
+        raise ConfigError(
+            "--finetune/--no-load-optim: not supported with ZeRO stage 3; load with a ZeRO "
+            "stage 0-2 config"
+        )
+    _safe_engine(engine)
     try:
         load_path, client_state = engine.load_checkpoint(
             load_dir,
@@ -258,7 +998,6 @@ def load_checkpoint(
                 f"{meta.get('world_size', '?')}, this run has {parallel.world_size}); "
                 "pass --no-load-rng to resume without the RNG states"
             )
-        # Our own file with python/numpy states in it: not loadable with weights_only.
-        set_rng_states(torch.load(path, weights_only=False), rng_tracker)
+        set_rng_states(_load_rng_file(path), rng_tracker)
     _barrier()
     return state
