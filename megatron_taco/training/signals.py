@@ -1,0 +1,467 @@
+"""Preemption, time limits, launcher death and peer failures.
+
+* Exit signals (``--exit-signal-handler``, on by default): SIGTERM, SIGINT or SIGUSR1 on any
+  rank only sets a flag. At the end of every iteration the ranks agree on the flags with one
+  all-reduce (MAX) over the world; when one is set, every rank saves a checkpoint (with
+  ``--save``) and exits 0. A second signal of the same kind takes the default action (a
+  double Ctrl-C still kills), unless it comes within ``REPEAT_WINDOW_S`` of the first:
+  launchers (DeepSpeed's per-node launcher, torchrun) forward to their ranks the SIGTERM that
+  the whole process group already got, and that copy must not kill the save.
+* ``--exit-duration-in-mins``: the same exit once that long has passed since the process
+  started (ranks agree through the same all-reduce).
+* Ranks never outlive their launcher: the kernel sends SIGTERM when the parent dies
+  (PR_SET_PDEATHSIG), and a watchdog thread notices when the parent, or the ``deepspeed``
+  runner above DeepSpeed's per-node launcher, exits. DeepSpeed's runner forwards nothing on a
+  single node, and its per-node launcher keeps running when the runner dies.
+* A peer that dies makes a collective raise (gloo: "Connection closed by peer"; a hung peer:
+  a timeout after ``--distributed-timeout-minutes``). ``describe_peer_failure`` turns that
+  into one line naming the dead rank (found by PID on this node) and the collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+from megatron_taco.arguments import option, require
+
+logger = logging.getLogger("megatron_taco.signals")
+
+REPEAT_WINDOW_S = 2.0
+WATCHDOG_INTERVAL_S = 1.0
+DEFAULT_EXIT_SIGNALS = "SIGTERM,SIGINT,SIGUSR1"
+# Uncatchable, used by torch's DataLoader (SIGCHLD), or faults that must stay fatal.
+_UNUSABLE = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"}
+_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
+_DEEPSPEED_NODE_LAUNCHER = "deepspeed.launcher.launch"
+_LEFTOVER_HOOK = False
+_IMPORT_TIME = time.time()  # the fallback for the process's start
+
+
+def _signal_by_name(token: str) -> signal.Signals | None:
+    token = token.strip().upper()
+    if token.isdigit():
+        try:
+            return signal.Signals(int(token))
+        except ValueError:
+            return None
+    name = token if token.startswith("SIG") else "SIG" + token
+    return getattr(signal.Signals, name, None)
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    exit_signal_handler: bool = option(
+        True,
+        "On by default (Megatron's is off): a signal from --exit-signals on any rank makes every "
+        "rank finish the current iteration, save a checkpoint (with --save) and exit 0. A second "
+        "signal of the same kind, 2 s or more after the first, kills at once.",
+        flag="--exit-signal-handler",
+    )
+    exit_signals: str = option(
+        DEFAULT_EXIT_SIGNALS,
+        "Comma-separated signals that --exit-signal-handler catches (names or numbers).",
+        flag="--exit-signals",
+    )
+    exit_duration_in_mins: float | None = option(
+        None,
+        "Save and exit 0 after the first iteration that ends this many minutes after the "
+        "process started (leave room for one iteration and a save before the job's limit).",
+        flag="--exit-duration-in-mins",
+    )
+    distributed_timeout_minutes: float = option(
+        10.0,
+        "Timeout of every collective (and of the rendezvous): a rank that hangs this long makes "
+        "the others exit with an error (fractions allowed).",
+        flag="--distributed-timeout-minutes",
+    )
+
+    def __post_init__(self) -> None:
+        cls = ExitConfig
+        tokens = [t for t in str(self.exit_signals).split(",") if t.strip()]
+        require(
+            bool(tokens), cls, "exit_signals", f"give at least one, e.g. {DEFAULT_EXIT_SIGNALS}"
+        )
+        found = [_signal_by_name(t) for t in tokens]
+        bad = [t.strip() for t, s in zip(tokens, found) if s is None or s.name in _UNUSABLE]
+        require(
+            not bad,
+            cls,
+            "exit_signals",
+            f"{', '.join(bad)} is not a signal that can be caught for a clean exit; give e.g. "
+            f"{DEFAULT_EXIT_SIGNALS}",
+        )
+        names = ",".join(dict.fromkeys(s.name for s in found if s is not None))
+        object.__setattr__(self, "exit_signals", names)
+        if self.exit_duration_in_mins is not None:
+            require(
+                _positive(self.exit_duration_in_mins),
+                cls,
+                "exit_duration_in_mins",
+                f"must be > 0, got {self.exit_duration_in_mins!r}",
+            )
+        require(
+            _positive(self.distributed_timeout_minutes),
+            cls,
+            "distributed_timeout_minutes",
+            f"must be > 0, got {self.distributed_timeout_minutes!r}",
+        )
+
+    @property
+    def signals(self) -> tuple[signal.Signals, ...]:
+        return tuple(signal.Signals[name] for name in self.exit_signals.split(","))
+
+    @property
+    def distributed_timeout(self) -> timedelta:
+        return timedelta(minutes=self.distributed_timeout_minutes)
+
+
+def _positive(value) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
+# ---------------------------------------------------------------------------------------
+# /proc
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    state: str
+    ppid: int
+    start_ticks: int  # since boot: with the PID, identifies a process across PID reuse
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """The process's /proc/PID/stat, None when it does not exist (or not on Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ")".
+    fields = text[text.rindex(")") + 2 :].split()
+    return ProcStat(state=fields[0], ppid=int(fields[1]), start_ticks=int(fields[19]))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def process_start_time() -> float:
+    """This process's start as a Unix time (the interpreter's start, before imports)."""
+    stat = proc_stat(os.getpid())
+    try:
+        with open("/proc/stat", encoding="utf-8") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + stat.start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, AttributeError, ValueError):
+        return _IMPORT_TIME
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def get_pdeathsig() -> int:
+    libc, value = _libc(), ctypes.c_int(0)
+    if libc is not None:
+        libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)
+    return value.value
+
+
+def set_pdeathsig(signum: int) -> bool:
+    """Ask the kernel to send ``signum`` when the parent (the thread that started us) dies."""
+    libc = _libc()
+    return libc is not None and libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+
+
+def launched_by_launcher() -> bool:
+    # deepspeed and torchrun set LOCAL_RANK; plain `python` (maybe under nohup, whose shell
+    # may go away) does not, and is not tied to its parent.
+    return "LOCAL_RANK" in os.environ
+
+
+def ignore_in_worker(signums: tuple[int, ...], _worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn. The rank decides when to stop: a worker killed by the
+    group's (or the launcher's) SIGTERM would make the rank raise before it could save. The
+    worker dies with its rank instead, at once: it holds copies of the rank's sockets, and
+    peers notice a dead rank only when those close."""
+    for signum in signums:
+        signal.signal(signum, signal.SIG_IGN)
+    set_pdeathsig(signal.SIGKILL)
+
+
+def _kill_leftover_workers() -> None:
+    """atexit, before multiprocessing's own hook: that one terminate()s daemonic children with
+    SIGTERM, which our DataLoader workers ignore, and then joins them forever. Iterators
+    still alive at exit (e.g. held by a traceback) would hang the rank."""
+    import multiprocessing
+
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    if children:
+        # torch's SIGCHLD handler would raise "worker killed" into the exiting interpreter.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for p in children:
+        p.kill()
+        p.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------
+# The monitor
+
+
+class ExitMonitor:
+    """Signal handlers, the launcher watchdog and the wall-clock limit of one process."""
+
+    def __init__(
+        self,
+        config: ExitConfig,
+        *,
+        repeat_window: float = REPEAT_WINDOW_S,
+        watchdog_interval: float = WATCHDOG_INTERVAL_S,
+    ) -> None:
+        self.config = config
+        self.repeat_window = repeat_window
+        self.watchdog_interval = watchdog_interval
+        self.start_time = process_start_time()
+        self.received: int = 0  # the first exit signal's number
+        self.launcher_gone: str | None = None  # why, once the launcher died
+        self._first_seen: dict[int, float] = {}
+        self._previous: dict[int, object] = {}
+        self._pid = os.getpid()
+        self._pdeathsig_before: int | None = None
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    # -- set-up and teardown --------------------------------------------------------------
+
+    def install(self) -> None:
+        self._pid = os.getpid()
+        if self.config.exit_signal_handler:
+            self._install_handlers()
+        if launched_by_launcher():
+            self._tie_to_launcher()
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # Python lets only the main thread set handlers (e.g. pretrain() run in a thread).
+            logger.warning("not in the main thread: --exit-signal-handler is not installed")
+            return
+        for signum in self.config.signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+            self._watchdog = None
+        if self._pdeathsig_before is not None:
+            set_pdeathsig(self._pdeathsig_before)
+            self._pdeathsig_before = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        # Only flags: this runs between two bytecodes of whatever the main thread was doing.
+        if os.getpid() != self._pid:
+            return  # a forked DataLoader worker inherited the handler; its rank decides
+        now = time.monotonic()
+        first = self._first_seen.setdefault(signum, now)
+        if now - first >= self.repeat_window:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if not self.received:
+            self.received = signum
+
+    @property
+    def worker_init_fn(self):
+        global _LEFTOVER_HOOK
+        if not self._previous:
+            return None
+        if not _LEFTOVER_HOOK:
+            # Registered after multiprocessing's hook, so it runs before it.
+            atexit.register(_kill_leftover_workers)
+            _LEFTOVER_HOOK = True
+        return functools.partial(ignore_in_worker, tuple(int(s) for s in self._previous))
+
+    # -- the launcher ---------------------------------------------------------------------
+
+    def _tie_to_launcher(self) -> None:
+        parent = os.getppid()
+        links = [(self._pid, parent)]
+        stat = proc_stat(parent)
+        if stat is not None and _DEEPSPEED_NODE_LAUNCHER in _cmdline(parent):
+            # DeepSpeed's per-node launcher outlives the `deepspeed` runner above it (the
+            # runner has no signal handler on a single node): watch the runner as well.
+            links.append((parent, stat.ppid))
+        before = get_pdeathsig()
+        if set_pdeathsig(signal.SIGTERM):
+            self._pdeathsig_before = before
+        self._stop.clear()
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(links,), name="launcher-watchdog", daemon=True
+        )
+        self._watchdog.start()
+
+    def _watch(self, links: list[tuple[int, int]]) -> None:
+        while not self._stop.wait(self.watchdog_interval):
+            for child, parent in links:
+                stat = proc_stat(child)
+                if stat is None or stat.ppid != parent:
+                    # A process's children are re-parented the moment it exits.
+                    self.launcher_gone = f"launcher process {parent} exited"
+                    return
+
+    # -- the decision -----------------------------------------------------------------------
+
+    def local_flags(self) -> list[int]:
+        limit = self.config.exit_duration_in_mins
+        over = limit is not None and time.time() - self.start_time >= 60 * limit
+        return [int(self.received), int(self.launcher_gone is not None), int(over)]
+
+    def should_exit(self, device) -> str | None:
+        """Every rank calls this at the end of every iteration (one all-reduce over the world);
+        the reason to stop, the same on every rank, or None."""
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.tensor(self.local_flags(), dtype=torch.int32, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signum, gone, over = flags.tolist()
+        reasons = []
+        if signum:
+            reasons.append(f"{signal.Signals(signum).name} received (--exit-signal-handler)")
+        if gone:
+            reasons.append("a rank's launcher exited (ranks never outlive their launcher)")
+        if over:
+            reasons.append(f"--exit-duration-in-mins {self.config.exit_duration_in_mins:g} reached")
+        return "; ".join(reasons) or None
+
+
+# ---------------------------------------------------------------------------------------
+# Peer failures
+
+
+class PeerFailure(RuntimeError):
+    """A rank died or hung; the message is the one line to print."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    host: str
+    pid: int
+    start_ticks: int
+
+    def is_dead(self) -> bool:
+        stat = proc_stat(self.pid)
+        return stat is None or stat.start_ticks != self.start_ticks or stat.state in "ZXx"
+
+
+def gather_peers() -> list[Peer]:
+    """(host, PID) of every rank, gathered once after the rendezvous."""
+    import torch.distributed as dist
+
+    stat = proc_stat(os.getpid())
+    me = Peer(socket.gethostname(), os.getpid(), stat.start_ticks if stat else -1)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [me]
+    peers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, me)
+    return peers
+
+
+_FAILURE_MARKERS = ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL")
+_C10D = os.path.join("torch", "distributed", "")
+_WRAPPERS = (_C10D, os.path.join("deepspeed", "comm", ""))
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    in_c10d = any(_C10D in f.filename for f in frames)
+    return (
+        isinstance(error, RuntimeError)
+        and in_c10d
+        and any(m in str(error) for m in _FAILURE_MARKERS)
+    )
+
+
+def _where(error: BaseException) -> str:
+    """'all_reduce (deepspeed/runtime/engine.py:2151)': the collective and its caller."""
+    frames = traceback.extract_tb(error.__traceback__)
+    inside = [i for i, f in enumerate(frames) if _C10D in f.filename]
+    if not inside:
+        return "a collective"
+    name = frames[inside[-1]].name
+    callers = [f for f in frames[: inside[0]] if not any(w in f.filename for w in _WRAPPERS)]
+    if not callers:
+        return name
+    return f"{name} ({_short_path(callers[-1].filename)}:{callers[-1].lineno})"
+
+
+def _short_path(path: str) -> str:
+    package = os.sep + "megatron_taco" + os.sep
+    if "site-packages" + os.sep in path:
+        return path.rsplit("site-packages" + os.sep, 1)[1]
+    if package in path:
+        return "megatron_taco" + os.sep + path.rsplit(package, 1)[1]
+    return path
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0]
+
+
+def describe_peer_failure(
+    error: BaseException, rank: int, peers: list[Peer], timeout_minutes: float, wait: float = 2.0
+) -> str:
+    """One line for a collective that failed because another rank died or hung."""
+    where = _where(error)
+    me = peers[rank] if rank < len(peers) else None
+    local = [r for r, p in enumerate(peers) if r != rank and me is not None and p.host == me.host]
+    deadline = time.monotonic() + wait
+    while True:  # a killed peer's socket closes a moment before its process is gone
+        dead = [r for r in local if peers[r].is_dead()]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if dead:
+        who = ", ".join(f"rank {r} (pid {peers[r].pid})" for r in dead)
+        verb = "has" if len(dead) == 1 else "have"
+        return f"rank {rank}: {who} {verb} died; {where} failed; exiting"
+    if "Timed out" in str(error) or "timeout" in str(error).lower():
+        return (
+            f"rank {rank}: {where} timed out after --distributed-timeout-minutes "
+            f"{timeout_minutes:g}: a rank hung or its node is unreachable ({_short(error)}); "
+            "exiting"
+        )
+    return (
+        f"rank {rank}: a rank on another node failed or closed the connection during {where} "
+        f"({_short(error)}); exiting"
+    )

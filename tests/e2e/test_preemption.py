@@ -1,0 +1,226 @@
+"""Preemption and failures with the real `deepspeed --num_gpus 2` launcher and real signals,
+on a tiny TACO:
+
+* SIGTERM to the whole process group (what SLURM does at preemption and time limit) saves a
+  checkpoint at the next iteration boundary; the resumed run logs exactly the losses of an
+  uninterrupted run;
+* --exit-duration-in-mins and SIGUSR1 to the ranks stop with exit code 0 (the launcher
+  reports every rank's code) and resume exactly;
+* SIGTERM to the `deepspeed` runner alone (DeepSpeed forwards nothing on a single node and its
+  per-node launcher survives the runner) still stops every rank, after a save;
+* kill -9 of one rank makes the other exit within seconds with one line naming the dead rank,
+  without a Python traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import ENV, REPO, TACO_METRIC_KEYS, deepspeed, deepspeed_command, train_records
+
+pytestmark = pytest.mark.e2e
+
+TRAIN_ITERS = 30
+LONG_RUN = "2000"  # iterations: over a minute of training, far beyond every bound below
+
+
+def taco_args(dataset, *extra: str) -> list[str]:
+    return [
+        "--model-size", "tiny", "--seq-length", "64",
+        "--data-path", dataset["prefix"], "--tokenizer-model", dataset["tokenizer"],
+        "--data-cache-path", str(dataset["dir"] / "cache"), "--split", "80,10,10",
+        "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
+        "--num-workers", "1", "--deepspeed-config", "ds_configs/zero0_fp32.json",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(botchan_dataset, tmp_path_factory) -> dict[int, dict]:
+    metrics = tmp_path_factory.mktemp("reference") / "metrics.jsonl"
+    args = taco_args(botchan_dataset, "--train-iters", str(TRAIN_ITERS))
+    deepspeed("pretrain_taco.py", *args, "--metrics-file", str(metrics))
+    return train_records(metrics)
+
+
+# -- a run in its own session, its processes, and the metrics it logged so far ------------
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            deepspeed_command("pretrain_taco.py", *args), cwd=REPO, env=ENV, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+def logged_iterations(metrics: Path) -> set[int]:
+    iterations = set()
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:  # the last line may be half-written
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("split") == "train":
+                iterations.add(record["iteration"])
+    return iterations
+
+
+def wait_for_iteration(proc: subprocess.Popen, metrics: Path, iteration: int, timeout=240):
+    deadline = time.monotonic() + timeout
+    while iteration not in logged_iterations(metrics):
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {iteration}"
+        assert time.monotonic() < deadline, f"iteration {iteration} not reached"
+        time.sleep(0.05)
+
+
+def processes(proc: subprocess.Popen) -> tuple[psutil.Process, dict[int, psutil.Process]]:
+    """DeepSpeed's per-node launcher and its ranks by local rank."""
+    (launcher,) = psutil.Process(proc.pid).children()
+    ranks = {}
+    for child in launcher.children():
+        flag = next(a for a in child.cmdline() if a.startswith("--local_rank="))
+        ranks[int(flag.split("=")[1])] = child
+    assert sorted(ranks) == [0, 1]
+    return launcher, ranks
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def seconds_until_gone(procs, timeout: float) -> float:
+    start = time.monotonic()
+    while any(alive(p) for p in procs) and time.monotonic() - start < timeout:
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the whole session, stragglers included
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def latest(ckpt: Path) -> int:
+    return int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+
+
+def assert_matches(reference: dict[int, dict], resumed: dict[int, dict], iterations) -> None:
+    for it in iterations:
+        for key in (*TACO_METRIC_KEYS, "lr", "grad_norm", "consumed_samples"):
+            assert resumed[it][key] == reference[it][key], (it, key)
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+def test_sigterm_to_the_process_group_saves_and_resumes_exactly(
+    botchan_dataset, reference, tmp_path
+):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "interrupted.log"
+    args = taco_args(botchan_dataset, "--train-iters", str(TRAIN_ITERS), "--save", str(ckpt))
+    proc = start(args, log)
+    try:
+        wait_for_iteration(proc, ckpt / "metrics.jsonl", 5)
+        _, ranks = processes(proc)
+        os.killpg(proc.pid, signal.SIGTERM)  # runner, per-node launcher, ranks, workers
+        assert seconds_until_gone(ranks.values(), timeout=60) < 30
+    finally:
+        kill_session(proc)
+    out = log.read_text()
+    stopped = latest(ckpt)
+    assert 5 <= stopped < TRAIN_ITERS
+    why = f" exiting at iteration {stopped}: SIGTERM received (--exit-signal-handler); saving"
+    assert why in out and f"saved checkpoint {ckpt}/iter_{stopped:07d}" in out
+    assert "Traceback" not in out
+    assert max(logged_iterations(ckpt / "metrics.jsonl")) == stopped
+
+    res = deepspeed("pretrain_taco.py", *args, "--load", str(ckpt))
+    assert f"resumed from {ckpt} at iteration {stopped}" in res.stdout
+    resumed = train_records(ckpt / "metrics.jsonl")
+    assert sorted(resumed) == list(range(1, TRAIN_ITERS + 1))
+    assert_matches(reference, resumed, range(1, TRAIN_ITERS + 1))
+
+
+def test_time_limit_and_sigusr1_exit_0_and_resume_exactly(botchan_dataset, reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = taco_args(botchan_dataset, "--train-iters", str(TRAIN_ITERS), "--save", str(ckpt))
+    # 0.6 s after the process started: over at the end of the first iteration.
+    res = deepspeed("pretrain_taco.py", *args, "--exit-duration-in-mins", "0.01")
+    assert " exiting at iteration 1: --exit-duration-in-mins 0.01 reached; saving" in res.stdout
+    assert latest(ckpt) == 1
+
+    log = tmp_path / "usr1.log"
+    proc = start([*args, "--load", str(ckpt)], log)
+    try:
+        wait_for_iteration(proc, ckpt / "metrics.jsonl", 5)
+        _, ranks = processes(proc)
+        for rank in ranks.values():
+            rank.send_signal(signal.SIGUSR1)
+        # The launcher exits 0 only when every rank did.
+        assert proc.wait(timeout=60) == 0
+    finally:
+        kill_session(proc)
+    stopped = latest(ckpt)
+    assert 5 <= stopped < TRAIN_ITERS
+    assert f" exiting at iteration {stopped}: SIGUSR1 received" in log.read_text()
+
+    deepspeed("pretrain_taco.py", *args, "--load", str(ckpt))
+    assert_matches(reference, train_records(ckpt / "metrics.jsonl"), range(1, TRAIN_ITERS + 1))
+
+
+def test_sigterm_to_the_deepspeed_runner_alone_stops_every_rank(botchan_dataset, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
+    proc = start(taco_args(botchan_dataset, "--train-iters", LONG_RUN, "--save", str(ckpt)), log)
+    try:
+        wait_for_iteration(proc, ckpt / "metrics.jsonl", 5)
+        launcher, ranks = processes(proc)
+        proc.send_signal(signal.SIGTERM)  # the runner only: it dies, forwarding nothing
+        took = seconds_until_gone([launcher, *ranks.values()], timeout=60)
+    finally:
+        kill_session(proc)
+    out = log.read_text()
+    assert took < 30, out[-3000:]
+    stopped = latest(ckpt)
+    assert stopped >= 5
+    assert f" exiting at iteration {stopped}: a rank's launcher exited" in out
+    assert "Traceback" not in out
+
+
+def test_kill_9_of_one_rank_stops_the_other_with_one_line(botchan_dataset, tmp_path):
+    log = tmp_path / "run.log"
+    metrics = tmp_path / "metrics.jsonl"
+    args = taco_args(botchan_dataset, "--train-iters", LONG_RUN, "--metrics-file", str(metrics))
+    proc = start([*args, "--distributed-timeout-minutes", "0.5"], log)
+    try:
+        wait_for_iteration(proc, metrics, 5)
+        _, ranks = processes(proc)
+        ranks[1].kill()
+        took = seconds_until_gone([ranks[0]], timeout=60)
+        code = proc.wait(timeout=60)
+    finally:
+        kill_session(proc)
+    out = log.read_text()
+    assert took < 15, out[-3000:]
+    assert code != 0
+    ours = [line for line in out.splitlines() if line.startswith("pretrain_taco.py: ")]
+    assert len(ours) == 1, out[-3000:]
+    pattern = rf"pretrain_taco.py: error: rank 0: rank 1 \(pid {ranks[1].pid}\) has died; \w+ \("
+    assert re.match(pattern, ours[0]), ours[0]
+    assert "Traceback" not in out
