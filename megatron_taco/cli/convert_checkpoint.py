@@ -1,0 +1,314 @@
+"""Re-shard a TACO or SAS checkpoint for another tensor/data-parallel size, ZeRO stage or
+precision, or consolidate it into one full fp32 state dict (taco-convert-checkpoint,
+tools/convert_checkpoint.py).
+
+    python tools/convert_checkpoint.py --load ckpt --save ckpt_tp2 \\
+        --tensor-model-parallel-size 2 --data-parallel-size 4 \\
+        --deepspeed-config ds_configs/zero1_bf16.json
+    python tools/convert_checkpoint.py --load ckpt --consolidate model.safetensors
+
+The new --save directory holds one checkpoint in DeepSpeed's layout for the new sizes,
+optimizer state included (Adam moments, fp32 master weights, step), with the same
+iteration, consumed samples, LR-scheduler position and callback states, so a run started
+with ``--load NEW_DIR`` continues where the old one stopped. RNG states are per rank: they
+are copied only when the layout is unchanged; otherwise resume with ``--no-load-rng``.
+A SAS replacement store found under the old --load is copied along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+from typing import Any
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.training.consolidate import (
+    CheckpointError,
+    CheckpointInfo,
+    ModelBuilder,
+    ModelLayout,
+    TargetLayout,
+    TrainingStates,
+    ds_format,
+    find_checkpoint,
+    read_states,
+    write_states,
+)
+
+PROG = "convert_checkpoint.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False
+    )
+    p.add_argument("--load", required=True, help="Checkpoint directory (a --save of training).")
+    p.add_argument("--ckpt-step", type=int, help="Iteration to convert (default: the latest).")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--save", help="New checkpoint directory (must not hold checkpoints).")
+    out.add_argument(
+        "--consolidate",
+        metavar="FILE",
+        help="Write the full model state dict in float32 to FILE (.safetensors or .pt).",
+    )
+    p.add_argument(
+        "--tensor-model-parallel-size", type=int, help="New size (default: the checkpoint's)."
+    )
+    p.add_argument("--data-parallel-size", type=int, help="New size (default: the checkpoint's).")
+    p.add_argument(
+        "--deepspeed-config",
+        help="The DeepSpeed JSON of the run that will load it: its ZeRO stage (0-2) and "
+        "precision decide the files written (default: the checkpoint's).",
+    )
+    p.add_argument(
+        "--tokenizer-model",
+        help="Tokenizer of the run (default: the one its metadata.json names); only its "
+        "vocabulary size is read, to remove the tensor-parallel vocabulary padding.",
+    )
+    return p
+
+
+def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
+    """(model config with its vocabulary size, builder) from the checkpoint's metadata."""
+    from megatron_taco.data.tokenizer import Tokenizer
+
+    if info.model == "TACO":
+        from megatron_taco.models.taco.config import TacoConfig as config_cls
+        from megatron_taco.models.taco.model import TacoForPretraining as model_cls
+    elif info.model == "SAS":
+        from megatron_taco.models.sas.config import SasConfig as config_cls
+        from megatron_taco.models.sas.model import SasForPretraining as model_cls
+    else:
+        raise CheckpointError(f"{info.iter_dir}/metadata.json: unknown model {info.model!r}")
+    path = tokenizer_model or (info.configs.get("data") or {}).get("tokenizer_model")
+    if not path or not os.path.isfile(path):
+        raise ConfigError(
+            f"--tokenizer-model: {path or 'no tokenizer'} (named by {info.iter_dir}/metadata.json) "
+            "does not exist; give the tokenizer the checkpoint was trained with"
+        )
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    saved = info.configs.get("model") or {}
+    try:
+        config = config_cls(**{k: v for k, v in saved.items() if k in names})
+        config = config.with_vocab_size(Tokenizer(path).vocab_size)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{info.iter_dir}/metadata.json: bad model config ({e})") from None
+
+    def build(parallel, vocab_size: int):
+        # Dropout changes no parameter, and at tp > 1 it would need the RNG tracker.
+        cfg = dataclasses.replace(
+            config.with_vocab_size(vocab_size), hidden_dropout=0.0, attention_dropout=0.0
+        )
+        return model_cls(cfg, parallel)
+
+    return config, build
+
+
+def read_checkpoint(
+    load: str, ckpt_step: int | None = None, tokenizer_model: str | None = None
+) -> tuple[TrainingStates, Any, ModelBuilder]:
+    """(every tensor of the checkpoint merged to full size, model config, builder)."""
+    info = find_checkpoint(load, ckpt_step)
+    config, build = model_builder(info, tokenizer_model)
+    states = read_states(info, ModelLayout(build, info.tp_size, config.vocab_size))
+    return states, config, build
+
+
+def _target_ds_config(info: CheckpointInfo, path: str | None) -> dict[str, Any]:
+    from megatron_taco.training.config import load_deepspeed_json
+
+    saved = dict(info.configs.get("deepspeed") or {})
+    if path is None:
+        return saved
+    new = load_deepspeed_json(path)
+    # The saved key order where keys stay (what DeepSpeed would write for the same JSON).
+    sections = ("zero_optimization", "bf16", "fp16")
+    merged = {k: v for k, v in saved.items() if k not in sections or k in new}
+    merged.update(new)
+    return merged
+
+
+def _target(args, states: TrainingStates, config, build) -> TargetLayout:
+    info = states.info
+    tp = args.tensor_model_parallel_size or info.tp_size
+    dp = args.data_parallel_size or info.dp_size
+    if tp < 1 or dp < 1:
+        raise ConfigError("--tensor-model-parallel-size and --data-parallel-size must be >= 1")
+    config.validate_parallel(tp)
+    ds_config = _target_ds_config(info, args.deepspeed_config)
+    stage, precision = ds_format(ds_config)
+    if args.deepspeed_config is None:
+        stage, precision = info.zero_stage, info.precision
+    layout = ModelLayout(build, tp, config.vocab_size)
+    return TargetLayout(layout, dp, stage, precision, ds_config)
+
+
+def _metadata(states: TrainingStates, target: TargetLayout, args, rng: bool) -> dict[str, Any]:
+    info, tp, dp = states.info, target.layout.tp_size, target.dp_size
+    meta = {k: v for k, v in copy.deepcopy(info.meta).items() if k not in ("files", "checksum")}
+    configs = meta.setdefault("configs", {})
+    configs.setdefault("parallel", {})["tensor_model_parallel_size"] = tp
+    configs["deepspeed"] = target.ds_config
+    if args.deepspeed_config is not None:
+        configs.setdefault("training", {})["deepspeed_config"] = args.deepspeed_config
+    meta.update(world_size=tp * dp, tensor_model_parallel_size=tp, data_parallel_size=dp)
+    meta["rng_states"] = rng
+    meta["converted_from"] = {
+        "load": os.path.abspath(args.load),
+        "iteration": info.iteration,
+        "tensor_model_parallel_size": info.tp_size,
+        "data_parallel_size": info.dp_size,
+        "zero_stage": info.zero_stage,
+        "precision": info.precision,
+    }
+    return meta
+
+
+def _copy_rng(info: CheckpointInfo, target: TargetLayout, tmp: str) -> list[str]:
+    """The RNG files, when every rank keeps its place and they load safely."""
+    from megatron_taco.training.checkpointing import rng_state_path, unsafe_globals
+
+    same = (target.layout.tp_size, target.dp_size) == (info.tp_size, info.dp_size)
+    paths = [rng_state_path(info.iter_dir, r) for r in range(info.tp_size * info.dp_size)]
+    if not same or not all(os.path.isfile(p) and not unsafe_globals(p) for p in paths):
+        return []
+    for path in paths:
+        shutil.copy2(path, tmp)
+    return [os.path.basename(p) for p in paths]
+
+
+def check_save(save: str) -> None:
+    # Never next to other checkpoints: the tracker written last would roll them back.
+    from megatron_taco.training.checkpointing import complete_iterations, tracker_path
+
+    if os.path.exists(tracker_path(save)) or complete_iterations(save):
+        raise ConfigError(f"--save: {save} already holds checkpoints; give a new directory")
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"--save: {save} exists and is not a directory")
+
+
+def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[str, bool]:
+    """Write the converted checkpoint into a temporary directory, then rename it into place
+    and write the tracker, so --save never holds a partial checkpoint. Returns (its
+    directory, whether it holds the RNG states)."""
+    from megatron_taco.training.checkpointing import (
+        _write_metadata,
+        checkpoint_tag,
+        file_checksum,
+        tracker_path,
+    )
+
+    save, tag = args.save, checkpoint_tag(states.info.iteration)
+    check_save(save)
+    os.makedirs(save, exist_ok=True)
+    tmp = os.path.join(save, f"{tag}.tmp-convert-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        rng = _copy_rng(states.info, target, tmp)
+        files = {}
+        for name in write_states(states, target, tmp) + rng:
+            _fsync(os.path.join(tmp, name))
+            size, crc = file_checksum(os.path.join(tmp, name))
+            files[name] = {"bytes": size, "crc32": crc}
+        _write_metadata(tmp, _metadata(states, target, args, rng=bool(rng)), files)
+        _fsync(tmp)
+        os.rename(tmp, os.path.join(save, tag))
+        _fsync(save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _copy_store(args.load, save)
+    tracker = tracker_path(save)
+    with open(f"{tracker}.tmp.{os.getpid()}", "w", encoding="utf-8") as f:
+        f.write(f"{states.info.iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{tracker}.tmp.{os.getpid()}", tracker)
+    return os.path.join(save, tag), bool(rng)
+
+
+def _fsync(path: str) -> None:
+    # On disk before the rename publishes the checkpoint (and the tracker names it).
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_store(load: str, save: str) -> None:
+    # SAS self-augmentation keeps its replacements under --save; they do not depend on the
+    # parallel layout.
+    store = os.path.join(load, "replacement_store")
+    if os.path.isdir(store) and not os.path.exists(os.path.join(save, "replacement_store")):
+        shutil.copytree(store, os.path.join(save, "replacement_store"))
+
+
+def save_consolidated(states: TrainingStates, path: str) -> None:
+    import torch
+
+    state_dict = states.full_state_dict()
+    tmp = f"{path}.tmp.{os.getpid()}"
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        info = states.info
+        meta = {
+            "model": info.model,
+            "iteration": str(info.iteration),
+            "model_config": json.dumps(info.configs.get("model") or {}),
+        }
+        save_file(state_dict, tmp, metadata=meta)
+    else:
+        torch.save(state_dict, tmp)
+    os.replace(tmp, path)
+
+
+def _describe(tp: int, dp: int, stage: int, precision: str) -> str:
+    return f"tp {tp} x dp {dp}, ZeRO {stage} {precision}"
+
+
+def convert(args: argparse.Namespace) -> str:
+    if args.save is not None:
+        check_save(args.save)
+    states, config, build = read_checkpoint(args.load, args.ckpt_step, args.tokenizer_model)
+    info = states.info
+    source = _describe(info.tp_size, info.dp_size, info.zero_stage, info.precision)
+    if args.consolidate:
+        save_consolidated(states, args.consolidate)
+        return (
+            f"{info.iter_dir} ({info.model}, {source}) -> {args.consolidate}: "
+            f"{len(states.families['module'])} full float32 tensors"
+        )
+    target = _target(args, states, config, build)
+    out, rng = save_converted(states, target, args)
+    layout = _describe(target.layout.tp_size, target.dp_size, target.zero_stage, target.precision)
+    return (
+        f"{info.iter_dir} ({info.model}, {source}) -> {out} ({layout}); resume with "
+        f"--load {args.save}{'' if rng else ' --no-load-rng'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        print(convert(args))
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Export a SAS checkpoint (any tensor-parallel size, ZeRO 0-2) to a transformers model
+directory (taco-export-hf, tools/export_hf.py).
+
+    python tools/export_hf.py --load ckpt --output sas_small_hf
+
+SAS / SAS^c -> ELECTRA: config.json + model.safetensors for ElectraForPreTraining (its
+discriminator head is our RTD head: a positive logit means "replaced"); the same file
+holds our MLM head as ELECTRA's generator head, which ElectraForMaskedLM loads.
+SAS^DA -> DeBERTa-v2: config.json + model.safetensors for DebertaV2Model and, with the
+legacy ``cls.predictions`` MLM head, DebertaV2ForMaskedLM; DeBERTa has no RTD head, so ours
+is saved beside them as rtd_head.safetensors (ELECTRA's discriminator_predictions names:
+dense, dense_prediction). Weights are the fp32 master weights where the optimizer kept them.
+
+Tokenizer: tokenizer.json + tokenizer_config.json so that ``AutoTokenizer.from_pretrained``
+loads a fast tokenizer equal to ours (sentencepiece unigram models: same normalisation,
+pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4; it adds [CLS] ... [SEP]), plus
+the sentencepiece model itself as spm.model. TACO checkpoints are refused: transformers
+has no TACO class (taco-convert-checkpoint --consolidate gives their full state dict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.cli.convert_checkpoint import model_builder
+from megatron_taco.training.consolidate import (
+    CheckpointError,
+    ModelLayout,
+    find_checkpoint,
+    read_states,
+)
+
+PROG = "export_hf.py"
+SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# Checked after every export: the exported tokenizer must give our ids for it.
+SAMPLE_TEXT = "The  quick brown fox, «naïve» café-owner, asked [MASK] twice: 42 ﬁsh?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False
+    )
+    p.add_argument("--load", required=True, help="SAS checkpoint directory (a --save).")
+    p.add_argument("--ckpt-step", type=int, help="Iteration to export (default: the latest).")
+    p.add_argument("--output", required=True, help="New directory for the transformers files.")
+    p.add_argument(
+        "--tokenizer-model",
+        help="The run's sentencepiece model (default: the one its metadata.json names).",
+    )
+    return p
+
+
+def hf_tokenizer(spm_path: str):
+    """A tokenizers.Tokenizer that segments like our sentencepiece unigram model: its pieces
+    and scores, its precompiled normalisation, sentencepiece's whitespace handling, the
+    specials as added tokens and [CLS] $A [SEP] ([CLS] $A [SEP] $B [SEP]) on encoding."""
+    import sentencepiece.sentencepiece_model_pb2 as spm_pb2
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, processors
+    from tokenizers import pre_tokenizers as pre
+    from tokenizers.models import Unigram
+
+    proto = spm_pb2.ModelProto()
+    with open(spm_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    if proto.trainer_spec.model_type != spm_pb2.TrainerSpec.UNIGRAM:
+        raise ConfigError(
+            f"--tokenizer-model: {spm_path} is not a unigram model; only unigram "
+            "sentencepiece models are exported as transformers tokenizers"
+        )
+    vocab = [(p.piece, p.score) for p in proto.pieces]
+    tok = Tokenizer(Unigram(vocab, unk_id=proto.trainer_spec.unk_id, byte_fallback=False))
+    # Sentencepiece collapses runs of spaces and drops trailing ones; the specials are matched
+    # after normalisation (normalized=True), so this sees the whole text, as sentencepiece.
+    steps = [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Strip(left=False)]
+    if proto.normalizer_spec.precompiled_charsmap:
+        steps.insert(0, normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap))
+    tok.normalizer = normalizers.Sequence(steps)
+    # "first": only the text's first piece gets the "▁" of sentencepiece's dummy prefix, so
+    # a word glued to a special ("[MASK]x") stays glued, as sentencepiece encodes it. (A text
+    # that starts with a literal special is the one difference: sentencepiece puts a lone
+    # "▁" piece before it.)
+    tok.pre_tokenizer = pre.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.add_special_tokens([AddedToken(p, special=True, normalized=True) for p in SPECIALS])
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    return tok
+
+
+def save_tokenizer(spm_path: str, out: str, max_length: int) -> None:
+    import json
+
+    from megatron_taco.data.tokenizer import Tokenizer
+
+    tok = hf_tokenizer(spm_path)
+    ours = Tokenizer(spm_path)
+    if tok.encode(SAMPLE_TEXT, add_special_tokens=False).ids != ours.encode(SAMPLE_TEXT):
+        raise ConfigError(
+            f"--tokenizer-model: {spm_path} uses a normalisation the exported tokenizer does "
+            "not reproduce (its ids differ from sentencepiece's on a sample text)"
+        )
+    tok.save(os.path.join(out, "tokenizer.json"))
+    config = {
+        # The generic fast tokenizer loads tokenizer.json as it is; DebertaV2Tokenizer would
+        # rebuild it without sentencepiece's normalisation.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        **dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIALS)),
+    }
+    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    shutil.copy(spm_path, os.path.join(out, "spm.model"))
+
+
+def save_model(config, state_dict, out: str) -> list[str]:
+    """config.json + model.safetensors (+ rtd_head.safetensors for SAS^DA)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
+
+    special_ids = {"pad_token_id": 0}
+    if config.disentangled_attention:
+        kwargs, state, rtd = deberta_v2_config_and_state(config, state_dict)
+        hf = transformers.DebertaV2Config(
+            **kwargs, **special_ids, architectures=["DebertaV2ForMaskedLM"]
+        )
+        save_file(rtd, os.path.join(out, "rtd_head.safetensors"), metadata={"format": "pt"})
+    else:
+        kwargs, state = electra_config_and_state(config, state_dict)
+        hf = transformers.ElectraConfig(
+            **kwargs, **special_ids, architectures=["ElectraForPreTraining"]
+        )
+    hf.save_pretrained(out)
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return sorted(os.listdir(out))
+
+
+def export(args: argparse.Namespace) -> str:
+    info = find_checkpoint(args.load, args.ckpt_step)
+    if info.model != "SAS":
+        raise ConfigError(
+            f"--load: {info.iter_dir} is a {info.model} checkpoint; transformers has no "
+            f"{info.model} class to export to (taco-convert-checkpoint --consolidate FILE "
+            "writes its full state dict)"
+        )
+    if os.path.exists(args.output) and os.listdir(args.output):
+        raise ConfigError(f"--output: {args.output} exists and is not empty")
+    config, build = model_builder(info, args.tokenizer_model)
+    states = read_states(info, ModelLayout(build, info.tp_size, config.vocab_size))
+    spm = args.tokenizer_model or info.configs["data"]["tokenizer_model"]
+    tmp = f"{args.output.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        save_tokenizer(spm, tmp, config.max_position_embeddings)
+        files = save_model(config, states.full_state_dict(), tmp)
+        if os.path.isdir(args.output):
+            os.rmdir(args.output)
+        os.rename(tmp, args.output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
+    return f"{info.iter_dir} -> {args.output} as {kind}: {', '.join(files)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        print(export(args))
+    except ImportError as e:
+        print(f"{PROG}: error: needs transformers and safetensors ({e})", file=sys.stderr)
+        return 1
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

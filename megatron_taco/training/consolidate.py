@@ -1,0 +1,731 @@
+"""Checkpoint layouts: merge a checkpoint's tensor-parallel shards into full tensors and
+split full tensors for another tensor/data-parallel size, for any model.
+
+The model is never named here: a ``ModelBuilder`` (``build(parallel, vocab_size)``) builds
+it on the meta device at a given tp size, and the partition attributes the parallel layers
+set (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) say how each
+parameter is split. Vocabulary-parallel parameters (word embeddings, LM-head biases) are
+found by building twice with vocabularies one padding unit apart: only their shapes move.
+Their padding rows are dropped when merging and zero rows appended when splitting.
+
+DeepSpeed's files are read and written for ZeRO stages 0-2 (the per-parameter optimizer of
+stage 0, plain or wrapped with fp32 master weights for bf16/fp16, and the flat data-parallel
+partitions of stages 1-2); fp16 only from fp16, whose loss scale cannot be made up:
+
+    mp_rank_XX_model_states.pt                      module, client state, stage-0 optimizer
+    [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt  stage 1-2 optimizer partition D
+
+Every tensor of a checkpoint is kept by *family*: ``module`` (the module state dict, in the
+dtype it was saved in), ``master`` (fp32 master weights, where the optimizer keeps them) and
+the optimizer moments (``exp_avg``, ``exp_avg_sq``, ...), each a {name: full tensor} dict.
+ZeRO-3 checkpoints (parameters partitioned over data-parallel ranks) are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from itertools import accumulate
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.parallel.layers import merge_partitions, pad_vocab_size, split_partition
+from megatron_taco.parallel.state import ParallelState
+from megatron_taco.training.checkpointing import (
+    METADATA_FILENAME,
+    checkpoint_tag,
+    read_metadata,
+    read_tracker,
+    safe_torch_load,
+    tracker_path,
+    verify_checkpoint,
+)
+
+ModelBuilder = Callable[[ParallelState, int], nn.Module]
+Tensors = dict[str, torch.Tensor]
+
+# The command that converts a checkpoint; error messages name it.
+CONVERTER = "taco-convert-checkpoint"
+_VOCAB_UNIT = 128  # pad_vocab_size's multiple per tp rank
+_MODEL_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be read or written; the message names the file."""
+
+
+# ---------------------------------------------------------------------------------------
+# Which checkpoint, and what it was
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    iter_dir: str
+    iteration: int
+    meta: dict[str, Any]  # metadata.json
+    tp_size: int
+    dp_size: int
+    zero_stage: int
+    precision: str
+
+    @property
+    def model(self) -> str:
+        return str(self.meta.get("model", "TACO"))
+
+    @property
+    def configs(self) -> dict[str, Any]:
+        return self.meta.get("configs") or {}
+
+    def model_file(self, tp_rank: int) -> str:
+        return os.path.join(self.iter_dir, f"mp_rank_{tp_rank:02d}_model_states.pt")
+
+    def zero_file(self, dp_rank: int, tp_rank: int) -> str:
+        prefix = "bf16_" if self.precision == "bf16" else ""
+        name = f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
+        return os.path.join(self.iter_dir, name)
+
+
+def ds_format(ds_config: dict[str, Any] | None) -> tuple[int, str]:
+    """(ZeRO stage, precision) of a DeepSpeed config dict."""
+    ds_config = ds_config or {}
+    zero = ds_config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+    def enabled(key: str) -> bool:
+        section = ds_config.get(key)
+        return isinstance(section, dict) and bool(section.get("enabled", False))
+
+    return stage, "fp16" if enabled("fp16") else "bf16" if enabled("bf16") else "fp32"
+
+
+def find_checkpoint(load_dir: str, ckpt_step: int | None = None) -> CheckpointInfo:
+    """The iteration ``ckpt_step`` of ``load_dir``, or the one its tracker names, verified
+    against its manifest (checkpointing.verify_checkpoint)."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load: {load_dir} is not a directory")
+    iteration = ckpt_step if ckpt_step is not None else read_tracker(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"--load: {tracker_path(load_dir)} does not exist; give --ckpt-step")
+    meta = verify_checkpoint(load_dir, iteration)
+    iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
+    if not isinstance(meta.get("configs", {}), dict):
+        raise CheckpointError(f"{iter_dir}/{METADATA_FILENAME}: 'configs' must be an object")
+    stage, precision = ds_format(meta.get("configs", {}).get("deepspeed"))
+    if glob.glob(os.path.join(iter_dir, "zero_pp_rank_*_model_states.pt")):
+        stage = 3
+    tp = meta.get("tensor_model_parallel_size")
+    if not isinstance(tp, int) or tp < 1:
+        tp = len(glob.glob(os.path.join(iter_dir, "mp_rank_*_model_states.pt")))
+    dp = meta.get("data_parallel_size", 1)
+    return CheckpointInfo(iter_dir, iteration, meta, tp, int(dp), stage, precision)
+
+
+# ---------------------------------------------------------------------------------------
+# Partition layout of a model
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    shape: tuple[int, ...]  # one tensor-parallel rank's shape
+    split: bool  # split over tp ranks (else replicated)
+    dim: int = 0
+    stride: int = 1
+    vocab: bool = False  # rows along ``dim`` are the padded vocabulary
+
+
+def _build_meta(build: ModelBuilder, tp_size: int, vocab_size: int) -> nn.Module:
+    parallel = ParallelState(world_size=tp_size, rank=0, tp_size=tp_size, tp_group=None,
+                             dp_group=None)  # fmt: skip
+    with torch.device("meta"):
+        return build(parallel, vocab_size)
+
+
+class ModelLayout:
+    """How every parameter of a model built at tensor-parallel size ``tp_size`` is split,
+    and the optimizer's parameter groups (names in the order DeepSpeed flattens them)."""
+
+    def __init__(self, build: ModelBuilder, tp_size: int, vocab_size: int) -> None:
+        from megatron_taco.training.optim import split_weight_decay
+
+        self.tp_size, self.vocab_size = tp_size, vocab_size
+        self.padded_vocab_size = pad_vocab_size(vocab_size, tp_size)
+        model = _build_meta(build, tp_size, vocab_size)
+        wider = dict(_build_meta(build, tp_size, vocab_size + _VOCAB_UNIT * tp_size)
+                     .named_parameters())  # fmt: skip
+        self.params: dict[str, ParamLayout] = {}
+        for name, p in model.named_parameters():
+            split = bool(getattr(p, "tensor_model_parallel", False))
+            self.params[name] = ParamLayout(
+                shape=tuple(p.shape),
+                split=split,
+                dim=int(getattr(p, "partition_dim", 0)) if split else 0,
+                stride=int(getattr(p, "partition_stride", 1)) if split else 1,
+                vocab=tuple(wider[name].shape) != tuple(p.shape),
+            )
+        self.groups = [g for g in split_weight_decay(model) if g]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        lay = self.params[name]
+        shape = list(lay.shape)
+        if lay.split:
+            shape[lay.dim] *= self.tp_size
+        if lay.vocab:
+            shape[lay.dim] = self.vocab_size
+        return tuple(shape)
+
+    def merge(self, parts: list[Tensors], what: str) -> Tensors:
+        """Per-rank tensors (params, plus any buffers, taken from rank 0) -> full, unpadded."""
+        if len(parts) != self.tp_size:
+            raise CheckpointError(
+                f"{what}: {len(parts)} tensor-parallel parts, expected {self.tp_size}"
+            )
+        full: Tensors = {}
+        for name, tensor in parts[0].items():
+            lay = self.params.get(name)
+            if lay is None or not lay.split:
+                if lay is not None and tuple(tensor.shape) != lay.shape:
+                    raise CheckpointError(
+                        f"{what}: {name} is {tuple(tensor.shape)}, the model in metadata.json "
+                        f"has {lay.shape}"
+                    )
+                full[name] = tensor
+                continue
+            for rank, part in enumerate(parts):
+                if name not in part or tuple(part[name].shape) != lay.shape:
+                    got = tuple(part[name].shape) if name in part else "missing"
+                    raise CheckpointError(
+                        f"{what}: {name} of tp rank {rank} is {got}, the model in metadata.json "
+                        f"has {lay.shape} at tensor parallel size {self.tp_size}"
+                    )
+            merged = merge_partitions([p[name] for p in parts], lay.dim, lay.stride)
+            full[name] = merged.narrow(lay.dim, 0, self.vocab_size) if lay.vocab else merged
+        return full
+
+    def split(self, full: Tensors) -> list[Tensors]:
+        """Full, unpadded tensors -> one dict per tp rank (vocabulary padded with zeros)."""
+        parts: list[Tensors] = [{} for _ in range(self.tp_size)]
+        for name, tensor in full.items():
+            lay = self.params.get(name)
+            if lay is None or not lay.split:
+                for part in parts:
+                    part[name] = tensor
+                continue
+            if tuple(tensor.shape) != self.full_shape(name):
+                raise CheckpointError(
+                    f"{name} is {tuple(tensor.shape)}, expected {self.full_shape(name)}"
+                )
+            if lay.vocab:
+                pad = list(tensor.shape)
+                pad[lay.dim] = self.padded_vocab_size - self.vocab_size
+                tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=lay.dim)
+            for rank in range(self.tp_size):
+                parts[rank][name] = split_partition(tensor, lay.dim, lay.stride, rank, self.tp_size)
+        return parts
+
+
+# ---------------------------------------------------------------------------------------
+# Reading DeepSpeed's files
+
+
+def load_file(path: str) -> Any:
+    """A checkpoint file, read with weights_only=True (checkpointing.safe_torch_load)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} does not exist")
+    return safe_torch_load(path)
+
+
+@dataclasses.dataclass
+class TrainingStates:
+    """Every tensor of a checkpoint, full (tp-merged, unpadded), by family, plus what
+    DeepSpeed needs to resume: the optimizer's step, hyperparameters and loss-scale state,
+    and the model file's other entries (LR scheduler, step counters, client state)."""
+
+    info: CheckpointInfo
+    families: dict[str, Tensors]  # "module", "master" (if any), moments ("exp_avg", ...)
+    step: Any = None
+    param_groups: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    optimizer_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    client: dict[str, Any] = dataclasses.field(default_factory=dict)
+    zero_template: dict[str, Any] | None = None
+
+    @property
+    def moment_keys(self) -> list[str]:
+        return [k for k in self.families if k not in ("module", "master")]
+
+    def full_state_dict(self) -> Tensors:
+        """The model's full state dict in float32 (fp32 master weights where kept)."""
+        master = self.families.get("master", {})
+        out: Tensors = {}
+        for name, tensor in self.families["module"].items():
+            value = master.get(name, tensor)
+            value = value.float() if value.is_floating_point() else value
+            out[name] = value.detach().contiguous().clone()
+        return out
+
+
+@dataclasses.dataclass
+class _RankStates:
+    families: dict[str, Tensors]
+    step: Any = None
+    param_groups: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    zero_template: dict[str, Any] | None = None
+
+
+def _hyper(groups: list[dict]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _torch_optimizer(sd: Any, layout: ModelLayout, what: str) -> _RankStates:
+    """A torch optimizer state dict (stage 0) -> per-parameter families."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise CheckpointError(f"{what}: the optimizer state is not a torch optimizer state dict")
+    counts = [len(g["params"]) for g in sd["param_groups"]]
+    if counts != [len(names) for names in layout.groups]:
+        raise CheckpointError(
+            f"{what}: optimizer groups hold {counts} parameters, the model in metadata.json "
+            f"{[len(n) for n in layout.groups]}"
+        )
+    out = _RankStates(families={}, param_groups=_hyper(sd["param_groups"]))
+    for group, names in zip(sd["param_groups"], layout.groups):
+        for index, name in zip(group["params"], names):
+            for key, value in sd["state"].get(index, {}).items():
+                if key == "step":
+                    out.step = value
+                elif torch.is_tensor(value) and value.dim() > 0:
+                    out.families.setdefault(key, {})[name] = value
+    # torch keeps no state for a parameter that never had a gradient: its moments are zero.
+    for family in out.families.values():
+        for name, lay in layout.params.items():
+            if name not in family:
+                family[name] = torch.zeros(lay.shape)
+    return out
+
+
+def _stage0(optimizer: Any, layout: ModelLayout, what: str) -> _RankStates:
+    if isinstance(optimizer, dict) and "fp32_groups_flat" in optimizer:
+        raise CheckpointError(
+            f"{what}: DeepSpeed's fused FP16_Optimizer layout (fp32_groups_flat) is not supported"
+        )
+    if not (isinstance(optimizer, dict) and "optimizer_state_dict" in optimizer):
+        return _torch_optimizer(optimizer, layout, what)
+    # bf16/fp16 without ZeRO: fp32 masters per parameter beside the torch state.
+    out = _torch_optimizer(optimizer["optimizer_state_dict"], layout, what)
+    masters = optimizer.get("fp32_groups") or []
+    out.families["master"] = {
+        name: tensor
+        for tensors, names in zip(masters, layout.groups)
+        for name, tensor in zip(names, tensors)
+    }
+    out.extras = {
+        k: v for k, v in optimizer.items() if k not in ("optimizer_state_dict", "fp32_groups")
+    }
+    return out
+
+
+def _unflatten(flat: torch.Tensor, names: list[str], layout: ModelLayout) -> Tensors:
+    out, offset = {}, 0
+    for name in names:
+        shape = layout.params[name].shape
+        n = math.prod(shape)
+        out[name] = flat[offset : offset + n].view(shape).clone()
+        offset += n
+    return out
+
+
+def _zero_group(osds: list[dict], g: int, names: list[str], layout: ModelLayout, what: str):
+    """Group ``g`` of every data-parallel partition -> (master, {moment: tensors}, step)."""
+    # Padding sits only at the end of the flat group: the partitions' real elements,
+    # concatenated in rank order, are the group's parameters back to back.
+    real = [o["single_partition_of_fp32_groups"][g].reshape(-1) for o in osds]
+    numel = sum(math.prod(layout.params[n].shape) for n in names)
+    if sum(r.numel() for r in real) != numel:
+        raise CheckpointError(
+            f"{what}: optimizer group {g} holds {sum(r.numel() for r in real)} elements, the "
+            f"model in metadata.json has {numel}"
+        )
+    states = [
+        o["base_optimizer_state"]["state"][g]
+        if isinstance(o["base_optimizer_state"], dict)
+        else o["base_optimizer_state"][g]
+        for o in osds
+    ]
+    moments, step = {}, states[0].get("step", osds[0].get("base_optimizer_state_step"))
+    for key, value in states[0].items():
+        if key != "step" and torch.is_tensor(value) and value.dim() > 0:
+            flat = torch.cat([s[key].reshape(-1)[: r.numel()] for s, r in zip(states, real)])
+            moments[key] = _unflatten(flat, names, layout)
+    return _unflatten(torch.cat(real), names, layout), moments, step
+
+
+def _zero(info: CheckpointInfo, layout: ModelLayout, tp_rank: int) -> _RankStates:
+    files = [load_file(info.zero_file(d, tp_rank)) for d in range(info.dp_size)]
+    what = info.zero_file(0, tp_rank)
+    osds = [f.get("optimizer_state_dict") if isinstance(f, dict) else None for f in files]
+    if any(not isinstance(o, dict) or "single_partition_of_fp32_groups" not in o for o in osds):
+        raise CheckpointError(
+            f"{what}: not a ZeRO stage 1/2 optimizer partition (DeepSpeed's BF16_Optimizer and "
+            "other layouts are not supported)"
+        )
+    if any(any(p) for o in osds for p in o.get("param_alignment_paddings", [])):
+        raise CheckpointError(f"{what}: ZeRO parameter_alignment padding is not supported")
+    zero = (info.configs.get("deepspeed") or {}).get("zero_optimization") or {}
+    if zero.get("round_robin_gradients"):
+        # The flat groups are then in another order than the parameters'.
+        raise CheckpointError(f"{what}: ZeRO round_robin_gradients is not supported")
+    out = _RankStates(families={"master": {}}, zero_template={})
+    for g, names in enumerate(layout.groups):
+        master, moments, out.step = _zero_group(osds, g, names, layout, what)
+        out.families["master"].update(master)
+        for key, tensors in moments.items():
+            out.families.setdefault(key, {}).update(tensors)
+    base = osds[0]["base_optimizer_state"]
+    out.param_groups = _hyper(base["param_groups"]) if isinstance(base, dict) else []
+    keys = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+    out.extras = {k: osds[0][k] for k in keys if k in osds[0]}
+    # The optimizer state is replaced on writing; the placeholder keeps DeepSpeed's key order.
+    out.zero_template = {**files[0], "optimizer_state_dict": None}
+    return out
+
+
+def _check_model_files(info: CheckpointInfo) -> None:
+    found = sorted(
+        int(m.group(1)) for f in os.listdir(info.iter_dir) if (m := _MODEL_FILE.match(f))
+    )
+    if found != list(range(info.tp_size)):
+        raise CheckpointError(
+            f"{info.iter_dir}: expected DeepSpeed model files mp_rank_00..{info.tp_size - 1:02d} "
+            f"(tensor parallel size {info.tp_size} in metadata.json), found ranks {found}"
+        )
+
+
+def read_states(info: CheckpointInfo, layout: ModelLayout, *, optimizer: bool = True):
+    """Every tensor of the checkpoint, merged over tensor-parallel ranks. ``optimizer=False``
+    reads the model files only (no moments; fp32 masters of stage 0 bf16/fp16 included)."""
+    if info.zero_stage == 3:
+        raise CheckpointError(
+            f"{info.iter_dir}: ZeRO-3 checkpoints partition the parameters themselves and are "
+            "not supported; resume with ZeRO-3 at the same sizes, or train with stage 0-2"
+        )
+    if layout.tp_size != info.tp_size:
+        raise ValueError("the layout must be built at the checkpoint's tensor parallel size")
+    _check_model_files(info)
+    ranks, client = [], {}
+    for r in range(info.tp_size):
+        path = info.model_file(r)
+        sd = load_file(path)
+        if not isinstance(sd, dict) or not isinstance(sd.get("module"), dict):
+            raise CheckpointError(f"{path}: no 'module' state dict in it")
+        if info.zero_stage > 0:
+            rank = _zero(info, layout, r) if optimizer else _RankStates(families={})
+        elif sd.get("optimizer") is not None and (optimizer or info.precision != "fp32"):
+            rank = _stage0(sd["optimizer"], layout, path)
+        else:
+            rank = _RankStates(families={})
+        rank.families["module"] = sd["module"]
+        ranks.append(rank)
+        if r == 0:
+            client = {**sd, "module": None, "optimizer": None}
+    families = {
+        key: layout.merge([rank.families.get(key, {}) for rank in ranks], f"{info.iter_dir}: {key}")
+        for key in ranks[0].families
+    }
+    first = ranks[0]
+    return TrainingStates(info, families, first.step, first.param_groups, first.extras, client,
+                          first.zero_template)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Writing DeepSpeed's files for another layout
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetLayout:
+    layout: ModelLayout  # at the new tensor-parallel size
+    dp_size: int
+    zero_stage: int
+    precision: str
+    ds_config: dict[str, Any]  # stored in the files, as DeepSpeed does
+
+
+def _step(step: Any) -> Any:
+    return step.clone() if torch.is_tensor(step) else step
+
+
+def _module(rank: Tensors, master: Tensors, precision: str) -> Tensors:
+    # Same dtype: the saved tensor as it is (bitwise); another: from the fp32 master.
+    dtype, out = _DTYPES[precision], {}
+    for name, tensor in rank.items():
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = master.get(name, tensor).to(dtype)
+        out[name] = tensor
+    return out
+
+
+def _masters(module: Tensors, master: Tensors, names: list[str]) -> list[torch.Tensor]:
+    return [master[n] if n in master else module[n].float() for n in names]
+
+
+def _torch_state(states: TrainingStates, rank: dict[str, Tensors], groups: list[list[str]]):
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    for names, hyper in zip(groups, states.param_groups):
+        ids = list(range(len(state), len(state) + len(names)))
+        for index, name in zip(ids, names):
+            state[index] = {"step": _step(states.step)}
+            state[index].update({k: rank[k][name] for k in states.moment_keys})
+        param_groups.append({**hyper, "params": ids})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _stage0_optimizer(states: TrainingStates, rank: dict[str, Tensors], target: TargetLayout):
+    groups = target.layout.groups
+    sd = _torch_state(states, rank, groups)
+    if target.precision == "fp32":
+        return sd
+    extras = states.optimizer_extras
+    if "cur_scale" not in extras:  # from fp32 or ZeRO: DeepSpeed's initial, static state
+        extras = {"dynamic_loss_scale": False, "cur_scale": 1.0,
+                  "cur_iter": states.client.get("global_steps", 0)}  # fmt: skip
+    masters = [_masters(rank["module"], rank.get("master", {}), names) for names in groups]
+    return {**extras, "optimizer_state_dict": sd, "fp32_groups": masters}
+
+
+def _partition(flat: torch.Tensor, lo: int, size: int, real: int, pad: bool) -> torch.Tensor:
+    part = flat[lo : min(lo + size, real)].clone() if lo < real else flat[:0].clone()
+    if pad and part.numel() < size:
+        part = torch.cat([part, part.new_zeros(size - part.numel())])
+    return part
+
+
+def _zero_partitions(states, rank: dict[str, Tensors], target: TargetLayout) -> list[dict]:
+    """Per data-parallel rank: the flat group partitions DeepSpeed's ZeRO 1/2 optimizer
+    builds (groups padded at the end to a multiple of 2 x dp, then cut in dp equal parts)."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    dp = target.dp_size
+    parts = [{"fp32": [], "state": {}, "pad": [], "map": []} for _ in range(dp)]
+    for g, names in enumerate(target.layout.groups):
+        master = torch.cat(
+            [t.reshape(-1) for t in _masters(rank["module"], rank.get("master", {}), names)]
+        )
+        moments = {
+            k: torch.cat([rank[k][n].reshape(-1) for n in names]) for k in states.moment_keys
+        }
+        real = master.numel()
+        size = math.ceil(real / (2 * dp)) * 2 * dp // dp
+        offsets = [0, *accumulate(math.prod(target.layout.params[n].shape) for n in names)]
+        for d, part in enumerate(parts):
+            lo = d * size
+            part["fp32"].append(_partition(master, lo, size, real, pad=False))
+            part["pad"].append(size - part["fp32"][-1].numel())
+            part["state"][g] = {"step": _step(states.step)}
+            part["state"][g].update(
+                {k: _partition(v, lo, size, real, pad=True) for k, v in moments.items()}
+            )
+            mapping = OrderedDict()
+            for name, start, end in zip(names, offsets, offsets[1:]):
+                a, b = max(start, lo), min(end, lo + size)
+                if a < b:
+                    mapping[name] = fragment_address(numel=b - a, start=a - lo)
+            part["map"].append(mapping)
+    return parts
+
+
+def _zero_file(states: TrainingStates, part: dict, target: TargetLayout) -> dict[str, Any]:
+    import deepspeed
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    extras = states.optimizer_extras
+    groups = target.layout.groups
+    clip = (states.info.configs.get("training") or {}).get("clip_grad", 0.0)
+    osd = {
+        "loss_scaler": extras.get("loss_scaler", LossScaler(scale=1.0)),
+        "dynamic_loss_scale": extras.get("dynamic_loss_scale", False),
+        "overflow": False,
+        "clip_grad": extras.get("clip_grad", float(clip)),
+        "base_optimizer_state": {
+            "state": part["state"],
+            "param_groups": [{**h, "params": [g]} for g, h in enumerate(states.param_groups)],
+        },
+        "single_partition_of_fp32_groups": part["fp32"],
+        "zero_stage": ZeroStageEnum(target.zero_stage),
+        "group_paddings": part["pad"],
+        "param_alignment_paddings": [[0] * len(names) for names in groups],
+        "partition_count": [target.dp_size] * len(groups),
+        "ds_version": deepspeed.__version__,
+        "param_slice_mappings": part["map"],
+    }
+    template = states.zero_template or {"ds_version": deepspeed.__version__}
+    return {**template, "optimizer_state_dict": osd, "ds_config": target.ds_config}
+
+
+def _model_file(states, module: Tensors, optimizer: Any, target: TargetLayout) -> dict:
+    layout = target.layout
+    shapes = None
+    if target.zero_stage > 0:
+        shapes = [
+            OrderedDict((n, torch.Size(layout.params[n].shape)) for n in names)
+            for names in layout.groups
+        ]
+    return {
+        **states.client,
+        "module": module,
+        "optimizer": optimizer,
+        "param_shapes": shapes,
+        "dp_world_size": target.dp_size,
+        "mp_world_size": layout.tp_size,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": layout.tp_size},
+        "ds_config": target.ds_config,
+    }
+
+
+def check_target(states: TrainingStates, target: TargetLayout) -> None:
+    if target.zero_stage not in (0, 1, 2):
+        raise ConfigError(f"ZeRO stage {target.zero_stage}: only stages 0, 1 and 2 are written")
+    info = states.info
+    same_kind = info.precision == "fp16" and (info.zero_stage > 0) == (target.zero_stage > 0)
+    if target.precision == "fp16" and not same_kind:
+        raise ConfigError(
+            "fp16: the dynamic loss scale cannot be made up; convert into fp16 only from an fp16 "
+            "checkpoint of the same kind (ZeRO 0, or ZeRO 1-2), or into bf16/fp32"
+        )
+    if not states.moment_keys:
+        raise CheckpointError(f"{states.info.iter_dir}: no optimizer states were read")
+
+
+def write_states(states: TrainingStates, target: TargetLayout, iter_dir: str) -> list[str]:
+    """DeepSpeed's files of ``states`` for ``target`` into ``iter_dir``; returns their names."""
+    check_target(states, target)
+    split = {key: target.layout.split(family) for key, family in states.families.items()}
+    written = []
+    for r in range(target.layout.tp_size):
+        rank = {key: parts[r] for key, parts in split.items()}
+        module = _module(rank["module"], rank.get("master", {}), target.precision)
+        optimizer = None
+        if target.zero_stage == 0:
+            optimizer = _stage0_optimizer(states, rank, target)
+        else:
+            for d, part in enumerate(_zero_partitions(states, rank, target)):
+                name = os.path.basename(_target_info(states, target, iter_dir).zero_file(d, r))
+                torch.save(_zero_file(states, part, target), os.path.join(iter_dir, name))
+                written.append(name)
+        name = f"mp_rank_{r:02d}_model_states.pt"
+        torch.save(_model_file(states, module, optimizer, target), os.path.join(iter_dir, name))
+        written.append(name)
+    return written
+
+
+def _target_info(states: TrainingStates, target: TargetLayout, iter_dir: str) -> CheckpointInfo:
+    return dataclasses.replace(
+        states.info,
+        iter_dir=iter_dir,
+        tp_size=target.layout.tp_size,
+        dp_size=target.dp_size,
+        zero_stage=target.zero_stage,
+        precision=target.precision,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Resuming at another layout
+
+
+def _saved_layout(training) -> tuple[str, dict[str, Any]] | None:
+    """(iteration directory, metadata) that --load names, None when it cannot be read (the
+    checkpoint checks report that)."""
+    try:
+        iteration = (
+            training.ckpt_step if training.ckpt_step is not None else read_tracker(training.load)
+        )
+        if iteration is None:
+            return None
+        iter_dir = os.path.join(training.load, checkpoint_tag(iteration))
+        return iter_dir, read_metadata(iter_dir)
+    except (ConfigError, OSError):
+        return None
+
+
+def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: int,
+                        precision: str) -> None:  # fmt: skip
+    """Before any process group: refuse a --load that DeepSpeed cannot restore at this run's
+    layout (tensor/data-parallel sizes, ZeRO stage, precision, world size for the RNG
+    states), with the command that converts the checkpoint. Returns quietly otherwise."""
+    if training.load is None or training.finetune:
+        return
+    found = _saved_layout(training)
+    if found is None:
+        return
+    iter_dir, meta = found
+    dp = world_size // tp_size
+    saved_ds = (meta.get("configs") or {}).get("deepspeed")
+    saved_stage, saved_precision = ds_format(saved_ds)
+    saved_tp = meta.get("tensor_model_parallel_size", tp_size)
+    saved_dp = meta.get("data_parallel_size", dp)
+    ds_json = training.deepspeed_config or "DS_JSON"
+    convert = (
+        f"{CONVERTER} --load {training.load} --ckpt-step {meta.get('iteration', '?')} "
+        f"--save NEW_DIR --tensor-model-parallel-size {tp_size} --data-parallel-size {dp} "
+        f"--deepspeed-config {ds_json}, then --load NEW_DIR"
+        + ("" if (saved_tp, saved_dp) == (tp_size, dp) else " --no-load-rng")
+    )
+    if saved_tp != tp_size:
+        raise ConfigError(
+            f"--tensor-model-parallel-size: {iter_dir} was saved with tensor parallel size "
+            f"{saved_tp}, this run uses {tp_size}; convert it: {convert}"
+        )
+    if 3 in (saved_stage, zero_stage) and (saved_stage, saved_dp) != (zero_stage, dp):
+        raise ConfigError(
+            f"--load: {iter_dir} (ZeRO stage {saved_stage}, data parallel {saved_dp}) cannot be "
+            f"resumed with ZeRO stage {zero_stage} at data parallel {dp}: ZeRO-3 checkpoints "
+            "resume only at their own layout"
+        )
+    # A checkpoint that does not say how it was saved is left to DeepSpeed.
+    if not training.no_load_optim and isinstance(saved_ds, dict):
+        _check_optimizer_layout(iter_dir, (saved_stage, saved_precision, saved_dp),
+                                (zero_stage, precision, dp), convert)  # fmt: skip
+    if not training.no_load_rng:
+        _check_rng_layout(iter_dir, meta, world_size)
+
+
+def _check_optimizer_layout(iter_dir: str, saved: tuple, now: tuple, convert: str) -> None:
+    (saved_stage, saved_precision, saved_dp), (stage, precision, dp) = saved, now
+    if (saved_stage > 0) != (stage > 0) or saved_precision != precision:
+        raise ConfigError(
+            f"--load: {iter_dir} holds the optimizer state of ZeRO stage {saved_stage} in "
+            f"{saved_precision}, which DeepSpeed cannot load into ZeRO stage {stage} in "
+            f"{precision}; convert it: {convert} (or pass --no-load-optim to restart the "
+            "optimizer moments, keeping the LR schedule)"
+        )
+    if stage > 0 and saved_dp != dp:
+        raise ConfigError(
+            f"--load: {iter_dir} was saved at data parallel size {saved_dp} with ZeRO stage "
+            f"{saved_stage}, which partitions the optimizer state over the data-parallel "
+            f"ranks; this run has data parallel size {dp}. Convert it: {convert} (or pass "
+            "--no-load-optim to restart the optimizer moments, keeping the LR schedule)"
+        )
+
+
+def _check_rng_layout(iter_dir: str, meta: dict[str, Any], world_size: int) -> None:
+    if "converted_from" in meta and meta.get("rng_states") is False:
+        raise ConfigError(
+            f"--load: {iter_dir} was written by {CONVERTER} at a new layout and holds no RNG "
+            "states (they are per rank); pass --no-load-rng"
+        )
+    saved = meta.get("world_size", world_size)
+    if saved != world_size:
+        raise ConfigError(
+            f"--load: {iter_dir} holds the RNG states of {saved} ranks, this run has "
+            f"{world_size}; pass --no-load-rng to resume without them"
+        )

@@ -1,0 +1,275 @@
+"""Changing a checkpoint's layout, on checkpoints written by the real training driver with
+real DeepSpeed engines (gloo ranks from run_distributed; dropout off so that runs at
+different layouts compute the same losses):
+
+* taco-convert-checkpoint re-shards TACO (ZeRO-1 fp32, tp 1 x dp 2) and SAS^DA (ZeRO-0
+  bf16) to tp 2 and back: every tensor of every DeepSpeed file comes back bitwise;
+* a tp=2 run resumed from the converted TACO checkpoint logs the losses, learning rates
+  and gradient norms of the original tp=1 run;
+* resuming at another data-parallel size is refused before any process group (ZeRO >= 1,
+  naming the converter) or works (ZeRO-0); --no-load-optim keeps the LR schedule;
+* --consolidate writes one full fp32 state dict that a tp=1 model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.cli.convert_checkpoint import main as convert_main
+from megatron_taco.cli.convert_checkpoint import read_checkpoint
+from megatron_taco.training.consolidate import ModelLayout, load_file
+from tests.helpers import TACO_METRIC_KEYS, run, run_distributed, train_records
+
+pytestmark = pytest.mark.e2e
+
+
+def pretrain(rank: int, world: int, module: str, argv: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(f"megatron_taco.cli.{module}").main(argv)
+
+
+def train_args(dataset, save: Path, *extra: str) -> list[str]:
+    return [
+        "--model-size", "tiny", "--seq-length", "64",
+        "--data-path", dataset["prefix"], "--tokenizer-model", dataset["tokenizer"],
+        "--data-cache-path", str(dataset["dir"] / "cache"), "--split", "80,10,10",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
+        "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--save", str(save), "--save-interval", "2", *extra,
+    ]  # fmt: skip
+
+
+def train(module: str, world: int, argv: list[str]) -> None:
+    assert run_distributed(pretrain, world, module, argv, timeout=240) == [0] * world
+
+
+TACO = ("--deepspeed-config", "ds_configs/zero1_fp32.json")
+SAS_DA = ("--disentangled-attention", "--deepspeed-config", "ds_configs/zero0_bf16.json")
+
+
+@pytest.fixture(scope="module")
+def taco_run(botchan_dataset, tmp_path_factory) -> Path:
+    """TACO at tp 1 x dp 2, ZeRO-1 fp32, 4 iterations, checkpoints at 2 and 4."""
+    save = tmp_path_factory.mktemp("taco") / "run"
+    train("pretrain_taco", 2, train_args(botchan_dataset, save, *TACO))
+    return save
+
+
+@pytest.fixture(scope="module")
+def sas_da_run(botchan_dataset, tmp_path_factory) -> Path:
+    """SAS^DA at tp 1 x dp 1, ZeRO-0 bf16, 4 iterations, checkpoints at 2 and 4."""
+    save = tmp_path_factory.mktemp("sas_da") / "run"
+    train("pretrain_sas", 1, train_args(botchan_dataset, save, *SAS_DA))
+    return save
+
+
+@pytest.fixture(scope="module")
+def taco_tp2(taco_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("taco_tp2") / "ckpt"
+    args = ["--load", str(taco_run), "--ckpt-step", "2", "--save", str(out),
+            "--tensor-model-parallel-size", "2", "--data-parallel-size", "1"]  # fmt: skip
+    assert convert_main(args) == 0
+    return out
+
+
+def assert_same(a, b, where: str) -> None:
+    """Equal structure, equal non-tensor values, bitwise-equal tensors of the same dtype."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (where, sorted(set(a) ^ set(b)))
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert type(a) is type(b) and vars(a) == vars(b), where  # DeepSpeed's LossScaler
+    else:
+        assert a == b, (where, a, b)
+
+
+def assert_same_checkpoint(original: Path, copy: Path) -> None:
+    names = sorted(p.name for p in original.glob("*.pt") if not p.name.startswith("rng_state"))
+    assert names == sorted(p.name for p in copy.glob("*.pt")), names
+    for name in names:
+        assert_same(load_file(str(original / name)), load_file(str(copy / name)), name)
+
+
+def round_trip(load: Path, tmp_path: Path, there: tuple, back: tuple) -> Path:
+    """tp 1 -> 2 (with ``there``'s flags) -> 1 (with ``back``'s)."""
+    mid, out = tmp_path / "tp2", tmp_path / "tp1"
+    tp = ["--ckpt-step", "2", "--tensor-model-parallel-size"]
+    assert convert_main(["--load", str(load), "--save", str(mid), *tp, "2", *there]) == 0
+    files = sorted(os.listdir(mid / "iter_0000002"))
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(files)
+    assert convert_main(["--load", str(mid), "--save", str(out), *tp, "1", *back]) == 0
+    meta = json.loads((out / "iter_0000002" / "metadata.json").read_text())
+    assert meta["tensor_model_parallel_size"] == 1 and meta["converted_from"]["load"] == str(mid)
+    return out
+
+
+def test_taco_zero1_tp1_to_tp2_to_tp1_is_bitwise(taco_run, tmp_path):
+    # dp 2 -> 1 -> 2 on the way: ZeRO's partitions are rebuilt too.
+    back = round_trip(taco_run, tmp_path, ("--data-parallel-size", "1"),
+                      ("--data-parallel-size", "2"))  # fmt: skip
+    assert_same_checkpoint(taco_run / "iter_0000002", back / "iter_0000002")
+
+
+def test_sas_da_zero0_bf16_tp1_to_tp2_to_tp1_is_bitwise(sas_da_run, tmp_path):
+    # Through ZeRO-2 at dp 3 (uneven partitions, padding) and back to ZeRO-0 at dp 1.
+    zero2 = ("--deepspeed-config", "ds_configs/zero2_bf16.json", "--data-parallel-size", "3")
+    zero0 = ("--deepspeed-config", "ds_configs/zero0_bf16.json", "--data-parallel-size", "1")
+    back = round_trip(sas_da_run, tmp_path, zero2, zero0)
+    assert len(list((tmp_path / "tp2" / "iter_0000002").glob("bf16_zero_pp_rank_*"))) == 6
+    assert_same_checkpoint(sas_da_run / "iter_0000002", back / "iter_0000002")
+    # The SAS replacement store travels with the checkpoint.
+    assert (back / "replacement_store").is_dir()
+
+
+def test_tp2_resumed_from_converted_checkpoint_logs_the_same_losses(
+    botchan_dataset, taco_run, taco_tp2, tmp_path
+):
+    resumed = tmp_path / "resumed"
+    argv = train_args(botchan_dataset, resumed, *TACO, "--tensor-model-parallel-size", "2",
+                      "--load", str(taco_tp2), "--no-load-rng")  # fmt: skip
+    train("pretrain_taco", 2, argv)
+    full, ours = train_records(taco_run / "metrics.jsonl"), train_records(resumed / "metrics.jsonl")
+    assert sorted(ours) == [3, 4]
+    for it in (3, 4):
+        assert ours[it]["lr"] == full[it]["lr"] > 0
+        # tp=2 sums partial products in another order than tp=1: equal to float tolerance.
+        for key in (*TACO_METRIC_KEYS, "grad_norm"):
+            assert ours[it][key] == pytest.approx(full[it][key], rel=1e-5, abs=1e-6), (it, key)
+
+
+def test_sas_da_converted_to_zero2_at_tp2_resumes_with_the_same_losses(
+    botchan_dataset, sas_da_run, tmp_path
+):
+    out, resumed = tmp_path / "zero2_tp2", tmp_path / "resumed"
+    zero2 = ("--deepspeed-config", "ds_configs/zero2_bf16.json")
+    assert convert_main(["--load", str(sas_da_run), "--ckpt-step", "2", "--save", str(out),
+                         "--tensor-model-parallel-size", "2", *zero2]) == 0  # fmt: skip
+    argv = train_args(botchan_dataset, resumed, "--disentangled-attention", *zero2,
+                      "--tensor-model-parallel-size", "2", "--load", str(out), "--no-load-rng")  # fmt: skip
+    train("pretrain_sas", 2, argv)
+    full, ours = (
+        train_records(sas_da_run / "metrics.jsonl"),
+        train_records(resumed / "metrics.jsonl"),
+    )
+    for it in (3, 4):
+        assert ours[it]["lr"] == full[it]["lr"]
+        assert ours[it]["loss"] == pytest.approx(full[it]["loss"], rel=1e-3), it
+
+
+def configs(dataset, save: Path, world: int, *extra: str):
+    from megatron_taco.cli.pretrain_taco import SPEC
+
+    args = SPEC.build_parser().parse_args(train_args(dataset, save, *extra))
+    return SPEC.configs_from_args(args, world_size=world, device_type="cpu")
+
+
+def test_data_parallel_change_is_refused_before_rendezvous_or_converted(
+    botchan_dataset, taco_run, tmp_path
+):
+    # ZeRO-1 partitions the optimizer state over the 2 data-parallel ranks of the save.
+    with pytest.raises(ConfigError) as error:
+        configs(
+            botchan_dataset, tmp_path / "new", 1, *TACO, "--load", str(taco_run), "--no-load-rng"
+        )
+    message = str(error.value)
+    assert "data parallel size 2 with ZeRO stage 1" in message and "\n" not in message
+    assert f"taco-convert-checkpoint --load {taco_run} --ckpt-step 4" in message
+    assert "--data-parallel-size 1" in message
+    # --no-load-optim needs no optimizer state; or convert it, as the message says.
+    configs(botchan_dataset, tmp_path / "new", 1, *TACO, "--load", str(taco_run), "--no-load-rng",
+            "--no-load-optim")  # fmt: skip
+    out = tmp_path / "dp1"
+    assert convert_main(["--load", str(taco_run), "--save", str(out),
+                         "--data-parallel-size", "1"]) == 0  # fmt: skip
+    configs(botchan_dataset, tmp_path / "new", 1, *TACO, "--load", str(out), "--no-load-rng")
+    with pytest.raises(ConfigError, match="holds no RNG states"):
+        configs(botchan_dataset, tmp_path / "new", 1, *TACO, "--load", str(out))
+
+
+def test_zero0_resumes_at_another_data_parallel_size(botchan_dataset, sas_da_run, tmp_path):
+    # Stage 0 keeps the whole optimizer state on every rank: DeepSpeed loads it at dp 2.
+    resumed = tmp_path / "resumed"
+    argv = train_args(botchan_dataset, resumed, *SAS_DA, "--load", str(sas_da_run),
+                      "--ckpt-step", "2", "--no-load-rng")  # fmt: skip
+    train("pretrain_sas", 2, argv)
+    full, ours = (
+        train_records(sas_da_run / "metrics.jsonl"),
+        train_records(resumed / "metrics.jsonl"),
+    )
+    for it in (3, 4):
+        assert ours[it]["lr"] == full[it]["lr"]
+        assert ours[it]["loss"] == pytest.approx(full[it]["loss"], rel=1e-4), it
+
+
+def test_no_load_optim_keeps_the_lr_schedule(botchan_dataset, sas_da_run, tmp_path):
+    resumed = tmp_path / "resumed"
+    argv = train_args(botchan_dataset, resumed, *SAS_DA, "--load", str(sas_da_run),
+                      "--ckpt-step", "2", "--no-load-optim")  # fmt: skip
+    train("pretrain_sas", 1, argv)
+    full, ours = (
+        train_records(sas_da_run / "metrics.jsonl"),
+        train_records(resumed / "metrics.jsonl"),
+    )
+    assert sorted(ours) == [3, 4]
+    # Warmup is 1 iteration: a restarted schedule would run iteration 3 at lr 0.
+    assert ours[3]["lr"] == full[3]["lr"] > 0
+    assert ours[3]["loss"] == full[3]["loss"]  # same weights, same batch
+
+
+def test_consolidate_writes_one_full_fp32_state_dict(taco_tp2, tmp_path):
+    from safetensors.torch import load_file as load_safetensors
+
+    from megatron_taco.parallel.state import single_process_state
+
+    out = tmp_path / "taco.safetensors"
+    assert convert_main(["--load", str(taco_tp2), "--consolidate", str(out)]) == 0
+    full = load_safetensors(str(out))
+    assert full["taco.embeddings.word_embeddings.weight"].shape == (800, 48)  # padding gone
+    assert all(t.dtype == torch.float32 for t in full.values())
+    states, config, build = read_checkpoint(str(taco_tp2))
+    (padded,) = ModelLayout(build, 1, config.vocab_size).split(full)
+    model = build(single_process_state(), config.vocab_size)
+    model.load_state_dict(padded, strict=True)
+    pt = tmp_path / "taco.pt"
+    res = run([sys.executable, "tools/convert_checkpoint.py", "--load", str(taco_tp2),
+               "--consolidate", str(pt)])  # fmt: skip
+    assert "-> " in res.stdout
+    again = torch.load(pt, weights_only=True)
+    assert sorted(again) == sorted(full) and all(torch.equal(again[k], full[k]) for k in full)
+
+
+def test_bad_requests_are_one_line(taco_run, tmp_path, capsys):
+    assert convert_main(["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "x")]) == 1
+    # Tiny TACO has 2 word-stream heads: tensor parallel 3 cannot split them.
+    bad = [
+        "--load",
+        str(taco_run),
+        "--save",
+        str(tmp_path / "y"),
+        "--tensor-model-parallel-size",
+        "3",
+    ]
+    assert convert_main(bad) == 2
+    assert convert_main(["--load", str(taco_run), "--save", str(taco_run)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 3, errors
+    assert "is not a directory" in errors[0]
+    assert "3" in errors[1] and "divisible" in errors[1]
+    assert "already holds checkpoints" in errors[2]
