@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -33,13 +34,28 @@ def accelerator_name() -> str:
     return get_accelerator().device_name()
 
 
+# What mpirun/mpiexec set for every rank (Open MPI; MPICH's and Intel MPI's Hydra; MVAPICH2).
+# Such ranks have no WORLD_SIZE/RANK: they learn them from MPI itself (_mpi_discovery).
+_MPI_WORLD_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _mpi_world_size_env() -> tuple[str, str] | None:
+    for key in _MPI_WORLD_SIZE_ENV:
+        if key in os.environ:
+            return key, os.environ[key]
+    return None
+
+
 def launcher_world_size() -> int:
-    """World size announced by the launcher (deepspeed, torchrun), 1 for plain python."""
-    value = os.environ.get("WORLD_SIZE", "1")
+    """World size announced by the launcher (deepspeed, torchrun, srun wrapper, mpirun), 1 for
+    plain python. Read from the environment only: it sizes the configs before rendezvous."""
+    key, value = "WORLD_SIZE", os.environ.get("WORLD_SIZE")
+    if value is None:
+        key, value = _mpi_world_size_env() or ("WORLD_SIZE", "1")
     try:
         return int(value)
     except ValueError:
-        raise RuntimeError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
+        raise RuntimeError(f"environment variable {key}={value!r} is not an integer") from None
 
 
 def _free_port() -> int:
@@ -48,9 +64,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tp_size: int) -> ParallelState:
-    """Initialise torch.distributed (env://, as set by the launchers) and the TP/DP groups."""
+def _mpi_discovery() -> None:
+    """Ranks started by mpirun (``mpirun -np 2 python pretrain_taco.py``, or ``deepspeed
+    --launcher openmpi``, which sets nothing else) get RANK, WORLD_SIZE, LOCAL_RANK and
+    MASTER_ADDR (rank 0's first ``hostname -I`` address) from DeepSpeed's MPI discovery
+    over mpi4py. MASTER_ADDR/MASTER_PORT passed through mpirun (-x, -genv) win."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise RuntimeError(
+            f"started by an MPI launcher ({_mpi_world_size_env()[0]} is set) but mpi4py is not "
+            "installed: pip install mpi4py (requirements/cpu.txt pins it)"
+        ) from None
+    from deepspeed.comm.comm import mpi_discovery
+
+    master_addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        # DeepSpeed's fixed default (29500) collides with any other job on the node: rank 0,
+        # which hosts the rendezvous store, picks a free port and tells the others.
+        comm = MPI.COMM_WORLD
+        port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None, root=0)
+    mpi_discovery(distributed_port=int(port), verbose=False)
+    if master_addr is not None:
+        os.environ["MASTER_ADDR"] = master_addr
+
+
+def init_distributed(tp_size: int, timeout: timedelta | None = None) -> ParallelState:
+    """Initialise torch.distributed (env://, as set by the launchers) and the TP/DP groups;
+    ``timeout`` bounds the rendezvous and every collective of every group."""
     if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ and _mpi_world_size_env() is not None:
+            _mpi_discovery()
         if "WORLD_SIZE" not in os.environ:
             # Plain `python pretrain_taco.py`: a one-process world on a free local port.
             os.environ.update(
@@ -64,15 +109,22 @@ def init_distributed(tp_size: int) -> ParallelState:
         if missing:
             raise RuntimeError(
                 f"WORLD_SIZE is set but {', '.join(missing)} is not: start with the deepspeed "
-                "or torchrun launcher, or plain python for one process"
+                "or torchrun launcher, mpirun, or plain python for one process"
             )
         backend = "gloo"
         if accelerator_name() == "cuda":
             # One GPU per process; nccl needs it chosen before the first collective.
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             backend = "nccl"
-        dist.init_process_group(backend=backend, init_method="env://")
-    return init_parallel(tp_size)
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    parallel = init_parallel(tp_size)
+    if timeout is not None:
+        # new_group() gives subgroups torch's global default (30 min for gloo), not the
+        # default group's timeout.
+        for group in (parallel.tp_group, parallel.dp_group):
+            if group is not None:
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return parallel
 
 
 def destroy_distributed(parallel: ParallelState | None) -> None:

@@ -28,12 +28,21 @@ from megatron_taco.data.sampler import PretrainingSampler
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
 from megatron_taco.training.callbacks import Callback, CallbackList
-from megatron_taco.training.checkpointing import TrainingState, save_checkpoint
+from megatron_taco.training.checkpointing import RunError, TrainingState, save_checkpoint
 from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.engine import Engine, gradient_norm, to_device
 from megatron_taco.training.logging import TrainingLogger
+from megatron_taco.training.signals import ExitMonitor
 
 COUNT_SUFFIX = "_tokens"
+
+
+class NonFiniteLossError(RunError):
+    pass
+
+
+def is_loss_key(key: str) -> bool:
+    return key == "loss" or key.endswith("_loss")
 
 
 @dataclass
@@ -122,6 +131,8 @@ class Trainer:
         num_workers: int = 0,
         rng_tracker: RNGTracker | None = None,
         checkpoint_metadata: dict[str, Any] | None = None,
+        save_retain: int | None = None,
+        exit_monitor: ExitMonitor | None = None,
     ) -> None:
         self.engine = engine
         self.ds = engine.engine
@@ -133,6 +144,8 @@ class Trainer:
         self.num_workers = num_workers
         self.rng_tracker = rng_tracker
         self.checkpoint_metadata = checkpoint_metadata
+        self.save_retain = save_retain
+        self.exit_monitor = exit_monitor
         self.global_batch_size = engine.settings.global_batch_size
         self.grad_accum_steps = engine.settings.grad_accum_steps
         self.last_saved_iteration: int | None = None
@@ -170,6 +183,7 @@ class Trainer:
             # masks and break exact resumption. The batches themselves do not depend on it:
             # masking is seeded from (seed, sample index).
             generator=torch.Generator().manual_seed(self.seed),
+            worker_init_fn=self.exit_monitor.worker_init_fn if self.exit_monitor else None,
         )
         return iter(loader)
 
@@ -207,6 +221,28 @@ class Trainer:
         norm = float(norm.item() if torch.is_tensor(norm) else norm)
         return lr, skipped, norm if math.isfinite(norm) else None
 
+    def _check_finite(self, iteration: int, acc: MetricAccumulator) -> None:
+        """fp32/bf16: stop at the first non-finite loss, before a save can keep the weights it
+        produced (fp16 overflows are DeepSpeed's skipped steps instead). The losses summed so
+        far in this log interval were finite, so this iteration's is not. Every rank learns
+        which loss failed on any rank (one all-reduce), so all of them stop together."""
+        if self.engine.settings.precision == "fp16":
+            return
+        keys = sorted(k for k in acc.sums if is_loss_key(k))
+        if not keys:
+            return
+        bad = (~torch.isfinite(torch.stack([acc.sums[k] for k in keys]))).to(torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        names = [k for k, b in zip(keys, bad.tolist()) if b]
+        if names:
+            raise NonFiniteLossError(
+                f"iteration {iteration}: non-finite {', '.join(names)} in "
+                f"{self.engine.settings.precision} training; stopped without saving it (the "
+                "last checkpoint is untouched): lower --lr, check the data, or resume from the "
+                "last checkpoint"
+            )
+
     # -- evaluation ---------------------------------------------------------------------
 
     def evaluate(self, split: str, dataset, iteration: int) -> dict[str, float]:
@@ -242,7 +278,13 @@ class Trainer:
             "callbacks": self.callbacks.state_dict(),
         }
         path = save_checkpoint(
-            self.ds, self.training.save, state, self.parallel, self.rng_tracker, metadata=metadata
+            self.ds,
+            self.training.save,
+            state,
+            self.parallel,
+            self.rng_tracker,
+            metadata=metadata,
+            retain=self.save_retain,
         )
         self.last_saved_iteration = state.iteration
         self.logger.print(
@@ -292,6 +334,7 @@ class Trainer:
         while state.iteration < t.train_iters:
             start = time.perf_counter()
             lr, skipped, norm = self.train_step(data_iter, interval.acc, state)
+            self._check_finite(state.iteration + 1, interval.acc)
             self._sync()
             interval.add(time.perf_counter() - start, skipped, norm)
             state.iteration += 1
@@ -319,6 +362,13 @@ class Trainer:
                 self.save(state)
             if t.exit_interval is not None and state.iteration % t.exit_interval == 0:
                 self.logger.print(f" exiting at iteration {state.iteration} (--exit-interval)")
+                self.save(state)
+                return state
+            # One small all-reduce per iteration: every rank stops at the same iteration.
+            stop = self.exit_monitor.should_exit(self.ds.device) if self.exit_monitor else None
+            if stop is not None:
+                saving = "; saving a checkpoint" if t.save is not None else ""
+                self.logger.print(f" exiting at iteration {state.iteration}: {stop}{saving}")
                 self.save(state)
                 return state
             if epoch_ended and state.iteration < t.train_iters:

@@ -29,10 +29,20 @@ from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_f
 from megatron_taco.data.config import DataConfig
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.training.callbacks import Callback
+from megatron_taco.training.checkpointing import CheckpointConfig, RunError, prepare_checkpoints
 from megatron_taco.training.config import (
     DeepSpeedSettings,
     TrainingConfig,
     resolve_deepspeed_config,
+)
+from megatron_taco.training.consolidate import check_resume_layout
+from megatron_taco.training.signals import (
+    ExitConfig,
+    ExitMonitor,
+    PeerFailure,
+    describe_peer_failure,
+    gather_peers,
+    is_peer_failure,
 )
 
 logger = logging.getLogger("megatron_taco.pretrain")
@@ -48,6 +58,10 @@ class PretrainConfigs:
     deepspeed: DeepSpeedSettings
     world_size: int
     device_type: str
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # The checkpoint --load restores, chosen and verified before any process group existed.
+    load_iteration: int | None = None
+    exit: ExitConfig = field(default_factory=ExitConfig)
 
     @property
     def data_parallel_size(self) -> int:
@@ -60,6 +74,8 @@ class PretrainConfigs:
             "data": dataclasses.asdict(self.data),
             **{name: dataclasses.asdict(cfg) for name, cfg in self.task.items()},
             "training": dataclasses.asdict(self.training),
+            "checkpoint": dataclasses.asdict(self.checkpoint),
+            "exit": dataclasses.asdict(self.exit),
             "deepspeed": self.deepspeed.config,
         }
 
@@ -115,19 +131,24 @@ class ModelSpec:
         for _name, cls, title in self.task_configs:
             add_dataclass_args(parser, cls, title)
         TrainingConfig.add_args(parser)
+        add_dataclass_args(parser, CheckpointConfig, "checkpoints")
+        add_dataclass_args(parser, ExitConfig, "preemption, time limits and failures")
         add_launcher_compat_args(parser)
         return parser
 
     def configs_from_args(
         self, args: argparse.Namespace, *, world_size: int, device_type: str
     ) -> PretrainConfigs:
-        """Build and cross-check every config; reads the DeepSpeed JSON and checks that the
-        data, tokenizer and JSON files exist. No process-group work."""
+        """Build and cross-check every config; reads the DeepSpeed JSON, checks that the
+        data, tokenizer and JSON files exist and the datasets open, creates and test-writes
+        --save, and verifies the checkpoint --load restores. No process-group work."""
         parallel = dataclass_from_args(ParallelConfig, args)
         model = self.model_config.from_args(args)
         data = dataclass_from_args(DataConfig, args)
         task = {name: dataclass_from_args(cls, args) for name, cls, _ in self.task_configs}
         training = TrainingConfig.from_args(args)
+        checkpoint = dataclass_from_args(CheckpointConfig, args)
+        exit_config = dataclass_from_args(ExitConfig, args)
         tp = parallel.tensor_model_parallel_size
         check_world_size(world_size, tp)
         model.validate_parallel(tp)
@@ -142,6 +163,21 @@ class ModelSpec:
             )
         deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
         data.validate_files()
+        _open_datasets(data)
+        check_resume_layout(
+            training,
+            world_size=world_size,
+            tp_size=tp,
+            zero_stage=deepspeed.zero_stage,
+            precision=deepspeed.precision,
+        )
+        load_iteration = prepare_checkpoints(
+            training,
+            checkpoint,
+            tp_size=tp,
+            ds_config=deepspeed.config,
+            zero_stage=deepspeed.zero_stage,
+        )
         configs = PretrainConfigs(
             parallel=parallel,
             model=model,
@@ -151,6 +187,9 @@ class ModelSpec:
             deepspeed=deepspeed,
             world_size=world_size,
             device_type=device_type,
+            checkpoint=checkpoint,
+            load_iteration=load_iteration,
+            exit=exit_config,
         )
         self.check(configs)
         return configs
@@ -175,6 +214,24 @@ class ModelSpec:
         except ConfigError as e:
             print(f"{self.prog}: error: {e}", file=sys.stderr)
             return 2
+        except RunError as e:  # a failed save, a diverged loss: one line, no traceback
+            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            return 1
+        except PeerFailure as e:  # another rank died or hung: one line, no traceback
+            print(f"{self.prog}: error: {e}", file=sys.stderr, flush=True)
+            return 1
+
+
+def _open_datasets(data: DataConfig) -> None:
+    """Open every --data-path dataset once: a truncated or corrupt .idx/.bin is one line now
+    instead of a traceback after the rendezvous."""
+    from megatron_taco.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+
+    for prefix in data.prefixes:
+        try:
+            IndexedDataset(prefix)
+        except IndexedDatasetError as e:
+            raise ConfigError(f"--data-path: {e}") from None
 
 
 def add_launcher_compat_args(parser: argparse.ArgumentParser) -> None:
@@ -259,9 +316,18 @@ def _seed_everything(seed: int, parallel):
     return model_parallel_seed(seed, parallel)
 
 
-def _load(engine, t: TrainingConfig, parallel, rng_tracker):
+def _keep_lr_schedule(engine) -> None:
+    # Without the optimizer DeepSpeed restores its step counters but not the LR scheduler:
+    # continue the schedule at the checkpoint's optimizer step instead of restarting it.
+    ds = engine.engine
+    engine.scheduler.last_epoch = ds.global_steps - ds.skipped_steps
+    engine.scheduler.apply()
+
+
+def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
     from megatron_taco.training.checkpointing import TrainingState, load_checkpoint
 
+    t = cfg.training
     if t.load is None:
         return TrainingState(), "starting from scratch"
     loaded = load_checkpoint(
@@ -269,7 +335,7 @@ def _load(engine, t: TrainingConfig, parallel, rng_tracker):
         t.load,
         parallel,
         rng_tracker,
-        ckpt_step=t.ckpt_step,
+        ckpt_step=cfg.load_iteration if cfg.load_iteration is not None else t.ckpt_step,
         load_optim=not t.no_load_optim,
         load_rng=not t.no_load_rng,
         finetune=t.finetune,
@@ -278,6 +344,8 @@ def _load(engine, t: TrainingConfig, parallel, rng_tracker):
         return TrainingState(), "starting from scratch"
     if t.finetune:
         return loaded, f"fine-tuning from {t.load}"
+    if t.no_load_optim:
+        _keep_lr_schedule(engine)
     return loaded, (
         f"resumed from {t.load} at iteration {loaded.iteration} "
         f"({loaded.consumed_samples} samples consumed)"
@@ -285,6 +353,9 @@ def _load(engine, t: TrainingConfig, parallel, rng_tracker):
 
 
 def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
+    # Before the heavy imports: a signal during start-up stops the run after its first iteration.
+    monitor = ExitMonitor(cfg.exit)
+    monitor.install()
     # Heavy imports after validation: --help and config errors stay fast.
     import deepspeed  # noqa: F401  (creates DeepSpeed's logger, tuned below)
     import torch
@@ -305,8 +376,12 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t = cfg.training
     parallel = train_logger = None
+    peers = []
     try:
-        parallel = init_distributed(cfg.parallel.tensor_model_parallel_size)
+        parallel = init_distributed(
+            cfg.parallel.tensor_model_parallel_size, timeout=cfg.exit.distributed_timeout
+        )
+        peers = gather_peers()
         if parallel.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         seed = cfg.data.seed
@@ -328,7 +403,7 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
         parameters = count_parameters(parts.model, parallel)
         norms = norm_implementations(parts.model)
         engine = initialize_engine(parts.model, t, cfg.deepspeed, parallel)
-        state, resumed = _load(engine, t, parallel, rng_tracker)
+        state, resumed = _load(engine, cfg, parallel, rng_tracker)
         train_logger = TrainingLogger(
             rank=parallel.rank,
             train_iters=t.train_iters,
@@ -369,6 +444,8 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
             num_workers=cfg.data.num_workers,
             rng_tracker=rng_tracker,
             checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict()},
+            save_retain=cfg.checkpoint.save_retain,
+            exit_monitor=monitor,
         )
         trainer.train(state)
         train_logger.close()
@@ -380,7 +457,13 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         return 0
+    except Exception as error:
+        if not peers or not is_peer_failure(error):
+            raise
+        timeout = cfg.exit.distributed_timeout_minutes
+        raise PeerFailure(describe_peer_failure(error, parallel.rank, peers, timeout)) from None
     finally:
+        monitor.uninstall()
         if train_logger is not None:
             train_logger.close()
         destroy_distributed(parallel)
