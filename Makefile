@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo lint format clean bench
+.PHONY: venv system-deps test demo lint format clean bench
 
 venv: $(STAMP)
 
@@ -25,7 +25,19 @@ $(STAMP): requirements/cpu.txt requirements/dev.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-test: venv
+# SLURM and munge (Debian's slurm-wlm, munge) for tests/e2e/test_slurm.py, which starts a
+# one-node cluster of its own. Installed as root where apt-get exists and they are missing;
+# elsewhere that test skips and says why.
+system-deps:
+	@export PATH="$$PATH:/usr/sbin:/sbin"; \
+	if command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
+	    && command -v munged >/dev/null && command -v sbatch >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	        apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null; \
+	else echo "system-deps: no slurm-wlm/munge and no root apt-get: the SLURM tests will skip"; fi
+
+test: venv system-deps
 	$(PY) -m pytest -q tests
 
 demo: venv
