@@ -21,13 +21,12 @@ import argparse
 import copy
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import sys
 from typing import Any
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.arguments import ConfigError, run_cli
 from megatron_taco.training.consolidate import (
     CheckpointError,
     CheckpointInfo,
@@ -297,17 +296,9 @@ def convert(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        print(convert(args))
-    except ConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(
+        build_parser(), argv, lambda args: print(convert(args)), user_errors=(CheckpointError,)
+    )
 
 
 if __name__ == "__main__":

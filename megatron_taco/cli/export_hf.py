@@ -21,12 +21,11 @@ has no TACO class (taco-convert-checkpoint --consolidate gives their full state 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.arguments import ConfigError, run_cli
 from megatron_taco.cli.convert_checkpoint import model_builder
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -175,20 +174,13 @@ def export(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        print(export(args))
-    except ImportError as e:
-        print(f"{PROG}: error: needs transformers and safetensors ({e})", file=sys.stderr)
-        return 1
-    except ConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    # A missing transformers/safetensors (export) is a user error too: one line, exit 1.
+    return run_cli(
+        build_parser(),
+        argv,
+        lambda args: print(export(args)),
+        user_errors=(CheckpointError, ImportError),
+    )
 
 
 if __name__ == "__main__":

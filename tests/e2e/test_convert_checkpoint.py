@@ -256,7 +256,9 @@ def test_consolidate_writes_one_full_fp32_state_dict(taco_tp2, tmp_path):
 
 
 def test_bad_requests_are_one_line(taco_run, tmp_path, capsys):
-    assert convert_main(["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "x")]) == 1
+    with pytest.raises(SystemExit) as info:  # a bad input file: one error line, exit 1
+        convert_main(["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "x")])
+    assert info.value.code == 1
     # Tiny TACO has 2 word-stream heads: tensor parallel 3 cannot split them.
     bad = [
         "--load",
@@ -266,8 +268,11 @@ def test_bad_requests_are_one_line(taco_run, tmp_path, capsys):
         "--tensor-model-parallel-size",
         "3",
     ]
-    assert convert_main(bad) == 2
-    assert convert_main(["--load", str(taco_run), "--save", str(taco_run)]) == 2
+    # Config errors go through argparse (usage line, then one error line, exit 2).
+    for argv in (bad, ["--load", str(taco_run), "--save", str(taco_run)]):
+        with pytest.raises(SystemExit) as info:
+            convert_main(argv)
+        assert info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 3, errors
     assert "is not a directory" in errors[0]

@@ -175,7 +175,9 @@ def test_taco_checkpoint_is_refused(tmp_path, capsys):
     iter_dir.mkdir(parents=True)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
     (iter_dir / "metadata.json").write_text(json.dumps({"model": "TACO", "configs": {}}))
-    assert export_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "TACO checkpoint" in err and "--consolidate" in err
+    with pytest.raises(SystemExit) as info:  # a config error: usage line + one error line
+        export_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "o")])
+    assert info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and "TACO checkpoint" in err[0] and "--consolidate" in err[0]
     assert not (tmp_path / "o").exists()
