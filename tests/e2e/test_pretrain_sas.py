@@ -121,3 +121,26 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
     assert sorted(a) == sorted(b) and any(name.endswith("manifest.json") for name in a)
     for name in a:
         assert a[name] == b[name], name
+
+
+def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
+    """One process, no launcher: the paper's Unif-MLM-RTD^c ablation (cold start in every
+    epoch, uniform replacements, constant lambda), no store written."""
+    import sys
+
+    from tests.helpers import run
+
+    args = sas_args(
+        botchan_dataset,
+        "--micro-batch-size", "8", "--global-batch-size", "8", "--train-epochs", "2",
+        "--eval-interval", "1000", "--num-workers", "0", "--no-self-augmentation",
+        "--cold-start", "uniform", "--rtd-weight-final", "50",
+    )  # fmt: skip
+    res = run([sys.executable, "pretrain_sas.py", *args, "--save", str(tmp_path / "ckpt")])
+    assert "world size 1 = tensor parallel 1 x data parallel 1" in res.stdout
+    assert "cold start uniform" in res.stdout and "no self-augmentation" in res.stdout
+    records = train_records(tmp_path / "ckpt" / "metrics.jsonl")
+    assert sorted(records)[-1] == 50 and {r["epoch"] for r in records.values()} == {1, 2}
+    assert {r["rtd_weight"] for r in records.values()} == {50.0}
+    assert {r["self_augmented"] for r in records.values() if "self_augmented" in r} <= {0.0}
+    assert not (tmp_path / "ckpt" / "replacement_store").exists()
