@@ -4,6 +4,7 @@ from here, never from each other."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import subprocess
@@ -48,7 +49,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, timeout: float
+) -> None:
+    # A rank still running shortly before the parent gives up prints where it is stuck.
+    faulthandler.dump_traceback_later(max(timeout - 15, 1), exit=False)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -79,7 +84,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, queue, timeout), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:

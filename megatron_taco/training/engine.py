@@ -184,6 +184,17 @@ class Engine:
         return self.engine.device
 
 
+def disable_deepspeed_shm_comm() -> None:
+    """Keep DeepSpeed's CPU backend from JIT-building and starting its shared-memory
+    all-reduce. That op serves only DeepSpeed's inference all-reduce (training reduces through
+    torch.distributed), and it lives in /dev/shm segments named by master address, port and
+    rank that a killed run leaves behind: a later run that draws the same port attaches to the
+    stale flags and hangs, and the segments hold RAM. Call before deepspeed.initialize."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def initialize_engine(
     model: nn.Module,
     training: TrainingConfig,
@@ -191,6 +202,8 @@ def initialize_engine(
     parallel: ParallelState,
 ) -> Engine:
     import deepspeed
+
+    disable_deepspeed_shm_comm()
 
     optimizer, impl = build_optimizer(model, training)
     scheduler = build_scheduler(optimizer, training)

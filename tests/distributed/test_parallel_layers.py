@@ -30,6 +30,7 @@ from megatron_taco.parallel import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
+from megatron_taco.training.engine import disable_deepspeed_shm_comm
 from tests.helpers import run_distributed
 
 ATOL = 1e-6
@@ -381,6 +382,7 @@ def _deepspeed_mpu_worker(rank, world):
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 2},
     }
+    disable_deepspeed_shm_comm()
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config, mpu=state
     )
