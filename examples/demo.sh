@@ -38,7 +38,7 @@ rm -rf "$OUT/taco"
     --save "$OUT/taco/checkpoints" --save-interval 100 \
     --tensorboard-dir "$OUT/taco/tensorboard"
 
-echo "== 5/5 pretrain a small SAS (MLM + lambda RTD) for 3 epochs: cold start, then self-augmentation"
+echo "== 5/5 pretrain a small SAS (MLM + lambda RTD) for $SAS_EPOCHS epochs: cold start, then self-augmentation"
 # SAS-small's width (Table 5) at 4 layers so that 3 epochs take a few minutes on 2 cores.
 rm -rf "$OUT/sas"
 .venv/bin/deepspeed --num_gpus 2 pretrain_sas.py \
