@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ import sys
 from typing import Any
 
 from megatron_taco.arguments import ConfigError, run_cli
+from megatron_taco.recipes.registry import model_builder
 from megatron_taco.training.consolidate import (
     CheckpointError,
     CheckpointInfo,
@@ -71,42 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
         "vocabulary size is read, to remove the tensor-parallel vocabulary padding.",
     )
     return p
-
-
-def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
-    """(model config with its vocabulary size, builder) from the checkpoint's metadata."""
-    from megatron_taco.data.tokenizer import Tokenizer
-
-    if info.model == "TACO":
-        from megatron_taco.models.taco.config import TacoConfig as config_cls
-        from megatron_taco.models.taco.model import TacoForPretraining as model_cls
-    elif info.model == "SAS":
-        from megatron_taco.models.sas.config import SasConfig as config_cls
-        from megatron_taco.models.sas.model import SasForPretraining as model_cls
-    else:
-        raise CheckpointError(f"{info.iter_dir}/metadata.json: unknown model {info.model!r}")
-    path = tokenizer_model or (info.configs.get("data") or {}).get("tokenizer_model")
-    if not path or not os.path.isfile(path):
-        raise ConfigError(
-            f"--tokenizer-model: {path or 'no tokenizer'} (named by {info.iter_dir}/metadata.json) "
-            "does not exist; give the tokenizer the checkpoint was trained with"
-        )
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    saved = info.configs.get("model") or {}
-    try:
-        config = config_cls(**{k: v for k, v in saved.items() if k in names})
-        config = config.with_vocab_size(Tokenizer(path).vocab_size)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{info.iter_dir}/metadata.json: bad model config ({e})") from None
-
-    def build(parallel, vocab_size: int):
-        # Dropout changes no parameter, and at tp > 1 it would need the RNG tracker.
-        cfg = dataclasses.replace(
-            config.with_vocab_size(vocab_size), hidden_dropout=0.0, attention_dropout=0.0
-        )
-        return model_cls(cfg, parallel)
-
-    return config, build
 
 
 def read_checkpoint(

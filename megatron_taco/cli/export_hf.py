@@ -26,7 +26,7 @@ import shutil
 import sys
 
 from megatron_taco.arguments import ConfigError, run_cli
-from megatron_taco.cli.convert_checkpoint import model_builder
+from megatron_taco.recipes.registry import model_builder
 from megatron_taco.training.consolidate import (
     CheckpointError,
     ModelLayout,

@@ -47,7 +47,7 @@ def is_loss_key(key: str) -> bool:
 
 @dataclass
 class PretrainTask:
-    """What the builder (e.g. cli/pretrain_taco.py) hands the loop."""
+    """What the builder (e.g. recipes/taco.py) hands the loop."""
 
     model: nn.Module
     collate_fn: Callable[[list], dict[str, Any]]

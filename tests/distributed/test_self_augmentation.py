@@ -11,11 +11,15 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from megatron_taco.cli.sas_augmentation import SelfAugmentation, SelfAugmentationConfig, StoreSource
 from megatron_taco.data.replacement_store import GenerationReader, StoreLayout
 from megatron_taco.data.sas_collator import ColdStart
 from megatron_taco.parallel.layers import pad_vocab_size
 from megatron_taco.parallel.state import init_parallel
+from megatron_taco.recipes.sas_augmentation import (
+    SelfAugmentation,
+    SelfAugmentationConfig,
+    StoreSource,
+)
 from megatron_taco.training.checkpointing import TrainingState
 from tests.helpers import run_distributed
 

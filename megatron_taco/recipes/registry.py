@@ -1,0 +1,74 @@
+"""The model kinds a checkpoint's metadata.json can name, and how to rebuild each one."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.training.consolidate import CheckpointError, CheckpointInfo
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    name: str  # as metadata.json's "model" says it
+    config_cls: type
+    pretraining_cls: type  # forward(batch) -> dict with "loss"
+
+
+def model_kind(name: str, where: str = "metadata.json") -> ModelKind:
+    if name == "TACO":
+        from megatron_taco.models.taco.config import TacoConfig
+        from megatron_taco.models.taco.model import TacoForPretraining
+
+        return ModelKind("TACO", TacoConfig, TacoForPretraining)
+    if name == "SAS":
+        from megatron_taco.models.sas.config import SasConfig
+        from megatron_taco.models.sas.model import SasForPretraining
+
+        return ModelKind("SAS", SasConfig, SasForPretraining)
+    raise CheckpointError(f"{where}: unknown model {name!r} (expected TACO or SAS)")
+
+
+def checkpoint_tokenizer(info: CheckpointInfo, tokenizer_model: str | None) -> str:
+    """The sentencepiece model of a checkpoint: the flag's, else the one its metadata names."""
+    path = tokenizer_model or (info.configs.get("data") or {}).get("tokenizer_model")
+    if not path or not os.path.isfile(path):
+        raise ConfigError(
+            f"--tokenizer-model: {path or 'no tokenizer'} (named by {info.iter_dir}/metadata.json) "
+            "does not exist; give the tokenizer the checkpoint was trained with"
+        )
+    return path
+
+
+def checkpoint_model_config(info: CheckpointInfo, tokenizer_model: str | None) -> tuple[Any, Any]:
+    """(ModelKind, model config with its vocabulary size) from a checkpoint's metadata."""
+    from megatron_taco.data.tokenizer import Tokenizer
+
+    kind = model_kind(info.model, f"{info.iter_dir}/metadata.json")
+    path = checkpoint_tokenizer(info, tokenizer_model)
+    names = {f.name for f in dataclasses.fields(kind.config_cls)}
+    saved = info.configs.get("model") or {}
+    try:
+        config = kind.config_cls(**{k: v for k, v in saved.items() if k in names})
+        config = config.with_vocab_size(Tokenizer(path).vocab_size)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{info.iter_dir}/metadata.json: bad model config ({e})") from None
+    return kind, config
+
+
+def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
+    """(model config with its vocabulary size, builder(parallel, vocab_size) of the
+    pretraining model) from the checkpoint's metadata."""
+    kind, config = checkpoint_model_config(info, tokenizer_model)
+
+    def build(parallel, vocab_size: int):
+        # Dropout changes no parameter, and at tp > 1 it would need the RNG tracker.
+        cfg = dataclasses.replace(
+            config.with_vocab_size(vocab_size), hidden_dropout=0.0, attention_dropout=0.0
+        )
+        return kind.pretraining_cls(cfg, parallel)
+
+    return config, build
