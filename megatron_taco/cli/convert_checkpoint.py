@@ -26,17 +26,14 @@ import sys
 from typing import Any
 
 from megatron_taco.arguments import ConfigError, run_cli
-from megatron_taco.recipes.registry import model_builder
+from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import (
     CheckpointError,
     CheckpointInfo,
-    ModelBuilder,
     ModelLayout,
     TargetLayout,
     TrainingStates,
     ds_format,
-    find_checkpoint,
-    read_states,
     write_states,
 )
 
@@ -71,16 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
         "vocabulary size is read, to remove the tensor-parallel vocabulary padding.",
     )
     return p
-
-
-def read_checkpoint(
-    load: str, ckpt_step: int | None = None, tokenizer_model: str | None = None
-) -> tuple[TrainingStates, Any, ModelBuilder]:
-    """(every tensor of the checkpoint merged to full size, model config, builder)."""
-    info = find_checkpoint(load, ckpt_step)
-    config, build = model_builder(info, tokenizer_model)
-    states = read_states(info, ModelLayout(build, info.tp_size, config.vocab_size))
-    return states, config, build
 
 
 def _target_ds_config(info: CheckpointInfo, path: str | None) -> dict[str, Any]:

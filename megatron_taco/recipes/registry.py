@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_taco.arguments import ConfigError
-from megatron_taco.training.consolidate import CheckpointError, CheckpointInfo
+from megatron_taco.training.consolidate import (
+    CheckpointError,
+    CheckpointInfo,
+    ModelBuilder,
+    ModelLayout,
+    TrainingStates,
+    find_checkpoint,
+    read_states,
+)
 
 
 @dataclass(frozen=True)
@@ -72,3 +80,21 @@ def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
         return kind.pretraining_cls(cfg, parallel)
 
     return config, build
+
+
+def read_checkpoint(
+    load: str,
+    ckpt_step: int | None = None,
+    tokenizer_model: str | None = None,
+    *,
+    optimizer: bool = True,
+) -> tuple[TrainingStates, Any, ModelBuilder]:
+    """(every tensor of the checkpoint merged to full size, model config, builder), whatever
+    tensor-parallel size and ZeRO stage (0-2) wrote it. ``optimizer=False`` reads only the
+    weights (fp32 master copies where the optimizer kept them)."""
+    info = find_checkpoint(load, ckpt_step)
+    config, build = model_builder(info, tokenizer_model)
+    states = read_states(
+        info, ModelLayout(build, info.tp_size, config.vocab_size), optimizer=optimizer
+    )
+    return states, config, build

@@ -23,7 +23,7 @@ import torch
 
 from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.convert_checkpoint import main as convert_main
-from megatron_taco.cli.convert_checkpoint import read_checkpoint
+from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import ModelLayout, load_file
 from tests.helpers import TACO_METRIC_KEYS, run, run_distributed, train_records
 

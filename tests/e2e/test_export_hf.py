@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_taco.cli.convert_checkpoint import read_checkpoint
 from megatron_taco.cli.export_hf import main as export_main
 from megatron_taco.cli.export_hf import save_tokenizer
 from megatron_taco.data.tokenizer import Tokenizer
 from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.parallel.state import single_process_state
+from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import ModelLayout
 from tests.helpers import run_distributed
 
