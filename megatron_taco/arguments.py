@@ -60,12 +60,18 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def add_dataclass_args(
-    parser: argparse.ArgumentParser, cls: type, title: str | None = None
+    parser: argparse.ArgumentParser,
+    cls: type,
+    title: str | None = None,
+    *,
+    exclude: Sequence[str] = (),
 ) -> None:
+    """One flag per field of ``cls`` (fields with cli=False and those named in ``exclude``
+    are left out: a tool that sets them itself, e.g. fine-tuning's --save)."""
     group = parser.add_argument_group(title or cls.__name__)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True):
+        if not f.metadata.get("cli", True) or f.name in exclude:
             continue
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         tp, optional = _unwrap_optional(hints[f.name])

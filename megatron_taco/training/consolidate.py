@@ -106,16 +106,19 @@ def ds_format(ds_config: dict[str, Any] | None) -> tuple[int, str]:
     return stage, "fp16" if enabled("fp16") else "bf16" if enabled("bf16") else "fp32"
 
 
-def find_checkpoint(load_dir: str, ckpt_step: int | None = None) -> CheckpointInfo:
+def find_checkpoint(
+    load_dir: str, ckpt_step: int | None = None, *, verify: bool = True
+) -> CheckpointInfo:
     """The iteration ``ckpt_step`` of ``load_dir``, or the one its tracker names, verified
-    against its manifest (checkpointing.verify_checkpoint)."""
+    against its manifest (checkpointing.verify_checkpoint) unless ``verify`` is False (it
+    was verified earlier in the same run)."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load: {load_dir} is not a directory")
     iteration = ckpt_step if ckpt_step is not None else read_tracker(load_dir)
     if iteration is None:
         raise CheckpointError(f"--load: {tracker_path(load_dir)} does not exist; give --ckpt-step")
-    meta = verify_checkpoint(load_dir, iteration)
     iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
+    meta = verify_checkpoint(load_dir, iteration) if verify else read_metadata(iter_dir)
     if not isinstance(meta.get("configs", {}), dict):
         raise CheckpointError(f"{iter_dir}/{METADATA_FILENAME}: 'configs' must be an object")
     stage, precision = ds_format(meta.get("configs", {}).get("deepspeed"))

@@ -52,7 +52,9 @@ logger = logging.getLogger("megatron_taco.pretrain")
 class PretrainConfigs:
     parallel: ParallelConfig
     model: Any  # the spec's model config (a PresetConfig dataclass)
-    data: DataConfig
+    # DataConfig for pretraining; any config with seed, tokenizer_model, num_workers and
+    # seq_length for other recipes (fine-tuning reads a benchmark's files instead).
+    data: Any
     task: dict[str, Any]  # the spec's other config groups by name (e.g. "masking")
     training: TrainingConfig
     deepspeed: DeepSpeedSettings
@@ -107,6 +109,8 @@ class ModelParts:
     samples_per_epoch: int | None = None
     callbacks: list[Callback] = field(default_factory=list)
     banner: list[str] = field(default_factory=list)  # model-specific start-up lines
+    title: str | None = None  # the banner's first line (default "<spec name> pretraining")
+    metadata: dict[str, Any] = field(default_factory=dict)  # extra metadata.json entries
 
 
 @dataclass(frozen=True)
@@ -273,7 +277,7 @@ def _banner(
     tp = cfg.parallel.tensor_model_parallel_size
     lines = [
         "=" * 78,
-        f"megatron_taco: {spec.name} pretraining",
+        f"megatron_taco: {parts.title or f'{spec.name} pretraining'}",
         f"  world size {cfg.world_size} = tensor parallel {tp} x data parallel "
         f"{cfg.data_parallel_size}  (accelerator: {cfg.device_type})",
         f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision}",
@@ -352,7 +356,10 @@ def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
     )
 
 
-def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
+def pretrain(cfg: PretrainConfigs, spec: ModelSpec, *, keep_process_group: bool = False) -> int:
+    """One run, from process groups to teardown. ``keep_process_group`` leaves the default
+    group up for the next run of a sweep in the same processes (only this run's tensor/data
+    parallel groups are destroyed)."""
     # Before the heavy imports: a signal during start-up stops the run after its first iteration.
     monitor = ExitMonitor(cfg.exit)
     monitor.install()
@@ -443,7 +450,7 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
             seed=seed,
             num_workers=cfg.data.num_workers,
             rng_tracker=rng_tracker,
-            checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict()},
+            checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict(), **parts.metadata},
             save_retain=cfg.checkpoint.save_retain,
             exit_monitor=monitor,
         )
@@ -466,4 +473,8 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
         monitor.uninstall()
         if train_logger is not None:
             train_logger.close()
-        destroy_distributed(parallel)
+        if keep_process_group:
+            if parallel is not None:
+                parallel.destroy()
+        else:
+            destroy_distributed(parallel)
