@@ -283,3 +283,29 @@ def masking_sample(rng, seq_length: int = 128, min_length: int = 40, max_word: i
     word_starts[starts[starts < length]] = True
     word_starts[:length] |= special[:length]
     return tokens, word_starts, special, length
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor-parallel comparisons
+
+
+def full_tensor(param: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
+    """``tensor`` (laid out like ``param``: its data or its grad) gathered over tp."""
+    from megatron_taco.parallel.layers import gather_full_weight
+
+    return gather_full_weight(param, group, tensor)
+
+
+def assert_tensors_match(got: dict, want: dict, rtol: float, atol: float = 1e-15) -> None:
+    """Per tensor: |got - want| <= rtol * max|want| + atol, elementwise; names the tensors
+    that differ."""
+    import numpy as np
+
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    bad = []
+    for name, w in want.items():
+        tol = rtol * np.abs(w).max() + atol
+        err = np.abs(np.asarray(got[name]) - w).max()
+        if not err <= tol:
+            bad.append(f"{name}: max error {err:.3g} > {tol:.3g}")
+    assert not bad, "tensors differ:\n" + "\n".join(bad)

@@ -452,11 +452,10 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def load_pretrained_encoder(model, cfg: PretrainConfigs, parallel) -> str:
-    """Copy the pretrained encoder's weights, merged from the checkpoint's tp shards and
-    re-split for this run's tp size, into ``model.encoder``; returns a banner line."""
-    from megatron_taco.models.finetune import build_encoder, encoder_state_from_pretraining
+    """Copy the pretrained encoder's weights into ``model.encoder``; returns a banner line."""
+    from megatron_taco.models.finetune import encoder_state_from_pretraining
     from megatron_taco.recipes.registry import read_checkpoint
-    from megatron_taco.training.consolidate import ModelLayout, find_checkpoint
+    from megatron_taco.training.consolidate import find_checkpoint
 
     ref = cfg.task["pretrained"]
     # Verified before the rendezvous already.
@@ -467,21 +466,29 @@ def load_pretrained_encoder(model, cfg: PretrainConfigs, parallel) -> str:
     states, config, _ = read_checkpoint(info, tokenizer_model=cfg.data.tokenizer_model,
                                         optimizer=masters)  # fmt: skip
     full = encoder_state_from_pretraining(ref.model, states.full_state_dict())
+    load_encoder_state(model, ref.model, config, full, parallel, where=info.iter_dir)
+    return f"encoder: {ref.model} from {info.iter_dir}"
+
+
+def load_encoder_state(model, kind: str, config, full: dict, parallel, where: str = "") -> None:
+    """Full (tp-merged, unpadded) encoder tensors -> this rank's slices at this run's tp size
+    (vocabulary padding re-added), copied into ``model.encoder``."""
+    from megatron_taco.models.finetune import build_encoder
+    from megatron_taco.training.consolidate import ModelLayout
 
     def build(p, vocab_size):
         c = dataclasses.replace(
             config.with_vocab_size(vocab_size), hidden_dropout=0.0, attention_dropout=0.0
         )
-        return build_encoder(ref.model, c, p)
+        return build_encoder(kind, c, p)
 
     part = ModelLayout(build, parallel.tp_size, config.vocab_size).split(full)[parallel.tp_rank]
     own = model.encoder.state_dict()
     missing = sorted(set(own) - set(part))
     if missing:
-        raise ConfigError(f"--load: {info.iter_dir} holds no {missing[0]} for the encoder")
+        raise ConfigError(f"--load: {where} holds no {missing[0]} for the encoder")
     for name, tensor in part.items():
         own[name].copy_(tensor.to(own[name].dtype))
-    return f"encoder: {ref.model} from {info.iter_dir}"
 
 
 def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
