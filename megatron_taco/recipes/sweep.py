@@ -188,11 +188,24 @@ def plan_runs(
     return runs
 
 
-def run_namespace(args: argparse.Namespace, run: RunSpec, root: str) -> argparse.Namespace:
+def run_namespace(
+    args: argparse.Namespace, run: RunSpec, root: str, data_parallel_size: int
+) -> argparse.Namespace:
+    """The command line of one run: the sweep's flags with the run's values. Its micro-batch
+    is --micro-batch-size, or less where the run's global batch needs it (TACO's batch 16
+    on 4 data-parallel ranks runs micro-batches of 4)."""
     ns = copy.copy(args)
     ns.task, ns.lr, ns.seed, ns.train_epochs = run.task, run.lr, run.seed, run.epochs
     ns.global_batch_size = run.batch_size
-    ns.micro_batch_size = min(args.micro_batch_size, run.batch_size)
+    per_rank, rest = divmod(run.batch_size, data_parallel_size)
+    if per_rank == 0 or rest:
+        raise ConfigError(
+            f"--batch-sizes: the global batch {run.batch_size} of {run.config_name} is not a "
+            f"multiple of the data-parallel size {data_parallel_size}"
+        )
+    ns.micro_batch_size = max(
+        m for m in range(1, min(args.micro_batch_size, per_rank) + 1) if per_rank % m == 0
+    )
     ns.epoch_selection = run.selection
     ns.data_dir = task_data_dir(args.data_dir, run.task)
     ns.output = run.directory(root)
@@ -228,8 +241,9 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig) -> int:
             done = read_results(run.directory(root))
             if done is not None and done.get("finished"):
                 continue
+            dp = world // args.tensor_model_parallel_size
             cfg = spec.configs_from_args(
-                run_namespace(args, run, root), world_size=world, device_type=device
+                run_namespace(args, run, root, dp), world_size=world, device_type=device
             )
             key = (cfg.data.task, cfg.data.data_dir, cfg.data.seq_length, cfg.data.tokenizer_model)
             if key not in features:
