@@ -165,9 +165,9 @@ def squad_v2_evaluate(
 
     out = summary(list(exact))
     for prefix, wanted in (("HasAns", True), ("NoAns", False)):
-        # the script selects by the dataset's questions; with every prediction present (always,
-        # here) these are the scored ones
-        qids = [k for k, v in has_ans.items() if v == wanted]
+        # the script selects these from the dataset's questions and so raises KeyError when a
+        # prediction is missing; here they are the scored questions (the same when none is)
+        qids = [k for k in exact if has_ans[k] == wanted]
         if qids:
             out.update({f"{prefix}_{k}": v for k, v in summary(qids).items()})
     if na_probs is not None:
@@ -366,13 +366,13 @@ def featurize(
     squad: SquadSet, tokenizer, options: FeatureOptions
 ) -> tuple[FeatureDataset, SplitState, dict]:
     s = options.seq_length
-    if options.max_query_length + 3 >= s:
-        raise ValueError(
-            f"seq_length {s} leaves no room for the context after a question of up to "
-            f"max_query_length {options.max_query_length} tokens"
-        )
     q = tokenize(tokenizer, squad.questions)
     q_len = np.minimum(q.length, options.max_query_length)
+    if len(q_len) and int(q_len.max()) + 3 >= s:
+        raise ValueError(
+            f"seq_length {s} leaves no room for the context after a question of "
+            f"{int(q_len.max())} tokens (max_query_length {options.max_query_length})"
+        )
     ctx = tokenize_contexts(tokenizer, squad.contexts)
     ans_first, ans_last = answer_tokens(ctx, squad.para, squad.answer_start, squad.answer_end)
     win = make_windows(ctx.length[squad.para], q_len, s, options.doc_stride)
