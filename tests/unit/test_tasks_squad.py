@@ -60,6 +60,7 @@ V1_DATA = squad_json(
                 ("q2", "Where?", [("Santa Clara, California", 0), ("Levi's Stadium", 0)], False),
                 ("q3", "When?", [("1990", 0)], False),
                 ("q4", "Why?", [("because", 0)], False),
+                ("q5", "Which?", [("The", 0)], False),
             ],
         )
     ]
@@ -67,16 +68,18 @@ V1_DATA = squad_json(
 
 
 def test_squad_v1_official_scores():
-    preds = {"q1": "Denver Broncos!", "q2": "Levi's Stadium in Santa Clara", "q3": ""}
+    preds = {"q1": "Denver Broncos!", "q2": "Levi's Stadium in Santa Clara", "q3": "", "q5": "a"}
     # q1: both normalise to "denver broncos": EM 1, F1 1.
     # q2: prediction tokens [levis, stadium, in, santa, clara] (5). Against "santa clara
     #   california": 2 shared, P 2/5, R 2/3, F1 1/2; against "levis stadium": 2 shared, P 2/5,
     #   R 1, F1 4/7 -> max 4/7, EM 0.
     # q3: empty prediction: F1 0 (v1.1 has no empty-answer rule), EM 0.
-    # q4: no prediction: 0, still counted in the total of 4.
+    # q4: no prediction: 0, still counted in the total of 5.
+    # q5: gold "The" and prediction "a" both normalise to "": EM 1, but F1 0 (no shared token;
+    #   v2.0's rule would give 1).
     out = squad_v1_evaluate(V1_DATA, preds)
-    assert out["exact_match"] == pytest.approx(100 * 1 / 4)
-    assert out["f1"] == pytest.approx(100 * (1 + 4 / 7) / 4)
+    assert out["exact_match"] == pytest.approx(100 * 2 / 5)
+    assert out["f1"] == pytest.approx(100 * (1 + 4 / 7) / 5)
 
 
 V2_DATA = squad_json(
@@ -220,6 +223,26 @@ def test_offsets_match_the_byte_offsets_of_sentencepiece_protos(tokenizer):
         assert all(covered[i] == 1 for i, ch in enumerate(text) if not ch.isspace())
 
 
+def test_byte_offsets_round_to_characters():
+    from types import SimpleNamespace as P
+
+    from megatron_taco.data.tokenizer import _char_offsets
+
+    # "aé漢b": bytes a | c3 a9 | e6 bc a2 | b. Byte-fallback pieces split "漢" into its three
+    # bytes: each covers that whole character; an end inside a character rounds up.
+    pieces = [P(begin=0, end=1), P(begin=1, end=3), P(begin=3, end=4), P(begin=4, end=5)]
+    pieces += [P(begin=5, end=6), P(begin=6, end=7), P(begin=3, end=7)]
+    assert _char_offsets("aé漢b", pieces).tolist() == [
+        [0, 1],
+        [1, 2],
+        [2, 3],
+        [2, 3],
+        [2, 3],
+        [3, 4],
+        [2, 4],
+    ]
+
+
 def test_answer_not_on_piece_boundaries_takes_the_covering_pieces(tmp_path, tokenizer):
     # '!"' is one piece: the answer "marks!" ends inside it
     qas = [("q", "?", qa_with(CONTEXT, ["marks!"]), False)]
@@ -305,8 +328,22 @@ def test_long_context_windows_and_labels(tmp_path, tokenizer):
     rng = np.random.default_rng(0)
     peaked = _peaked(data.dev["dev"])
     noisy = {k: rng.normal(size=v.shape) for k, v in peaked.items()}
-    for logits in (peaked, noisy):
-        expect = {}
+    _write(tmp_path, "dev-v2.0.json", squad_json([(context, qas)], version="2.0"))
+    v2 = load_task(
+        "squad_v2",
+        tmp_path,
+        tokenizer,
+        seq_length=seq,
+        doc_stride=stride,
+        max_query_length=4,
+        splits=("dev",),
+    )
+    # [CLS] raised by 0..8 per question: some questions' null score wins
+    per_question = np.repeat(np.linspace(0, 8, len(qas)), len(spans))
+    shift = per_question[:, None] * (np.arange(seq) == 0)
+    null_some = {k: v + shift for k, v in noisy.items()}
+    for logits in (peaked, noisy, null_some):
+        expect, expect_v2, odds = {}, {}, {}
         for i in range(len(qas)):
             feats = [
                 (
@@ -315,13 +352,23 @@ def test_long_context_windows_and_labels(tmp_path, tokenizer):
                 )
                 for w in range(len(spans))
             ]
-            expect[f"q{i}"] = _bert_prediction(feats, spans, len(q) + 2, context, offsets, 20, 30)
+            text, score = _bert_prediction(feats, spans, len(q) + 2, context, offsets, 20, 30)
+            expect[f"q{i}"] = text
+            # v2: the null score is the smallest [CLS] score over the windows
+            null = min(st[0] + en[0] for st, en in feats)
+            odds[f"q{i}"] = pytest.approx(null - score)
+            expect_v2[f"q{i}"] = "" if null - score > 0 else text
         assert data.predict("dev", logits)["predictions"] == expect
+        decoded = v2.predict("dev", logits)
+        assert decoded["predictions"] == expect_v2 and decoded["null_odds"] == odds
     assert set(expect.values()) != {""}
+    # the shifted [CLS] logits make some answers null and leave others
+    assert "" in expect_v2.values() and len(set(expect_v2.values())) > 1
 
 
 def _bert_prediction(feats, spans, c0, context, offsets, n_best, max_len):
-    """BERT's run_squad write_predictions (v1) for one question, in plain loops."""
+    """BERT's run_squad write_predictions for one question, in plain loops: the best non-null
+    (text, start + end logit)."""
     prelim = []
     for w, (start, end) in enumerate(feats):
         top_s = sorted(range(len(start)), key=lambda i: -start[i])[:n_best]
@@ -337,11 +384,11 @@ def _bert_prediction(feats, spans, c0, context, offsets, n_best, max_len):
                     continue
                 prelim.append((start[i] + end[j], s0 + i - c0, s0 + j - c0))
     prelim.sort(key=lambda x: -x[0])
-    for _, a, b in prelim:
+    for score, a, b in prelim:
         text = context[offsets[a][0] : offsets[b][1]].strip()
         if text:
-            return text
-    return ""
+            return text, score
+    return "", -np.inf
 
 
 def test_decoding_rules(tmp_path, tokenizer):
