@@ -98,6 +98,38 @@ class Tokenizer:
             return []
         return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
 
+    def encode_with_offsets(
+        self, texts: list[str], num_threads: int = -1
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per text: (ids int32 [n], offsets int64 [n, 2]) with each piece's [begin, end) in
+        characters of the *original* text.
+
+        The normaliser (NFKC, collapsed whitespace) changes the text the pieces spell, so
+        character positions (SQuAD's answer_start) can only be mapped through sentencepiece's
+        own alignment. A piece's span includes the whitespace its "▁" stands for; the dummy
+        prefix piece of a text that starts without a space is empty (begin == end).
+        """
+        if not texts:
+            return []
+        try:
+            # sentencepiece >= 0.2.1: offsets already converted to characters
+            out = self._sp.encode(list(texts), out_type="offset_mapping", num_threads=num_threads)
+            return [
+                (
+                    np.asarray(o["ids"], dtype=np.int32),
+                    np.asarray(o["offsets"], dtype=np.int64).reshape(-1, 2),
+                )
+                for o in out
+            ]
+        except ValueError:
+            pass
+        kind = "proto" if hasattr(self._sp, "EncodeAsProto") else "immutable_proto"
+        protos = self._sp.encode(list(texts), out_type=kind, num_threads=num_threads)
+        return [
+            (np.asarray([p.id for p in sp.pieces], dtype=np.int32), _char_offsets(text, sp.pieces))
+            for text, sp in zip(texts, protos)
+        ]
+
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         return self._sp.decode([int(i) for i in ids])
 
@@ -148,3 +180,15 @@ class Tokenizer:
             mask.setflags(write=False)
             self._special = mask
         return self._special
+
+
+def _char_offsets(text: str, pieces) -> np.ndarray:
+    """int64 [n, 2]: pieces' UTF-8 byte [begin, end) (sentencepiece's protos) in characters."""
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    lead = (data & 0xC0) != 0x80  # bytes that start a character
+    chars_before = np.zeros(len(data) + 1, dtype=np.int64)  # per byte boundary
+    chars_before[1:] = np.cumsum(lead)
+    inside = np.append(~lead, False)  # boundary falls inside a multi-byte character
+    b = np.asarray([(p.begin, p.end) for p in pieces], dtype=np.int64).reshape(-1, 2)
+    # a begin inside a character rounds down to its start, an end up to its end
+    return np.stack([chars_before[b[:, 0]] - inside[b[:, 0]], chars_before[b[:, 1]]], axis=1)
