@@ -309,3 +309,114 @@ def assert_tensors_match(got: dict, want: dict, rtol: float, atol: float = 1e-15
         if not err <= tol:
             bad.append(f"{name}: max error {err:.3g} > {tol:.3g}")
     assert not bad, "tensors differ:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------
+# Learnable synthetic downstream tasks, written in the benchmarks' own layouts
+
+
+def botchan_sentences(min_words: int = 8, max_words: int = 30) -> list[str]:
+    import re
+
+    text = (REPO / "tests" / "fixtures" / "text" / "botchan_excerpt.txt").read_text("utf-8")
+    text = " ".join(text.split())
+    return [s for s in re.split(r"(?<=[.!?])\s+", text) if min_words <= len(s.split()) <= max_words]
+
+
+def _insert(words: list[str], word: str, rng) -> list[str]:
+    i = int(rng.integers(1, len(words)))
+    return [*words[:i], word, *words[i:]]
+
+
+def write_marker_task(directory, *, dev_fraction: float = 0.25, seed: int = 0) -> dict:
+    """The custom task's layout (train.tsv/dev.tsv, header "sentence<TAB>label"): every
+    sentence twice, once with "happy" and once with "angry" inserted at a random place,
+    labelled by the word. Learnable from the tokens alone."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for s in botchan_sentences():
+        for word, label in (("happy", "pos"), ("angry", "neg")):
+            rows.append((" ".join(_insert(s.split(), word, rng)), label))
+    order = rng.permutation(len(rows))
+    n_dev = int(len(rows) * dev_fraction)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, idx in (("dev", order[:n_dev]), ("train", order[n_dev:])):
+        with open(directory / f"{name}.tsv", "w", encoding="utf-8") as f:
+            f.write("sentence\tlabel\n")
+            for i in idx:
+                f.write(f"{rows[i][0]}\t{rows[i][1]}\n")
+    return {"train": len(rows) - n_dev, "dev": n_dev}
+
+
+def write_number_squad(directory, *, version: str = "v1.1", seed: int = 0) -> None:
+    """SQuAD's JSON layout (train-/dev-{version}.json): a sentence with a 3-4 digit number
+    inserted, "What is the number?", the number as the answer. v2.0: every third context has
+    no number and its question is unanswerable."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sentences = botchan_sentences()
+    split = int(0.75 * len(sentences))
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", sentences[:split]), ("dev", sentences[split:])):
+        paragraphs = []
+        for i, s in enumerate(part):
+            impossible = version == "v2.0" and i % 3 == 2
+            number = str(int(rng.integers(100, 10000)))
+            words = s.split() if impossible else _insert(s.split(), number, rng)
+            context = " ".join(words)
+            qa = {"id": f"{name}-{i}", "question": "What is the number?"}
+            answers = [] if impossible else [
+                {"text": number, "answer_start": context.index(f" {number} ") + 1}
+            ]  # fmt: skip
+            qa["answers"] = answers
+            if version == "v2.0":
+                qa["is_impossible"] = impossible
+                qa["plausible_answers"] = []
+            paragraphs.append({"context": context, "qas": [qa]})
+        data = {"version": version, "data": [{"title": "botchan", "paragraphs": paragraphs}]}
+        with open(directory / f"{name}-{version}.json", "w", encoding="utf-8") as f:
+            json.dump(data, f)
+
+
+def write_word_race(directory, *, seed: int = 0) -> None:
+    """RACE's layout ({train,dev,test}/{middle,high}/N.txt, one JSON object each): the article
+    is a sentence, "Which word is in the text?", one option a word of the article and three
+    words of other sentences that are not in it."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sentences = botchan_sentences()
+    vocab = sorted({w.strip(".,;:!?\"'").lower() for s in sentences for w in s.split()})
+    vocab = [w for w in vocab if len(w) >= 4 and w.isalpha()]
+    cut = [int(0.7 * len(sentences)), int(0.85 * len(sentences))]
+    parts = np.split(np.arange(len(sentences)), cut)
+    for split, idx in zip(("train", "dev", "test"), parts):
+        for n, i in enumerate(idx):
+            words = {w.strip(".,;:!?\"'").lower() for w in sentences[i].split()}
+            inside = sorted(w for w in words if w in vocab)
+            outside = [w for w in vocab if w not in words]
+            if not inside:
+                continue
+            options = [inside[int(rng.integers(len(inside)))]]
+            options += [str(w) for w in rng.choice(outside, 3, replace=False)]
+            order = rng.permutation(4)
+            level = "middle" if n % 2 else "high"
+            folder = Path(directory) / split / level
+            folder.mkdir(parents=True, exist_ok=True)
+            record = {
+                "id": f"{split}{n}.txt",
+                "article": sentences[i],
+                "questions": ["Which word is in the text?"],
+                "options": [[options[j] for j in order]],
+                "answers": ["ABCD"[int(np.flatnonzero(order == 0)[0])]],
+            }
+            (folder / f"{n}.txt").write_text(json.dumps(record), encoding="utf-8")

@@ -22,8 +22,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from megatron_taco.arguments import (
     ConfigError,
     add_dataclass_args,
@@ -290,8 +288,9 @@ class FinetuneSpec(ModelSpec):
         deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
         run = {
             "pretrained": dataclasses.asdict(pretrained),
-            "finetune": dataclasses.asdict(dataclasses.replace(ft, output=None)),
-            "data": dataclasses.asdict(dataclasses.replace(data, num_workers=None)),
+            # Where the run lives and how many workers read its data do not change the run.
+            "finetune": {k: v for k, v in dataclasses.asdict(ft).items() if k != "output"},
+            "data": {k: v for k, v in dataclasses.asdict(data).items() if k != "num_workers"},
             "training": dataclasses.asdict(training),
             "deepspeed": {"zero_stage": deepspeed.zero_stage, "precision": deepspeed.precision},
             "tensor_model_parallel_size": tp,
@@ -448,7 +447,7 @@ class EpochShuffled:
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
 
-    return {k: torch.as_tensor(np.stack([np.asarray(s[k]) for s in samples])) for k in samples[0]}
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
 
 
 def load_pretrained_encoder(model, cfg: PretrainConfigs, parallel) -> str:

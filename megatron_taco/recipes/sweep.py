@@ -312,8 +312,25 @@ def summarize(root: str, protocol: str | None = None) -> dict[str, Any]:
         "tasks": tasks,
     }
     if all(t in tasks for t in GLUE_TASKS):
-        summary["glue_score"] = glue_score({t: tasks[t]["dev"] for t in GLUE_TASKS})
+        summary["glue_score"] = 100 * glue_score(
+            {t: nested_scores(t, tasks[t]["dev"]) for t in GLUE_TASKS}
+        )
     return summary
+
+
+def nested_scores(task: str, flat: dict[str, float]) -> dict[str, dict[str, float]]:
+    """results.json's flat dev scores -> {split: {metric: value}} (finetune_eval.flat_scores
+    names a task's only split's metrics plainly, several splits' as split/metric)."""
+    from megatron_taco.tasks import TASKS
+
+    splits = TASKS[task].dev_splits
+    if len(splits) == 1:
+        return {splits[0]: dict(flat)}
+    out: dict[str, dict[str, float]] = {s: {} for s in splits}
+    for key, value in flat.items():
+        split, _, metric = key.partition("/")
+        out.setdefault(split, {})[metric] = value
+    return out
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
