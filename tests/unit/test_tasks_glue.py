@@ -306,14 +306,30 @@ def test_hf_layout_gives_the_same_features_and_labels(tmp_path, tokenizer, task,
 
 def test_truncation_longest_first_is_counted(tmp_path, tokenizer):
     long = "the cat sat on the mat and looked at the dog for a long while " * 3
-    examples = [(long, "short one.", "entailment", 0), ("tiny", "also tiny", "entailment", 0)]
+    examples = [
+        (long, "short one.", "entailment", 0),
+        ("tiny", "also tiny", "entailment", 0),
+        ("short one.", long, "entailment", 0),
+    ]
     folder = write_glue(tmp_path, "rte", examples)
     data = load_task("rte", folder, tokenizer, seq_length=16, splits=("train",))
-    assert data.stats["truncated"]["train"] == 1
-    first = data.train[0]["input_ids"].tolist()
+    assert data.stats["truncated"]["train"] == 2
     b = tokenizer.encode("short one.")
-    # the long side gives way: b stays whole, a fills the rest of the 16 - 3 tokens
-    assert first == [2, *tokenizer.encode(long)[: 13 - len(b)], 3, *b, 3]
+    # the long side gives way: the short one stays whole, the long fills the rest of 16 - 3
+    assert data.train[0]["input_ids"].tolist() == [
+        2,
+        *tokenizer.encode(long)[: 13 - len(b)],
+        3,
+        *b,
+        3,
+    ]
+    assert data.train[2]["input_ids"].tolist() == [
+        2,
+        *b,
+        3,
+        *tokenizer.encode(long)[: 13 - len(b)],
+        3,
+    ]
 
 
 def test_qqp_malformed_rows_are_counted_and_skipped(tmp_path, tokenizer):
