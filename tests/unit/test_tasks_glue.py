@@ -214,7 +214,8 @@ def hf_table(task, examples):
 
 def write_hf(root, task, layout, examples=None):
     """layout: "parquet" (Dataset.to_parquet per split), "jsonl" (Dataset.to_json), "hub"
-    (the hub's own {config}/{split}-00000-of-00001.parquet under the glue root)."""
+    (the hub's own {config}/{split}-00000-of-00001.parquet under the glue root), "converter"
+    (the hub's parquet-converter branch, {config}/{split}/0000.parquet)."""
     examples = examples or EXAMPLES[task]
     splits = (
         ["train", "validation_matched", "validation_mismatched"]
@@ -228,6 +229,10 @@ def write_hf(root, task, layout, examples=None):
         if layout == "hub":
             (root / task).mkdir(parents=True, exist_ok=True)
             pq.write_table(table, root / task / f"{split}-00000-of-00001.parquet")
+            folder = root
+        elif layout == "converter":  # the hub's refs/convert/parquet: {config}/{split}/0000.parquet
+            (root / task / split).mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, root / task / split / "0000.parquet")
             folder = root
         else:
             folder.mkdir(parents=True, exist_ok=True)
@@ -289,7 +294,7 @@ def test_label_ids_follow_the_hub(tmp_path, tokenizer):
     assert [it["labels"].item() for it in _all(mnli.train)] == [1, 0, 0, 2]
 
 
-@pytest.mark.parametrize("layout", ["parquet", "jsonl", "hub"])
+@pytest.mark.parametrize("layout", ["parquet", "jsonl", "hub", "converter"])
 @pytest.mark.parametrize("task", list(EXAMPLES))
 def test_hf_layout_gives_the_same_features_and_labels(tmp_path, tokenizer, task, layout):
     glue = load_task(task, write_glue(tmp_path / "glue", task), tokenizer, seq_length=32)
