@@ -195,6 +195,9 @@ _MODULES = {
     "race": "race",
 }
 
+# Splits a task's release has beyond train and dev that load_task accepts on request.
+_EXTRA_SPLITS = {"race": ("test",)}
+
 
 @dataclass(frozen=True)
 class FeatureOptions:
@@ -255,10 +258,6 @@ def load_task(
         raise TaskDataError(f"{data_dir}: no such directory (the {name} data directory)")
     module = importlib.import_module(f"megatron_taco.tasks.{_MODULES[name]}")
     return module.load(info, data_dir, tokenizer, options, splits)
-
-
-# Splits a task's release has beyond train and dev that load_task accepts on request.
-_EXTRA_SPLITS = {"race": ("test",)}
 
 
 # ---------------------------------------------------------------------------------------

@@ -330,6 +330,8 @@ def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> T
     gold: dict[str, np.ndarray] = {}
     for split in splits:
         examples = read(split)
+        if not len(examples.labels):
+            raise TaskDataError(f"{', '.join(examples.sources)}: no examples in the {split} split")
         features, truncated = featurize(examples, tokenizer, options.seq_length)
         datasets[split] = features
         gold[split] = examples.labels

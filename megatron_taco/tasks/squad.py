@@ -261,6 +261,10 @@ def read_squad(path: str, version: int, training: bool) -> SquadSet:
                 para.append(len(out.contexts) - 1)
                 starts.append(start)
                 ends.append(end)
+    if not para:
+        raise TaskDataError(
+            f"{path}: no usable questions ({dict(out.skipped) or 'none in the file'})"
+        )
     out.para = np.asarray(para, dtype=np.int64)
     out.answer_start = np.asarray(starts, dtype=np.int64)
     out.answer_end = np.asarray(ends, dtype=np.int64)

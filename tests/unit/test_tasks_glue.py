@@ -517,3 +517,18 @@ def test_custom_task_discovers_sorted_labels(tmp_path, tokenizer):
     (tmp_path / "train.tsv").write_text("text\tlabel\na\tb\n")
     with pytest.raises(TaskDataError, match=r"train\.tsv:1: header must name 'sentence'"):
         load_task("custom", tmp_path, tokenizer, seq_length=16)
+
+
+def test_empty_split_and_bad_arguments(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "qnli")
+    (folder / "dev.tsv").write_text("index\tquestion\tsentence\tlabel\n")
+    with pytest.raises(TaskDataError, match=r"dev\.tsv: no examples in the dev split"):
+        load_task("qnli", folder, tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match="unknown task 'glue'"):
+        load_task("glue", folder, tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match=r"splits \['test'\] must be among \['train', 'dev'\]"):
+        load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))
+    with pytest.raises(TaskDataError, match="no such directory"):
+        load_task("qnli", tmp_path / "nowhere", tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match="seq_length must be at least 4"):
+        load_task("qnli", folder, tokenizer, seq_length=3)
