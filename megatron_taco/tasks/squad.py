@@ -46,8 +46,12 @@ FILES = {
 
 
 # ---------------------------------------------------------------------------------------
-# The official evaluation scripts (v1.1: evaluate-v1.1.py; v2.0: evaluate-v2.0.py, as
-# published on the SQuAD explorer and vendored by BERT and ELECTRA). Reproduced definitions:
+# The official evaluation scripts (v1.1: evaluate-v1.1.py; v2.0: evaluate-v2.0.py, published on
+# the SQuAD explorer; read from the copies vendored in google-research/electra,
+# finetune/qa/squad_official_eval_v1.py, and in other repositories' copies of "Official
+# evaluation script for SQuAD version 2.0", whose functions make_qid_to_has_ans,
+# get_raw_scores, apply_no_ans_threshold, make_eval_dict and find_best_thresh are reproduced
+# here as facts, not code). Definitions:
 # normalize_answer lower-cases, drops string.punctuation, the articles a/an/the (as words) and
 # collapses whitespace; exact and token F1 take the max over the gold answers.
 # v1.1: F1 is 0 when no token is shared (so an empty prediction scores 0); a question without
