@@ -195,6 +195,9 @@ _MODULES = {
     "race": "race",
 }
 
+# Splits a task's release has beyond train and dev that load_task accepts on request.
+_EXTRA_SPLITS = {"race": ("test",)}
+
 
 @dataclass(frozen=True)
 class FeatureOptions:
@@ -257,10 +260,6 @@ def load_task(
     return module.load(info, data_dir, tokenizer, options, splits)
 
 
-# Splits a task's release has beyond train and dev that load_task accepts on request.
-_EXTRA_SPLITS = {"race": ("test",)}
-
-
 # ---------------------------------------------------------------------------------------
 # Feature building shared by the task modules
 
@@ -271,7 +270,8 @@ def ids_dtype(vocab_size: int) -> np.dtype:
 
 @dataclass
 class Tokens:
-    """Many token sequences in one flat array: sequence i is flat[start[i]:start[i]+length[i]]."""
+    """Many token sequences in one flat array: sequence i is flat[start[i]:start[i]+length[i]]
+    (sequences of equal texts share their tokens)."""
 
     flat: np.ndarray  # int32 [total]
     start: np.ndarray  # int64 [n]
@@ -283,10 +283,16 @@ class Tokens:
 
 def tokenize(tokenizer, texts: Sequence[str], chunk: int = 32768) -> Tokens:
     """encode_batch in chunks into one flat int32 array (python lists of ids for all of MNLI at
-    once would take gigabytes)."""
+    once would take gigabytes). Each distinct text is encoded once: MNLI pairs every premise
+    with three hypotheses, QNLI repeats its questions."""
+    first: dict[str, int] = {}
+    inverse = np.fromiter(
+        (first.setdefault(t, len(first)) for t in texts), dtype=np.int64, count=len(texts)
+    )
+    unique = list(first)
     flats, lengths = [], []
-    for lo in range(0, len(texts), chunk):
-        enc = tokenizer.encode_batch(list(texts[lo : lo + chunk]))
+    for lo in range(0, len(unique), chunk):
+        enc = tokenizer.encode_batch(unique[lo : lo + chunk])
         n = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))
         flats.append(
             np.fromiter(itertools.chain.from_iterable(enc), dtype=np.int32, count=int(n.sum()))
@@ -294,7 +300,8 @@ def tokenize(tokenizer, texts: Sequence[str], chunk: int = 32768) -> Tokens:
         lengths.append(n)
     length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     flat = np.concatenate(flats) if flats else np.zeros(0, np.int32)
-    return Tokens(flat, np.cumsum(length) - length, length)
+    start = np.cumsum(length) - length
+    return Tokens(flat, start[inverse], length[inverse])
 
 
 def truncate_pair(la: np.ndarray, lb: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:

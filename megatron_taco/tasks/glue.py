@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -177,9 +178,12 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
 def _parse_label(value, label_map, where: str, info: TaskInfo):
     if label_map is None:
         try:
-            return float(value)
+            score = float(value)
         except (TypeError, ValueError):
-            raise TaskDataError(f"{where}: score {value!r} is not a number") from None
+            score = math.nan
+        if not math.isfinite(score):
+            raise TaskDataError(f"{where}: score {value!r} is not a number")
+        return score
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if 0 <= value < len(info.labels):
             return int(value)
@@ -330,6 +334,8 @@ def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> T
     gold: dict[str, np.ndarray] = {}
     for split in splits:
         examples = read(split)
+        if not len(examples.labels):
+            raise TaskDataError(f"{', '.join(examples.sources)}: no examples in the {split} split")
         features, truncated = featurize(examples, tokenizer, options.seq_length)
         datasets[split] = features
         gold[split] = examples.labels

@@ -139,6 +139,7 @@ def featurize(raw: dict, tokenizer, seq_length: int) -> tuple[FeatureDataset, di
         ),
         "qa_truncated": int(np.sum((qa_keep < qa.length).reshape(n, -1).any(1))),
         "files": len(raw["files"]),
+        "skipped": {},  # nothing is skipped: a bad file is an error
         "middle": int(np.sum(raw["level"] == 0)),
         "high": int(np.sum(raw["level"] == 1)),
     }

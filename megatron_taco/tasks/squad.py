@@ -46,8 +46,12 @@ FILES = {
 
 
 # ---------------------------------------------------------------------------------------
-# The official evaluation scripts (v1.1: evaluate-v1.1.py; v2.0: evaluate-v2.0.py, as
-# published on the SQuAD explorer and vendored by BERT and ELECTRA). Reproduced definitions:
+# The official evaluation scripts (v1.1: evaluate-v1.1.py; v2.0: evaluate-v2.0.py, published on
+# the SQuAD explorer; read from the copies vendored in google-research/electra,
+# finetune/qa/squad_official_eval_v1.py, and in other repositories' copies of "Official
+# evaluation script for SQuAD version 2.0", whose functions make_qid_to_has_ans,
+# get_raw_scores, apply_no_ans_threshold, make_eval_dict and find_best_thresh are reproduced
+# here as facts, not code). Definitions:
 # normalize_answer lower-cases, drops string.punctuation, the articles a/an/the (as words) and
 # collapses whitespace; exact and token F1 take the max over the gold answers.
 # v1.1: F1 is 0 when no token is shared (so an empty prediction scores 0); a question without
@@ -261,6 +265,10 @@ def read_squad(path: str, version: int, training: bool) -> SquadSet:
                 para.append(len(out.contexts) - 1)
                 starts.append(start)
                 ends.append(end)
+    if not para:
+        raise TaskDataError(
+            f"{path}: no usable questions ({dict(out.skipped) or 'none in the file'})"
+        )
     out.para = np.asarray(para, dtype=np.int64)
     out.answer_start = np.asarray(starts, dtype=np.int64)
     out.answer_end = np.asarray(ends, dtype=np.int64)
@@ -428,59 +436,63 @@ def decode(
     the question's null odds. A question with no valid span predicts "" (BERT writes "empty")."""
     squad, ctx, win = state.squad, state.ctx, state.windows
     n_best, max_len = options.n_best_size, options.max_answer_length
+    # [F, n] the n best start/end positions of every feature's row, best first (stable: ties
+    # in row order, as a sort of the list of positions by logit)
+    top_starts = np.argsort(-start_logits, axis=1, kind="stable")[:, :n_best]
+    top_ends = np.argsort(-end_logits, axis=1, kind="stable")[:, :n_best]
+    null_scores = start_logits[:, 0] + end_logits[:, 0]  # [F] the [CLS] span
     predictions, null_odds, nbest_out = {}, {}, {}
     for e, qid in enumerate(squad.qids):
         p = squad.para[e]
         context = squad.contexts[p]
         begin = ctx.begin[ctx.start[p] : ctx.start[p] + ctx.length[p]]
         end = ctx.end[ctx.start[p] : ctx.start[p] + ctx.length[p]]
-        feats = range(state.feature_start[e], state.feature_start[e + 1])
-        is_max = max_context(win.doc_start[feats], win.doc_len[feats], int(ctx.length[p]))
-        cands = []  # (score, start logit, end logit, first token, last token)
-        null = math.inf
-        for w, f in enumerate(feats):
-            sl, el = start_logits[f], end_logits[f]
-            null = min(null, sl[0] + el[0])
+        f0, f1 = state.feature_start[e], state.feature_start[e + 1]
+        is_max = (
+            max_context(win.doc_start[f0:f1], win.doc_len[f0:f1], int(ctx.length[p]))
+            if f1 - f0 > 1
+            else [np.ones(win.doc_len[f0], dtype=bool)]
+        )
+        firsts, lasts, s_logit, e_logit = [], [], [], []  # candidates, feature by feature
+        for w, f in enumerate(range(f0, f1)):
             if win.doc_len[f] == 0:
                 continue
-            lo = win.q_len[f] + 2
+            lo = win.q_len[f] + 2  # the window's context occupies row positions [lo, hi)
             hi = lo + win.doc_len[f]
-            top_s = np.argsort(-sl, kind="stable")[:n_best][:, None]  # [n, 1]
-            top_e = np.argsort(-el, kind="stable")[:n_best][None, :]  # [1, n]
+            top_s, top_e = top_starts[f][:, None], top_ends[f][None, :]  # [n, 1], [1, n]
             ok = (top_s >= lo) & (top_s < hi) & (top_e >= lo) & (top_e < hi)
             ok &= (top_e >= top_s) & (top_e - top_s + 1 <= max_len)
             ok &= is_max[w][np.clip(top_s - lo, 0, hi - lo - 1)]  # the start's own window
-            for si, ei in zip(*np.nonzero(ok)):
-                a, b = int(top_s[si, 0]), int(top_e[0, ei])
-                shift = win.doc_start[f] - lo
-                cands.append((sl[a] + el[b], sl[a], el[b], a + shift, b + shift))
-        cands.sort(key=lambda c: -c[0])
+            si, ei = np.nonzero(ok)
+            a, b = top_s[si, 0], top_e[0, ei]
+            shift = win.doc_start[f] - lo  # row position -> paragraph token
+            firsts.append(a + shift)
+            lasts.append(b + shift)
+            s_logit.append(start_logits[f, a])
+            e_logit.append(end_logits[f, b])
         nbest, seen = [], set()
-        for _score, s_logit, e_logit, first, last in cands:
-            text = context[begin[first] : end[last]].strip()
-            if not text or text in seen:  # a span of whitespace pieces answers nothing
-                continue
-            seen.add(text)
-            nbest.append({"text": text, "start_logit": float(s_logit), "end_logit": float(e_logit)})
-            if len(nbest) >= n_best:
-                break
-        best_non_null = nbest[0] if nbest else None
+        if firsts:
+            s_logit, e_logit = np.concatenate(s_logit), np.concatenate(e_logit)
+            firsts, lasts = np.concatenate(firsts), np.concatenate(lasts)
+            for k in np.argsort(-(s_logit + e_logit), kind="stable"):
+                text = context[begin[firsts[k]] : end[lasts[k]]].strip()
+                if not text or text in seen:  # a span of whitespace pieces answers nothing
+                    continue
+                seen.add(text)
+                nbest.append(
+                    {"text": text, "start_logit": float(s_logit[k]), "end_logit": float(e_logit[k])}
+                )
+                if len(nbest) >= n_best:
+                    break
+        best = nbest[0] if nbest else None
+        answer = best["text"] if best else ""
         if version == 2:
-            if "" not in seen:
-                nbest.append({"text": "", "start_logit": float(null), "end_logit": 0.0})
-            diff = (
-                null - best_non_null["start_logit"] - best_non_null["end_logit"]
-                if best_non_null
-                else math.inf
-            )
-            null_odds[qid] = float(diff)
-            answer = (
-                best_non_null["text"]
-                if best_non_null and diff <= options.null_score_diff_threshold
-                else ""
-            )
-        else:
-            answer = best_non_null["text"] if best_non_null else ""
+            null = float(null_scores[f0:f1].min())
+            nbest.append({"text": "", "start_logit": null, "end_logit": 0.0})
+            diff = null - best["start_logit"] - best["end_logit"] if best else math.inf
+            null_odds[qid] = diff
+            if diff > options.null_score_diff_threshold:
+                answer = ""
         totals = np.array([c["start_logit"] + c["end_logit"] for c in nbest])
         probs = np.exp(totals - totals.max()) if len(totals) else totals
         for c, prob in zip(nbest, probs / probs.sum() if len(totals) else probs):

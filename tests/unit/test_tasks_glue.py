@@ -214,7 +214,8 @@ def hf_table(task, examples):
 
 def write_hf(root, task, layout, examples=None):
     """layout: "parquet" (Dataset.to_parquet per split), "jsonl" (Dataset.to_json), "hub"
-    (the hub's own {config}/{split}-00000-of-00001.parquet under the glue root)."""
+    (the hub's own {config}/{split}-00000-of-00001.parquet under the glue root), "converter"
+    (the hub's parquet-converter branch, {config}/{split}/0000.parquet)."""
     examples = examples or EXAMPLES[task]
     splits = (
         ["train", "validation_matched", "validation_mismatched"]
@@ -228,6 +229,10 @@ def write_hf(root, task, layout, examples=None):
         if layout == "hub":
             (root / task).mkdir(parents=True, exist_ok=True)
             pq.write_table(table, root / task / f"{split}-00000-of-00001.parquet")
+            folder = root
+        elif layout == "converter":  # the hub's refs/convert/parquet: {config}/{split}/0000.parquet
+            (root / task / split).mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, root / task / split / "0000.parquet")
             folder = root
         else:
             folder.mkdir(parents=True, exist_ok=True)
@@ -289,7 +294,7 @@ def test_label_ids_follow_the_hub(tmp_path, tokenizer):
     assert [it["labels"].item() for it in _all(mnli.train)] == [1, 0, 0, 2]
 
 
-@pytest.mark.parametrize("layout", ["parquet", "jsonl", "hub"])
+@pytest.mark.parametrize("layout", ["parquet", "jsonl", "hub", "converter"])
 @pytest.mark.parametrize("task", list(EXAMPLES))
 def test_hf_layout_gives_the_same_features_and_labels(tmp_path, tokenizer, task, layout):
     glue = load_task(task, write_glue(tmp_path / "glue", task), tokenizer, seq_length=32)
@@ -306,14 +311,30 @@ def test_hf_layout_gives_the_same_features_and_labels(tmp_path, tokenizer, task,
 
 def test_truncation_longest_first_is_counted(tmp_path, tokenizer):
     long = "the cat sat on the mat and looked at the dog for a long while " * 3
-    examples = [(long, "short one.", "entailment", 0), ("tiny", "also tiny", "entailment", 0)]
+    examples = [
+        (long, "short one.", "entailment", 0),
+        ("tiny", "also tiny", "entailment", 0),
+        ("short one.", long, "entailment", 0),
+    ]
     folder = write_glue(tmp_path, "rte", examples)
     data = load_task("rte", folder, tokenizer, seq_length=16, splits=("train",))
-    assert data.stats["truncated"]["train"] == 1
-    first = data.train[0]["input_ids"].tolist()
+    assert data.stats["truncated"]["train"] == 2
     b = tokenizer.encode("short one.")
-    # the long side gives way: b stays whole, a fills the rest of the 16 - 3 tokens
-    assert first == [2, *tokenizer.encode(long)[: 13 - len(b)], 3, *b, 3]
+    # the long side gives way: the short one stays whole, the long fills the rest of 16 - 3
+    assert data.train[0]["input_ids"].tolist() == [
+        2,
+        *tokenizer.encode(long)[: 13 - len(b)],
+        3,
+        *b,
+        3,
+    ]
+    assert data.train[2]["input_ids"].tolist() == [
+        2,
+        *b,
+        3,
+        *tokenizer.encode(long)[: 13 - len(b)],
+        3,
+    ]
 
 
 def test_qqp_malformed_rows_are_counted_and_skipped(tmp_path, tokenizer):
@@ -496,3 +517,18 @@ def test_custom_task_discovers_sorted_labels(tmp_path, tokenizer):
     (tmp_path / "train.tsv").write_text("text\tlabel\na\tb\n")
     with pytest.raises(TaskDataError, match=r"train\.tsv:1: header must name 'sentence'"):
         load_task("custom", tmp_path, tokenizer, seq_length=16)
+
+
+def test_empty_split_and_bad_arguments(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "qnli")
+    (folder / "dev.tsv").write_text("index\tquestion\tsentence\tlabel\n")
+    with pytest.raises(TaskDataError, match=r"dev\.tsv: no examples in the dev split"):
+        load_task("qnli", folder, tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match="unknown task 'glue'"):
+        load_task("glue", folder, tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match=r"splits \['test'\] must be among \['train', 'dev'\]"):
+        load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))
+    with pytest.raises(TaskDataError, match="no such directory"):
+        load_task("qnli", tmp_path / "nowhere", tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match="seq_length must be at least 4"):
+        load_task("qnli", folder, tokenizer, seq_length=3)

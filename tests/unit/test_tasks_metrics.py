@@ -1,5 +1,6 @@
 """The task metrics against scikit-learn / scipy and hand-derived values; the GLUE score's two
-conventions; the vectorised truncation and row assembly against plain loops."""
+conventions; the batched tokenisation, vectorised truncation and row assembly against plain
+loops."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from sklearn.metrics import f1_score
 from sklearn.metrics import matthews_corrcoef as sk_mcc
 
 from megatron_taco.tasks import glue_score, glue_task_scores
-from megatron_taco.tasks.base import Segment, assemble, truncate_pair
+from megatron_taco.tasks.base import Segment, assemble, tokenize, truncate_pair
 from megatron_taco.tasks.metrics import (
     accuracy,
     compute,
@@ -146,3 +147,19 @@ def test_assemble_matches_row_by_row():
         row = [2, *flat_a[sa[r] : sa[r] + la[r]], 3, *flat_b[sb[r] : sb[r] + lb[r]], 3]
         assert lengths[r] == len(row)
         assert ids[r].tolist() == row + [0] * (s - len(row))
+
+
+def test_tokenize_encodes_each_distinct_text_once(tokenizer):
+    texts = ["the cat sat.", "", "a dog", "the cat sat.", "Café  crème", "a dog", "the cat sat."]
+    calls = []
+
+    class Counting:
+        def encode_batch(self, batch):
+            calls.append(list(batch))
+            return tokenizer.encode_batch(batch)
+
+    toks = tokenize(Counting(), texts, chunk=2)
+    assert sorted(t for c in calls for t in c) == sorted(set(texts))
+    for i, text in enumerate(texts):
+        got = toks.flat[toks.start[i] : toks.start[i] + toks.length[i]].tolist()
+        assert got == tokenizer.encode(text)

@@ -125,6 +125,15 @@ def test_squad_v2_official_scores_and_best_threshold():
     assert out["best_f1_thresh"] == pytest.approx(0.2)
 
 
+def test_squad_v2_drops_gold_answers_that_normalise_to_nothing():
+    data = squad_json([("c", [("q", "?", [("The", 0), ("Rollo", 0)], False)])], "2.0")["data"]
+    # gold answers are just ["Rollo"]: the question is answerable, "" and "a" score 0
+    for pred in ("", "a"):
+        out = squad_v2_evaluate(data, {"q": pred})
+        assert out["exact"] == out["f1"] == 0.0 and out["HasAns_total"] == 1
+    assert squad_v2_evaluate(data, {"q": "rollo"})["exact"] == 100.0
+
+
 def test_squad_v2_na_prob_threshold_and_missing_predictions():
     # --na-prob-thresh 0.25: u2 (0.3), u1 (0.8) and a3 (0.9) become "no answer": u2 now scores
     # 1, u1 stays 1, a3 stays 0 -> exact 3/5, F1 (1 + 2/7 + 0 + 1 + 1) / 5
@@ -152,15 +161,9 @@ CONTEXT = (
 # accents, a doubled space inside the answer, NFKC-changed full-width letters, a tab,
 # punctuation around answers, unknown pieces
 ANSWERS = [
-    "Café  Crème",
-    "São Paulo",
-    "Brazil",
-    "(1990s)",
-    "naïve   critics",
-    '"ｆｕｌｌ marks!"',
-    "Zoë  Ångström-Lee",
-    "won",
-]
+    *("Café  Crème", "São Paulo", "Brazil", "(1990s)", "1990s", "naïve   critics"),
+    *('"ｆｕｌｌ marks!"', "Zoë  Ångström-Lee", "Lee", "won"),
+]  # "1990s" and "Lee" follow a piece that ends where they start: "(" and "-"
 
 
 def _write(tmp_path, name, doc):
@@ -414,14 +417,16 @@ def test_decoding_rules(tmp_path, tokenizer):
     start[0, tok["said"]] = 8.0
     end[0, tok["but"]] = 7.9  # "said ... but": longer than max_answer_length 3
     end[0, tok["his"]] = 2.0  # "said that his": 3 tokens
+    end[0, tok["one"]] = 3.0  # "said that his one": 4 tokens, one too many
     start[0, tok["not"]] = 1.0
     end[0, tok["you"]] = 6.0  # ends before any start
     out = data.predict("dev", {"start_logits": start, "end_logits": end})
     assert out["predictions"] == {"q": "said that his"}
     nbest = out["nbest"]["q"]
     # candidates: starts among the 5 best (said 8, not 1, then question/[CLS] positions), ends
-    # among the 5 best (but 7.9, you 6, his 2, ...): "said that his" 8 + 2 and "not there but"
-    # 1 + 7.9 are valid; "said ... but" is too long, anything ending at "you" ends too early
+    # among the 5 best (but 7.9, you 6, one 3, his 2, ...): "said that his" 8 + 2 and "not there
+    # but" 1 + 7.9 are valid; "said ... but" and "said ... one" are too long, anything ending at
+    # "you" ends too early
     assert [c["text"] for c in nbest] == ["said that his", "not there but"]
     assert sum(c["probability"] for c in nbest) == pytest.approx(1.0)
     assert nbest[1]["probability"] == pytest.approx(1 / (1 + np.exp(10 - 8.9)))
