@@ -111,6 +111,10 @@ def test_pretraining_loss_equals_ours(pair):
             position_labels=batch["mpm_labels"],
         )
     assert torch.isclose(out.loss.double(), ref, rtol=1e-6), (out.loss, ref)
+    none = torch.full_like(batch["mlm_labels"], -100)
+    with torch.no_grad():
+        empty = theirs(input_ids=batch["input_ids"], labels=none, position_labels=none).loss
+    assert empty.item() == 0.0  # no labelled token: 0, not NaN
 
 
 def test_default_position_ids_count_real_tokens_on_either_padding_side(pair):

@@ -350,7 +350,10 @@ class TacoForMaskedLM(TacoPreTrainedModel):
         loss = None
         for scores, target in ((logits, labels), (position_logits, position_labels)):
             if target is not None:
-                term = F.cross_entropy(scores.flatten(0, 1).float(), target.flatten())
+                # Mean over the labelled tokens, 0 (not NaN) when there are none, as ours.
+                target = target.flatten()
+                total = F.cross_entropy(scores.flatten(0, 1).float(), target, reduction="sum")
+                term = total / (target != -100).sum().clamp(min=1)
                 loss = term if loss is None else loss + term
         result = TacoMaskedLMOutput(
             loss=loss,
