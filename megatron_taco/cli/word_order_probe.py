@@ -239,7 +239,9 @@ def our_encoder(path: str, config: ProbeConfig) -> Encoder:
         proto = sp.encode(text, return_type="proto")
         ids = [2, *(p.id for p in proto.pieces), 3]  # [CLS] ... [SEP]
         if len(ids) > limit:
-            raise ConfigError(f"--sentences: {text!r} has {len(ids)} tokens; {path} takes {limit}")
+            raise ConfigError(
+                f"--sentences: {_short(text)} has {len(ids)} tokens; {path} takes {limit}"
+            )
         spans = char_spans_from_bytes(text, [(p.begin, p.end) for p in proto.pieces])
         x = torch.tensor([ids])
         mask = torch.ones_like(x, dtype=torch.bool)
@@ -274,9 +276,13 @@ def transformers_encoder(path: str, config: ProbeConfig) -> Encoder:
         raise ConfigError(f"--load: {path}: the probe needs a fast tokenizer (character offsets)")
     model = AutoModel.from_pretrained(path, **remote).eval()
     taco = meta.get("model_type") == "taco"
+    limit = meta.get("max_position_embeddings")
 
     def encode(text: str) -> Encoded:
         enc = tok(text, return_offsets_mapping=True, return_tensors="pt")
+        n = enc["input_ids"].shape[1]
+        if limit is not None and n > limit:
+            raise ConfigError(f"--sentences: {_short(text)} has {n} tokens; {path} takes {limit}")
         spans = [tuple(map(int, s)) for s in enc.pop("offset_mapping")[0].tolist()]
         with torch.no_grad():
             hidden = model(**enc).last_hidden_state[0]
@@ -289,6 +295,10 @@ def transformers_encoder(path: str, config: ProbeConfig) -> Encoder:
     if taco:
         kind += f" ({config.taco_stream})"
     return Encoder(f"{kind}: {_name(path)}", encode)
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
 def _name(path: str) -> str:

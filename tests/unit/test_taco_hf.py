@@ -166,3 +166,11 @@ def test_task_heads_read_the_complete_representation(pair):
             else:
                 out = model(ids, mask, pos)
                 assert_close(out.logits, linear(h[:, 0]), "sequence classification")
+
+
+def test_a_parameter_without_an_export_rule_fails_the_export(pair):
+    ours, _ = pair
+    state = dict(ours.state_dict())
+    state["taco.layers.0.attention.new_gate"] = torch.zeros(3)
+    with pytest.raises(KeyError, match="new_gate"):
+        hf_state_dict(ours.config, state)
