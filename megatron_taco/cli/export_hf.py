@@ -1,5 +1,5 @@
-"""Export a SAS checkpoint (any tensor-parallel size, ZeRO 0-2) to a transformers model
-directory (taco-export-hf, tools/export_hf.py).
+"""Export a SAS or TACO checkpoint (any tensor-parallel size, ZeRO 0-2) to a transformers
+model directory (taco-export-hf, tools/export_hf.py).
 
     python tools/export_hf.py --load ckpt --output sas_small_hf
 
@@ -14,8 +14,11 @@ dense, dense_prediction). Weights are the fp32 master weights where the optimize
 Tokenizer: tokenizer.json + tokenizer_config.json so that ``AutoTokenizer.from_pretrained``
 loads a fast tokenizer equal to ours (sentencepiece unigram models: same normalisation,
 pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4; it adds [CLS] ... [SEP]), plus
-the sentencepiece model itself as spm.model. TACO checkpoints are refused: transformers
-has no TACO class (taco-convert-checkpoint --consolidate gives their full state dict).
+the sentencepiece model itself as spm.model.
+TACO -> its own modeling code (cli/export_taco_hf.py): configuration_taco.py and
+modeling_taco.py beside config.json (auto_map) and model.safetensors, loaded with
+``trust_remote_code=True`` by AutoModel, AutoModelForMaskedLM (MLM and MPM heads) and the
+sequence-classification, question-answering and multiple-choice Auto classes.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False
     )
-    p.add_argument("--load", required=True, help="SAS checkpoint directory (a --save).")
+    p.add_argument("--load", required=True, help="SAS or TACO checkpoint directory (a --save).")
     p.add_argument("--ckpt-step", type=int, help="Iteration to export (default: the latest).")
     p.add_argument("--output", required=True, help="New directory for the transformers files.")
     p.add_argument(
@@ -146,12 +149,6 @@ def save_model(config, state_dict, out: str) -> list[str]:
 
 def export(args: argparse.Namespace) -> str:
     info = find_checkpoint(args.load, args.ckpt_step)
-    if info.model != "SAS":
-        raise ConfigError(
-            f"--load: {info.iter_dir} is a {info.model} checkpoint; transformers has no "
-            f"{info.model} class to export to (taco-convert-checkpoint --consolidate FILE "
-            "writes its full state dict)"
-        )
     if os.path.exists(args.output) and os.listdir(args.output):
         raise ConfigError(f"--output: {args.output} exists and is not empty")
     config, build = model_builder(info, args.tokenizer_model)
@@ -162,14 +159,24 @@ def export(args: argparse.Namespace) -> str:
     os.makedirs(tmp)
     try:
         save_tokenizer(spm, tmp, config.max_position_embeddings)
-        files = save_model(config, states.full_state_dict(), tmp)
+        if info.model == "TACO":
+            from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
+
+            save_taco_model(config, states.full_state_dict(), tmp)
+            restrict_tokenizer_inputs(tmp)
+            files = sorted(os.listdir(tmp))
+        else:
+            files = save_model(config, states.full_state_dict(), tmp)
         if os.path.isdir(args.output):
             os.rmdir(args.output)
         os.rename(tmp, args.output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
+    if info.model == "TACO":
+        kind = "TACO (trust_remote_code=True)"
+    else:
+        kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
     return f"{info.iter_dir} -> {args.output} as {kind}: {', '.join(files)}"
 
 
