@@ -351,10 +351,15 @@ def write_marker_task(directory, *, dev_fraction: float = 0.25, seed: int = 0) -
     return {"train": len(rows) - n_dev, "dev": n_dev}
 
 
-def write_number_squad(directory, *, version: str = "v1.1", seed: int = 0) -> None:
-    """SQuAD's JSON layout (train-/dev-{version}.json): a sentence with a 3-4 digit number
-    inserted, "What is the number?", the number as the answer. v2.0: every third context has
-    no number and its question is unanswerable."""
+_PLACES = ("Tokyo", "Kyushu", "Kamakura", "Echigo", "Azabu")
+_SITES = ("school", "hotel", "garden", "house", "street")
+
+
+def write_place_squad(directory, *, version: str = "v1.1", copies: int = 1, seed: int = 0) -> None:
+    """SQuAD's JSON layout (train-/dev-{version}.json): a sentence with "in <place> <site>"
+    inserted (e.g. "in Kamakura hotel"), "Where was it?", and "<place> <site>" as the answer
+    (two words, so its end is not its start); each training sentence ``copies`` times with
+    other places. v2.0: every third context has none and its question is unanswerable."""
     import json
 
     import numpy as np
@@ -364,18 +369,20 @@ def write_number_squad(directory, *, version: str = "v1.1", seed: int = 0) -> No
     split = int(0.75 * len(sentences))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for name, part in (("train", sentences[:split]), ("dev", sentences[split:])):
+    for name, part in (("train", sentences[:split] * copies), ("dev", sentences[split:])):
         paragraphs = []
         for i, s in enumerate(part):
             impossible = version == "v2.0" and i % 3 == 2
-            number = str(int(rng.integers(100, 10000)))
-            words = s.split() if impossible else _insert(s.split(), number, rng)
+            answer = f"{rng.choice(_PLACES)} {rng.choice(_SITES)}"
+            words = s.split()
+            if not impossible:
+                at = int(rng.integers(1, len(words)))
+                words = [*words[:at], "in", answer, *words[at:]]
             context = " ".join(words)
-            qa = {"id": f"{name}-{i}", "question": "What is the number?"}
-            answers = [] if impossible else [
-                {"text": number, "answer_start": context.index(f" {number} ") + 1}
+            qa = {"id": f"{name}-{i}", "question": "Where was it?"}
+            qa["answers"] = [] if impossible else [
+                {"text": answer, "answer_start": context.index(f" in {answer}") + 4}
             ]  # fmt: skip
-            qa["answers"] = answers
             if version == "v2.0":
                 qa["is_impossible"] = impossible
                 qa["plausible_answers"] = []
@@ -385,10 +392,10 @@ def write_number_squad(directory, *, version: str = "v1.1", seed: int = 0) -> No
             json.dump(data, f)
 
 
-def write_word_race(directory, *, seed: int = 0) -> None:
+def write_word_race(directory, *, questions: int = 3, seed: int = 0) -> None:
     """RACE's layout ({train,dev,test}/{middle,high}/N.txt, one JSON object each): the article
-    is a sentence, "Which word is in the text?", one option a word of the article and three
-    words of other sentences that are not in it."""
+    is a sentence; each of its ``questions`` asks "Which word is in the text?" with one option
+    a word of the article and three words of other sentences that are not in it."""
     import json
 
     import numpy as np
@@ -406,17 +413,20 @@ def write_word_race(directory, *, seed: int = 0) -> None:
             outside = [w for w in vocab if w not in words]
             if not inside:
                 continue
-            options = [inside[int(rng.integers(len(inside)))]]
-            options += [str(w) for w in rng.choice(outside, 3, replace=False)]
-            order = rng.permutation(4)
-            level = "middle" if n % 2 else "high"
-            folder = Path(directory) / split / level
+            options, answers = [], []
+            for _ in range(questions):
+                choice = [inside[int(rng.integers(len(inside)))]]
+                choice += [str(w) for w in rng.choice(outside, 3, replace=False)]
+                order = rng.permutation(4)
+                options.append([choice[j] for j in order])
+                answers.append("ABCD"[int(np.flatnonzero(order == 0)[0])])
+            folder = Path(directory) / split / ("middle" if n % 2 else "high")
             folder.mkdir(parents=True, exist_ok=True)
             record = {
                 "id": f"{split}{n}.txt",
                 "article": sentences[i],
-                "questions": ["Which word is in the text?"],
-                "options": [[options[j] for j in order]],
-                "answers": ["ABCD"[int(np.flatnonzero(order == 0)[0])]],
+                "questions": ["Which word is in the text?"] * questions,
+                "options": options,
+                "answers": answers,
             }
             (folder / f"{n}.txt").write_text(json.dumps(record), encoding="utf-8")

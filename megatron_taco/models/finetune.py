@@ -52,7 +52,7 @@ PRETRAINING_ENCODER_PREFIX = {"TACO": "taco.", "SAS": "sas."}
 
 
 class TaskModel(nn.Module):
-    """forward(batch) -> dict(loss, acc (classification, multiple choice), and the outputs
+    """forward(batch) -> dict(loss, acc (classification, multiple choice; percent), and the outputs
     the evaluation scores: logits [b, C] | predictions [b] | start_logits, end_logits [b, s])."""
 
     def __init__(
@@ -125,7 +125,8 @@ class TaskModel(nn.Module):
         if labels is None:  # inference
             return {"logits": logits.detach()}
         loss = F.cross_entropy(logits, labels)
-        acc = (logits.detach().argmax(-1) == labels).float().mean()
+        # In percent, as the benchmarks report their dev accuracies.
+        acc = 100.0 * (logits.detach().argmax(-1) == labels).float().mean()
         return {"loss": loss, "acc": acc, "logits": logits.detach()}
 
     def _span(self, hidden, mask, batch) -> dict[str, torch.Tensor]:
@@ -140,7 +141,7 @@ class TaskModel(nn.Module):
         loss = 0.5 * (F.cross_entropy(start, sp) + F.cross_entropy(end, ep))
         with torch.no_grad():
             exact = (start.argmax(-1) == sp) & (end.argmax(-1) == ep)
-        return {"loss": loss, "span_acc": exact.float().mean(), **out}
+        return {"loss": loss, "span_acc": 100.0 * exact.float().mean(), **out}
 
 
 def encoder_state_from_pretraining(

@@ -352,6 +352,12 @@ class FinetuneSpec(ModelSpec):
         passes the features it already built for another run of the same task."""
         if task_data is None:
             task_data = self.load_features(cfg)
+        gbs, n = cfg.deepspeed.global_batch_size, len(task_data.train)
+        if n < gbs:
+            raise ConfigError(
+                f"--global-batch-size: {gbs} is more than the {n} training examples of "
+                f"{cfg.data.data_dir}"
+            )
         return dataclasses.replace(self, build=lambda ctx: build_finetune(ctx, task_data))
 
 
@@ -539,7 +545,11 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
             f"task {info.name} ({info.kind}, {info.num_labels} outputs) from {data.data_dir}: "
             f"{n:,} training features ({per_epoch:,} per epoch), dev "
             + ", ".join(f"{s} {len(d):,}" for s, d in task_data.dev.items())
-            + (f"; {stats.get('truncated', 0):,} truncated" if stats.get("truncated") else ""),
+            + "".join(
+                f"; {count:,} {split} truncated"
+                for split, count in (stats.get("truncated") or {}).items()
+                if count
+            ),
             f"selection: {ft.epoch_selection} epoch by {info.main_metric}",
         ],
         metadata={"task": info.name, "pretrained": dataclasses.asdict(cfg.task["pretrained"])},

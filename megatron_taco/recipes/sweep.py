@@ -312,7 +312,7 @@ def summarize(root: str, protocol: str | None = None) -> dict[str, Any]:
         "tasks": tasks,
     }
     if all(t in tasks for t in GLUE_TASKS):
-        summary["glue_score"] = 100 * glue_score(
+        summary["glue_score"] = glue_score(
             {t: nested_scores(t, tasks[t]["dev"]) for t in GLUE_TASKS}
         )
     return summary
@@ -339,7 +339,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for task, row in summary["tasks"].items():
-        scores = ", ".join(f"{k} {100 * v:.2f}" for k, v in sorted(row["dev"].items()))
+        scores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["dev"].items()))
         lines.append(f"| {task} | {row['best']} | {row['seeds']} | {scores} |")
     if "glue_score" in summary:
         lines.append(

@@ -128,9 +128,7 @@ def test_finetuning_tp2_equals_tp1(tp1, tp2, encoder, task):
     # bias and the biases of the last layer's output LayerNorms (added to every token and
     # option alike) get none.
     invariant = ("head.bias", "output_layernorm.bias") if task != "classification" else ()
-    smallest = min(
-        np.abs(g).max() for n, g in ref["grads"].items() if not n.endswith(invariant)
-    )
+    smallest = min(np.abs(g).max() for n, g in ref["grads"].items() if not n.endswith(invariant))
     assert RTOL * smallest > 1e3 * 1e-15, smallest
     for rank in tp2:
         got = rank[(encoder, task)]
