@@ -20,9 +20,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_taco.data.indexed_dataset import IndexedDataset  # noqa: E402
-from megatron_taco.data.samples import get_split_document_ranges  # noqa: E402
-from megatron_taco.data.tokenizer import Tokenizer  # noqa: E402
+from megatron_taco.data.indexed_dataset import IndexedDataset
+from megatron_taco.data.samples import get_split_document_ranges
+from megatron_taco.data.tokenizer import Tokenizer
 
 
 def held_out_sentences(prefix: str, tokenizer: Tokenizer, split: str) -> list[str]:
