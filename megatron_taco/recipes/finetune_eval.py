@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 from typing import Any
 
 import numpy as np
@@ -110,12 +111,22 @@ class DevEvaluation(Callback):
         for split, dataset in self.task.dev.items():
             outputs = predict(trainer, dataset, self.micro_batch_size, self.collate_fn)
             scores[split] = {k: float(v) for k, v in self.task.score(split, outputs).items()}
+            if self.task.info.kind == "span" and trainer.parallel.rank == 0:
+                self.write_predictions(split, epoch + 1, outputs)
             trainer.logger.log(split, state.iteration, {"epoch": epoch + 1, **scores[split]})
         self.history.append({"epoch": epoch + 1, "iteration": state.iteration, "scores": scores})
         if trainer.parallel.rank == 0:
             self.write_results(finished=epoch + 1 == trainer.num_epochs())
         if self.save_every_epoch:
             trainer.save(state)
+
+    def write_predictions(self, split: str, epoch: int, outputs: dict[str, Any]) -> None:
+        """SQuAD: the answers in the official evaluation scripts' input format
+        (predictions.json, v2.0's null_odds.json, nbest_predictions.json)."""
+        from megatron_taco.tasks import write_squad_predictions
+
+        folder = os.path.join(self.output, "predictions", split, f"epoch{epoch}")
+        write_squad_predictions(folder, self.task.predict(split, outputs))
 
     def chosen(self) -> dict[str, Any] | None:
         if not self.history:
@@ -152,9 +163,15 @@ class DevEvaluation(Callback):
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
+    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=True))
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace ``path`` whole: readers, and other writers (a sweep's array tasks on other
+    nodes rewrite the same summary), see the old file or the new one, never a mix."""
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, allow_nan=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

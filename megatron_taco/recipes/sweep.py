@@ -282,6 +282,12 @@ def _config_of(result: dict[str, Any]) -> str:
     return f"lr{h['lr']:g}-bs{h['global_batch_size']}-ep{h['epochs']}"
 
 
+def _main_key(result: dict[str, Any]) -> str:
+    """The main metric's key among a result's dev scores (split/metric for MNLI)."""
+    main = result["main_metric"]
+    return main if main in result["dev"] else f"{result.get('main_split')}/{main}"
+
+
 def summarize(root: str, protocol: str | None = None) -> dict[str, Any]:
     """Per task: every configuration's mean (SAS protocol, and by default) or median (TACO
     protocol) over its finished seeds of every dev metric, and the best configuration by
@@ -301,7 +307,7 @@ def summarize(root: str, protocol: str | None = None) -> dict[str, Any]:
             rows[config] = {
                 "seeds": len(results),
                 "dev": {m: aggregate([r["dev"][m] for r in results]) for m in metrics},
-                "main_metric": results[0]["main_metric"],
+                "main_metric": _main_key(results[0]),
             }
         main = next(iter(rows.values()))["main_metric"]
         best = max(rows, key=lambda c: rows[c]["dev"].get(main, float("-inf")))
@@ -349,14 +355,13 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 
 def write_summary(root: str, protocol: str | None) -> str:
-    from megatron_taco.recipes.finetune_eval import write_json_atomic
+    from megatron_taco.recipes.finetune_eval import write_json_atomic, write_text_atomic
 
     summary = summarize(root, protocol)
     table = markdown_table(summary)
     os.makedirs(root, exist_ok=True)
     write_json_atomic(os.path.join(root, f"{SUMMARY}.json"), summary)
-    with open(os.path.join(root, f"{SUMMARY}.md"), "w", encoding="utf-8") as f:
-        f.write(table + "\n")
+    write_text_atomic(os.path.join(root, f"{SUMMARY}.md"), table + "\n")
     return table
 
 

@@ -112,6 +112,10 @@ def test_span_task_is_learnt(pretrained, tasks, tmp_path):
     r = results(out)
     assert r["dev"]["f1"] >= 85.0, r["epochs"]
     assert set(r["dev"]) >= {"exact", "f1"}
+    predictions = json.loads(
+        (out / "predictions" / "dev" / "epoch2" / "predictions.json").read_text()
+    )
+    assert len(predictions) == r["dev"]["total"]
 
 
 def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
