@@ -36,7 +36,7 @@ from megatron_taco.preprocessing.preprocess import (
     summary_path,
     unigram_path,
 )
-from megatron_taco.preprocessing.text import SentenceSplitter
+from megatron_taco.preprocessing.text import SentenceSplitter, make_sentence_splitter
 
 CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 BOTCHAN = Path(__file__).resolve().parents[1] / "fixtures" / "text" / "botchan_excerpt.txt"
@@ -98,7 +98,7 @@ def file_bytes(prefix):
 
 @pytest.fixture(scope="module")
 def splitter():
-    return SentenceSplitter()
+    return make_sentence_splitter()  # the default, one document at a time
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def test_unigram_from_txt_via_cli(tmp_path, botchan_path):
             "--model-prefix",
             str(prefix),
             "--vocab-size",
-            "300",
+            "400",
             "--num-threads",
             "1",
             "--quiet",
@@ -54,8 +54,8 @@ def test_unigram_from_txt_via_cli(tmp_path, botchan_path):
     )
     assert rc == 0
     tok = Tokenizer(str(prefix) + ".model")
-    assert tok.vocab_size == 300
-    assert Path(str(prefix) + ".vocab").read_text(encoding="utf-8").count("\n") == 300
+    assert tok.vocab_size == 400
+    assert Path(str(prefix) + ".vocab").read_text(encoding="utf-8").count("\n") == 400
     proto = _model_proto(str(prefix) + ".model")
     assert proto.trainer_spec.model_type == model_pb2.TrainerSpec.UNIGRAM
     assert [p.piece for p in proto.pieces[:5]] == list(SPECIAL_PIECES)
@@ -100,7 +100,7 @@ def test_json_keys_select_fields(tmp_path, jsonl_corpus):
             input=(str(jsonl_corpus),),
             json_keys=("text", "meta"),
             model_prefix=str(prefix),
-            vocab_size=300,
+            vocab_size=500,
             character_coverage=1.0,
             num_threads=1,
             quiet=True,
@@ -119,6 +119,7 @@ def test_sampling_is_seeded_and_bounded(tmp_path, botchan_path, caplog):
                     input=(str(botchan_path),),
                     model_prefix=str(prefix),
                     vocab_size=200,
+                    byte_fallback=False,  # small vocabularies: sampling is what is tested
                     input_sentence_size=size,
                     shuffle_input_sentence=shuffle,
                     seed=seed,
@@ -160,6 +161,7 @@ def test_sampling_is_reproducible_across_processes(tmp_path, botchan_path):
                 str(prefix),
                 "--vocab-size",
                 "200",
+                "--no-byte-fallback",
                 "--input-sentence-size",
                 "150",
                 "--num-threads",
@@ -246,6 +248,7 @@ def test_corpus_without_text(tmp_path):
                 input=(str(empty),),
                 model_prefix=str(tmp_path / "m"),
                 vocab_size=100,
+                byte_fallback=False,
                 num_threads=1,
                 quiet=True,
             )
