@@ -207,7 +207,10 @@ class MlmOnlyCollator:
             )  # fmt: skip
             ids.append(x)
             labels.append(y)
-        return {"input_ids": torch.from_numpy(np.stack(ids)), "labels": torch.from_numpy(np.stack(labels))}
+        return {
+            "input_ids": torch.from_numpy(np.stack(ids)),
+            "labels": torch.from_numpy(np.stack(labels)),
+        }
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,7 +352,9 @@ def main(argv=None) -> int:
     results = []
     for name, (ratio, lo, hi), note in rows:
         met = "met" if ratio >= 1.0 else f"MISSED by {1.0 - ratio:.0%}"
-        print(f"  {name:26s} {ratio:5.2f}x  (spread {lo:.2f}..{hi:.2f})  goal >= 1.0x  {met}  {note}")
+        print(
+            f"  {name:26s} {ratio:5.2f}x  (spread {lo:.2f}..{hi:.2f})  goal >= 1.0x  {met}  {note}"
+        )
         results.append(Result("bench_samples", name, ratio, 1.0, ">=", "x",
                               f"spread {lo:.2f}..{hi:.2f}; {note}"))  # fmt: skip
     write_results(args.results_json, results)
