@@ -138,6 +138,12 @@ class TrainTokenizerConfig:
             f"{', '.join(SPECIAL_PIECES)}; use at least {MIN_VOCAB_SIZE}",
         )
         require(self.model_type in ("unigram", "bpe"), cls, "model_type", "must be unigram or bpe")
+        require(
+            self.sentence_splitter in SENTENCE_SPLITTERS,
+            cls,
+            "sentence_splitter",
+            f"must be one of {SENTENCE_SPLITTERS}, got {self.sentence_splitter!r}",
+        )
         if self.byte_fallback:
             least = MIN_VOCAB_SIZE + BYTE_PIECES
             require(

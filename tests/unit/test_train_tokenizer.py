@@ -253,3 +253,37 @@ def test_corpus_without_text(tmp_path):
                 quiet=True,
             )
         )
+
+
+def test_sentence_splitter_choice(tmp_path, botchan_path):
+    for name in ("punkt", "blingfire"):
+        config = cli.TrainTokenizerConfig(
+            input=(str(botchan_path),), model_prefix=str(tmp_path / name), vocab_size=400,
+            split_sentences=True, sentence_splitter=name, num_threads=1, quiet=True,
+        )  # fmt: skip
+        stream = cli._SentenceStream(config, [(str(botchan_path), "bookcorpus")])
+        assert stream.splitter.name == name
+        sentences = list(stream._read())
+        assert len(sentences) > 900 and all(s == s.strip() and s for s in sentences)
+    with pytest.raises(ConfigError, match="--sentence-splitter"):
+        cli.TrainTokenizerConfig(
+            input=(str(botchan_path),), model_prefix=str(tmp_path / "x"), sentence_splitter="x"
+        )
+
+
+def test_byte_fallback_needs_room_and_says_so(tmp_path, botchan_path):
+    with pytest.raises(ConfigError, match="--vocab-size: 200 is too small for --byte-fallback"):
+        cli.TrainTokenizerConfig(
+            input=(str(botchan_path),), model_prefix=str(tmp_path / "m"), vocab_size=200
+        )
+    with pytest.raises(ConfigError, match="--vocab-size: 300 cannot hold the .* byte pieces"):
+        cli.train_tokenizer(
+            cli.TrainTokenizerConfig(
+                input=(str(botchan_path),),
+                model_prefix=str(tmp_path / "m"),
+                vocab_size=300,
+                character_coverage=1.0,
+                num_threads=1,
+                quiet=True,
+            )  # fmt: skip
+        )
