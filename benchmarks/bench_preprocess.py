@@ -51,7 +51,8 @@ workers it is what the wall ratio tends to.
 (b) includes what (a) leaves out by construction: starting the worker processes (~0.15 s
 of CPU each: the interpreter, numpy, sentencepiece, the tokenizer model), reading and JSON
 decoding, the text cleaning of corpora.parse_raw, flattening the ids, writing and merging.
-With --split-sentences punkt dominates both sides. At document level the bare encode runs
+With --split-sentences, splitting (the default splitter, batched as the tool calls it) and
+encoding dominate both sides. At document level the bare encode runs
 at ~20 MB/s per core, so 20 MB would be over in half a second and the fixed start-up alone
 would hold the ratio near 60%; the document level is therefore measured on a corpus of
 --document-mb (100 MB: a bare run about as long as the sentence-level one), which measures
