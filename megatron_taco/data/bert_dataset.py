@@ -205,14 +205,11 @@ def get_sample_index(
                 short_seq_prob=config.short_seq_prob,
                 min_sentences=config.min_sentences,
                 seed=config.seed,
+                compact=True,  # int32 rows for corpora under 2**31 sentences
             )
         except ValueError as e:
             raise ConfigError(f"--data-path: {ds.path_prefix} ({split_name} split): {e}") from None
         log_stats(stats, f"{ds.path_prefix} {split_name}")
-        # Sentence numbers and targets fit in 32 bits for any corpus under 2**31 sentences:
-        # half the file to write, cache and page in.
-        if index.size == 0 or int(index[:, :2].max()) < np.iinfo(np.int32).max:
-            index = index.astype(np.int32)
         return {"sample_index": index}, stats.to_dict()
 
     return load_or_build("bert_sample_index", description, ("sample_index",), build, cache_dir)

@@ -224,8 +224,9 @@ class _Packing:
     walking every chain of every epoch (tests/unit/test_samples.py compares the two).
     """
 
-    def __init__(self, cum, max_target, short_seq_prob, min_sentences, seed, offset):
+    def __init__(self, cum, max_target, short_seq_prob, min_sentences, seed, offset, dtype):
         self.cum = cum
+        self.dtype = dtype  # of the rows
         self.offset = offset  # dataset number of local sentence 0
         self.max_target = max_target
         self.short_seq_prob = short_seq_prob
@@ -309,9 +310,9 @@ class _Packing:
         """(rows [n, 3] with dataset sentence numbers, body tokens kept, tokens cut)."""
         body = self.cum[end] - self.cum[start]
         kept = np.minimum(body, target)
-        rows = np.empty((start.shape[0], 3), dtype=np.int64)
-        np.add(start, self.offset, out=rows[:, 0])
-        np.add(end, self.offset, out=rows[:, 1])
+        rows = np.empty((start.shape[0], 3), dtype=self.dtype)
+        np.add(start, self.offset, out=rows[:, 0], casting="unsafe")
+        np.add(end, self.offset, out=rows[:, 1], casting="unsafe")
         rows[:, 2] = target
         return rows, kept, body - kept
 
@@ -346,7 +347,7 @@ class _Packing:
             self.base_packed = self._packed(b_start, b_end, np.full(n_base, self.max_target))
         b_rows, b_kept, b_cut = self.base_packed
         w_rows, w_kept, w_cut = self._packed(w_start, w_end, w_target)
-        rows = np.empty((n_keep + w_rows.shape[0], 3), dtype=np.int64)
+        rows = np.empty((n_keep + w_rows.shape[0], 3), dtype=self.dtype)
         for c in range(2):
             # The kept base rows, row-major (epoch by epoch), then the walked ones. (One 1-D
             # column at a time: numpy selects from a broadcast 2-D array far faster.)
@@ -419,8 +420,11 @@ def build_sample_index_with_stats(
     short_seq_prob: float,
     min_sentences: int,
     seed: int,
+    compact: bool = False,
 ) -> tuple[np.ndarray, SampleIndexStats]:
-    """:func:`build_sample_index` plus what it skipped and truncated."""
+    """:func:`build_sample_index` plus what it skipped and truncated. ``compact``: int32
+    rows when every sentence number fits (what the cache stores: half the bytes to build,
+    write and page in)."""
     if (num_epochs is None) == (num_samples is None):
         raise ValueError(
             f"give exactly one of num_epochs and num_samples (got {num_epochs}, {num_samples})"
@@ -441,6 +445,8 @@ def build_sample_index_with_stats(
         raise ValueError(f"seed must be >= 0, got {seed}")
     max_target = int(max_seq_length) - NUM_SPECIAL_TOKENS
     min_sentences = int(min_sentences)
+    fits = max(np.asarray(sizes).shape[0], max_target) < np.iinfo(np.int32).max
+    index_dtype = np.int32 if compact and fits else np.int64
 
     sizes, bounds, _, _ = _check_inputs(sizes, document_indices, doc_range)
     num_docs = max(bounds.shape[0] - 1, 0)
@@ -464,7 +470,9 @@ def build_sample_index_with_stats(
     wanted = None if num_samples is None else int(num_samples)
     per_epoch = 0
     cap = min(_MAX_GROUP, max(1, _MAX_CHAINS // max(int(used.sum()), 1)))
-    packing = _Packing(cum, max_target, float(short_seq_prob), min_sentences, int(seed), lo)
+    packing = _Packing(
+        cum, max_target, float(short_seq_prob), min_sentences, int(seed), lo, index_dtype
+    )
     while (wanted is None and epoch < int(num_epochs)) or (wanted is not None and total < wanted):
         if wanted is None:
             group = int(num_epochs) - epoch
@@ -509,7 +517,7 @@ def build_sample_index_with_stats(
             epoch += 1
         per_epoch = min(counts)
 
-    index = np.empty((total, 3), dtype=np.int64)
+    index = np.empty((total, 3), dtype=index_dtype)
     at = 0
     for rows, chosen in blocks:
         # np.take into a contiguous slice: ~2x faster than rows[chosen] and no second copy

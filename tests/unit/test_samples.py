@@ -292,7 +292,7 @@ def test_base_chains_plus_walks_equal_walking_every_chain():
     used = np.diff(docs) >= 2
     start, end = docs[:-1][used], docs[1:][used]
     for p in (0.0, 0.3, 1.0):
-        packing = samples._Packing(cum, 62, p, 2, 17, 0)
+        packing = samples._Packing(cum, 62, p, 2, 17, 0, np.int64)
         epochs = np.arange(3, 9)
         rows, slots, sums = packing.rows(start, end, epochs)
         for k in range(epochs.shape[0]):
