@@ -405,14 +405,14 @@ class BlingfireSplitter:
             import blingfire
         except ImportError as e:
             raise SplitterUnavailableError(
-                "--sentence-splitter blingfire needs the blingfire package (pip install "
-                f"blingfire==0.1.8; {e}); or use --sentence-splitter punkt"
+                f"the blingfire splitter needs the blingfire package ({e}; pip install "
+                "blingfire==0.1.8), or use --sentence-splitter punkt"
             ) from None
         except OSError as e:
             # Its wheel ships the library for x86-64 Linux, macOS and Windows only.
             raise SplitterUnavailableError(
-                f"--sentence-splitter blingfire: its native library does not load on this "
-                f"platform ({e}); use --sentence-splitter punkt"
+                f"blingfire's native library does not load on this platform ({e}); use "
+                "--sentence-splitter punkt"
             ) from None
         lib = blingfire.blingfire
         fn = lib.TextToSentencesWithOffsets

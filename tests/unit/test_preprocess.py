@@ -489,3 +489,15 @@ def test_index_is_readable_by_own_reader_with_expected_shape(tmp_path, tokenizer
     assert len(ds) == summary["datasets"]["text"]["sequences"]
     assert ds.num_documents == 400
     assert os.path.getsize(index_file_path(prefix)) == 34 + 12 * len(ds) + 8 * 401
+
+
+def test_unavailable_splitter_is_one_line_naming_the_flag(tmp_path, tokenizer_model, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "blingfire", None)  # not installed
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"text": "One. Two."}) + "\n")
+    with pytest.raises(ConfigError) as err:
+        run(tmp_path, [path], tokenizer_model, split_sentences=True)
+    message = str(err.value)
+    assert message.startswith("--sentence-splitter blingfire: ") and "\n" not in message
+    assert "--sentence-splitter punkt" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]  # nothing started
