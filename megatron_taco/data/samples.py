@@ -334,12 +334,18 @@ class _Packing:
         else:
             x = (b_start.astype(np.uint32) * _GOLDEN32)[None, :] ^ self.short_keys[:, None]
             short = _hash32(x) < self.threshold
-        seen = np.cumsum(short, axis=1, dtype=np.int32)
-        before = np.where(b_first > 0, seen[:, np.maximum(b_first - 1, 0)], 0)  # [epochs, docs]
-        within = seen - before[:, b_doc]  # short starts so far in the row's document
-        keep = within == 0
-        # Chains walked again: from each document's first short start on.
-        walk_e, walk_j = np.nonzero(short & (within == 1))
+        # The first short start of each (epoch, document): short starts come in (epoch, base
+        # row) order, so each group's first is where the group key changes.
+        walk_e, walk_j = np.nonzero(short)
+        group = walk_e * doc_start.shape[0] + b_doc[walk_j]
+        first = np.ones(group.shape[0], dtype=bool)
+        first[1:] = group[1:] != group[:-1]
+        walk_e, walk_j = walk_e[first], walk_j[first]
+        stop = np.full((n_epochs, doc_start.shape[0]), n_base, dtype=np.int32)
+        stop[walk_e, b_doc[walk_j]] = walk_j
+        # An epoch keeps a document's base rows before its first short start; the chains
+        # from there on are walked again.
+        keep = np.arange(n_base, dtype=np.int32) < stop[:, b_doc]
         w_ep, w_start, w_end, w_target = self.walk(walk_e, b_start[walk_j], doc_end[b_doc[walk_j]])
         keep_at = np.concatenate(([0], np.cumsum(keep.sum(axis=1))))
         n_keep = int(keep_at[-1])
@@ -498,7 +504,10 @@ def build_sample_index_with_stats(
                 break
             shuffle = np.random.default_rng([int(seed), _SHUFFLE_STREAM, int(epochs[k])])
             take = counts[k] if wanted is None else min(counts[k], wanted - total)
-            chosen = np.concatenate((np.arange(a, b), walked))
+            # int32 (rows per group < _MAX_CHAINS x chain lengths): half the bytes to shuffle
+            chosen = np.concatenate((np.arange(a, b, dtype=np.int64), walked))
+            if chosen.shape[0] and rows.shape[0] < np.iinfo(np.int32).max:
+                chosen = chosen.astype(np.int32)
             shuffle.shuffle(chosen)  # = chosen[shuffle.permutation(n)], without the copy
             chosen = chosen[:take]
             blocks.append((rows, chosen))  # each epoch's rows in its own shuffled order
