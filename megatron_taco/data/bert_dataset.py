@@ -205,6 +205,7 @@ def get_sample_index(
                 short_seq_prob=config.short_seq_prob,
                 min_sentences=config.min_sentences,
                 seed=config.seed,
+                compact=True,  # int32 rows for corpora under 2**31 sentences
             )
         except ValueError as e:
             raise ConfigError(f"--data-path: {ds.path_prefix} ({split_name} split): {e}") from None

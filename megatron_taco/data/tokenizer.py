@@ -139,6 +139,10 @@ class Tokenizer:
     def piece_to_id(self, piece: str) -> int:
         return self._sp.piece_to_id(piece)
 
+    def is_byte(self, i: int) -> bool:
+        """A byte piece <0x00>..<0xFF> (models trained with --byte-fallback)."""
+        return self._sp.is_byte(int(i))
+
     def word_start_mask(self) -> np.ndarray:
         """bool [vocab_size]: True where a piece begins a word.
 
@@ -150,12 +154,20 @@ class Tokenizer:
           BERT's basic tokenizer, which splits punctuation into words of its own. Without
           this, "hello," is one word and masking "hello" would leave the comma as an
           unmasked fragment of the same word (or mask the comma with it).
+
+        Byte pieces (--byte-fallback, "<0x21>") are judged by the byte they spell: an ASCII
+        punctuation byte starts a word, any other byte (a letter or digit, or part of a
+        character outside the vocabulary) continues the word it is in.
         """
         if self._word_start is None:
             sp = self._sp
             mask = np.zeros(self.vocab_size, dtype=bool)
             for i in range(self.vocab_size):
                 piece = sp.id_to_piece(i)
+                if self.is_byte(i):
+                    byte = int(piece[3:5], 16)  # "<0xAB>"
+                    mask[i] = byte < 0x80 and is_punctuation_char(chr(byte))
+                    continue
                 mask[i] = (
                     piece.startswith(WORD_BOUNDARY)
                     or i < len(SPECIAL_PIECES)

@@ -294,3 +294,57 @@ def test_taco_exports_with_its_own_modeling_code(taco_tp2, botchan_dataset, tmp_
     assert_close64(ref_lm.logits[real], mlm[real], "MLM logits")
     assert_close64(ref_lm.position_logits[real], mpm[real], "MPM logits")
     assert_close64(choice[0], model.classifier(h[:, 0]).squeeze(-1).detach(), "choice logits")
+
+# Accents (composed and decomposed), emoji (with a skin tone and a ZWJ family), CJK, Hangul,
+# full-width forms, repeated and odd spaces, specials glued to words.
+HARD_TEXTS = [
+    "naïve café, Ünïcödé ÀÉÎÕÜ ñ ç ß ø å æ œ and decomposed: cafe\u0301",
+    "emoji 😀😀 and 👍🏽 family 👨\u200d👩\u200d👧 here",
+    "日本語のテキスト、中文文本。한국어 텍스트",
+    "repeated     spaces,\ttabs,\u00a0nbsp and\u3000ideographic space   ",
+    "ＦＵＬＬＷＩＤＴＨ ｶﾀｶﾅ ﬁ Ⅻ 1234567890 3.14 $100 50%",
+    "x[MASK]y [CLS] a [SEP] b",
+]
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+@pytest.mark.parametrize("byte_fallback", [True, False])
+def test_autotokenizer_gives_our_ids(tmp_path, botchan_path, model_type, byte_fallback):
+    from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
+
+    model = train_tokenizer(
+        TrainTokenizerConfig(
+            input=(str(botchan_path),),
+            model_prefix=str(tmp_path / "spm"),
+            vocab_size=800,
+            model_type=model_type,
+            byte_fallback=byte_fallback,
+            num_threads=1,
+            quiet=True,
+        )
+    )
+    (tmp_path / "hf").mkdir()
+    save_tokenizer(model, str(tmp_path / "hf"), 128)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ref = Tokenizer(model)
+    lines = botchan_path.read_text(encoding="utf-8").splitlines()[:100]
+    for text in [*HARD_TEXTS, *lines]:
+        ids = ref.encode(text)
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids, text
+        if byte_fallback:  # every character survives: both decode to the same text
+            assert (ref.unk_id in ids) is False, text
+            assert tok.decode(ids) == ref.decode(ids), text
+    assert tok("a b")["input_ids"] == [2, *ref.encode("a b"), 3]
+
+
+def test_taco_checkpoint_is_refused(tmp_path, capsys):
+    iter_dir = tmp_path / "ckpt" / "iter_0000002"
+    iter_dir.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
+    (iter_dir / "metadata.json").write_text(json.dumps({"model": "TACO", "configs": {}}))
+    with pytest.raises(SystemExit) as info:  # a config error: usage line + one error line
+        export_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "o")])
+    assert info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and "TACO checkpoint" in err[0] and "--consolidate" in err[0]
+    assert not (tmp_path / "o").exists()
