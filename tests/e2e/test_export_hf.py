@@ -295,6 +295,7 @@ def test_taco_exports_with_its_own_modeling_code(taco_tp2, botchan_dataset, tmp_
     assert_close64(ref_lm.position_logits[real], mpm[real], "MPM logits")
     assert_close64(choice[0], model.classifier(h[:, 0]).squeeze(-1).detach(), "choice logits")
 
+
 # Accents (composed and decomposed), emoji (with a skin tone and a ZWJ family), CJK, Hangul,
 # full-width forms, repeated and odd spaces, specials glued to words.
 HARD_TEXTS = [
