@@ -33,6 +33,7 @@ from megatron_taco.training.consolidate import (
     find_checkpoint,
     read_states,
 )
+from megatron_taco.training.safe_files import umask_mode
 
 PROG = "export_hf.py"
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -163,6 +164,8 @@ def export(args: argparse.Namespace) -> str:
     try:
         save_tokenizer(spm, tmp, config.max_position_embeddings)
         files = save_model(config, states.full_state_dict(), tmp)
+        for name in files:  # safetensors writes 0600: others on the cluster could not read it
+            umask_mode(os.path.join(tmp, name))
         if os.path.isdir(args.output):
             os.rmdir(args.output)
         os.rename(tmp, args.output)
