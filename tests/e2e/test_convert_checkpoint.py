@@ -400,3 +400,26 @@ def test_a_checkpoint_of_the_other_model_is_named_first(
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1, err
     assert f"is a {saved} checkpoint; this run loads {runs} checkpoints" in err[0], err[0]
+
+
+def test_the_converter_tracker_survives_a_power_cut(taco_run, tmp_path, monkeypatch):
+    """The tracker is renamed into place and then its directory is fsynced: without the
+    second fsync the rename itself may be lost, leaving --save without a tracker."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        events.append(("replace", os.fspath(dst)))
+        return real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "out"
+    assert convert_main(["--load", str(taco_run), "--save", str(out)]) == 0
+    tracker = str(out / "latest_checkpointed_iteration.txt")
+    at = events.index(("replace", tracker))
+    assert ("fsync", str(out)) in events[at + 1 :], events[at:]
