@@ -423,3 +423,25 @@ def test_the_converter_tracker_survives_a_power_cut(taco_run, tmp_path, monkeypa
     tracker = str(out / "latest_checkpointed_iteration.txt")
     at = events.index(("replace", tracker))
     assert ("fsync", str(out)) in events[at + 1 :], events[at:]
+
+
+def test_the_layout_checked_is_that_of_the_checkpoint_load_fallback_picks(
+    botchan_dataset, taco_run, tmp_path
+):
+    import shutil
+
+    from megatron_taco.training.checkpointing import _metadata_checksum
+
+    load = tmp_path / "load"
+    shutil.copytree(taco_run, load)
+    # The tracker's iteration 4: saved by another layout (ZeRO-0) and now corrupt.
+    meta_path = load / "iter_0000004" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["configs"]["deepspeed"]["zero_optimization"] = {"stage": 0}
+    meta["checksum"] = _metadata_checksum(meta)
+    meta_path.write_text(json.dumps(meta))
+    model = load / "iter_0000004" / "mp_rank_00_model_states.pt"
+    model.write_bytes(model.read_bytes()[:-100])
+    cfg = configs(botchan_dataset, tmp_path / "new", 2, *TACO, "--load", str(load),
+                  "--load-fallback")  # fmt: skip
+    assert cfg.load_iteration == 2  # iteration 2 has this run's layout: nothing to refuse
