@@ -305,9 +305,23 @@ def _exception_line(error: BaseException) -> str:
     return detail if detail == name else f"{name}: {detail}"
 
 
+SAFE_TORCH = (2, 6)  # weights_only has a known bypass before (CVE-2025-32434)
+
+
+def require_safe_torch() -> None:
+    """Refuse to read a checkpoint with a torch whose weights_only loading is unsafe."""
+    found = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    if found < SAFE_TORCH:
+        raise ConfigError(
+            f"torch {torch.__version__}: loading checkpoints safely needs torch >= "
+            f"{'.'.join(map(str, SAFE_TORCH))} (weights_only can be bypassed before); upgrade torch"
+        )
+
+
 def safe_torch_load(path: str, map_location: Any = "cpu", *, hint: str = "") -> Any:
     """torch.load with weights_only=True; any failure is one ConfigError naming the file
     (a crafted pickle can make the unpickler raise KeyError, IndexError, struct.error...)."""
+    require_safe_torch()
     try:
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
@@ -591,6 +605,7 @@ def _check_pickle(path: str) -> None:
     the file memory-mapped: it parses the whole pickle, so a crafted one that breaks the
     unpickler (KeyError, IndexError, struct.error) fails here, where --load-fallback can
     still act, without reading the tensors' bytes."""
+    require_safe_torch()
     try:
         unsafe = unsafe_globals(path)
     except Exception as e:

@@ -378,3 +378,21 @@ def test_failed_clean_up_after_the_tracker_is_a_warning(tmp_path):
     (line,) = [r for r in records if "iteration 3" in r]
     assert line.startswith("saved checkpoint iteration 3 (latest), but removing older ")
     assert "Permission denied" in line and "\n" not in line
+
+
+# ---------------------------------------------------------------------------------------
+# torch >= 2.6: the first release whose weights_only loading has no known bypass
+
+
+def test_torch_older_than_2_6_is_refused(load, monkeypatch):
+    import tomllib
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (torch_req,) = [Requirement(d) for d in project["dependencies"] if d.startswith("torch")]
+    assert not torch_req.specifier.contains("2.5.1") and torch_req.specifier.contains("2.6.0")
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu121")
+    with pytest.raises(ConfigError, match=r"^torch 2\.5\.1\+cu121: loading checkpoints safely"):
+        ckpt.safe_torch_load(str(load / "iter_0000008" / MODEL_FILE))
+    with pytest.raises(ConfigError, match="needs torch >= 2.6"):
+        choose_checkpoint(str(load), None)
