@@ -38,6 +38,7 @@ import secrets
 import shutil
 import signal
 import stat
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ RNG_FORMAT = 2
 # alone after_metadata (complete, not yet renamed), after_rename (before the tracker) and
 # after_tracker (before replaced or retired checkpoints are deleted).
 KILL_ENV = "MEGATRON_TACO_TEST_KILL_AT"
+# The same points, to sleep at instead ("after_model_files@4:6", "after_model_files:6"): a
+# save that takes that much longer, for the tests of signals arriving during a save.
+PAUSE_ENV = "MEGATRON_TACO_TEST_PAUSE_AT"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 # A save in progress or crashed (.tmp-), or a replaced/retired checkpoint being deleted (.del-).
 _LEFTOVER = re.compile(
@@ -151,6 +155,9 @@ def _barrier() -> None:
 def _kill_point(point: str, iteration: int) -> None:
     if os.environ.get(KILL_ENV) in (point, f"{point}@{iteration}"):
         os.kill(os.getpid(), signal.SIGKILL)
+    where, _, seconds = os.environ.get(PAUSE_ENV, "").rpartition(":")
+    if where in (point, f"{point}@{iteration}"):
+        time.sleep(float(seconds))
 
 
 # -- files ------------------------------------------------------------------------------
