@@ -28,7 +28,7 @@ import shutil
 import sys
 from typing import Any
 
-from megatron_taco.arguments import ConfigError, run_cli
+from megatron_taco.arguments import ConfigError, program_name, run_cli
 from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -54,7 +54,9 @@ _GENERATION = re.compile(r"gen_\d{5,}")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False
+        prog=program_name(PROG),
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        allow_abbrev=False,
     )
     p.add_argument("--load", required=True, help="Checkpoint directory (a --save of training).")
     p.add_argument("--ckpt-step", type=int, help="Iteration to convert (default: the latest).")

@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 
-from megatron_taco.arguments import ConfigError, run_cli
+from megatron_taco.arguments import ConfigError, program_name, run_cli
 from megatron_taco.recipes.registry import model_builder
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -43,7 +43,9 @@ SAMPLE_TEXT = "The  quick brown fox, «naïve» café-owner, asked [MASK] twice:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False
+        prog=program_name(PROG),
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        allow_abbrev=False,
     )
     p.add_argument("--load", required=True, help="SAS checkpoint directory (a --save).")
     p.add_argument("--ckpt-step", type=int, help="Iteration to export (default: the latest).")

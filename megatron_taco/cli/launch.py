@@ -29,6 +29,8 @@ import signal
 import subprocess
 import sys
 
+from megatron_taco.arguments import program_name
+
 PROG = "launch.py"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 RANK_ENV = (b"RANK=", b"LOCAL_RANK=", b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")
@@ -89,7 +91,7 @@ class Launch:
         try:
             self.child = subprocess.Popen(command, preexec_fn=os.setpgrp)
         except OSError as e:
-            raise SystemExit(f"{PROG}: error: cannot start {command[0]}: {e.strerror}") from None
+            raise SystemExit(f"{program_name(PROG)}: error: cannot start {command[0]}: {e.strerror}") from None
 
     def _forward(self, signum: int, frame) -> None:
         self.signals += 1
@@ -98,7 +100,7 @@ class Launch:
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-        print(f"{PROG}: {name} passed to {len(ranks)} rank(s) on this node; waiting for them "
+        print(f"{program_name(PROG)}: {name} passed to {len(ranks)} rank(s) on this node; waiting for them "
               "to save and exit", file=sys.stderr, flush=True)  # fmt: skip
 
     def wait(self) -> int:
@@ -119,9 +121,9 @@ class Launch:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=PROG,
+        prog=program_name(PROG),
         description=__doc__.split("\n\n")[0].replace("\n", " "),
-        usage=f"{PROG} COMMAND [ARGS...]   (e.g. {PROG} deepspeed --num_gpus 8 pretrain_taco.py ...)",
+        usage=f"{program_name(PROG)} COMMAND [ARGS...]   (e.g. {program_name(PROG)} deepspeed --num_gpus 8 pretrain_taco.py ...)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="The launcher command line.")
     args = parser.parse_args(argv)

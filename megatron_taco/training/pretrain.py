@@ -25,7 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
+from megatron_taco.arguments import (
+    ConfigError,
+    add_dataclass_args,
+    dataclass_from_args,
+    program_name,
+)
 from megatron_taco.data.config import DataConfig
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.training.callbacks import Callback
@@ -141,7 +146,7 @@ class ModelSpec:
 
     def build_parser(self) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(
-            prog=self.prog, description=self.description, allow_abbrev=False
+            prog=program_name(self.prog), description=self.description, allow_abbrev=False
         )
         add_dataclass_args(parser, ParallelConfig, "parallelism")
         self.model_config.add_args(parser)
@@ -239,13 +244,13 @@ class ModelSpec:
             # same way, after pretrain() has torn the process groups down.
             return pretrain(cfg, self, monitor=monitor)
         except ConfigError as e:
-            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            print(f"{program_name(self.prog)}: error: {e}", file=sys.stderr)
             return 2
         except RunError as e:  # a failed save, a diverged loss: one line, no traceback
-            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            print(f"{program_name(self.prog)}: error: {e}", file=sys.stderr)
             return 1
         except PeerFailure as e:  # another rank died or hung: one line, no traceback
-            print(f"{self.prog}: error: {e}", file=sys.stderr, flush=True)
+            print(f"{program_name(self.prog)}: error: {e}", file=sys.stderr, flush=True)
             return 1
         finally:
             monitor.uninstall()

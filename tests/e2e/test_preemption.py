@@ -301,5 +301,5 @@ def test_taco_launch_returns_only_after_the_ranks_saved(botchan_dataset, tmp_pat
     assert done and left == [], (left, out[-3000:])
     stopped = latest(ckpt)
     assert f" exiting at iteration {stopped}: SIGTERM received" in out
-    assert "launch.py: SIGTERM passed to 2 rank(s) on this node" in out
+    assert "taco-launch: SIGTERM passed to 2 rank(s) on this node" in out
     assert "Traceback" not in out
