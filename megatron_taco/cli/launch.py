@@ -91,7 +91,9 @@ class Launch:
         try:
             self.child = subprocess.Popen(command, preexec_fn=os.setpgrp)
         except OSError as e:
-            raise SystemExit(f"{program_name(PROG)}: error: cannot start {command[0]}: {e.strerror}") from None
+            raise SystemExit(
+                f"{program_name(PROG)}: error: cannot start {command[0]}: {e.strerror}"
+            ) from None
 
     def _forward(self, signum: int, frame) -> None:
         self.signals += 1
