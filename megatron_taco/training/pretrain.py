@@ -431,8 +431,8 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec, monitor: ExitMonitor | None 
         peers = gather_peers()
         if torch.distributed.get_backend() == "nccl":
             peer_watch = PeerWatch(peers, parallel.rank, abort_process_groups).start()
-        agree_on_load(cfg.load, t.load)
         forget_node_results("load")  # every rank of this node read it before the rendezvous
+        agree_on_load(cfg.load, t.load)
         if parallel.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         seed = cfg.data.seed

@@ -70,9 +70,22 @@ def launch_id() -> str | None:
         env.get("TORCHELASTIC_RESTART_COUNT"),
         env.get("SLURM_JOB_ID"),
         env.get("SLURM_STEP_ID"),
-        sys.argv,
+        _command_line(),
     ]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def _command_line() -> list[str]:
+    """sys.argv without the launcher's per-rank flag (deepspeed passes --local_rank=N)."""
+    out, skip = [], False
+    for arg in sys.argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+            out.append(arg)
+    return out
 
 
 def _private_dir() -> str:

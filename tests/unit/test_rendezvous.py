@@ -50,8 +50,12 @@ _RANK = """
         return real(path)
     ckpt.checksum_regular = counting
 
+    load = sys.argv[1]
+    # As the deepspeed launcher starts a rank: its own --local_rank in the command line.
+    sys.argv = ["pretrain_taco.py", f"--local_rank={os.environ['LOCAL_RANK']}", "--load", load]
+
     def choose():
-        return ckpt.choose_load(sys.argv[1], None, fallback=True, models=("TOY",))
+        return ckpt.choose_load(load, None, fallback=True, models=("TOY",))
 
     time.sleep(float(os.environ.get("DELAY", "0")))
     try:
