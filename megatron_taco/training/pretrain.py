@@ -35,6 +35,7 @@ from megatron_taco.data.config import DataConfig
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
+    TRACKER_FILENAME,
     CheckpointConfig,
     LoadChoice,
     RunError,
@@ -374,7 +375,9 @@ def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
         # No tracker when the ranks verified --load: every rank starts from scratch, even
         # if one appeared since.
         if t.load is not None and parallel.rank == 0:
-            logger.warning("--load %s: no checkpoint there, training from scratch", t.load)
+            logger.warning(
+                "--load %s: no %s found, training from scratch", t.load, TRACKER_FILENAME
+            )
         return TrainingState(), "starting from scratch"
     loaded = load_checkpoint(
         engine.engine,
