@@ -212,3 +212,25 @@ def test_exit_before_validation_and_one_all_reduce_per_iteration(tmp_path):
         # Four iterations, one all-reduce each (the flags), and nothing else from the loop:
         # no log line was due before the exit.
         assert calls == [("loop.py", "_end_of_iteration")] * 4, calls
+
+
+# ---------------------------------------------------------------------------------------
+# A run's output: DeepSpeed's deprecated all_gather_into_tensor warns nothing
+
+
+def _gather_worker(rank, world_size, tmp):
+    import warnings
+
+    from megatron_taco.parallel.state import init_parallel
+
+    parallel = init_parallel(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        _trainer(parallel, tmp, 1)  # initialize_engine
+        out = torch.zeros(2 * world_size)
+        dist.all_gather_into_tensor(out, torch.ones(2))  # what DeepSpeed's ZeRO calls
+    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+def test_deepspeeds_all_gather_into_tensor_future_warning_is_silenced(tmp_path):
+    assert run_distributed(_gather_worker, 2, str(tmp_path)) == [[], []]
