@@ -1062,6 +1062,8 @@ def _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain):
         return str(e), None
     except OSError as e:
         return _describe_write_error(e.filename or tmp_dir, e), None
+    except UnsafeFile as e:  # something not a regular file in our own temporary directory
+        return str(e), None
 
 
 def _save_failure(save_dir: str, iteration: int, error: str) -> str:
