@@ -392,31 +392,31 @@ def write_place_squad(directory, *, version: str = "v1.1", copies: int = 1, seed
             json.dump(data, f)
 
 
-def write_word_race(directory, *, questions: int = 3, seed: int = 0) -> None:
+def write_place_race(directory, *, questions: int = 2, seed: int = 0) -> None:
     """RACE's layout ({train,dev,test}/{middle,high}/N.txt, one JSON object each): the article
-    is a sentence; each of its ``questions`` asks "Which word is in the text?" with one option
-    a word of the article and three words of other sentences that are not in it."""
+    is a sentence with "in <place>" inserted; each of its ``questions`` asks "Where was it?"
+    with the place and three other words of the article as options (learnable from the
+    options: the place names are the answers)."""
     import json
 
     import numpy as np
 
     rng = np.random.default_rng(seed)
     sentences = botchan_sentences()
-    vocab = sorted({w.strip(".,;:!?\"'").lower() for s in sentences for w in s.split()})
-    vocab = [w for w in vocab if len(w) >= 4 and w.isalpha()]
     cut = [int(0.7 * len(sentences)), int(0.85 * len(sentences))]
     parts = np.split(np.arange(len(sentences)), cut)
     for split, idx in zip(("train", "dev", "test"), parts):
         for n, i in enumerate(idx):
-            words = {w.strip(".,;:!?\"'").lower() for w in sentences[i].split()}
-            inside = sorted(w for w in words if w in vocab)
-            outside = [w for w in vocab if w not in words]
-            if not inside:
+            place = str(rng.choice(_PLACES))
+            words = sentences[i].split()
+            at = int(rng.integers(1, len(words)))
+            article = " ".join([*words[:at], "in", place, *words[at:]])
+            others = sorted({w for w in words if w.isalpha() and w not in _PLACES})
+            if len(others) < 3:
                 continue
             options, answers = [], []
             for _ in range(questions):
-                choice = [inside[int(rng.integers(len(inside)))]]
-                choice += [str(w) for w in rng.choice(outside, 3, replace=False)]
+                choice = [place, *(str(p) for p in rng.choice(others, 3, replace=False))]
                 order = rng.permutation(4)
                 options.append([choice[j] for j in order])
                 answers.append("ABCD"[int(np.flatnonzero(order == 0)[0])])
@@ -424,8 +424,8 @@ def write_word_race(directory, *, questions: int = 3, seed: int = 0) -> None:
             folder.mkdir(parents=True, exist_ok=True)
             record = {
                 "id": f"{split}{n}.txt",
-                "article": sentences[i],
-                "questions": ["Which word is in the text?"] * questions,
+                "article": article,
+                "questions": ["Where was it?"] * questions,
                 "options": options,
                 "answers": answers,
             }

@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 
-from megatron_taco.arguments import ConfigError, run_cli
+from megatron_taco.arguments import ConfigError, program_name, run_cli
 from megatron_taco.recipes.registry import model_builder
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -36,6 +36,7 @@ from megatron_taco.training.consolidate import (
     find_checkpoint,
     read_states,
 )
+from megatron_taco.training.safe_files import umask_mode
 
 PROG = "export_hf.py"
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -45,7 +46,9 @@ SAMPLE_TEXT = "The  quick brown fox, «naïve» café-owner, asked [MASK] twice:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False
+        prog=program_name(PROG),
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        allow_abbrev=False,
     )
     p.add_argument("--load", required=True, help="SAS or TACO checkpoint directory (a --save).")
     p.add_argument("--ckpt-step", type=int, help="Iteration to export (default: the latest).")
@@ -194,6 +197,7 @@ def export(args: argparse.Namespace) -> str:
     os.makedirs(tmp)
     try:
         save_tokenizer(spm, tmp, config.max_position_embeddings)
+<<<<<<< HEAD
         if info.model == "TACO":
             from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
 
@@ -202,6 +206,11 @@ def export(args: argparse.Namespace) -> str:
             files = sorted(os.listdir(tmp))
         else:
             files = save_model(config, states.full_state_dict(), tmp)
+=======
+        files = save_model(config, states.full_state_dict(), tmp)
+        for name in files:  # safetensors writes 0600: others on the cluster could not read it
+            umask_mode(os.path.join(tmp, name))
+>>>>>>> wt/i15
         if os.path.isdir(args.output):
             os.rmdir(args.output)
         os.rename(tmp, args.output)

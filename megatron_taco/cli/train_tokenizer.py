@@ -31,6 +31,7 @@ from megatron_taco.arguments import (
     add_dataclass_args,
     dataclass_from_args,
     option,
+    program_name,
     require,
     run_cli,
 )
@@ -316,7 +317,7 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="taco-train-tokenizer",
+        prog=program_name("train_tokenizer.py"),
         description="Train a sentencepiece tokenizer with [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0-4.",
     )
     add_dataclass_args(parser, TrainTokenizerConfig, "tokenizer training")

@@ -38,6 +38,7 @@ from megatron_taco.training.pretrain import (
     ModelSpec,
     PretrainConfigs,
     add_launcher_compat_args,
+    verify_once_per_node,
 )
 from megatron_taco.training.signals import ExitConfig
 
@@ -52,6 +53,7 @@ class PretrainedCheckpoint:
     model_size: str | None = None
 
 
+PRETRAINED = "pretrained"  # once_per_node's name for the --load verification
 RUN_FILE = "run.json"  # what OUTPUT was started with: a restart must match it
 CHECKPOINTS = "checkpoints"
 
@@ -218,8 +220,10 @@ class FinetuneSpec(ModelSpec):
     the pretrained checkpoint instead of flags."""
 
     def build_parser(self) -> argparse.ArgumentParser:
+        from megatron_taco.arguments import program_name
+
         parser = argparse.ArgumentParser(
-            prog=self.prog, description=self.description, allow_abbrev=False
+            prog=program_name(self.prog), description=self.description, allow_abbrev=False
         )
         add_dataclass_args(parser, FinetuneConfig, "fine-tuning")
         add_dataclass_args(parser, TaskDataConfig, "task data")
@@ -247,13 +251,24 @@ class FinetuneSpec(ModelSpec):
         from megatron_taco.recipes.registry import checkpoint_model_config
         from megatron_taco.training.consolidate import CheckpointError, find_checkpoint
 
+        from megatron_taco.training.rendezvous import once_per_node
+
         ft = dataclass_from_args(FinetuneConfig, args)
         data = dataclass_from_args(TaskDataConfig, args)
         parallel = dataclass_from_args(ParallelConfig, args)
         tp = parallel.tensor_model_parallel_size
         check_world_size(world_size, tp)
+
+        def verify() -> int:
+            # Reads every byte of the pretrained checkpoint: one rank per node does it.
+            try:
+                return find_checkpoint(ft.load, ft.ckpt_step).iteration
+            except CheckpointError as e:
+                raise ConfigError(f"--load: {e}") from None
+
+        iteration = once_per_node(PRETRAINED, verify)
         try:
-            info = find_checkpoint(ft.load, ft.ckpt_step)
+            info = find_checkpoint(ft.load, iteration, verify=False)
             kind, model = checkpoint_model_config(info, data.tokenizer_model)
         except CheckpointError as e:
             raise ConfigError(f"--load: {e}") from None
@@ -296,9 +311,10 @@ class FinetuneSpec(ModelSpec):
             "tensor_model_parallel_size": tp,
         }
         claim_output(ft.output, run)
-        load_iteration = prepare_checkpoints(
+        load = prepare_checkpoints(
             training, checkpoint, tp_size=tp, ds_config=deepspeed.config,
-            zero_stage=deepspeed.zero_stage,
+            zero_stage=deepspeed.zero_stage, models=self.loadable_models,
+            once=verify_once_per_node,
         )  # fmt: skip
         return PretrainConfigs(
             parallel=parallel,
@@ -310,7 +326,7 @@ class FinetuneSpec(ModelSpec):
             world_size=world_size,
             device_type=device_type,
             checkpoint=checkpoint,
-            load_iteration=load_iteration,
+            load=load,
             exit=exit_config,
         )
 
@@ -318,30 +334,37 @@ class FinetuneSpec(ModelSpec):
         import logging
         import sys
 
+        from megatron_taco.arguments import program_name
         from megatron_taco.recipes.sweep import run_sweep, sweep_from_args
         from megatron_taco.training.checkpointing import RunError
         from megatron_taco.training.engine import accelerator_name, launcher_world_size
         from megatron_taco.training.pretrain import pretrain
-        from megatron_taco.training.signals import PeerFailure
+        from megatron_taco.training.signals import ExitMonitor, PeerFailure
 
+        # First thing, as pretraining: a rank whose launcher dies is never left behind.
+        monitor = ExitMonitor()
+        monitor.tie_to_launcher()
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        args = self.build_parser().parse_args(argv)
+        prog = program_name(self.prog)
         try:
+            args = self.build_parser().parse_args(argv)
             sweep = sweep_from_args(args)
             if sweep.is_sweep or "," in (args.task or "") or args.task == "glue":
-                return run_sweep(self, args, sweep)
+                return run_sweep(self, args, sweep, monitor)
             cfg = self.configs_from_args(
                 args, world_size=launcher_world_size(), device_type=accelerator_name()
             )
-            return pretrain(cfg, self.for_run(cfg))
+            return pretrain(cfg, self.for_run(cfg), monitor=monitor)
         except ConfigError as e:
-            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
         except (RunError, PeerFailure) as e:
-            print(f"{self.prog}: error: {e}", file=sys.stderr, flush=True)
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
             return 1
+        finally:
+            monitor.uninstall()
 
     def load_features(self, cfg: PretrainConfigs):
         return load_task_data(cfg.data)
@@ -499,7 +522,10 @@ def load_encoder_state(model, kind: str, config, full: dict, parallel, where: st
 def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
     from megatron_taco.models.finetune import TaskModel
     from megatron_taco.recipes.finetune_eval import DevEvaluation
+    from megatron_taco.training.rendezvous import forget_node_results
 
+    # Every rank of this node read the verification's result before the rendezvous.
+    forget_node_results(PRETRAINED)
     cfg = ctx.configs
     ft, data, info = cfg.task["finetune"], cfg.data, task_data.info
     gbs = cfg.deepspeed.global_batch_size

@@ -214,7 +214,7 @@ def run_namespace(
     return ns
 
 
-def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig) -> int:
+def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) -> int:
     """Every run of this shard that has not finished, in one set of processes (one process
     group for all of them), then the summary. Stops at the first run that is interrupted
     (an exit signal, a time limit): starting the command again continues from it."""
@@ -249,7 +249,8 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig) -> int:
             if key not in features:
                 features = {key: spec.load_features(cfg)}  # keep one task's at a time
             print(f"sweep: run {i + 1}/{len(mine)}: {run.directory(root)}", flush=True)
-            status = pretrain(cfg, spec.for_run(cfg, features[key]), keep_process_group=True)
+            status = pretrain(cfg, spec.for_run(cfg, features[key]), monitor=monitor,
+                              keep_process_group=True)  # fmt: skip
             result = read_results(run.directory(root))
             if status != 0 or result is None or not result.get("finished"):
                 print(f"sweep: stopped at {run.directory(root)} (not finished)", flush=True)

@@ -645,13 +645,17 @@ def _target_info(states: TrainingStates, target: TargetLayout, iter_dir: str) ->
 # Resuming at another layout
 
 
-def _saved_layout(training) -> tuple[str, dict[str, Any]] | None:
-    """(iteration directory, metadata) that --load names, None when it cannot be read (the
-    checkpoint checks report that)."""
+def _saved_layout(training, iteration: int | None) -> tuple[str, dict[str, Any]] | None:
+    """(iteration directory, metadata) of the checkpoint --load restores (``iteration``,
+    as chosen and verified, else --ckpt-step or the tracker's); None when it cannot be read
+    (the checkpoint checks report that)."""
     try:
-        iteration = (
-            training.ckpt_step if training.ckpt_step is not None else read_tracker(training.load)
-        )
+        if iteration is None:
+            iteration = (
+                training.ckpt_step
+                if training.ckpt_step is not None
+                else read_tracker(training.load)
+            )
         if iteration is None:
             return None
         iter_dir = os.path.join(training.load, checkpoint_tag(iteration))
@@ -661,13 +665,14 @@ def _saved_layout(training) -> tuple[str, dict[str, Any]] | None:
 
 
 def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: int,
-                        precision: str) -> None:  # fmt: skip
+                        precision: str, iteration: int | None = None) -> None:  # fmt: skip
     """Before any process group: refuse a --load that DeepSpeed cannot restore at this run's
     layout (tensor/data-parallel sizes, ZeRO stage, precision, world size for the RNG
-    states), with the command that converts the checkpoint. Returns quietly otherwise."""
+    states), with the command that converts the checkpoint. ``iteration``: the checkpoint
+    chosen (with --load-fallback, maybe not the tracker's). Returns quietly otherwise."""
     if training.load is None or training.finetune:
         return
-    found = _saved_layout(training)
+    found = _saved_layout(training, iteration)
     if found is None:
         return
     iter_dir, meta = found

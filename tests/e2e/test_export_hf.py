@@ -342,7 +342,12 @@ def test_taco_checkpoint_is_refused(tmp_path, capsys):
     iter_dir = tmp_path / "ckpt" / "iter_0000002"
     iter_dir.mkdir(parents=True)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
-    (iter_dir / "metadata.json").write_text(json.dumps({"model": "TACO", "configs": {}}))
+    from megatron_taco.training.checkpointing import FORMAT, _write_metadata
+
+    meta = {"format": FORMAT, "iteration": 2, "consumed_samples": 8, "world_size": 1,
+            "tensor_model_parallel_size": 1, "data_parallel_size": 1, "model": "TACO",
+            "configs": {}}  # fmt: skip
+    _write_metadata(str(iter_dir), meta, {})
     with pytest.raises(SystemExit) as info:  # a config error: usage line + one error line
         export_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "o")])
     assert info.value.code == 2

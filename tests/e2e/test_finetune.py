@@ -33,8 +33,8 @@ from tests.helpers import (
     free_port,
     run,
     write_marker_task,
+    write_place_race,
     write_place_squad,
-    write_word_race,
 )
 
 pytestmark = pytest.mark.e2e
@@ -70,7 +70,7 @@ def tasks(tmp_path_factory) -> dict[str, Path]:
     write_marker_task(root / "marker")
     write_place_squad(root / "squad", version="v1.1", copies=3)
     write_place_squad(root / "squad2", version="v2.0")
-    write_word_race(root / "race")
+    write_place_race(root / "race")
     return {p.name: p for p in root.iterdir()}
 
 
@@ -130,12 +130,12 @@ def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
 
 def test_multiple_choice_is_learnt(pretrained, tasks, tmp_path):
     out = tmp_path / "race"
-    run([PY, *finetune_args(pretrained["sas"], "race", tasks["race"], out, "--epochs", "4",
+    run([PY, *finetune_args(pretrained["sas"], "race", tasks["race"], out, "--epochs", "1",
                             "--global-batch-size", "8", "--micro-batch-size", "8")],
         timeout=900)  # fmt: skip
     dev = results(out)["dev"]
     assert {"acc", "acc_middle", "acc_high"} <= set(dev)
-    assert dev["acc"] >= 60.0, results(out)["epochs"]  # chance: 25%
+    assert min(dev["acc"], dev["acc_middle"], dev["acc_high"]) >= 90.0, dev  # chance: 25%
 
 
 def _kill_after(cmd: list[str], metrics: Path, iteration: int, timeout: float = 600) -> None:
