@@ -197,7 +197,6 @@ def export(args: argparse.Namespace) -> str:
     os.makedirs(tmp)
     try:
         save_tokenizer(spm, tmp, config.max_position_embeddings)
-<<<<<<< HEAD
         if info.model == "TACO":
             from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
 
@@ -206,11 +205,8 @@ def export(args: argparse.Namespace) -> str:
             files = sorted(os.listdir(tmp))
         else:
             files = save_model(config, states.full_state_dict(), tmp)
-=======
-        files = save_model(config, states.full_state_dict(), tmp)
         for name in files:  # safetensors writes 0600: others on the cluster could not read it
             umask_mode(os.path.join(tmp, name))
->>>>>>> wt/i15
         if os.path.isdir(args.output):
             os.rmdir(args.output)
         os.rename(tmp, args.output)

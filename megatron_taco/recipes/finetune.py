@@ -250,7 +250,6 @@ class FinetuneSpec(ModelSpec):
     ) -> PretrainConfigs:
         from megatron_taco.recipes.registry import checkpoint_model_config
         from megatron_taco.training.consolidate import CheckpointError, find_checkpoint
-
         from megatron_taco.training.rendezvous import once_per_node
 
         ft = dataclass_from_args(FinetuneConfig, args)
