@@ -314,7 +314,6 @@ def build_sas(ctx: BuildContext) -> ModelParts:
             f"{replacement.cold_start}{warmup}; {source_line}",
             schedule.describe(instances.epochs),
             *data_lines,
-            *(f"WARNING: {w}" for w in data_warnings),
         ],
     )
 
