@@ -231,6 +231,15 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
     for e, value in enumerate(("50", "125", "200")):
         assert f" epoch {e + 1}/3: lambda {value}\n" in out
 
+    records = train_records(save / "metrics.jsonl")
+    boundaries = [steps, 2 * steps, 3 * steps]
+    assert set(boundaries) <= set(records)  # the window closes at every epoch boundary
+    for it, r in records.items():
+        epoch = -(-it // steps)  # 1-based epoch of iteration it
+        assert r["epoch"] == epoch, it
+        assert r["rtd_weight"] == {1: 50.0, 2: 125.0, 3: 200.0}[epoch], it
+        assert r["self_augmented"] == (0.0 if epoch == 1 else 1.0), it
+
     tokenizer = Tokenizer(botchan_dataset["tokenizer"])
     probs = cold_start_probs(
         ReplacementConfig(), [botchan_dataset["prefix"]], [1.0], tokenizer.is_special_mask()
@@ -263,15 +272,6 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
     # Every epoch committed its generation, the last one's too (a finished run can be
     # extended), and each is kept: the checkpoints every 4 iterations need them all.
     assert all((store / f"gen_{g:05d}" / "manifest.json").is_file() for g in range(3))
-
-    records = train_records(save / "metrics.jsonl")
-    boundaries = [steps, 2 * steps, 3 * steps]
-    assert set(boundaries) <= set(records)  # the window closes at every epoch boundary
-    for it, r in records.items():
-        epoch = -(-it // steps)  # 1-based epoch of iteration it
-        assert r["epoch"] == epoch, it
-        assert r["rtd_weight"] == {1: 50.0, 2: 125.0, 3: 200.0}[epoch], it
-        assert r["self_augmented"] == (0.0 if epoch == 1 else 1.0), it
 
 
 def test_ablation_redraws_s_per_epoch_and_reports_blended_passes(botchan_dataset, tmp_path, capfd):
