@@ -118,9 +118,9 @@ def _callback(root: str, num_instances: int) -> SelfAugmentation:
     )  # fmt: skip
 
 
-def _trainer(parallel, save=None):
+def _trainer(parallel, save=None, epochs=2):
     return SimpleNamespace(
-        parallel=parallel, num_epochs=lambda: 2, training=SimpleNamespace(save=save)
+        parallel=parallel, num_epochs=lambda: epochs, training=SimpleNamespace(save=save)
     )
 
 
@@ -252,7 +252,7 @@ def _fake_checkpoint(save: Path, iteration: int, consumed: int) -> None:
 def _run_epochs(rank, world_size, root, save, epochs):
     parallel = init_parallel(1)
     callback = _callback(root, N)
-    trainer = _trainer(parallel, save)
+    trainer = _trainer(parallel, save, epochs)
     state = TrainingState()
     callback.on_train_start(trainer, state)
     for epoch in range(epochs):

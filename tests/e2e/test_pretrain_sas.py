@@ -4,7 +4,11 @@
   exactly the losses of the uninterrupted run;
 * SAS with self-augmentation over 3 epochs is killed with SIGKILL in the middle of epoch 2;
   resumed with --load it logs the uninterrupted run's losses, and the replacement store it
-  commits is byte-identical to the uninterrupted run's.
+  commits is byte-identical to the uninterrupted run's; the finished run extends to a 4th
+  epoch, and goes back to a checkpoint three epoch boundaries old;
+* the model's inputs, recorded through the real driver, are the committed generation's
+  tokens (SAS) or the cold start at a redrawn S (the ablation); the log shows lambda and
+  the measured self_augmented per epoch.
 """
 
 from __future__ import annotations
@@ -94,27 +98,30 @@ def _run_until_killed(cmd: list[str], metrics: Path, iteration: int, timeout: fl
 
 
 def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset, tmp_path):
-    # 200 instances per epoch at global batch 8: epochs end at iterations 25, 50, 75.
-    common = sas_args(
+    # 192 instances per epoch at global batch 16: epochs end at iterations 12, 24, 36.
+    base = sas_args(
         botchan_dataset,
-        "--micro-batch-size", "4", "--global-batch-size", "8", "--train-epochs", "3",
-        "--eval-interval", "1000", "--save-interval", "10",
+        "--micro-batch-size", "8", "--global-batch-size", "16",
+        "--eval-interval", "1000", "--save-interval", "5",
         "--deepspeed-config", "ds_configs/zero0_fp32.json", "--replacement-store-shards", "5",
     )  # fmt: skip
+    common = [*base, "--train-epochs", "3"]
     full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
     deepspeed("pretrain_sas.py", *common, "--save", str(full_dir), timeout=300)
     full = train_records(full_dir / "metrics.jsonl")
-    assert sorted(full)[-1] == 75 and [full[i]["epoch"] for i in (25, 26, 51)] == [1, 2, 3]
-    assert full[26]["self_augmented"] == 1.0 and full[25]["self_augmented"] == 0.0
+    assert sorted(full)[-1] == 36 and [full[i]["epoch"] for i in (12, 13, 25)] == [1, 2, 3]
+    assert full[13]["self_augmented"] == 1.0 and full[12]["self_augmented"] == 0.0
+    for it, record in full.items():  # lambda per epoch, read from the training log
+        assert record["rtd_weight"] == {1: 50.0, 2: 125.0, 3: 200.0}[record["epoch"]], it
 
     cmd = deepspeed_command("pretrain_sas.py", *common, "--save", str(crash_dir), "--load",
                             str(crash_dir))  # fmt: skip
-    _run_until_killed(cmd, crash_dir / "metrics.jsonl", iteration=34)
-    assert (crash_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    _run_until_killed(cmd, crash_dir / "metrics.jsonl", iteration=16)
+    assert (crash_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "15"
     deepspeed("pretrain_sas.py", *common, "--save", str(crash_dir), "--load", str(crash_dir),
               timeout=300)  # fmt: skip
     resumed = train_records(crash_dir / "metrics.jsonl")
-    for it in range(31, 76):
+    for it in range(16, 37):
         for key in (*SAS_METRIC_KEYS, "lr", "epoch"):
             assert resumed[it][key] == full[it][key], (it, key)
     a, b = (
@@ -124,6 +131,27 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
     assert sorted(a) == sorted(b) and any(name.endswith("manifest.json") for name in a)
     for name in a:
         assert a[name] == b[name], name
+
+    # The finished run extended by a 4th epoch: it reads generation 2, which the last epoch
+    # committed.
+    deepspeed("pretrain_sas.py", *base, "--train-epochs", "4", "--save", str(crash_dir),
+              "--load", str(crash_dir), timeout=300)  # fmt: skip
+    extended = train_records(crash_dir / "metrics.jsonl")
+    assert sorted(extended)[-1] == 48
+    for it in range(37, 49):
+        assert extended[it]["epoch"] == 4 and extended[it]["self_augmented"] == 1.0, it
+        assert extended[it]["rtd_weight"] == 200.0, it
+    # Back to the checkpoint at iteration 10, older than three epoch boundaries: the rows
+    # generation 0 got before it were kept for it, so epoch 1 commits again, byte-identical.
+    deepspeed("pretrain_sas.py", *base, "--save", str(crash_dir), "--load", str(crash_dir),
+              "--ckpt-step", "10", "--train-iters", "15", "--lr-decay-iters", "36",
+              timeout=300)  # fmt: skip
+    rewound = train_records(crash_dir / "metrics.jsonl")
+    for it in range(11, 13):  # epoch 1: the same lambda and learning rates as the full run
+        for key in (*SAS_METRIC_KEYS, "lr"):
+            assert rewound[it][key] == full[it][key], (it, key)
+    again = _store_bytes(crash_dir / "replacement_store" / "gen_00000")
+    assert again == _store_bytes(full_dir / "replacement_store" / "gen_00000")
 
 
 def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
@@ -135,7 +163,7 @@ def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
 
     args = sas_args(
         botchan_dataset,
-        "--micro-batch-size", "8", "--global-batch-size", "8", "--train-epochs", "2",
+        "--micro-batch-size", "16", "--global-batch-size", "16", "--train-epochs", "2",
         "--eval-interval", "1000", "--num-workers", "0", "--no-self-augmentation",
         "--cold-start", "uniform", "--rtd-weight-final", "50",
     )  # fmt: skip
@@ -143,7 +171,7 @@ def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
     assert "world size 1 = tensor parallel 1 x data parallel 1" in res.stdout
     assert "cold start uniform" in res.stdout and "no self-augmentation" in res.stdout
     records = train_records(tmp_path / "ckpt" / "metrics.jsonl")
-    assert sorted(records)[-1] == 50 and {r["epoch"] for r in records.values()} == {1, 2}
+    assert sorted(records)[-1] == 24 and {r["epoch"] for r in records.values()} == {1, 2}
     assert {r["rtd_weight"] for r in records.values()} == {50.0}
     assert {r["self_augmented"] for r in records.values() if "self_augmented" in r} <= {0.0}
     assert not (tmp_path / "ckpt" / "replacement_store").exists()
