@@ -231,8 +231,10 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
 ):
     """SAS on 2 ranks for 3 epochs: in epochs 2 and 3 the model's input at S of every
     instance is that instance's row of the generation committed in the epoch before; in
-    epoch 1 the cold start; S never moves. The log shows lambda 50, 125, 200 per epoch,
-    self_augmented 0, 1, 1 measured, and a log window closing at each epoch boundary."""
+    epoch 1 the cold start; S never moves. With --drop-replacement-hits a stored token equal
+    to the original loses its MLM label, and stays dropped in epoch 3. The log shows lambda
+    50, 125, 200 per epoch, self_augmented 0, 1, 1 measured, and a log window closing at
+    each epoch boundary."""
     import numpy as np
 
     from megatron_taco.data.replacement_store import GenerationReader
@@ -247,7 +249,7 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
         "--micro-batch-size", "8", "--global-batch-size", "16", "--train-epochs", "3",
         "--log-interval", "5", "--eval-iters", "0", "--save", str(save),
         "--save-interval", "4", "--deepspeed-config", "ds_configs/zero0_fp32.json",
-        "--replacement-store-shards", "3",
+        "--replacement-store-shards", "3", "--drop-replacement-hits",
     )  # fmt: skip
     assert run_distributed(recorded_pretrain, 2, argv, str(records_dir), timeout=600) == [0, 0]
     out = capfd.readouterr().out
@@ -280,6 +282,8 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
         order = np.argsort(ids)
         by_instance.append({k: v[order] for k, v in rec.items()})
     store = save / "replacement_store"
+    dropped = {}  # instance -> its slots dropped in the epoch before
+    hits = 0
     for e, rec in enumerate(by_instance):
         rows = GenerationReader(str(store), e - 1).read(np.arange(n)) if e else None
         for i in range(n):
@@ -291,19 +295,29 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
             read = rec["input_ids"][i][where]
             expected = rows[i, : where.size] if e else cold.replacements(i, 0, where)
             np.testing.assert_array_equal(read, expected, err_msg=f"epoch {e + 1} instance {i}")
+            # The original tokens at S: epoch 1's MLM labels (the cold start drops nothing).
+            original = by_instance[0]["mlm_labels"][i][where]
+            hit = (read == original) if e else np.zeros(where.size, dtype=bool)
+            labels = rec["mlm_labels"][i][where]
+            np.testing.assert_array_equal(labels[~hit], original[~hit])
+            assert (labels[hit] == -100).all(), (e, i)
+            assert hit[dropped.get(i, hit)].all(), (e, i)  # once dropped, dropped for good
+            dropped[i], hits = hit, hits + int(hit.sum())
             # Outside S the original text, the same in every epoch.
             outside = np.ones(rec["input_ids"].shape[1], dtype=bool)
             outside[where] = False
             np.testing.assert_array_equal(
                 rec["input_ids"][i][outside], by_instance[0]["input_ids"][i][outside]
             )
+    assert hits > 0
     # Every epoch committed its generation, the last one's too (a finished run can be
     # extended), and each is kept: the checkpoints every 4 iterations need them all.
     assert all((store / f"gen_{g:05d}" / "manifest.json").is_file() for g in range(3))
 
 
 def test_ablation_redraws_s_per_epoch_and_reports_blended_passes(botchan_dataset, tmp_path, capfd):
-    """--no-self-augmentation: S drawn afresh every epoch, the cold start placed there. Two
+    """--no-self-augmentation: S drawn afresh every epoch, the cold start placed there (its
+    first 3 iterations from unigram^0.5, --cold-start-warmup-iters). Two
     weighted copies of one dataset (0.8 / 0.2): the banner says how often an epoch sees
     each, with a warning for the one seen less than once. --train-iters ending inside the
     third epoch: a fractional epoch count, lambda 50 then the final 200 from the last whole
@@ -314,6 +328,7 @@ def test_ablation_redraws_s_per_epoch_and_reports_blended_passes(botchan_dataset
         ColdStart,
         ReplacementConfig,
         cold_start_probs,
+        tempered,
     )
     from megatron_taco.data.tokenizer import Tokenizer
     from tests.helpers import run_distributed
@@ -325,7 +340,8 @@ def test_ablation_redraws_s_per_epoch_and_reports_blended_passes(botchan_dataset
         botchan_dataset,
         "--data-path", "0.8", prefix, "0.2", prefix,
         "--micro-batch-size", "16", "--global-batch-size", "16", "--train-iters", "60",
-        "--no-self-augmentation", "--log-interval", "7", "--eval-iters", "0",
+        "--no-self-augmentation", "--cold-start-warmup-iters", "3",
+        "--log-interval", "7", "--eval-iters", "0",
         "--num-workers", "0", "--save", str(save), "--save-interval", "1000",
         "--deepspeed-config", "ds_configs/zero0_fp32.json",
     )  # fmt: skip
@@ -346,19 +362,21 @@ def test_ablation_redraws_s_per_epoch_and_reports_blended_passes(botchan_dataset
     assert f"WARNING {SAS_LOGGER}: --data-path: {prefix} is seen {passes[1]:.2f} times" in err
     assert "no self-augmentation (cold start in every epoch, S redrawn per epoch)" in out
 
+    assert "cold start unigram; the first 3 iterations from unigram^0.5" in out
     tokenizer = Tokenizer(botchan_dataset["tokenizer"])
     probs = cold_start_probs(
         ReplacementConfig(), [prefix] * 2, [0.8, 0.2], tokenizer.is_special_mask()
     )
-    cold = ColdStart(probs, 1234)
+    # The first 3 iterations (48 samples of the stream) draw from unigram^0.5.
+    cold = ColdStart(probs, 1234, warmup_probs=tempered(probs, 0.5), warmup_samples=48)
     moved = 0
     first = {}
     for e, rec in enumerate(epochs):
-        for i, inst in enumerate(rec["instance_ids"]):
+        for i, inst in enumerate(rec["instance_ids"]):  # one rank: row i is sample e * n + i
             slots = rec["replaced_positions"][i]
             where = slots[slots >= 0]
             read = rec["input_ids"][i][where]
-            np.testing.assert_array_equal(read, cold.replacements(int(inst), e, where))
+            np.testing.assert_array_equal(read, cold.replacements(int(inst), e, where, e * n + i))
             if e == 0:
                 first[int(inst)] = set(where.tolist())
             else:

@@ -287,3 +287,11 @@ def test_cold_start_warmup_draws_from_the_tempered_distribution():
         ReplacementConfig(cold_start_warmup_power=0.0)
     with pytest.raises(ConfigError, match="--cold-start-warmup-iters"):
         ReplacementConfig(cold_start_warmup_iters=-1)
+
+
+def test_hit_dropping_needs_self_augmentation():
+    from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig
+
+    assert SelfAugmentationConfig(drop_replacement_hits=True).drop_replacement_hits
+    with pytest.raises(ConfigError, match="^--drop-replacement-hits: .*no store"):
+        SelfAugmentationConfig(self_augmentation=False, drop_replacement_hits=True)
