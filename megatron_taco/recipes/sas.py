@@ -19,7 +19,7 @@ import logging
 import math
 import os
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_taco.arguments import ConfigError, option, require
 from megatron_taco.data.sas_collator import ReplacementConfig
@@ -121,20 +121,28 @@ def sas_shape(config: SasConfig, seq_length: int):
     )
 
 
+class DatasetPasses(NamedTuple):
+    """How much of one --data-path dataset an epoch sees."""
+
+    prefix: str
+    weight: float
+    instances: int  # of the epoch's
+    per_pass: int  # samples in one pass over its train split
+    passes: float  # instances / per_pass
+
+
 @dataclasses.dataclass(frozen=True)
 class Instances:
     train: Any  # InstanceEpochDataset: the training stream over the fixed instances
     valid: Any
     test: Any
     count: int  # instances per epoch (N)
-    epochs: float  # the run's length in epochs: fractional with --train-iters
-    passes: list[
-        tuple[str, float, int, int, float]
-    ]  # (prefix, weight, instances, per pass, passes)
+    epochs: Fraction  # the run's length in epochs: fractional with --train-iters
+    passes: list[DatasetPasses]
 
     @property
     def whole_epochs(self) -> int:
-        return int(self.epochs + 1e-9)
+        return math.floor(self.epochs)
 
 
 def build_instances(ctx: BuildContext) -> Instances:
@@ -169,7 +177,7 @@ def build_instances(ctx: BuildContext) -> Instances:
     # its own samples in order (whole passes first).
     shares = dataset_passes(getattr(train, "dataset_index", None), instances, per_dataset)
     passes = [
-        (prefix, weight, used, n, share)
+        DatasetPasses(prefix, weight, used, n, share)
         for prefix, weight, n, (used, share) in zip(
             data.prefixes, data.weights, per_dataset, shares
         )
@@ -178,9 +186,7 @@ def build_instances(ctx: BuildContext) -> Instances:
     return Instances(stream, valid, test, instances, epochs, passes)
 
 
-def describe_passes(
-    passes: list[tuple[str, float, int, int, float]],
-) -> tuple[list[str], list[str]]:
+def describe_passes(passes: list[DatasetPasses]) -> tuple[list[str], list[str]]:
     """Banner lines and warnings on how much of each --data-path dataset an epoch sees."""
     if len(passes) < 2:
         return [], []
@@ -189,7 +195,7 @@ def describe_passes(
         f"its {n:,} samples"
         for prefix, weight, used, n, share in passes
     ]
-    total = sum(n for *_, n, _ in passes)
+    total = sum(p.per_pass for p in passes)
     proportional = " ".join(f"{n / total:.3g} {prefix}" for prefix, _, _, n, _ in passes)
     warnings = [
         f"--data-path: {prefix} is seen {share:.2f} times per epoch (weight {weight:.3g} gives "

@@ -68,3 +68,21 @@ def test_count_flops_variants_and_cli():
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     assert res.returncode == 2 and "unknown preset 'nope'" in res.stderr
+
+
+def test_blended_passes_banner_and_warning():
+    from megatron_taco.recipes.sas import DatasetPasses, describe_passes
+
+    passes = [
+        DatasetPasses("wiki", 0.3, 300, 100, 3.0),
+        DatasetPasses("books", 0.7, 700, 900, 0.7778),
+    ]
+    lines, warnings = describe_passes(passes)
+    assert lines == [
+        "per epoch: wiki (weight 0.3): 300 instances, 3.00 passes over its 100 samples",
+        "per epoch: books (weight 0.7): 700 instances, 0.78 passes over its 900 samples",
+    ]
+    assert len(warnings) == 1 and warnings[0].startswith("--data-path: books is seen 0.78 times")
+    assert "22% of it is never trained on" in warnings[0]
+    assert "('--data-path 0.1 wiki 0.9 books')" in warnings[0]
+    assert describe_passes(passes[:1]) == ([], [])  # one dataset: one pass by construction
