@@ -248,7 +248,7 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
         botchan_dataset,
         "--micro-batch-size", "8", "--global-batch-size", "16", "--train-epochs", "3",
         "--log-interval", "5", "--eval-iters", "0", "--save", str(save),
-        "--save-interval", "4", "--deepspeed-config", "ds_configs/zero0_fp32.json",
+        "--save-interval", "12", "--deepspeed-config", "ds_configs/zero0_fp32.json",
         "--replacement-store-shards", "3", "--drop-replacement-hits",
     )  # fmt: skip
     assert run_distributed(recorded_pretrain, 2, argv, str(records_dir), timeout=600) == [0, 0]
@@ -311,7 +311,7 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
             )
     assert hits > 0
     # Every epoch committed its generation, the last one's too (a finished run can be
-    # extended), and each is kept: the checkpoints every 4 iterations need them all.
+    # extended), and each is kept: the checkpoints at the epoch ends need them all.
     assert all((store / f"gen_{g:05d}" / "manifest.json").is_file() for g in range(3))
 
 
