@@ -430,3 +430,31 @@ def write_place_race(directory, *, questions: int = 2, seed: int = 0) -> None:
                 "answers": answers,
             }
             (folder / f"{n}.txt").write_text(json.dumps(record), encoding="utf-8")
+
+
+# Statistical tests (no scipy: the chi-square tail is torch's regularised incomplete gamma)
+
+
+def chi2_pvalue(statistic: float, df: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(df), i.e. scipy.stats.chi2.sf: the regularised
+    upper incomplete gamma Q(df / 2, statistic / 2)."""
+    a = torch.tensor(df / 2.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(a, torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+def chi2_goodness_of_fit(observed, expected) -> tuple[float, float]:
+    """Pearson's chi-square of counts against expected counts (same total): (statistic,
+    p-value with len - 1 degrees of freedom)."""
+    observed = np.asarray(observed, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    return statistic, chi2_pvalue(statistic, observed.size - 1)
+
+
+def normal_std_pvalue(values: torch.Tensor, std: float) -> float:
+    """Two-sided p-value that zero-mean ``values`` are normal(0, std^2): sum(x^2) / std^2 is
+    chi-square(n) under that hypothesis."""
+    x = values.detach().to(torch.float64).flatten()
+    statistic = float((x * x).sum() / std**2)
+    upper = chi2_pvalue(statistic, x.numel())
+    return 2 * min(upper, 1 - upper)

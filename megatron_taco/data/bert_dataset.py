@@ -247,12 +247,12 @@ def _check_num_samples(train_valid_test_num_samples) -> list[int]:
     return out
 
 
-def train_samples_per_pass(config: DataConfig) -> int:
-    """Samples in one pass of the BERT sample mapping over every dataset's train split (the
-    sum over --data-path datasets): SAS's instance count before rounding to whole batches.
-    Call it on every rank (it synchronises on the cache)."""
+def train_samples_per_dataset(config: DataConfig) -> list[int]:
+    """Samples in one pass of the BERT sample mapping over each --data-path dataset's train
+    split, in --data-path order (their sum is SAS's instance count before rounding to whole
+    batches). Call it on every rank (it synchronises on the cache)."""
     config.validate_files()
-    total = 0
+    counts = []
     for prefix in config.prefixes:
         ds = IndexedDataset(prefix)
         doc_range = get_split_document_ranges(ds.num_documents, config.split)[0]
@@ -263,8 +263,8 @@ def train_samples_per_pass(config: DataConfig) -> int:
         entry = get_sample_index(
             ds, config, SPLIT_NAMES[0], doc_range, None, config.cache_dir(), num_epochs=1
         )
-        total += int(entry.arrays["sample_index"].shape[0])
-    return total
+        counts.append(int(entry.arrays["sample_index"].shape[0]))
+    return counts
 
 
 def _empty_split_note(split: str, name: str, prefixes, datasets, empty: list[int]) -> str:

@@ -10,6 +10,7 @@ the callbacks (callbacks.py), which see every training micro-batch and its outpu
 Epochs: a task that defines ``samples_per_epoch`` (a multiple of the global batch size) is
 trained epoch by epoch; each epoch gets its own data iterator, created only after the
 previous epoch ended and its callbacks ran, so nothing prefetched reads across the boundary.
+A log interval never spans two epochs: the last iteration of an epoch is always logged.
 """
 
 from __future__ import annotations
@@ -364,7 +365,10 @@ class Trainer:
                     f" epoch {epoch + 1}/{self.num_epochs()} ended at iteration {state.iteration}"
                 )
 
-            if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
+            # The window also closes at an epoch boundary: values that change per epoch (a
+            # loss weight scheduled by epoch, a data source) are never averaged across two.
+            log_now = state.iteration % t.log_interval == 0 or epoch_ended
+            if log_now or state.iteration == t.train_iters:
                 metrics = self._train_metrics(state, interval, lr, epoch)
                 self.logger.log("train", state.iteration, metrics)
                 interval = _Interval()

@@ -342,10 +342,12 @@ def _banner(
     ]
     if parts.samples_per_epoch:
         steps = parts.samples_per_epoch // ds.global_batch_size
-        total = t.train_samples(cfg.data_parallel_size)
+        whole, tail = divmod(t.train_samples(cfg.data_parallel_size), parts.samples_per_epoch)
+        # --train-iters rarely ends on an epoch boundary: say how much of the last one runs.
+        partial = f" ({whole} whole + {tail / parts.samples_per_epoch:.2f})" if tail else ""
         lines.append(
-            f"  epochs: {-(-total // parts.samples_per_epoch)} of {parts.samples_per_epoch:,} "
-            f"samples ({steps} iterations each)"
+            f"  epochs: {whole + tail / parts.samples_per_epoch:.4g}{partial} of "
+            f"{parts.samples_per_epoch:,} samples ({steps} iterations each)"
         )
     if parts.paper_flops is not None:
         per_step = parts.paper_flops(ds.global_batch_size, 1)
