@@ -13,12 +13,12 @@ import json
 import os
 import sys
 
-from megatron_taco.arguments import ConfigError, run_cli
+from megatron_taco.arguments import ConfigError, program_name, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="taco-glue-score", description=__doc__.split("\n\n")[0].replace("\n", " ")
+        prog=program_name("glue_score.py"), description=__doc__.split("\n\n")[0].replace("\n", " ")
     )
     p.add_argument("results", help="Directory searched (recursively) for results.json files.")
     p.add_argument(

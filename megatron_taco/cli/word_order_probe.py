@@ -51,6 +51,7 @@ from megatron_taco.arguments import (
     add_dataclass_args,
     dataclass_from_args,
     option,
+    program_name,
     require,
     run_cli,
 )
@@ -460,7 +461,7 @@ def run(config: ProbeConfig) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG,
+        prog=program_name(PROG),
         description=__doc__.split("\n\n")[0].replace("\n", " "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(__doc__.split("\n\n")[3:]),

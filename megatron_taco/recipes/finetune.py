@@ -398,9 +398,19 @@ def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
 
 
 def claim_output(output: str, run: dict[str, Any]) -> None:
-    """A new --output, or the same run again (it resumes); anything else is refused."""
+    """A new --output, or the same run again (it resumes); anything else is refused. Every
+    rank checks, rank 0 writes run.json: its half-written file has a hidden name, and the
+    listing is taken before run.json is read, so a rank checking while rank 0 renames it
+    into place sees either no run.json or the whole of it."""
+    tmp_prefix = f".{RUN_FILE}.tmp."
+    try:
+        names = [n for n in os.listdir(output) if not n.startswith(tmp_prefix)]
+    except FileNotFoundError:
+        names = []
+    except OSError as e:
+        raise ConfigError(f"--output: {output} cannot be listed ({e.strerror or e})") from None
     path = os.path.join(output, RUN_FILE)
-    if os.path.isfile(path):
+    if RUN_FILE in names:
         try:
             with open(path, encoding="utf-8") as f:
                 saved = json.load(f)
@@ -413,12 +423,12 @@ def claim_output(output: str, run: dict[str, Any]) -> None:
                 "--output, or the same flags to resume it"
             )
         return
-    if os.path.isdir(output) and os.listdir(output):
+    if names:
         raise ConfigError(f"--output: {output} exists, is not empty and holds no {RUN_FILE}")
     if int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 writes it; the others only check
     os.makedirs(output, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = os.path.join(output, f"{tmp_prefix}{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(run, f, indent=2, sort_keys=True)
     os.replace(tmp, path)

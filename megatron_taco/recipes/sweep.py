@@ -248,7 +248,8 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
             key = (cfg.data.task, cfg.data.data_dir, cfg.data.seq_length, cfg.data.tokenizer_model)
             if key not in features:
                 features = {key: spec.load_features(cfg)}  # keep one task's at a time
-            print(f"sweep: run {i + 1}/{len(mine)}: {run.directory(root)}", flush=True)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"sweep: run {i + 1}/{len(mine)}: {run.directory(root)}", flush=True)
             status = pretrain(cfg, spec.for_run(cfg, features[key]), monitor=monitor,
                               keep_process_group=True)  # fmt: skip
             result = read_results(run.directory(root))

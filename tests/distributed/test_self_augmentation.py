@@ -34,7 +34,12 @@ from megatron_taco.recipes.sas_augmentation import (
     StoreSource,
     generations_needed,
 )
-from megatron_taco.training.checkpointing import TrainingState, checkpoint_tag
+from megatron_taco.training.checkpointing import (
+    FORMAT,
+    TrainingState,
+    _write_metadata,
+    checkpoint_tag,
+)
 from tests.helpers import chi2_goodness_of_fit, run_distributed
 
 N, SEQ, VOCAB, MICRO = 16, 22, 300, 4
@@ -246,7 +251,10 @@ def test_damaged_generation_is_refused_on_every_rank_by_name(tmp_path):
 def _fake_checkpoint(save: Path, iteration: int, consumed: int) -> None:
     path = save / checkpoint_tag(iteration)
     path.mkdir(parents=True)
-    (path / "metadata.json").write_text(json.dumps({"consumed_samples": consumed}))
+    meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed,
+            "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+            "model": "SAS", "configs": {}}  # fmt: skip
+    _write_metadata(str(path), meta, {})
 
 
 def _run_epochs(rank, world_size, root, save, epochs):

@@ -338,7 +338,7 @@ def test_autotokenizer_gives_our_ids(tmp_path, botchan_path, model_type, byte_fa
     assert tok("a b")["input_ids"] == [2, *ref.encode("a b"), 3]
 
 
-def test_taco_checkpoint_is_refused(tmp_path, capsys):
+def test_checkpoint_whose_tokenizer_is_gone_is_one_line(tmp_path, capsys):
     iter_dir = tmp_path / "ckpt" / "iter_0000002"
     iter_dir.mkdir(parents=True)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
@@ -352,5 +352,5 @@ def test_taco_checkpoint_is_refused(tmp_path, capsys):
         export_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "o")])
     assert info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(err) == 1 and "TACO checkpoint" in err[0] and "--consolidate" in err[0]
+    assert len(err) == 1 and "--tokenizer-model" in err[0] and "metadata.json" in err[0], err
     assert not (tmp_path / "o").exists()

@@ -210,6 +210,7 @@ def test_bad_input_is_one_line(pretrained, tasks, tmp_path):
     (broken / "train.tsv").write_text("sentence\tlabel\nfine\tpos\ntoo\tmany\tcolumns\n")
     (broken / "dev.tsv").write_text("sentence\tlabel\nfine\tpos\n")
     assert "train.tsv:3" in fails(data=broken)
+    (broken / "train.tsv").write_text("sentence\tlabel\nfine\tpos\n")
     (broken / "dev.tsv").unlink()
     assert "dev.tsv" in fails(data=broken)
     assert "--task" in fails(task="sst-5")

@@ -98,7 +98,9 @@ def _run_until_killed(cmd: list[str], metrics: Path, iteration: int, timeout: fl
 
 
 def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset, tmp_path):
-    # 192 instances per epoch at global batch 16: epochs end at iterations 12, 24, 36.
+    # About 200 instances per epoch at global batch 16: E = 12 or 13 iterations per epoch
+    # (the splitter decides); the kill at 16 and the save at 15 fall in epoch 2, the
+    # checkpoint at 10 in epoch 1.
     base = sas_args(
         botchan_dataset,
         "--micro-batch-size", "8", "--global-batch-size", "16",
@@ -109,8 +111,10 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
     full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
     deepspeed("pretrain_sas.py", *common, "--save", str(full_dir), timeout=300)
     full = train_records(full_dir / "metrics.jsonl")
-    assert sorted(full)[-1] == 36 and [full[i]["epoch"] for i in (12, 13, 25)] == [1, 2, 3]
-    assert full[13]["self_augmented"] == 1.0 and full[12]["self_augmented"] == 0.0
+    e = max(i for i, r in full.items() if r["epoch"] == 1)
+    assert 10 < e < 15 and sorted(full)[-1] == 3 * e
+    assert [full[i]["epoch"] for i in (e, e + 1, 2 * e + 1)] == [1, 2, 3]
+    assert full[e + 1]["self_augmented"] == 1.0 and full[e]["self_augmented"] == 0.0
     for it, record in full.items():  # lambda per epoch, read from the training log
         assert record["rtd_weight"] == {1: 50.0, 2: 125.0, 3: 200.0}[record["epoch"]], it
 
@@ -121,7 +125,7 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
     deepspeed("pretrain_sas.py", *common, "--save", str(crash_dir), "--load", str(crash_dir),
               timeout=300)  # fmt: skip
     resumed = train_records(crash_dir / "metrics.jsonl")
-    for it in range(16, 37):
+    for it in range(16, 3 * e + 1):
         for key in (*SAS_METRIC_KEYS, "lr", "epoch"):
             assert resumed[it][key] == full[it][key], (it, key)
     a, b = (
@@ -137,17 +141,17 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
     deepspeed("pretrain_sas.py", *base, "--train-epochs", "4", "--save", str(crash_dir),
               "--load", str(crash_dir), timeout=300)  # fmt: skip
     extended = train_records(crash_dir / "metrics.jsonl")
-    assert sorted(extended)[-1] == 48
-    for it in range(37, 49):
+    assert sorted(extended)[-1] == 4 * e
+    for it in range(3 * e + 1, 4 * e + 1):
         assert extended[it]["epoch"] == 4 and extended[it]["self_augmented"] == 1.0, it
         assert extended[it]["rtd_weight"] == 200.0, it
     # Back to the checkpoint at iteration 10, older than three epoch boundaries: the rows
     # generation 0 got before it were kept for it, so epoch 1 commits again, byte-identical.
     deepspeed("pretrain_sas.py", *base, "--save", str(crash_dir), "--load", str(crash_dir),
-              "--ckpt-step", "10", "--train-iters", "15", "--lr-decay-iters", "36",
+              "--ckpt-step", "10", "--train-iters", "15", "--lr-decay-iters", str(3 * e),
               timeout=300)  # fmt: skip
     rewound = train_records(crash_dir / "metrics.jsonl")
-    for it in range(11, 13):  # epoch 1: the same lambda and learning rates as the full run
+    for it in range(11, e + 1):  # epoch 1: the same lambda and learning rates as the full run
         for key in (*SAS_METRIC_KEYS, "lr"):
             assert rewound[it][key] == full[it][key], (it, key)
     again = _store_bytes(crash_dir / "replacement_store" / "gen_00000")
@@ -171,7 +175,9 @@ def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
     assert "world size 1 = tensor parallel 1 x data parallel 1" in res.stdout
     assert "cold start uniform" in res.stdout and "no self-augmentation" in res.stdout
     records = train_records(tmp_path / "ckpt" / "metrics.jsonl")
-    assert sorted(records)[-1] == 24 and {r["epoch"] for r in records.values()} == {1, 2}
+    samples, each = re.search(r"of ([\d,]+) samples \((\d+) iterations each\)", res.stdout).groups()
+    assert int(each) == int(samples.replace(",", "")) // 16  # the partial last batch dropped
+    assert sorted(records)[-1] == 2 * int(each) and {r["epoch"] for r in records.values()} == {1, 2}
     assert {r["rtd_weight"] for r in records.values()} == {50.0}
     assert {r["self_augmented"] for r in records.values() if "self_augmented" in r} <= {0.0}
     assert not (tmp_path / "ckpt" / "replacement_store").exists()
