@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
