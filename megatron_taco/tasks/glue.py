@@ -128,6 +128,19 @@ def read_tsv(path: str) -> Iterator[tuple[int, list[str]]]:
             yield lineno, line.split("\t")
 
 
+def check_unique(path: str, header: list[str], names=None) -> None:
+    """Refuse a header naming a column twice (among ``names``, or any): which of the two holds
+    the text would be a guess."""
+    counts = Counter(header)
+    for name in header:
+        if counts[name] > 1 and (names is None or name in names):
+            where = [i + 1 for i, h in enumerate(header) if h == name]
+            raise TaskDataError(
+                f"{path}:1: the header names column {name!r} {counts[name]} times (columns "
+                f"{', '.join(map(str, where))}); column names must be unique"
+            )
+
+
 def _label_map(info: TaskInfo, kind: str) -> dict[str, int]:
     if kind == "names":
         return {name: i for i, name in enumerate(info.labels)}
@@ -144,6 +157,7 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
             raise TaskDataError(f"{path}: empty file (expected a header line)")
         header = first[1]
     wanted = (*fmt.tsv_text, fmt.tsv_label)
+    check_unique(path, header, wanted)
     missing = [c for c in wanted if c not in header]
     if missing:
         raise TaskDataError(
@@ -177,6 +191,8 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
 
 def _parse_label(value, label_map, where: str, info: TaskInfo):
     if label_map is None:
+        if isinstance(value, bool):  # float(True) is 1.0: a bool column is not a score
+            raise TaskDataError(f"{where}: score {value!r} is a boolean, not a number")
         try:
             score = float(value)
         except (TypeError, ValueError):
@@ -381,6 +397,12 @@ def _read_custom(path: str) -> tuple[list[list[str]], list[str], list[int]]:
     rows = read_tsv(path)
     first = next(rows, None)
     header = first[1] if first else []
+    check_unique(path, header)
+    if "sentence" in header and ("sentence1" in header or "sentence2" in header):
+        raise TaskDataError(
+            f"{path}:1: header names both 'sentence' and 'sentence1'/'sentence2', found "
+            f"{header}; name one text column 'sentence' or two 'sentence1' and 'sentence2'"
+        )
     if "label" in header and "sentence" in header:
         text = ["sentence"]
     elif "label" in header and "sentence1" in header and "sentence2" in header:

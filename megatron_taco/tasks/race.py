@@ -73,7 +73,13 @@ def read_race(data_dir: str, split: str) -> dict:
                 found = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
                 raise TaskDataError(f"{path}: needs keys {list(fields)}, found {found}")
             article, questions, options, answers = (doc[k] for k in fields)
-            if not (isinstance(questions, list) and len(questions) == len(options) == len(answers)):
+            for key in fields[1:]:
+                if not isinstance(doc[key], list):
+                    raise TaskDataError(
+                        f"{path}: {key!r} is {type(doc[key]).__name__}, expected a list with "
+                        "one entry per question"
+                    )
+            if not len(questions) == len(options) == len(answers):
                 raise TaskDataError(
                     f"{path}: questions, options and answers must be lists of one length, got "
                     f"{len(questions)}, {len(options)}, {len(answers)}"
@@ -97,6 +103,11 @@ def read_race(data_dir: str, split: str) -> dict:
                 labels.append(ord(answer) - ord("A"))
                 level.append(lv)
                 article_of.append(len(articles) - 1)
+    if not labels:
+        raise TaskDataError(
+            f"{os.path.join(data_dir, split)}: no questions in the {split} split "
+            f'(its {len(files)} files all have "questions": [])'
+        )
     return {
         "articles": articles,
         "article_of": np.asarray(article_of, dtype=np.int64),

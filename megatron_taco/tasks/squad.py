@@ -237,7 +237,12 @@ def read_squad(path: str, version: int, training: bool) -> SquadSet:
                 for k, a in enumerate(answers):
                     _need(a, "text", str, f"{qwhere}.answers[{k}]")
                     _need(a, "answer_start", int, f"{qwhere}.answers[{k}]")
-                impossible = version == 2 and bool(qa.get("is_impossible", not answers))
+                impossible = version == 2 and qa.get("is_impossible", not answers)
+                if not isinstance(impossible, bool):  # "false" would read as True
+                    raise TaskDataError(
+                        f"{qwhere}: 'is_impossible' is {impossible!r} "
+                        f"({type(impossible).__name__}), expected true or false"
+                    )
                 if impossible and answers and training:
                     raise TaskDataError(f"{qwhere}: is_impossible but has answers")
                 start = end = -1
@@ -377,9 +382,15 @@ def featurize(
     q = tokenize(tokenizer, squad.questions)
     q_len = np.minimum(q.length, options.max_query_length)
     if len(q_len) and int(q_len.max()) + 3 >= s:
-        raise ValueError(
-            f"seq_length {s} leaves no room for the context after a question of "
-            f"{int(q_len.max())} tokens (max_query_length {options.max_query_length})"
+        worst = int(np.argmax(q_len))
+        need = int(q_len[worst]) + 4  # [CLS] question [SEP] >= 1 context token [SEP]
+        fix = f"--seq-length {need} or more"
+        if s > 4:
+            fix += f", or --max-query-length {s - 4} or less"
+        raise TaskDataError(
+            f"{squad.path}: question id {squad.qids[worst]} has {int(q_len[worst])} tokens "
+            f"(kept by --max-query-length {options.max_query_length}), which leave no room for "
+            f"the context in --seq-length {s}; use {fix}"
         )
     ctx = tokenize_contexts(tokenizer, squad.contexts)
     ans_first, ans_last = answer_tokens(ctx, squad.para, squad.answer_start, squad.answer_end)

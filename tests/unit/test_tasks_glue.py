@@ -433,6 +433,24 @@ def test_hf_errors_name_file_and_record(tmp_path, tokenizer):
         load_task("mrpc", folder, tokenizer, seq_length=32)
 
 
+def test_stsb_refuses_boolean_labels(tmp_path, tokenizer):
+    # float(True) == 1.0: a JSON true (or a parquet bool column) must not read as score 1
+    folder = write_hf(tmp_path / "a", "stsb", "jsonl")
+    with open(folder / "validation.jsonl", "a") as f:
+        f.write('{"sentence1": "x", "sentence2": "y", "label": true, "idx": 9}\n')
+    with pytest.raises(
+        TaskDataError, match=r"validation\.jsonl:4: score True is a boolean, not a number"
+    ):
+        load_task("stsb", folder, tokenizer, seq_length=32)
+    folder = write_hf(tmp_path / "b", "stsb", "parquet")
+    table = pa.table({"sentence1": ["a", "b"], "sentence2": ["c", "d"], "label": [False, True]})
+    pq.write_table(table, folder / "train.parquet")
+    with pytest.raises(
+        TaskDataError, match=r"train\.parquet: row 0: score False is a boolean, not a number"
+    ):
+        load_task("stsb", folder, tokenizer, seq_length=32)
+
+
 def _logits(rng, n, c):
     return rng.normal(size=(n, c))
 
@@ -517,6 +535,52 @@ def test_custom_task_discovers_sorted_labels(tmp_path, tokenizer):
     (tmp_path / "train.tsv").write_text("text\tlabel\na\tb\n")
     with pytest.raises(TaskDataError, match=r"train\.tsv:1: header must name 'sentence'"):
         load_task("custom", tmp_path, tokenizer, seq_length=16)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (
+            "sentence\tsentence\tlabel",
+            r"train\.tsv:1: the header names column 'sentence' 2 times \(columns 1, 2\)",
+        ),
+        ("sentence\tlabel\tlabel", r"train\.tsv:1: the header names column 'label' 2 times"),
+        ("id\tsentence\tid\tlabel", r"train\.tsv:1: the header names column 'id' 2 times"),
+        (
+            "sentence1\tsentence2\tsentence2\tlabel",
+            r"train\.tsv:1: the header names column 'sentence2' 2 times \(columns 2, 3\)",
+        ),
+        ("sentence\tsentence1\tlabel", r"train\.tsv:1: header names both 'sentence' and"),
+    ],
+)
+def test_custom_header_must_name_each_column_once(tmp_path, tokenizer, header, message):
+    # two "sentence" columns used to read as a single-sentence task from the first of them
+    ncol = header.count("\t") + 1
+    row = "\t".join(["a"] * (ncol - 1) + ["x"])
+    for split in ("train", "dev"):
+        (tmp_path / f"{split}.tsv").write_text(f"{header}\n{row}\n")
+    with pytest.raises(TaskDataError, match=message):
+        load_task("custom", tmp_path, tokenizer, seq_length=16)
+
+
+def test_glue_header_naming_a_used_column_twice_is_refused(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "qnli")
+    path = folder / "train.tsv"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(["index\tquestion\tquestion\tlabel"] + lines[1:]) + "\n")
+    with pytest.raises(
+        TaskDataError,
+        match=r"train\.tsv:1: the header names column 'question' 2 times \(columns 2, 3\)",
+    ):
+        load_task("qnli", folder, tokenizer, seq_length=32)
+    # an unused column named twice is harmless in a GLUE file
+    path.write_text(
+        "\n".join(
+            ["index\tquestion\tsentence\tlabel\tx\tx"] + [line + "\t\t" for line in lines[1:]]
+        )
+        + "\n"
+    )
+    assert len(load_task("qnli", folder, tokenizer, seq_length=32).train) == len(lines) - 1
 
 
 def test_empty_split_and_bad_arguments(tmp_path, tokenizer):

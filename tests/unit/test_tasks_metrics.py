@@ -8,9 +8,11 @@ import scipy.stats
 from sklearn.metrics import f1_score
 from sklearn.metrics import matthews_corrcoef as sk_mcc
 
-from megatron_taco.tasks import glue_score, glue_task_scores
+from megatron_taco.tasks import TASKS, glue_score, glue_task_scores
 from megatron_taco.tasks.base import Segment, assemble, tokenize, truncate_pair
 from megatron_taco.tasks.metrics import (
+    GLUE_SCORE_CONVENTIONS,
+    GLUE_SCORE_TASKS,
     accuracy,
     compute,
     f1_binary,
@@ -107,6 +109,39 @@ def test_glue_score_conventions():
     results["mnli"] = {"dev_matched": {"acc": 80.0}}
     with pytest.raises(ValueError, match="mnli needs acc of its dev_mismatched"):
         glue_task_scores(results)
+
+
+def test_main_metric_is_what_the_glue_score_reports():
+    # The main metric chooses a task's best epoch and learning rate; the GLUE score reports one
+    # number per task. Where they differ, the reported number comes from an epoch chosen by
+    # another metric. Every metric of every split gets a distinct value (the means their mean).
+    rng = np.random.default_rng(0)
+    results = {}
+    for task in GLUE_SCORE_TASKS:
+        info = TASKS[task]
+        results[task] = {}
+        for split in info.dev_splits:
+            out = {m: float(rng.uniform(0, 100)) for m in info.metrics if not m.endswith("_mean")}
+            for m in info.metrics:
+                if m.endswith("_mean"):
+                    a, b = m[: -len("_mean")].split("_")
+                    out[m] = (out[a] + out[b]) / 2
+            results[task][split] = out
+    differ = set()
+    for convention in GLUE_SCORE_CONVENTIONS:
+        reported = glue_task_scores(results, convention)
+        for task in GLUE_SCORE_TASKS:
+            info = TASKS[task]
+            if reported[task] != results[task][info.dev_splits[0]][info.main_metric]:
+                differ.add((task, convention))
+    # MRPC and QQP select by accuracy, the number both conventions report. The two remaining
+    # differences are the conventions' own: SAS averages MNLI's matched and mismatched splits
+    # (selection reads dev_matched, dev_splits[0]), ELECTRA reports STS-B's Spearman alone
+    # (selection by the Pearson-Spearman mean, the SAS paper's number).
+    assert differ == {("mnli", "sas"), ("stsb", "electra")}
+    for task in ("mrpc", "qqp"):
+        assert TASKS[task].main_metric == "acc"
+        assert TASKS[task].metrics == ("f1", "acc", "f1_acc_mean")  # still computed, reported
 
 
 def _truncate_loop(la, lb, budget):

@@ -111,6 +111,26 @@ def test_accuracy_overall_and_per_level(tmp_path, tokenizer):
             lambda d: d.update(answers=["A"]),
             r"middle/1\.txt: questions, options and answers must be lists of one length",
         ),
+        (
+            lambda d: d.update(options=5),
+            r"middle/1\.txt: 'options' is int, expected a list with one entry per question",
+        ),
+        (
+            lambda d: d.update(answers=5),
+            r"middle/1\.txt: 'answers' is int, expected a list with one entry per question",
+        ),
+        (
+            lambda d: d.update(questions="What colour?"),
+            r"middle/1\.txt: 'questions' is str, expected a list with one entry per question",
+        ),
+        (
+            lambda d: d["options"].__setitem__(1, 5),
+            r"middle/1\.txt: question 1: needs 4 text options, got 5",
+        ),
+        (
+            lambda d: d["answers"].__setitem__(1, 5),
+            r"middle/1\.txt: question 1: answer 5 is not one of A, B, C, D",
+        ),
     ],
 )
 def test_bad_race_files_name_file_and_question(tmp_path, tokenizer, change, message):
@@ -129,3 +149,19 @@ def test_missing_folders_and_invalid_json(tmp_path, tokenizer):
     (root / "dev" / "high" / "1.txt").write_text('{"article": "x",\n "questions": [}')
     with pytest.raises(TaskDataError, match=r"dev/high/1\.txt:2:\d+: not valid JSON"):
         load_task("race", root, tokenizer, seq_length=64)
+
+
+def test_split_without_questions_is_named(tmp_path, tokenizer):
+    root = write_race(tmp_path)
+    for level in ("middle", "high"):
+        doc = dict(DOC, questions=[], options=[], answers=[])
+        (root / "dev" / level / "1.txt").write_text(json.dumps(doc))
+    with pytest.raises(
+        TaskDataError,
+        match=r"/dev: no questions in the dev split \(its 2 files all have \"questions\": \[\]\)",
+    ):
+        load_task("race", root, tokenizer, seq_length=64)
+    # a file without questions next to one with some is fine
+    (root / "dev" / "high" / "1.txt").write_text(json.dumps(DOC_HIGH))
+    data = load_task("race", root, tokenizer, seq_length=64, splits=("dev",))
+    assert len(data.dev["dev"]) == 1 and data.stats["files"]["dev"] == 2
