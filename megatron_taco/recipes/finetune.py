@@ -263,14 +263,14 @@ class FinetuneSpec(ModelSpec):
             try:
                 return find_checkpoint(ft.load, ft.ckpt_step).iteration
             except CheckpointError as e:
-                raise ConfigError(f"--load: {e}") from None
+                raise _load_error(e) from None
 
         iteration = once_per_node(PRETRAINED, verify)
         try:
             info = find_checkpoint(ft.load, iteration, verify=False)
             kind, model = checkpoint_model_config(info, data.tokenizer_model)
         except CheckpointError as e:
-            raise ConfigError(f"--load: {e}") from None
+            raise _load_error(e) from None
         pretrained = PretrainedCheckpoint(
             load=os.path.abspath(ft.load),
             iteration=info.iteration,
@@ -300,16 +300,6 @@ class FinetuneSpec(ModelSpec):
             checkpoint = dataclasses.replace(checkpoint, save_retain=1)
         exit_config = dataclass_from_args(ExitConfig, args)
         deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
-        run = {
-            "pretrained": dataclasses.asdict(pretrained),
-            # Where the run lives and how many workers read its data do not change the run.
-            "finetune": {k: v for k, v in dataclasses.asdict(ft).items() if k != "output"},
-            "data": {k: v for k, v in dataclasses.asdict(data).items() if k != "num_workers"},
-            "training": dataclasses.asdict(training),
-            "deepspeed": {"zero_stage": deepspeed.zero_stage, "precision": deepspeed.precision},
-            "tensor_model_parallel_size": tp,
-        }
-        claim_output(ft.output, run)
         load = prepare_checkpoints(
             training, checkpoint, tp_size=tp, ds_config=deepspeed.config,
             zero_stage=deepspeed.zero_stage, models=self.loadable_models,
@@ -374,13 +364,41 @@ class FinetuneSpec(ModelSpec):
         passes the features it already built for another run of the same task."""
         if task_data is None:
             task_data = self.load_features(cfg)
+        if task_data.info.kind == "classification" and task_data.info.num_labels < 2:
+            raise ConfigError(
+                f"--data-dir: {cfg.data.data_dir} gives task {task_data.info.name} "
+                f"{task_data.info.num_labels} label(s); classification needs at least 2"
+            )
         gbs, n = cfg.deepspeed.global_batch_size, len(task_data.train)
         if n < gbs:
             raise ConfigError(
                 f"--global-batch-size: {gbs} is more than the {n} training examples of "
                 f"{cfg.data.data_dir}"
             )
+        # Claimed only now, once the task data has been checked too: a refused command
+        # leaves --output as it found it.
+        claim_output(cfg.task["finetune"].output, run_record(cfg))
         return dataclasses.replace(self, build=lambda ctx: build_finetune(ctx, task_data))
+
+
+def run_record(cfg: PretrainConfigs) -> dict[str, Any]:
+    """What makes a run this run (run.json): a later command with --output resumes it only
+    if it records the same."""
+    ft = cfg.task["finetune"]
+    return {
+        "pretrained": dataclasses.asdict(cfg.task["pretrained"]),
+        # Where the run lives and how many workers read its data do not change the run.
+        "finetune": {k: v for k, v in dataclasses.asdict(ft).items() if k != "output"},
+        "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "num_workers"},
+        "training": dataclasses.asdict(cfg.training),
+        "deepspeed": {"zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision},
+        "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
+    }
+
+
+def _load_error(e: Exception) -> ConfigError:
+    message = str(e)
+    return ConfigError(message if message.startswith("--load") else f"--load: {message}")
 
 
 def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
@@ -393,7 +411,7 @@ def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
     try:
         info = find_checkpoint(load, ckpt_step, verify=False)
     except (CheckpointError, ConfigError) as e:
-        raise ConfigError(f"--load: {e}") from None
+        raise _load_error(e) from None
     return (info.configs.get("model") or {}).get("model_size")
 
 
