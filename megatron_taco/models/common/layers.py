@@ -28,6 +28,7 @@ InitMethod = Callable[[torch.Tensor], object]
 
 __all__ = [
     "HAVE_APEX",
+    "DropoutMask",
     "LayerNorm",
     "gelu",
     "init_from_master_",
@@ -42,6 +43,23 @@ def LayerNorm(hidden_size: int, eps: float) -> nn.Module:  # a factory named lik
     if HAVE_APEX:
         return _ApexLayerNorm(hidden_size, eps=eps)
     return nn.LayerNorm(hidden_size, eps=eps)
+
+
+class DropoutMask(nn.Module):
+    """The keep mask of inverted dropout, for ops that apply it themselves (and keep it as
+    bool, 1 byte per element, where nn.Dropout on CPU keeps a float scale tensor):
+    forward(like) -> bool tensor of like's shape, True with probability 1 - p; None when
+    dropout is off (eval, or p == 0). Drawn from the current default generator, so a caller
+    can fork an RNG tracker around it."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, like: torch.Tensor) -> torch.Tensor | None:
+        if not self.training or self.p == 0:
+            return None
+        return torch.empty(like.shape, dtype=torch.bool, device=like.device).bernoulli_(1 - self.p)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:

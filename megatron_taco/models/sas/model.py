@@ -145,7 +145,7 @@ class _RelativeBias(torch.autograd.Function):
         # from one dtype already).
         with torch.autocast(q.device.type, enabled=False):
             bias = c2p_scores(q, k_r, index, scale)  # [h, b, s, s]: q_i . K_r[idx(i, j)]
-            bias += p2c_scores(k, q_r, index, scale)  # k_j . Q_r[idx(i, j)]
+            bias += p2c_scores(k, q_r, index_t, scale)  # k_j . Q_r[idx(i, j)]
             if mask is not None:
                 # DeBERTa's masking: the minimum, not -inf, so a padding query whose every
                 # pair is masked attends uniformly (as the reference does) instead of NaN.
