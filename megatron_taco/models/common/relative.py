@@ -130,16 +130,17 @@ def c2p_scores(q, k_r, index, scale: float, out=None):
 def p2c_scores(k, q_r, index_t, scale: float, out=None):
     """p2c[h, b, i, j] = scale * k[h, b, j] . q_r[h, index[b, i, j]], given the key-major
     index_t [b, s, s] (index_t[b, j, i] = index[b, i, j]).
-    k [h, b, s, d], q_r [h, n, d] -> [h, b, s, s]."""
+    k [h, b, s, d], q_r [h, n, d] -> [h, b, s, s] (written into ``out`` if given, else a
+    transposed view)."""
     h, b, s, d = k.shape
     n = q_r.shape[1]
     # Key-major scores [h, b, s(j), n] (the same one GEMM as c2p), gathered along their last
     # dim straight into the transpose of the output: ~25% faster than scoring row-major
     # [h, b, n, s(j)] (a broadcast matmul) and gathering along the row dim.
     scores = torch.bmm(k.reshape(h, b * s, d), (q_r * scale).transpose(1, 2)).view(h, b, s, n)
-    if out is None:
-        out = scores.new_empty(h, b, s, s)
     idx_t = index_t.unsqueeze(0).expand(h, b, s, s)
+    if out is None:  # a transposed view
+        return torch.gather(scores, -1, idx_t).transpose(-1, -2)
     torch.gather(scores, -1, idx_t, out=out.transpose(-1, -2))
     return out
 

@@ -26,6 +26,7 @@ from torch import nn
 from megatron_taco.models.common.config import require_tracker_for_tp_dropout
 from megatron_taco.models.common.layers import (
     LayerNorm,
+    compile_layers,
     gelu,
     init_from_master_,
     init_method_normal,
@@ -311,6 +312,8 @@ class SasModel(nn.Module):
         self.layers = nn.ModuleList(
             SasLayer(config, parallel, rng_tracker) for _ in range(config.num_layers)
         )
+        if config.compile:
+            compile_layers(self.layers, "SAS layers")
         self._index_cache: dict[tuple[int, str], tuple[int, int, torch.Tensor, torch.Tensor]] = {}
 
     def relative_index(self, s: int, device) -> tuple[int, int, torch.Tensor, torch.Tensor]:

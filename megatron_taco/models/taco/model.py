@@ -25,6 +25,7 @@ from megatron_taco.models.common.config import require_tracker_for_tp_dropout
 from megatron_taco.models.common.layers import (
     DropoutMask,
     LayerNorm,
+    compile_layers,
     init_from_master_,
     init_method_normal,
     init_partitioned_,
@@ -272,6 +273,16 @@ def attention_logits(
     (canonical) order, every map divided by sqrt(d); index [b, s, s] is the bucket r_ij of
     every pair; prev [hw + hp, b, s, s] is the previous layer's fused logits (None in layer
     1, then w_prev is None too)."""
+    if torch.compiler.is_compiling():
+        # Plain differentiable ops under torch.compile: the hand-written op writes into
+        # views (out=), which the compiler would split the graph at.
+        content = torch.matmul(q_we, k_we.transpose(-1, -2)) * scale
+        position = torch.matmul(q_pe, k_pe.transpose(-1, -2)) * scale
+        c2p = c2p_scores(q_we, k_r, index, scale)
+        p2c = p2c_scores(k_we, q_r, index, scale)
+        maps = torch.cat([content, c2p, p2c, position]).flatten(1)  # canonical order
+        partial = torch.addmm(bias.unsqueeze(1), w_maps, maps)
+        return partial if prev is None else partial + w_prev @ prev.flatten(1)
     return _AttentionLogits.apply(
         q_we, k_we, q_pe, k_pe, k_r, q_r, index, prev, w_maps, w_prev, bias, scale
     )
@@ -576,6 +587,8 @@ class TacoModel(nn.Module):
         self.layers = nn.ModuleList(
             TacoLayer(config, parallel, i + 1, rng_tracker) for i in range(config.num_layers)
         )
+        if config.compile:
+            compile_layers(self.layers, "TACO layers")
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
