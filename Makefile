@@ -51,11 +51,9 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Every benchmarks/bench_*.py, then one table of their ratios and goals (benchmarks/run_all.py).
 bench: venv
-	$(PY) benchmarks/bench_preprocess.py
-	$(PY) benchmarks/bench_taco_step.py
-	$(PY) benchmarks/bench_sas_step.py
-	$(PY) benchmarks/bench_sas_store.py
+	$(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf build demo_output .pytest_cache

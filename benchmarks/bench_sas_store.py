@@ -7,9 +7,11 @@
    The sampling draw itself is SAS's, not the store's; it is reported separately.
 2. Memory: peak RSS of a process that creates a generation of N instances, writes every row,
    commits it and reads every row back, against one that fills and reads the reference's
-   [N, seq_len] int16 buffer, for growing N. Target: the store's RSS flat in N.
+   [N, seq_len] int16 buffer, for growing N. Target: the store's RSS flat in N (it grows
+   by at most FLAT_MIB from the smallest to the largest N; the buffer's grows by
+   N x seq_len x 2 bytes).
 
-    python benchmarks/bench_sas_store.py
+    python benchmarks/bench_sas_store.py [--results-json PATH]
     python benchmarks/bench_sas_store.py --micro-batch 64 --sizes 100000 1000000 4000000
 """
 
@@ -29,6 +31,7 @@ import torch
 from timing import time_steps
 
 SEQ, VOCAB, MASK_PROB = 128, 30522, 0.15
+FLAT_MIB = 32.0
 WIDTH = math.ceil(MASK_PROB * (SEQ - 2))
 
 
@@ -69,7 +72,8 @@ def _rss_child(kind: str, n: int, root: str) -> dict:
     return {"kind": kind, "n": n, "peak_rss_mib": (hwm_kib() - before) / 1024}
 
 
-def memory_table(sizes: list[int]) -> None:
+def memory_table(sizes: list[int]) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
     print(f"\npeak RSS growth per rank (MiB) vs instances (seq {SEQ}, {WIDTH} slots)")
     print(f"  {'instances':>10s} {'store':>10s} {'in-RAM buffer':>14s}")
     for n in sizes:
@@ -82,9 +86,11 @@ def memory_table(sizes: list[int]) -> None:
                 )  # fmt: skip
                 row[kind] = json.loads(res.stdout.splitlines()[-1])["peak_rss_mib"]
         print(f"  {n:>10,d} {row['store']:>10.1f} {row['buffer']:>14.1f}")
+        rows[n] = row
+    return rows
 
 
-def overhead(micro_batch: int, repeats: int) -> None:
+def overhead(micro_batch: int, repeats: int) -> dict[str, float]:
     from megatron_taco.data.replacement_store import (
         GenerationReader,
         GenerationWriter,
@@ -163,6 +169,7 @@ def overhead(micro_batch: int, repeats: int) -> None:
             f"  {name:29s} {1000 * med[key]:9.2f} ms  = {100 * med[key] / med['step']:.2f}% of a step"
         )
     print(f"store overhead: {100 * med['store'] / med['step']:.2f}% of a step (target < 2%)")
+    return med
 
 
 def main(argv=None) -> None:
@@ -175,10 +182,25 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 3_000_000])
+    parser.add_argument("--results-json", help="also write the results there (results.py)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    overhead(args.micro_batch, args.repeats)
-    memory_table(args.sizes)
+    med = overhead(args.micro_batch, args.repeats)
+    rss = memory_table(args.sizes)
+    from results import Result, write_results
+
+    lo, hi = min(rss), max(rss)
+    growth = rss[hi]["store"] - rss[lo]["store"]
+    write_results(
+        args.results_json,
+        [
+            Result("bench_sas_store", "store work / SAS-small step", 100 * med["store"] / med["step"],
+                   2.0, "<=", "%", f"micro-batch {args.micro_batch}; in-RAM buffer "
+                   f"{100 * med['buffer'] / med['step']:.2f}%"),
+            Result("bench_sas_store", f"store RSS growth {lo:,} -> {hi:,} instances", growth,
+                   FLAT_MIB, "<=", "MiB", f"in-RAM buffer grows {rss[hi]['buffer'] - rss[lo]['buffer']:.0f} MiB"),
+        ],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

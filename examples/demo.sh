@@ -8,24 +8,26 @@ OUT=${DEMO_OUTPUT:-demo_output}
 CORPUS=examples/corpus/demo.jsonl.gz
 TRAIN_ITERS=${DEMO_TRAIN_ITERS:-300}
 SAS_EPOCHS=${DEMO_SAS_EPOCHS:-3}
+FT_EPOCHS=${DEMO_FT_EPOCHS:-3}
+FT_LR=${DEMO_FT_LR:-1e-4}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
 mkdir -p "$OUT"
 
-echo "== 1/5 train a sentencepiece tokenizer on $CORPUS"
+echo "== 1/7 train a sentencepiece tokenizer on $CORPUS"
 $PY tools/train_tokenizer.py --input "$CORPUS" --model-prefix "$OUT/tokenizer" \
     --vocab-size 4000 --split-sentences
 
-echo "== 2/5 preprocess into a Megatron indexed dataset (2 workers)"
+echo "== 2/7 preprocess into a Megatron indexed dataset (2 workers)"
 $PY tools/preprocess_data.py --input "$CORPUS" --tokenizer-model "$OUT/tokenizer.model" \
     --output-prefix "$OUT/demo" --split-sentences --workers 2
 
-echo "== 3/5 build train/valid/test samples"
+echo "== 3/7 build train/valid/test samples"
 $PY tools/build_samples.py --data-path "$OUT/demo_text_sentence" \
     --tokenizer-model "$OUT/tokenizer.model" --seq-length 128 --split 90,5,5 \
     --train-samples $((TRAIN_ITERS * 16)) --valid-samples 256 --test-samples 64 \
     --data-cache-path "$OUT/cache"
 
-echo "== 4/5 pretrain a small TACO (MLM + MPM) with DeepSpeed on 2 CPU ranks"
+echo "== 4/7 pretrain a small TACO (MLM + MPM) with DeepSpeed on 2 CPU ranks"
 rm -rf "$OUT/taco"
 .venv/bin/deepspeed --num_gpus 2 pretrain_taco.py \
     --model-size small --tensor-model-parallel-size 1 \
@@ -38,7 +40,7 @@ rm -rf "$OUT/taco"
     --save "$OUT/taco/checkpoints" --save-interval 100 \
     --tensorboard-dir "$OUT/taco/tensorboard"
 
-echo "== 5/5 pretrain a small SAS (MLM + lambda RTD) for $SAS_EPOCHS epochs: cold start, then self-augmentation"
+echo "== 5/7 pretrain a small SAS (MLM + lambda RTD) for $SAS_EPOCHS epochs: cold start, then self-augmentation"
 # SAS-small's width (Table 5) at 4 layers so that 3 epochs take a few minutes on 2 cores.
 rm -rf "$OUT/sas"
 .venv/bin/deepspeed --num_gpus 2 pretrain_sas.py \
@@ -51,5 +53,26 @@ rm -rf "$OUT/sas"
     --save "$OUT/sas/checkpoints" --save-interval 100 \
     --tensorboard-dir "$OUT/sas/tensorboard"
 
+echo "== 6/7 a synthetic downstream task from held-out text: original vs two adjacent words swapped"
+$PY examples/make_word_order_task.py --data-path "$OUT/demo_text_sentence" \
+    --tokenizer-model "$OUT/tokenizer.model" --split 90,5,5 --output "$OUT/word_order"
+
+echo "== 7/7 fine-tune both pretrained encoders on it, and the same heads on random encoders"
+rm -rf "$OUT/finetune"
+for model in taco sas; do
+    for init in pretrained random; do
+        extra=()
+        [[ $init == random ]] && extra=(--random-init)
+        .venv/bin/deepspeed --num_gpus 2 tools/finetune.py \
+            --load "$OUT/$model/checkpoints" --task custom --data-dir "$OUT/word_order" \
+            --output "$OUT/finetune/${model}_$init" "${extra[@]}" \
+            --deepspeed-config ds_configs/zero1_fp32.json --seq-length 128 \
+            --micro-batch-size 16 --global-batch-size 32 --epochs "$FT_EPOCHS" \
+            --lr "$FT_LR" --log-interval 10 --num-workers 1
+    done
+done
+$PY examples/print_demo_scores.py "$OUT/finetune"
+
 echo "== done: loss curves in $OUT/taco/tensorboard/loss_curve.png and $OUT/sas/tensorboard/loss_curve.png"
-echo "   (metrics.jsonl beside each), checkpoints in $OUT/taco/checkpoints and $OUT/sas/checkpoints"
+echo "   (metrics.jsonl beside each), checkpoints in $OUT/taco/checkpoints and $OUT/sas/checkpoints;"
+echo "   fine-tuning runs (results.json, loss_curve.png) in $OUT/finetune/"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -34,6 +36,32 @@ def option(
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+# Each tool's script (tools/*.py, pretrain_*.py) and the command pyproject.toml installs.
+COMMANDS = {
+    "train_tokenizer.py": "taco-train-tokenizer",
+    "preprocess_data.py": "taco-preprocess-data",
+    "merge_datasets.py": "taco-merge-datasets",
+    "build_samples.py": "taco-build-samples",
+    "pretrain_taco.py": "taco-pretrain",
+    "pretrain_sas.py": "taco-pretrain-sas",
+    "count_flops.py": "taco-count-flops",
+    "convert_checkpoint.py": "taco-convert-checkpoint",
+    "export_hf.py": "taco-export-hf",
+    "launch.py": "taco-launch",
+    "finetune.py": "taco-finetune",
+    "glue_score.py": "taco-glue-score",
+    "word_order_probe.py": "taco-word-order-probe",
+}
+
+
+def program_name(script: str) -> str:
+    """The name a tool's usage and error lines show: the one it was started by, its
+    installed command (taco-pretrain) or its script (pretrain_taco.py); the script's when
+    main(argv) is called from Python."""
+    invoked = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return invoked if invoked in (script, COMMANDS.get(script)) else script
 
 
 def flag_of(cls: type, name: str) -> str:
@@ -60,12 +88,18 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def add_dataclass_args(
-    parser: argparse.ArgumentParser, cls: type, title: str | None = None
+    parser: argparse.ArgumentParser,
+    cls: type,
+    title: str | None = None,
+    *,
+    exclude: Sequence[str] = (),
 ) -> None:
+    """One flag per field of ``cls`` (fields with cli=False and those named in ``exclude``
+    are left out: a tool that sets them itself, e.g. fine-tuning's --save)."""
     group = parser.add_argument_group(title or cls.__name__)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True):
+        if not f.metadata.get("cli", True) or f.name in exclude:
             continue
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         tp, optional = _unwrap_optional(hints[f.name])

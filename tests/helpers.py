@@ -283,3 +283,178 @@ def masking_sample(rng, seq_length: int = 128, min_length: int = 40, max_word: i
     word_starts[starts[starts < length]] = True
     word_starts[:length] |= special[:length]
     return tokens, word_starts, special, length
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor-parallel comparisons
+
+
+def full_tensor(param: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
+    """``tensor`` (laid out like ``param``: its data or its grad) gathered over tp."""
+    from megatron_taco.parallel.layers import gather_full_weight
+
+    return gather_full_weight(param, group, tensor)
+
+
+def assert_tensors_match(got: dict, want: dict, rtol: float, atol: float = 1e-15) -> None:
+    """Per tensor: |got - want| <= rtol * max|want| + atol, elementwise; names the tensors
+    that differ."""
+    import numpy as np
+
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    bad = []
+    for name, w in want.items():
+        tol = rtol * np.abs(w).max() + atol
+        err = np.abs(np.asarray(got[name]) - w).max()
+        if not err <= tol:
+            bad.append(f"{name}: max error {err:.3g} > {tol:.3g}")
+    assert not bad, "tensors differ:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------
+# Learnable synthetic downstream tasks, written in the benchmarks' own layouts
+
+
+def botchan_sentences(min_words: int = 8, max_words: int = 30) -> list[str]:
+    import re
+
+    text = (REPO / "tests" / "fixtures" / "text" / "botchan_excerpt.txt").read_text("utf-8")
+    text = " ".join(text.split())
+    return [s for s in re.split(r"(?<=[.!?])\s+", text) if min_words <= len(s.split()) <= max_words]
+
+
+def _insert(words: list[str], word: str, rng) -> list[str]:
+    i = int(rng.integers(1, len(words)))
+    return [*words[:i], word, *words[i:]]
+
+
+def write_marker_task(directory, *, dev_fraction: float = 0.25, seed: int = 0) -> dict:
+    """The custom task's layout (train.tsv/dev.tsv, header "sentence<TAB>label"): every
+    sentence twice, once with "happy" and once with "angry" inserted at a random place,
+    labelled by the word. Learnable from the tokens alone."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for s in botchan_sentences():
+        for word, label in (("happy", "pos"), ("angry", "neg")):
+            rows.append((" ".join(_insert(s.split(), word, rng)), label))
+    order = rng.permutation(len(rows))
+    n_dev = int(len(rows) * dev_fraction)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, idx in (("dev", order[:n_dev]), ("train", order[n_dev:])):
+        with open(directory / f"{name}.tsv", "w", encoding="utf-8") as f:
+            f.write("sentence\tlabel\n")
+            for i in idx:
+                f.write(f"{rows[i][0]}\t{rows[i][1]}\n")
+    return {"train": len(rows) - n_dev, "dev": n_dev}
+
+
+_PLACES = ("Tokyo", "Kyushu", "Kamakura", "Echigo", "Azabu")
+_SITES = ("school", "hotel", "garden", "house", "street")
+
+
+def write_place_squad(directory, *, version: str = "v1.1", copies: int = 1, seed: int = 0) -> None:
+    """SQuAD's JSON layout (train-/dev-{version}.json): a sentence with "in <place> <site>"
+    inserted (e.g. "in Kamakura hotel"), "Where was it?", and "<place> <site>" as the answer
+    (two words, so its end is not its start); each training sentence ``copies`` times with
+    other places. v2.0: every third context has none and its question is unanswerable."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sentences = botchan_sentences()
+    split = int(0.75 * len(sentences))
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", sentences[:split] * copies), ("dev", sentences[split:])):
+        paragraphs = []
+        for i, s in enumerate(part):
+            impossible = version == "v2.0" and i % 3 == 2
+            answer = f"{rng.choice(_PLACES)} {rng.choice(_SITES)}"
+            words = s.split()
+            if not impossible:
+                at = int(rng.integers(1, len(words)))
+                words = [*words[:at], "in", answer, *words[at:]]
+            context = " ".join(words)
+            qa = {"id": f"{name}-{i}", "question": "Where was it?"}
+            qa["answers"] = [] if impossible else [
+                {"text": answer, "answer_start": context.index(f" in {answer}") + 4}
+            ]  # fmt: skip
+            if version == "v2.0":
+                qa["is_impossible"] = impossible
+                qa["plausible_answers"] = []
+            paragraphs.append({"context": context, "qas": [qa]})
+        data = {"version": version, "data": [{"title": "botchan", "paragraphs": paragraphs}]}
+        with open(directory / f"{name}-{version}.json", "w", encoding="utf-8") as f:
+            json.dump(data, f)
+
+
+def write_place_race(directory, *, questions: int = 2, seed: int = 0) -> None:
+    """RACE's layout ({train,dev,test}/{middle,high}/N.txt, one JSON object each): the article
+    is a sentence with "in <place>" inserted; each of its ``questions`` asks "Where was it?"
+    with the place and three other words of the article as options (learnable from the
+    options: the place names are the answers)."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sentences = botchan_sentences()
+    cut = [int(0.7 * len(sentences)), int(0.85 * len(sentences))]
+    parts = np.split(np.arange(len(sentences)), cut)
+    for split, idx in zip(("train", "dev", "test"), parts):
+        for n, i in enumerate(idx):
+            place = str(rng.choice(_PLACES))
+            words = sentences[i].split()
+            at = int(rng.integers(1, len(words)))
+            article = " ".join([*words[:at], "in", place, *words[at:]])
+            others = sorted({w for w in words if w.isalpha() and w not in _PLACES})
+            if len(others) < 3:
+                continue
+            options, answers = [], []
+            for _ in range(questions):
+                choice = [place, *(str(p) for p in rng.choice(others, 3, replace=False))]
+                order = rng.permutation(4)
+                options.append([choice[j] for j in order])
+                answers.append("ABCD"[int(np.flatnonzero(order == 0)[0])])
+            folder = Path(directory) / split / ("middle" if n % 2 else "high")
+            folder.mkdir(parents=True, exist_ok=True)
+            record = {
+                "id": f"{split}{n}.txt",
+                "article": article,
+                "questions": ["Where was it?"] * questions,
+                "options": options,
+                "answers": answers,
+            }
+            (folder / f"{n}.txt").write_text(json.dumps(record), encoding="utf-8")
+
+
+# Statistical tests (no scipy: the chi-square tail is torch's regularised incomplete gamma)
+
+
+def chi2_pvalue(statistic: float, df: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(df), i.e. scipy.stats.chi2.sf: the regularised
+    upper incomplete gamma Q(df / 2, statistic / 2)."""
+    a = torch.tensor(df / 2.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(a, torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+def chi2_goodness_of_fit(observed, expected) -> tuple[float, float]:
+    """Pearson's chi-square of counts against expected counts (same total): (statistic,
+    p-value with len - 1 degrees of freedom)."""
+    observed = np.asarray(observed, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    return statistic, chi2_pvalue(statistic, observed.size - 1)
+
+
+def normal_std_pvalue(values: torch.Tensor, std: float) -> float:
+    """Two-sided p-value that zero-mean ``values`` are normal(0, std^2): sum(x^2) / std^2 is
+    chi-square(n) under that hypothesis."""
+    x = values.detach().to(torch.float64).flatten()
+    statistic = float((x * x).sum() / std**2)
+    upper = chi2_pvalue(statistic, x.numel())
+    return 2 * min(upper, 1 - upper)

@@ -18,7 +18,10 @@
 #     trap passes it to srun, which passes it to every rank. Or Slurm preempts the job and
 #     sends SIGTERM to the ranks itself.
 #  2. The ranks (--exit-signal-handler) finish the current iteration, save a checkpoint and
-#     exit 0.
+#     exit 0. Signals after the first are not passed on (and the ranks absorb any that reach
+#     them) until the save is done: scancel's TERM or the time limit's must not kill it.
+#     The save must fit between the warning and the time limit: see the README's SLURM
+#     section for the --signal=B:USR1@N that TACO-base and SAS-base need.
 #  3. Once srun has returned, `scontrol requeue` puts the job back in the queue (it needs
 #     `#SBATCH --requeue`). Slurm runs this script again from the top, and --load, which names
 #     the --save directory, resumes from the checkpoint just written.
@@ -30,6 +33,7 @@
 
 _launch_signal=""
 _launch_step_pid=""
+_launch_forwarded=""
 
 _launch_preempted() {
     # Slurm's own preemption (PreemptMode=REQUEUE, with a GraceTime) sends SIGTERM to the
@@ -44,10 +48,18 @@ _launch_on_signal() {
     if [[ $1 == USR1 ]]; then
         _launch_signal=USR1
     fi
-    echo "launch.sh: SIG$1 at $(date '+%F %T'): the ranks save a checkpoint and exit" >&2
-    # USR1 whatever came in: the ranks' handler takes it, and srun passes it on unchanged.
-    if [[ -n $_launch_step_pid ]]; then
-        kill -USR1 "$_launch_step_pid" 2>/dev/null || true
+    # No `return` in here: bash would return from launch_ranks, whose `wait` the trap
+    # interrupted, with that wait's status.
+    if [[ -n $_launch_forwarded ]]; then
+        # The ranks are already saving: another signal could only interrupt the save (they
+        # absorb it too, in case Slurm signals them directly).
+        echo "launch.sh: SIG$1 at $(date '+%F %T'): the ranks are already saving; not passed on" >&2
+    else
+        echo "launch.sh: SIG$1 at $(date '+%F %T'): the ranks save a checkpoint and exit" >&2
+        # USR1 whatever came in: the ranks' handler takes it, and srun passes it on unchanged.
+        if [[ -n $_launch_step_pid ]] && kill -USR1 "$_launch_step_pid" 2>/dev/null; then
+            _launch_forwarded=1
+        fi
     fi
 }
 

@@ -23,6 +23,7 @@ from megatron_taco.arguments import (
     add_dataclass_args,
     dataclass_from_args,
     option,
+    program_name,
     require,
     run_cli,
 )
@@ -60,7 +61,7 @@ class SampleCounts:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="build_samples.py",
+        prog=program_name("build_samples.py"),
         description="Build and cache BERT sample indices for --data-path and summarise them.",
     )
     add_dataclass_args(parser, DataConfig, "data")

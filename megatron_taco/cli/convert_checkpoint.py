@@ -12,7 +12,9 @@ optimizer state included (Adam moments, fp32 master weights, step), with the sam
 iteration, consumed samples, LR-scheduler position and callback states, so a run started
 with ``--load NEW_DIR`` continues where the old one stopped. RNG states are per rank: they
 are copied only when the layout is unchanged; otherwise resume with ``--no-load-rng``.
-A SAS replacement store found under the old --load is copied along.
+A SAS replacement store found under the old --load is copied along: only the files its
+generation manifests name, checked against their sizes and CRC-32s; a symbolic link, FIFO or
+device anywhere in it is refused by name (a checkpoint is someone else's input).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import argparse
 import copy
 import json
 import os
+import re
 import shutil
 import sys
 from typing import Any
 
-from megatron_taco.arguments import ConfigError, run_cli
+from megatron_taco.arguments import ConfigError, program_name, run_cli
 from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -36,13 +39,24 @@ from megatron_taco.training.consolidate import (
     ds_format,
     write_states,
 )
+from megatron_taco.training.safe_files import (
+    UnsafeFile,
+    copy_regular,
+    read_regular,
+    regular_files,
+    umask_mode,
+)
 
 PROG = "convert_checkpoint.py"
+STORE = "replacement_store"
+_GENERATION = re.compile(r"gen_\d{5,}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False
+        prog=program_name(PROG),
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        allow_abbrev=False,
     )
     p.add_argument("--load", required=True, help="Checkpoint directory (a --save of training).")
     p.add_argument("--ckpt-step", type=int, help="Iteration to convert (default: the latest).")
@@ -121,16 +135,35 @@ def _metadata(states: TrainingStates, target: TargetLayout, args, rng: bool) -> 
 
 
 def _copy_rng(info: CheckpointInfo, target: TargetLayout, tmp: str) -> list[str]:
-    """The RNG files, when every rank keeps its place and they load safely."""
+    """The RNG files, when every rank keeps its place and they load safely: copied without
+    following links, and checked against the manifest that was verified."""
     from megatron_taco.training.checkpointing import rng_state_path, unsafe_globals
 
     same = (target.layout.tp_size, target.dp_size) == (info.tp_size, info.dp_size)
     paths = [rng_state_path(info.iter_dir, r) for r in range(info.tp_size * info.dp_size)]
-    if not same or not all(os.path.isfile(p) and not unsafe_globals(p) for p in paths):
+    names = [os.path.basename(p) for p in paths]
+    if not same or not all(n in info.meta["files"] for n in names):
         return []
-    for path in paths:
-        shutil.copy2(path, tmp)
-    return [os.path.basename(p) for p in paths]
+    if any(unsafe_globals(p) for p in paths):
+        return []
+    for path, name in zip(paths, names):
+        _copy_checked(path, os.path.join(tmp, name), info.meta["files"][name])
+    return names
+
+
+def _copy_checked(src: str, dst: str, entry: dict[str, Any]) -> None:
+    try:
+        size, crc = copy_regular(src, dst)
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:
+        raise CheckpointError(f"{src}: cannot be copied ({e.strerror or e})") from None
+    want = (entry["bytes"], entry["crc32"])
+    if (size, crc) != want:
+        raise CheckpointError(
+            f"{src} changed while it was copied ({size} bytes, CRC-32 {crc}; its manifest "
+            f"says {want[0]} bytes, {want[1]})"
+        )
 
 
 def check_save(save: str) -> None:
@@ -143,11 +176,13 @@ def check_save(save: str) -> None:
         raise ConfigError(f"--save: {save} exists and is not a directory")
 
 
-def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[str, bool]:
+def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[str, bool, str]:
     """Write the converted checkpoint into a temporary directory, then rename it into place
-    and write the tracker, so --save never holds a partial checkpoint. Returns (its
-    directory, whether it holds the RNG states)."""
+    and write the tracker (fsynced, and the directory too), so --save never holds a partial
+    checkpoint. Returns (its directory, whether it holds the RNG states, a note on the
+    replacement store copied along)."""
     from megatron_taco.training.checkpointing import (
+        _atomic_write_text,
         _write_metadata,
         checkpoint_tag,
         file_checksum,
@@ -174,14 +209,9 @@ def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _copy_store(args.load, save)
-    tracker = tracker_path(save)
-    with open(f"{tracker}.tmp.{os.getpid()}", "w", encoding="utf-8") as f:
-        f.write(f"{states.info.iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f"{tracker}.tmp.{os.getpid()}", tracker)
-    return os.path.join(save, tag), bool(rng)
+    note = _copy_store(args.load, save)
+    _atomic_write_text(tracker_path(save), f"{states.info.iteration}\n")
+    return os.path.join(save, tag), bool(rng), note
 
 
 def _fsync(path: str) -> None:
@@ -193,12 +223,55 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _copy_store(load: str, save: str) -> None:
-    # SAS self-augmentation keeps its replacements under --save; they do not depend on the
-    # parallel layout.
-    store = os.path.join(load, "replacement_store")
-    if os.path.isdir(store) and not os.path.exists(os.path.join(save, "replacement_store")):
-        shutil.copytree(store, os.path.join(save, "replacement_store"))
+def _copy_store(load: str, save: str) -> str:
+    """SAS self-augmentation keeps its replacements under --save; they do not depend on the
+    parallel layout. Copies the committed generations (manifest, layout, the shards the
+    manifest names, each checked against it) into a temporary directory renamed into place;
+    returns what was copied, for the summary line."""
+    from megatron_taco.data.replacement_store import MANIFEST_NAME, Manifest
+
+    store, target = os.path.join(load, STORE), os.path.join(save, STORE)
+    if not os.path.lexists(store) or os.path.lexists(target):
+        return ""
+    try:
+        present = regular_files(store)  # refuses any link, FIFO or device in it
+    except UnsafeFile as e:
+        raise CheckpointError(f"{e} (in the SAS replacement store of --load)") from None
+    copies: dict[str, tuple[int, str] | None] = {}  # name -> (bytes, crc32) or unchecked
+    for name in present:
+        generation, _, leaf = name.partition("/")
+        if leaf != MANIFEST_NAME or not _GENERATION.fullmatch(generation):
+            continue
+        path = os.path.join(store, name)
+        try:
+            manifest = Manifest.from_json(json.loads(read_regular(path, 16 << 20)))
+        except (ValueError, OSError) as e:  # ReplacementStoreError is a ValueError
+            raise CheckpointError(f"{path}: not a replacement-store manifest ({e})") from None
+        copies[name] = None
+        if f"{generation}/layout.json" in present:
+            copies[f"{generation}/layout.json"] = None
+        for record in manifest.shards:
+            copies[f"{generation}/{record.file}"] = (record.bytes, f"{record.crc32:08x}")
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        for name, expected in sorted(copies.items()):
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+            src = os.path.join(store, name)
+            if expected is None:
+                copy_regular(src, os.path.join(tmp, name))
+            else:
+                _copy_checked(src, os.path.join(tmp, name), dict(zip(("bytes", "crc32"), expected)))
+        os.makedirs(tmp, exist_ok=True)
+        os.rename(tmp, target)
+        _fsync(save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    skipped = len(present) - len(copies)
+    generations = sum(1 for name in copies if name.endswith("/" + MANIFEST_NAME))
+    return f"; replacement store: {generations} committed generation(s), {len(copies)} files" + (
+        f" ({skipped} not named by a manifest skipped)" if skipped else ""
+    )
 
 
 def save_consolidated(states: TrainingStates, path: str) -> None:
@@ -218,6 +291,7 @@ def save_consolidated(states: TrainingStates, path: str) -> None:
         save_file(state_dict, tmp, metadata=meta)
     else:
         torch.save(state_dict, tmp)
+    umask_mode(tmp)  # safetensors writes 0600: others on the cluster could not read it
     os.replace(tmp, path)
 
 
@@ -238,10 +312,10 @@ def convert(args: argparse.Namespace) -> str:
             f"{len(states.families['module'])} full float32 tensors"
         )
     target = _target(args, states, config, build)
-    out, rng = save_converted(states, target, args)
+    out, rng, note = save_converted(states, target, args)
     layout = _describe(target.layout.tp_size, target.dp_size, target.zero_stage, target.precision)
     return (
-        f"{info.iter_dir} ({info.model}, {source}) -> {out} ({layout}); resume with "
+        f"{info.iter_dir} ({info.model}, {source}) -> {out} ({layout}){note}; resume with "
         f"--load {args.save}{'' if rng else ' --no-load-rng'}"
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_taco.arguments import program_name
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.models.taco.config import TacoConfig
 
@@ -23,7 +24,9 @@ MODELS = ("sas", "bert", "electra", "taco")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="count_flops.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog=program_name("count_flops.py"), description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", choices=MODELS, required=True)
     p.add_argument("--model-size", default="small", help="Preset (tiny, small, base).")
     p.add_argument("--seq-length", type=int, default=128)

@@ -1,5 +1,5 @@
-"""Export a SAS checkpoint (any tensor-parallel size, ZeRO 0-2) to a transformers model
-directory (taco-export-hf, tools/export_hf.py).
+"""Export a SAS or TACO checkpoint (any tensor-parallel size, ZeRO 0-2) to a transformers
+model directory (taco-export-hf, tools/export_hf.py).
 
     python tools/export_hf.py --load ckpt --output sas_small_hf
 
@@ -12,10 +12,13 @@ is saved beside them as rtd_head.safetensors (ELECTRA's discriminator_prediction
 dense, dense_prediction). Weights are the fp32 master weights where the optimizer kept them.
 
 Tokenizer: tokenizer.json + tokenizer_config.json so that ``AutoTokenizer.from_pretrained``
-loads a fast tokenizer equal to ours (sentencepiece unigram models: same normalisation,
-pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4; it adds [CLS] ... [SEP]), plus
-the sentencepiece model itself as spm.model. TACO checkpoints are refused: transformers
-has no TACO class (taco-convert-checkpoint --consolidate gives their full state dict).
+loads a fast tokenizer equal to ours (sentencepiece unigram and BPE models, with or without
+byte fallback: same normalisation, pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
+[MASK]=4; it adds [CLS] ... [SEP]), plus the sentencepiece model itself as spm.model.
+TACO -> its own modeling code (cli/export_taco_hf.py): configuration_taco.py and
+modeling_taco.py beside config.json (auto_map) and model.safetensors, loaded with
+``trust_remote_code=True`` by AutoModel, AutoModelForMaskedLM (MLM and MPM heads) and the
+sequence-classification, question-answering and multiple-choice Auto classes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 import shutil
 import sys
 
-from megatron_taco.arguments import ConfigError, run_cli
+from megatron_taco.arguments import ConfigError, program_name, run_cli
 from megatron_taco.recipes.registry import model_builder
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -33,18 +36,21 @@ from megatron_taco.training.consolidate import (
     find_checkpoint,
     read_states,
 )
+from megatron_taco.training.safe_files import umask_mode
 
 PROG = "export_hf.py"
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # Checked after every export: the exported tokenizer must give our ids for it.
-SAMPLE_TEXT = "The  quick brown fox, «naïve» café-owner, asked [MASK] twice: 42 ﬁsh?"
+SAMPLE_TEXT = "The  quick brown fox, «naïve» café-owner, asked [MASK] twice: 42 ﬁsh? 😀 日本語"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False
+        prog=program_name(PROG),
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        allow_abbrev=False,
     )
-    p.add_argument("--load", required=True, help="SAS checkpoint directory (a --save).")
+    p.add_argument("--load", required=True, help="SAS or TACO checkpoint directory (a --save).")
     p.add_argument("--ckpt-step", type=int, help="Iteration to export (default: the latest).")
     p.add_argument("--output", required=True, help="New directory for the transformers files.")
     p.add_argument(
@@ -54,25 +60,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bpe_merges(proto) -> list[tuple[str, str]]:
+    """Sentencepiece BPE keeps no merge list: it merges, at every step, the adjacent pair
+    whose concatenation is the best-scored piece (score = -rank of the merge that made it).
+    tokenizers' BPE merges the pair of lowest rank, so every split (left, right) of a piece
+    into two pieces becomes a merge ranked by that piece's score, best first (splits of one
+    piece ordered by their ids)."""
+    ids = {p.piece: i for i, p in enumerate(proto.pieces)}
+    normal = [(p.score, i, p.piece) for i, p in enumerate(proto.pieces) if p.type == p.NORMAL]
+    merges = []
+    for _, _, piece in sorted(normal, key=lambda x: (-x[0], x[1])):
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+        found = [(ids[a], ids[b], a, b) for a, b in splits if a in ids and b in ids]
+        merges.extend((a, b) for _, _, a, b in sorted(found))
+    return merges
+
+
 def hf_tokenizer(spm_path: str):
-    """A tokenizers.Tokenizer that segments like our sentencepiece unigram model: its pieces
-    and scores, its precompiled normalisation, sentencepiece's whitespace handling, the
-    specials as added tokens and [CLS] $A [SEP] ([CLS] $A [SEP] $B [SEP]) on encoding."""
+    """A tokenizers.Tokenizer that segments like our sentencepiece model (unigram or BPE,
+    with or without byte fallback): its pieces and scores (BPE: merges derived from them),
+    its precompiled normalisation, sentencepiece's whitespace handling, byte pieces for
+    characters outside the vocabulary when the model has them, the specials as added tokens
+    and [CLS] $A [SEP] ([CLS] $A [SEP] $B [SEP]) on encoding."""
     import sentencepiece.sentencepiece_model_pb2 as spm_pb2
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, processors
     from tokenizers import pre_tokenizers as pre
-    from tokenizers.models import Unigram
+    from tokenizers.models import BPE, Unigram
 
     proto = spm_pb2.ModelProto()
     with open(spm_path, "rb") as f:
         proto.ParseFromString(f.read())
-    if proto.trainer_spec.model_type != spm_pb2.TrainerSpec.UNIGRAM:
-        raise ConfigError(
-            f"--tokenizer-model: {spm_path} is not a unigram model; only unigram "
-            "sentencepiece models are exported as transformers tokenizers"
+    spec = proto.trainer_spec
+    byte_fallback = bool(spec.byte_fallback)
+    unk = proto.pieces[spec.unk_id].piece
+    if spec.model_type == spm_pb2.TrainerSpec.UNIGRAM:
+        vocab = [(p.piece, p.score) for p in proto.pieces]
+        model = Unigram(vocab, unk_id=spec.unk_id, byte_fallback=byte_fallback)
+    elif spec.model_type == spm_pb2.TrainerSpec.BPE:
+        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+        # fuse_unk: sentencepiece turns a run of unknown characters into one unknown piece.
+        model = BPE(
+            vocab, _bpe_merges(proto), unk_token=unk, fuse_unk=True, byte_fallback=byte_fallback
         )
-    vocab = [(p.piece, p.score) for p in proto.pieces]
-    tok = Tokenizer(Unigram(vocab, unk_id=proto.trainer_spec.unk_id, byte_fallback=False))
+    else:
+        kind = spm_pb2.TrainerSpec.ModelType.Name(spec.model_type).lower()
+        raise ConfigError(
+            f"--tokenizer-model: {spm_path} is a sentencepiece {kind} model; only unigram and "
+            "bpe models are exported as transformers tokenizers"
+        )
+    tok = Tokenizer(model)
     # Sentencepiece collapses runs of spaces and drops trailing ones; the specials are matched
     # after normalisation (normalized=True), so this sees the whole text, as sentencepiece.
     steps = [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Strip(left=False)]
@@ -82,9 +118,14 @@ def hf_tokenizer(spm_path: str):
     # "first": only the text's first piece gets the "▁" of sentencepiece's dummy prefix, so
     # a word glued to a special ("[MASK]x") stays glued, as sentencepiece encodes it. (A text
     # that starts with a literal special is the one difference: sentencepiece puts a lone
-    # "▁" piece before it.)
+    # "▁" piece before it.) Splitting at "▁" changes nothing for BPE either: sentencepiece
+    # trains with split_by_whitespace, so no piece has a "▁" inside.
     tok.pre_tokenizer = pre.Metaspace(replacement="\u2581", prepend_scheme="first")
-    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    metaspace = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    # Byte pieces <0xE2><0x9C><0x93> decode to the character they spell.
+    tok.decoder = (
+        decoders.Sequence([decoders.ByteFallback(), metaspace]) if byte_fallback else metaspace
+    )
     tok.add_special_tokens([AddedToken(p, special=True, normalized=True) for p in SPECIALS])
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
@@ -146,12 +187,6 @@ def save_model(config, state_dict, out: str) -> list[str]:
 
 def export(args: argparse.Namespace) -> str:
     info = find_checkpoint(args.load, args.ckpt_step)
-    if info.model != "SAS":
-        raise ConfigError(
-            f"--load: {info.iter_dir} is a {info.model} checkpoint; transformers has no "
-            f"{info.model} class to export to (taco-convert-checkpoint --consolidate FILE "
-            "writes its full state dict)"
-        )
     if os.path.exists(args.output) and os.listdir(args.output):
         raise ConfigError(f"--output: {args.output} exists and is not empty")
     config, build = model_builder(info, args.tokenizer_model)
@@ -162,14 +197,26 @@ def export(args: argparse.Namespace) -> str:
     os.makedirs(tmp)
     try:
         save_tokenizer(spm, tmp, config.max_position_embeddings)
-        files = save_model(config, states.full_state_dict(), tmp)
+        if info.model == "TACO":
+            from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
+
+            save_taco_model(config, states.full_state_dict(), tmp)
+            restrict_tokenizer_inputs(tmp)
+            files = sorted(os.listdir(tmp))
+        else:
+            files = save_model(config, states.full_state_dict(), tmp)
+        for name in files:  # safetensors writes 0600: others on the cluster could not read it
+            umask_mode(os.path.join(tmp, name))
         if os.path.isdir(args.output):
             os.rmdir(args.output)
         os.rename(tmp, args.output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
+    if info.model == "TACO":
+        kind = "TACO (trust_remote_code=True)"
+    else:
+        kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
     return f"{info.iter_dir} -> {args.output} as {kind}: {', '.join(files)}"
 
 

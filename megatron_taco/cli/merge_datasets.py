@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_taco.arguments import add_dataclass_args, dataclass_from_args, run_cli
+from megatron_taco.arguments import add_dataclass_args, dataclass_from_args, program_name, run_cli
 from megatron_taco.data.indexed_dataset import IndexedDatasetError
 from megatron_taco.preprocessing.merge import MergeConfig, merge_datasets
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="taco-merge-datasets",
+        prog=program_name("merge_datasets.py"),
         description="Merge Megatron indexed datasets (.bin/.idx) and their unigram counts.",
     )
     add_dataclass_args(parser, MergeConfig, "merge")

@@ -10,7 +10,12 @@ import argparse
 import signal
 import sys
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
+from megatron_taco.arguments import (
+    ConfigError,
+    add_dataclass_args,
+    dataclass_from_args,
+    program_name,
+)
 from megatron_taco.preprocessing.preprocess import (
     PreprocessConfig,
     PreprocessError,
@@ -21,7 +26,7 @@ from megatron_taco.preprocessing.preprocess import (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="taco-preprocess-data",
+        prog=program_name("preprocess_data.py"),
         description="Tokenize corpora (Wikipedia XML, WikiExtractor, BookCorpus, OpenWebText, "
         "CC-News, JSON lines, parquet) into Megatron .bin/.idx datasets with unigram counts.",
     )

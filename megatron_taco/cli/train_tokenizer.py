@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from megatron_taco.arguments import (
     add_dataclass_args,
     dataclass_from_args,
     option,
+    program_name,
     require,
     run_cli,
 )
@@ -42,13 +44,20 @@ from megatron_taco.preprocessing.corpora import (
     expand_inputs,
     iter_records,
 )
-from megatron_taco.preprocessing.text import SentenceSplitter
+from megatron_taco.preprocessing.text import (
+    DEFAULT_SENTENCE_SPLITTER,
+    SENTENCE_SPLITTERS,
+    make_sentence_splitter,
+    split_lines,
+)
 
 logger = logging.getLogger(__name__)
 
 # Five specials plus room for a usable alphabet; sentencepiece itself fails later and less
 # clearly when the vocabulary cannot hold the characters it must keep.
 MIN_VOCAB_SIZE = 16
+# --byte-fallback adds one piece per byte value, <0x00> .. <0xFF>.
+BYTE_PIECES = 256
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,15 @@ class TrainTokenizerConfig:
     vocab_size: int = option(32000, help="Vocabulary size, specials included")
     model_type: str = option("unigram", help="Sentencepiece algorithm", choices=("unigram", "bpe"))
     character_coverage: float = option(
-        0.9995, help="Fraction of characters covered by the alphabet; the rest map to [UNK]"
+        0.9995,
+        help="Fraction of characters covered by the alphabet; the rest are spelled as bytes "
+        "(--byte-fallback) or map to [UNK]",
+    )
+    byte_fallback: bool = option(
+        True,
+        help="Spell characters outside the vocabulary as UTF-8 byte pieces <0x00>..<0xFF> "
+        "(256 of the --vocab-size ids) instead of [UNK]: web text is full of emoji, CJK and "
+        "rare symbols the sample never showed the trainer",
     )
     input_sentence_size: int = option(
         10_000_000,
@@ -76,8 +93,13 @@ class TrainTokenizerConfig:
     )
     split_sentences: bool = option(
         False,
-        help="Split text into sentences with the punkt splitter (otherwise each non-empty line "
+        help="Split text into sentences (see --sentence-splitter; otherwise each non-empty line "
         "is one training sentence)",
+    )
+    sentence_splitter: str = option(
+        DEFAULT_SENTENCE_SPLITTER,
+        help="Sentence splitter for --split-sentences (as taco-preprocess-data's)",
+        choices=SENTENCE_SPLITTERS,
     )
     max_sentence_length: int = option(
         4192, help="Sentences longer than this many bytes are left out (and counted)"
@@ -118,6 +140,21 @@ class TrainTokenizerConfig:
         )
         require(self.model_type in ("unigram", "bpe"), cls, "model_type", "must be unigram or bpe")
         require(
+            self.sentence_splitter in SENTENCE_SPLITTERS,
+            cls,
+            "sentence_splitter",
+            f"must be one of {SENTENCE_SPLITTERS}, got {self.sentence_splitter!r}",
+        )
+        if self.byte_fallback:
+            least = MIN_VOCAB_SIZE + BYTE_PIECES
+            require(
+                self.vocab_size >= least,
+                cls,
+                "vocab_size",
+                f"{self.vocab_size} is too small for --byte-fallback, whose byte pieces take "
+                f"{BYTE_PIECES} ids; use at least {least}, or --no-byte-fallback",
+            )
+        require(
             0.0 < self.character_coverage <= 1.0,
             cls,
             "character_coverage",
@@ -140,7 +177,9 @@ class _SentenceStream:
         self.sampled = 0  # handed to sentencepiece
         self.skipped: collections.Counter[str] = collections.Counter()
         # Built now so that missing punkt data fails before any reading.
-        self.splitter = SentenceSplitter() if config.split_sentences else None
+        self.splitter = (
+            make_sentence_splitter(config.sentence_splitter) if config.split_sentences else None
+        )
 
     def __iter__(self) -> Iterator[str]:
         size = self.config.input_sentence_size
@@ -182,22 +221,17 @@ class _SentenceStream:
                     continue
                 self.documents += 1
                 for key in cfg.json_keys:
-                    for line in record.text[key].splitlines():
-                        line = line.strip()
-                        if not line:
+                    text = record.text[key]
+                    # Both give stripped, non-empty pieces, never across a line break.
+                    pieces = splitter.split(text) if splitter is not None else split_lines(text)
+                    for sentence in pieces:
+                        # sentencepiece would drop it too, but silently; counted here so
+                        # the report shows when --split-sentences is needed.
+                        if len(sentence.encode("utf-8")) > cfg.max_sentence_length:
+                            self.skipped["sentence_too_long"] += 1
                             continue
-                        pieces = splitter.split(line) if splitter is not None else (line,)
-                        for sentence in pieces:
-                            sentence = sentence.strip()
-                            if not sentence:
-                                continue
-                            # sentencepiece would drop it too, but silently; counted here so
-                            # the report shows when --split-sentences is needed.
-                            if len(sentence.encode("utf-8")) > cfg.max_sentence_length:
-                                self.skipped["sentence_too_long"] += 1
-                                continue
-                            self.sentences += 1
-                            yield sentence
+                        self.sentences += 1
+                        yield sentence
 
 
 def train_tokenizer(config: TrainTokenizerConfig) -> str:
@@ -221,6 +255,7 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
             vocab_size=config.vocab_size,
             model_type=config.model_type,
             character_coverage=config.character_coverage,
+            byte_fallback=config.byte_fallback,
             input_sentence_size=0,  # sampled by _SentenceStream
             max_sentence_length=config.max_sentence_length,
             num_threads=config.num_threads,
@@ -240,6 +275,15 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
         message = str(e)
         if stream.sampled == 0:
             raise ConfigError(f"--input: no text found in {len(paths)} file(s)") from None
+        if "smaller than required_chars" in message:
+            need = re.search(r"(\d+) vs (\d+)", message)
+            raise ConfigError(
+                f"--vocab-size: {config.vocab_size} cannot hold the "
+                f"{need.group(2) if need else 'required'} pieces this corpus needs (its "
+                f"characters at --character-coverage {config.character_coverage}, the specials"
+                + (f" and {BYTE_PIECES} byte pieces" if config.byte_fallback else "")
+                + "); raise --vocab-size or lower --character-coverage"
+            ) from None
         if "Vocabulary size too high" in message:
             raise ConfigError(
                 f"--vocab-size: {config.vocab_size} cannot be reached on this corpus "
@@ -273,7 +317,7 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="taco-train-tokenizer",
+        prog=program_name("train_tokenizer.py"),
         description="Train a sentencepiece tokenizer with [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0-4.",
     )
     add_dataclass_args(parser, TrainTokenizerConfig, "tokenizer training")

@@ -4,7 +4,6 @@ and the train/valid/test datasets (blended when several --data-path prefixes are
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ from megatron_taco.data.samples import (
     build_sample_index_with_stats,
     get_split_document_ranges,
     log_stats,
+    parse_split,
 )
 
 logger = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ def get_sample_index(
                 short_seq_prob=config.short_seq_prob,
                 min_sentences=config.min_sentences,
                 seed=config.seed,
+                compact=True,  # int32 rows for corpora under 2**31 sentences
             )
         except ValueError as e:
             raise ConfigError(f"--data-path: {ds.path_prefix} ({split_name} split): {e}") from None
@@ -246,12 +247,12 @@ def _check_num_samples(train_valid_test_num_samples) -> list[int]:
     return out
 
 
-def train_samples_per_pass(config: DataConfig) -> int:
-    """Samples in one pass of the BERT sample mapping over every dataset's train split (the
-    sum over --data-path datasets): SAS's instance count before rounding to whole batches.
-    Call it on every rank (it synchronises on the cache)."""
+def train_samples_per_dataset(config: DataConfig) -> list[int]:
+    """Samples in one pass of the BERT sample mapping over each --data-path dataset's train
+    split, in --data-path order (their sum is SAS's instance count before rounding to whole
+    batches). Call it on every rank (it synchronises on the cache)."""
     config.validate_files()
-    total = 0
+    counts = []
     for prefix in config.prefixes:
         ds = IndexedDataset(prefix)
         doc_range = get_split_document_ranges(ds.num_documents, config.split)[0]
@@ -262,8 +263,19 @@ def train_samples_per_pass(config: DataConfig) -> int:
         entry = get_sample_index(
             ds, config, SPLIT_NAMES[0], doc_range, None, config.cache_dir(), num_epochs=1
         )
-        total += int(entry.arrays["sample_index"].shape[0])
-    return total
+        counts.append(int(entry.arrays["sample_index"].shape[0]))
+    return counts
+
+
+def _empty_split_note(split: str, name: str, prefixes, datasets, empty: list[int]) -> str:
+    share = 100 * parse_split(split)[SPLIT_NAMES.index(name)]
+    docs = min(datasets[k].num_documents for k in empty)
+    where = ", ".join(prefixes[k] for k in empty)
+    return (
+        f"--split {split} gives the {name} split {share:.2g}% of the {docs} documents of "
+        f"{where}, which rounds to none: {name} evaluation is skipped (a {name} share of about "
+        f"{100 / max(docs, 1):.2g}% or more would give it a document)"
+    )
 
 
 def build_train_valid_test_datasets(
@@ -273,7 +285,7 @@ def build_train_valid_test_datasets(
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test): a BertSampleDataset per split (a BlendedDataset of them with several
     prefixes), or None for a split with 0 samples requested. A valid or test split that --split
-    leaves without documents is None too, with a warning; an empty train split is an error.
+    leaves without documents is None too, with a one-line note; an empty train split is an error.
 
     Call it on every rank (it synchronises on the cache); the index files are built once, by
     global rank 0, and memory-mapped everywhere else.
@@ -311,20 +323,20 @@ def build_train_valid_test_datasets(
 
     result: list[Any] = []
     for split, n in enumerate(counts):
-        empty = [
-            prefixes[k] for k in range(len(datasets)) if ranges[k][split][0] == ranges[k][split][1]
-        ]
+        empty = [k for k in range(len(datasets)) if ranges[k][split][0] == ranges[k][split][1]]
         if n and empty:
             name = SPLIT_NAMES[split]
-            message = (
-                f"--split: {config.split!r} gives the {name} split none of the documents of "
-                f"{', '.join(empty)}, but {n} {name} samples were requested"
-            )
             if split == 0:
-                raise ConfigError(message + "; give the train split a larger share")
-            # Small corpora routinely round a 0.1% test share down to no document; evaluation
-            # on that split is skipped rather than the whole run refused.
-            warnings.warn(message + f"; the {name} split is skipped", stacklevel=2)
+                raise ConfigError(
+                    f"--split: {config.split!r} gives the train split none of the documents of "
+                    f"{', '.join(prefixes[k] for k in empty)}, but {n} train samples were "
+                    "requested; give the train split a larger share"
+                )
+            # Small corpora routinely round a 0.1% test share down to no document: evaluation
+            # on that split is skipped (a note, sized to the data), not the run refused.
+            logger.info(
+                "note: %s", _empty_split_note(config.split, name, prefixes, datasets, empty)
+            )
             n = 0
         if n == 0:
             result.append(None)

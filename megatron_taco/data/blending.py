@@ -225,3 +225,19 @@ class BlendedDataset:
         state["dataset_index"] = array_from_state(state["dataset_index"])
         state["dataset_sample_index"] = array_from_state(state["dataset_sample_index"])
         self.__dict__.update(state)
+
+
+def dataset_passes(
+    dataset_index: np.ndarray | None, num_samples: int, per_pass: Sequence[int]
+) -> list[tuple[int, float]]:
+    """(samples, passes) of each dataset in the first ``num_samples`` samples of a blend:
+    how many of its samples it contributes and how many passes over its ``per_pass`` samples
+    that is. Each dataset's samples are used in order and its sample index concatenates
+    separately shuffled passes (samples.py), so 2.4 passes are two whole passes and 40% of a
+    third, and 0.6 passes leave 40% of it unused. ``dataset_index`` None: one dataset."""
+    if dataset_index is None:
+        counts = [int(num_samples)]
+    else:
+        used = np.asarray(dataset_index[:num_samples], dtype=np.int64)
+        counts = np.bincount(used, minlength=len(per_pass)).tolist()
+    return [(int(c), c / n if n else float("inf")) for c, n in zip(counts, per_pass)]

@@ -8,8 +8,10 @@ the key changes, so a stale entry is never reused. Files, in the cache directory
     {kind}-{hash}-description.json  the description (for humans) plus build statistics
 
 The description is written last, so its presence means the entry is complete; every file
-is written under a temporary name and renamed into place, so a crash or a concurrent
-reader never sees a half-written file.
+is written under a temporary name, fsynced and renamed into place (and the directory
+fsynced), so a crash or a concurrent reader never sees a half-written file, and a power cut
+cannot leave a renamed but empty one. The description records every array file's size,
+checked before the entry is used: a file cut short anyway is rebuilt, not trusted.
 
 With torch.distributed initialised, global rank 0 builds and writes while the other ranks
 wait at a barrier, then everyone memory-maps the files. Every rank must therefore call
@@ -86,11 +88,25 @@ def _atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> 
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the cache from others
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    dir_fd = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _load(description_path: str, paths: dict[str, str]) -> tuple[dict[str, np.ndarray], dict]:
@@ -101,7 +117,14 @@ def _load(description_path: str, paths: dict[str, str]) -> tuple[dict[str, np.nd
 
 
 def _complete(description_path: str, paths: dict[str, str]) -> bool:
-    return os.path.isfile(description_path) and all(os.path.isfile(p) for p in paths.values())
+    """The description exists and every array file has the size it records (an entry
+    written before sizes were recorded, or cut short, is not complete)."""
+    try:
+        with open(description_path, encoding="utf-8") as f:
+            sizes = json.load(f).get("bytes") or {}
+        return all(os.path.getsize(p) == sizes.get(n) for n, p in paths.items())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def load_or_build(
@@ -177,10 +200,13 @@ def _build_and_save(
         )
     try:
         os.makedirs(cache_dir, exist_ok=True)
+        sizes = {}
         for name, path in paths.items():
             arr = np.ascontiguousarray(arrays[name])
             _atomic_write(path, lambda f, a=arr: np.save(f, a, allow_pickle=False))
-        meta = {"kind": kind, "key": key, "description": description, "info": info}
+            sizes[name] = os.path.getsize(path)
+        meta = {"kind": kind, "key": key, "description": description, "info": info,
+                "bytes": sizes}  # fmt: skip
         text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
         _atomic_write(description_path, lambda f: f.write(text), mode="w")
     except OSError as e:

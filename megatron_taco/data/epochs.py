@@ -82,8 +82,8 @@ class EpochPermutation:
 class InstanceEpochDataset:
     """The global sample stream over ``num_instances`` fixed instances of ``base``: item g is
     instance pi_e(g mod N) of epoch e = g // N, with ``index`` set to the instance id (so
-    per-instance randomness, e.g. SAS's replaced set, is the same in every epoch) and
-    ``epoch`` set to e."""
+    per-instance randomness, e.g. SAS's replaced set, is the same in every epoch),
+    ``epoch`` set to e and ``global_index`` to g (iteration g // global batch size)."""
 
     def __init__(self, base: Any, num_instances: int, num_epochs: int, seed: int) -> None:
         if not 1 <= num_instances <= len(base):
@@ -112,4 +112,5 @@ class InstanceEpochDataset:
         sample = dict(self.base[instance])
         sample["index"] = instance
         sample["epoch"] = epoch
+        sample["global_index"] = int(g)
         return sample

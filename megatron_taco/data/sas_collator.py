@@ -1,15 +1,19 @@
 """SAS batches: each instance's replaced set S and the tokens placed there.
 
 S (paper, eq. 1): ceil(mask_prob * k) of the instance's k real non-special tokens, drawn as
-whole words in a random order seeded by (seed, instance id). It is the same in every epoch:
-the tokens the model samples at S in epoch t are what it reads at S in epoch t+1, so S
-must not move (docs/sas_model.md). To keep |S| exactly ceil(mask_prob * k) (and store rows
-fixed-width), the last word drawn may be cut.
+whole words in a random order. With self-augmentation it is seeded by (seed, instance id) and
+the same in every epoch: the tokens the model samples at S in epoch t are what it reads at S
+in epoch t+1, so S must not move (docs/sas_model.md). Without it (the Unig-MLM-RTD
+ablation) nothing links two epochs, and S is drawn afresh per epoch, seeded by (seed,
+instance, epoch): the paper's dynamic masking. To keep |S| exactly ceil(mask_prob * k) (and
+store rows fixed-width), the last word drawn may be cut.
 
 The tokens placed at S come from a ``ReplacementSource``: the cold-start distribution
-(unigram counts of the corpus, or uniform over the non-special vocabulary), or in later
-epochs the tokens the model itself sampled (the self-augmentation store). No [MASK] token:
-SAS never uses it.
+(unigram counts of the corpus, or uniform over the non-special vocabulary; optionally
+flattened to p^power for the run's first iterations, the reference release's warm-up), or
+in later epochs the tokens the model itself sampled (the self-augmentation store). With
+``drop_hits`` a stored token equal to the original drops its position from S (the reference
+release). No [MASK] token: SAS never uses it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,18 @@ class ReplacementConfig:
         flag="--cold-start",
         choices=COLD_STARTS,
     )
+    cold_start_warmup_iters: int = option(
+        0,
+        "For the run's first N iterations draw the cold-start replacements from the cold-start "
+        "distribution raised to --cold-start-warmup-power and renormalised (the reference "
+        "release: 1000 iterations of unigram^0.5); 0 = off, as in the paper.",
+        flag="--cold-start-warmup-iters",
+    )
+    cold_start_warmup_power: float = option(
+        0.5,
+        "Power of the cold-start distribution during --cold-start-warmup-iters (< 1 flattens it).",
+        flag="--cold-start-warmup-power",
+    )
 
     def __post_init__(self) -> None:
         require(
@@ -61,6 +77,19 @@ class ReplacementConfig:
             "cold_start",
             f"must be one of {COLD_STARTS}, got {self.cold_start!r}",
         )
+        require(
+            isinstance(self.cold_start_warmup_iters, int) and self.cold_start_warmup_iters >= 0,
+            type(self),
+            "cold_start_warmup_iters",
+            f"must be an integer >= 0, got {self.cold_start_warmup_iters!r}",
+        )
+        power = self.cold_start_warmup_power
+        require(
+            math.isfinite(power) and power > 0,
+            type(self),
+            "cold_start_warmup_power",
+            f"must be > 0, got {power}",
+        )
 
     def width(self, seq_length: int) -> int:
         """Largest |S|: slots per instance (a store row)."""
@@ -68,9 +97,16 @@ class ReplacementConfig:
 
 
 def replaced_positions(
-    word_starts: np.ndarray, special: np.ndarray, length: int, mask_prob: float, seed: int, index
+    word_starts: np.ndarray,
+    special: np.ndarray,
+    length: int,
+    mask_prob: float,
+    seed: int,
+    index,
+    epoch: int | None = None,
 ) -> np.ndarray:
-    """S of one instance: int64 token positions, in draw order (the order of a store row)."""
+    """S of one instance: int64 token positions, in draw order (the order of a store row).
+    ``epoch`` None: the same S in every epoch; else S seeded by the epoch too."""
     maskable = ~np.asarray(special, dtype=bool)
     maskable[length:] = False
     k = int(maskable.sum())
@@ -78,7 +114,8 @@ def replaced_positions(
         return np.zeros(0, dtype=np.int64)
     budget = math.ceil(mask_prob * k)
     starts, ends, linked = word_units(word_starts, maskable)
-    rng = np.random.default_rng([int(seed), int(index), SELECT_STREAM])
+    key = [int(seed), int(index), SELECT_STREAM]
+    rng = np.random.default_rng(key if epoch is None else [*key, int(epoch)])
     # One-word spans: whole words in a uniformly random order until the budget is covered.
     first, _, _ = sample_spans(ends - starts, linked, budget, rng, geometric_p=1.0, max_span=1)
     words = [np.arange(starts[u], ends[u]) for u in first]
@@ -107,6 +144,13 @@ def cold_start_probs(
     return probs / total
 
 
+def tempered(probs: np.ndarray, power: float) -> np.ndarray:
+    """probs ** power, renormalised (zeros stay zero): power 0.5 is the reference release's
+    unigram^0.5 warm-up."""
+    out = np.power(np.asarray(probs, dtype=np.float64), float(power))
+    return out / out.sum()
+
+
 def _unigram_distribution(prefix: str, vocab: int, special: np.ndarray) -> np.ndarray:
     path = unigram_path(prefix)
     if not os.path.isfile(path):
@@ -130,28 +174,63 @@ def _unigram_distribution(prefix: str, vocab: int, special: np.ndarray) -> np.nd
 
 
 class ReplacementSource(Protocol):
-    def replacements(self, instance: int, epoch: int, positions: np.ndarray) -> np.ndarray:
-        """Tokens (int64, len(positions)) placed at S of ``instance`` in ``epoch``."""
+    def replacements(
+        self, instance: int, epoch: int, positions: np.ndarray, global_index: int | None = None
+    ) -> np.ndarray:
+        """Tokens (int64, len(positions)) placed at S of ``instance`` in ``epoch``;
+        ``global_index`` is the sample's place in the training stream (None in evaluation)."""
+
+    def reads_store(self, epoch: int) -> bool:
+        """Whether the tokens of ``epoch`` come from the self-augmentation store."""
+
+
+def _cdf(probs: np.ndarray) -> np.ndarray:
+    cdf = np.cumsum(np.asarray(probs, dtype=np.float64))
+    return cdf / cdf[-1]
 
 
 class ColdStart:
-    """Draws from a fixed distribution, seeded by (seed, instance, epoch)."""
+    """Draws from a fixed distribution, seeded by (seed, instance, epoch); the first
+    ``warmup_samples`` samples of the training stream draw from ``warmup_probs`` instead."""
 
-    def __init__(self, probs: np.ndarray, seed: int) -> None:
-        self.cdf = np.cumsum(np.asarray(probs, dtype=np.float64))
-        self.cdf /= self.cdf[-1]
+    def __init__(
+        self,
+        probs: np.ndarray,
+        seed: int,
+        *,
+        warmup_probs: np.ndarray | None = None,
+        warmup_samples: int = 0,
+    ) -> None:
+        self.cdf = _cdf(probs)
         self.seed = int(seed)
+        self.warmup_samples = int(warmup_samples) if warmup_probs is not None else 0
+        self.warmup_cdf = _cdf(warmup_probs) if self.warmup_samples else None
 
-    def replacements(self, instance: int, epoch: int, positions: np.ndarray) -> np.ndarray:
+    def replacements(
+        self, instance: int, epoch: int, positions: np.ndarray, global_index: int | None = None
+    ) -> np.ndarray:
+        cdf = self.cdf
+        warm = self.warmup_cdf is not None and global_index is not None
+        if warm and global_index < self.warmup_samples:
+            cdf = self.warmup_cdf
         rng = np.random.default_rng([self.seed, int(instance), COLD_STREAM, int(epoch)])
-        draws = np.searchsorted(self.cdf, rng.random(positions.shape[0]), side="right")
-        return np.minimum(draws, self.cdf.shape[0] - 1).astype(np.int64)
+        draws = np.searchsorted(cdf, rng.random(positions.shape[0]), side="right")
+        return np.minimum(draws, cdf.shape[0] - 1).astype(np.int64)
+
+    def reads_store(self, epoch: int) -> bool:
+        return False
 
 
 class SasCollator:
-    """DataLoader collate_fn: samples (with ``index`` = instance id and ``epoch``) -> the
-    batch SasForPretraining reads, plus ``instance_ids`` [b], ``epoch`` [b] and
-    ``replaced_positions`` [b, W] (-1 padded) for the self-augmentation sampler."""
+    """DataLoader collate_fn: samples (with ``index`` = instance id, ``epoch`` and
+    ``global_index``) -> the batch SasForPretraining reads, plus for the self-augmentation
+    sampler ``instance_ids`` [b], ``epoch`` [b], ``replaced_positions`` [b, W] (S in draw
+    order, -1 padded: slot j of a store row is position replaced_positions[:, j]),
+    ``dropped_slots`` [b, W] (slots of S dropped as hits: read unreplaced, no MLM label) and
+    ``from_store`` [b] (how many of the row's kept slots hold a token read from the store).
+
+    ``fixed_positions``: S is the same in every epoch (needed by self-augmentation); False
+    draws it afresh per epoch. ``drop_hits``: drop store tokens equal to the original."""
 
     def __init__(
         self,
@@ -161,11 +240,15 @@ class SasCollator:
         seed: int,
         config: ReplacementConfig,
         source: ReplacementSource,
+        fixed_positions: bool = True,
+        drop_hits: bool = False,
     ) -> None:
         self.pad_id, self.seq_length, self.seed = int(pad_id), int(seq_length), int(seed)
         self.config = config
         self.source = source
         self.width = config.width(seq_length)
+        self.fixed_positions = bool(fixed_positions)
+        self.drop_hits = bool(drop_hits)
 
     def positions(self, sample: Mapping[str, Any]) -> np.ndarray:
         return replaced_positions(
@@ -175,6 +258,7 @@ class SasCollator:
             self.config.mask_prob,
             self.seed,
             sample["index"],
+            None if self.fixed_positions else int(sample.get("epoch", 0)),
         )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -185,6 +269,8 @@ class SasCollator:
         mlm_labels = np.full((b, s), IGNORE_INDEX, dtype=np.int64)
         rtd_labels = np.full((b, s), IGNORE_INDEX, dtype=np.int64)
         positions = np.full((b, self.width), -1, dtype=np.int64)
+        dropped = np.zeros((b, self.width), dtype=bool)
+        from_store = np.zeros(b, dtype=np.int64)
         instances = np.empty(b, dtype=np.int64)
         epochs = np.empty(b, dtype=np.int64)
         for i, sample in enumerate(samples):
@@ -192,14 +278,21 @@ class SasCollator:
             length = int(sample["length"])
             instance, epoch = int(sample["index"]), int(sample.get("epoch", 0))
             where = self.positions(sample)
+            placed = self.source.replacements(instance, epoch, where, sample.get("global_index"))
+            stored = self.source.reads_store(epoch)
+            hits = placed == tokens[where]
+            drop = hits if (stored and self.drop_hits) else np.zeros_like(hits)
+            kept = where[~drop]
             replaced = tokens.copy()
-            replaced[where] = self.source.replacements(instance, epoch, where)
+            replaced[where] = placed  # a dropped hit places the original: unchanged
             input_ids[i] = replaced
-            mlm_labels[i, where] = tokens[where]
+            mlm_labels[i, kept] = tokens[kept]
             # RTD over every real token ([CLS]/[SEP] included, as ELECTRA): 1 = replaced. A
             # replacement equal to the original is "original" (paper, eq. 5).
             rtd_labels[i, :length] = replaced[:length] != tokens[:length]
             positions[i, : where.shape[0]] = where
+            dropped[i, : where.shape[0]] = drop
+            from_store[i] = kept.shape[0] if stored else 0
             instances[i], epochs[i] = instance, epoch
         return {
             "input_ids": torch.from_numpy(input_ids),
@@ -209,6 +302,8 @@ class SasCollator:
             "instance_ids": torch.from_numpy(instances),
             "epoch": torch.from_numpy(epochs),
             "replaced_positions": torch.from_numpy(positions),
+            "dropped_slots": torch.from_numpy(dropped),
+            "from_store": torch.from_numpy(from_store),
         }
 
 

@@ -98,6 +98,38 @@ class Tokenizer:
             return []
         return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
 
+    def encode_with_offsets(
+        self, texts: list[str], num_threads: int = -1
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per text: (ids int32 [n], offsets int64 [n, 2]) with each piece's [begin, end) in
+        characters of the *original* text.
+
+        The normaliser (NFKC, collapsed whitespace) changes the text the pieces spell, so
+        character positions (SQuAD's answer_start) can only be mapped through sentencepiece's
+        own alignment. A piece's span includes the whitespace its "▁" stands for; the dummy
+        prefix piece of a text that starts without a space is empty (begin == end).
+        """
+        if not texts:
+            return []
+        try:
+            # sentencepiece >= 0.2.1: offsets already converted to characters
+            out = self._sp.encode(list(texts), out_type="offset_mapping", num_threads=num_threads)
+            return [
+                (
+                    np.asarray(o["ids"], dtype=np.int32),
+                    np.asarray(o["offsets"], dtype=np.int64).reshape(-1, 2),
+                )
+                for o in out
+            ]
+        except ValueError:
+            pass
+        kind = "proto" if hasattr(self._sp, "EncodeAsProto") else "immutable_proto"
+        protos = self._sp.encode(list(texts), out_type=kind, num_threads=num_threads)
+        return [
+            (np.asarray([p.id for p in sp.pieces], dtype=np.int32), _char_offsets(text, sp.pieces))
+            for text, sp in zip(texts, protos)
+        ]
+
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         return self._sp.decode([int(i) for i in ids])
 
@@ -106,6 +138,10 @@ class Tokenizer:
 
     def piece_to_id(self, piece: str) -> int:
         return self._sp.piece_to_id(piece)
+
+    def is_byte(self, i: int) -> bool:
+        """A byte piece <0x00>..<0xFF> (models trained with --byte-fallback)."""
+        return self._sp.is_byte(int(i))
 
     def word_start_mask(self) -> np.ndarray:
         """bool [vocab_size]: True where a piece begins a word.
@@ -118,12 +154,20 @@ class Tokenizer:
           BERT's basic tokenizer, which splits punctuation into words of its own. Without
           this, "hello," is one word and masking "hello" would leave the comma as an
           unmasked fragment of the same word (or mask the comma with it).
+
+        Byte pieces (--byte-fallback, "<0x21>") are judged by the byte they spell: an ASCII
+        punctuation byte starts a word, any other byte (a letter or digit, or part of a
+        character outside the vocabulary) continues the word it is in.
         """
         if self._word_start is None:
             sp = self._sp
             mask = np.zeros(self.vocab_size, dtype=bool)
             for i in range(self.vocab_size):
                 piece = sp.id_to_piece(i)
+                if self.is_byte(i):
+                    byte = int(piece[3:5], 16)  # "<0xAB>"
+                    mask[i] = byte < 0x80 and is_punctuation_char(chr(byte))
+                    continue
                 mask[i] = (
                     piece.startswith(WORD_BOUNDARY)
                     or i < len(SPECIAL_PIECES)
@@ -148,3 +192,15 @@ class Tokenizer:
             mask.setflags(write=False)
             self._special = mask
         return self._special
+
+
+def _char_offsets(text: str, pieces) -> np.ndarray:
+    """int64 [n, 2]: pieces' UTF-8 byte [begin, end) (sentencepiece's protos) in characters."""
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    lead = (data & 0xC0) != 0x80  # bytes that start a character
+    chars_before = np.zeros(len(data) + 1, dtype=np.int64)  # per byte boundary
+    chars_before[1:] = np.cumsum(lead)
+    inside = np.append(~lead, False)  # boundary falls inside a multi-byte character
+    b = np.asarray([(p.begin, p.end) for p in pieces], dtype=np.int64).reshape(-1, 2)
+    # a begin inside a character rounds down to its start, an end up to its end
+    return np.stack([chars_before[b[:, 0]] - inside[b[:, 0]], chars_before[b[:, 1]]], axis=1)

@@ -63,6 +63,7 @@ import glob
 import gzip
 import io
 import json
+import logging
 import lzma
 import os
 import re
@@ -331,15 +332,43 @@ def _is_stream_error(exc: BaseException) -> bool:
 # inputs and format detection
 # ---------------------------------------------------------------------------------------
 
+logger = logging.getLogger(__name__)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
+# In a corpus folder, files that are clearly not corpus text: documentation, code, images,
+# checksums and licence files that ship beside the data (examples/corpus/ has two).
+_NOT_CORPUS_EXTS = (
+    ".md", ".rst", ".py", ".pyc", ".sh", ".ipynb", ".cfg", ".ini", ".toml", ".yaml", ".yml",
+    ".lock", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf", ".css", ".js",
+    ".sha1", ".sha256", ".sha512", ".md5", ".sig", ".asc",
+)  # fmt: skip
+_NOT_CORPUS_NAMES = re.compile(
+    r"^(readme|license|licence|copying|notice|authors|attribution|changelog)(\.txt)?$", re.I
+)
+
+
+def is_corpus_candidate(name: str) -> bool:
+    """False for a file a directory walk should leave out (see _NOT_CORPUS_EXTS)."""
+    return not (name.lower().endswith(_NOT_CORPUS_EXTS) or _NOT_CORPUS_NAMES.match(name))
+
+
 def _walk(directory: str) -> list[str]:
-    found = []
+    found, skipped = [], []
     for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
         # Hidden files and folders are editor/VCS/OS metadata (.git, .DS_Store), never data.
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found.extend(os.path.join(dirpath, f) for f in filenames if not f.startswith("."))
+        for f in filenames:
+            if f.startswith("."):
+                continue
+            (found if is_corpus_candidate(f) else skipped).append(os.path.join(dirpath, f))
+    if skipped:
+        names = ", ".join(os.path.basename(p) for p in sorted(skipped)[:3])
+        more = ", ..." if len(skipped) > 3 else ""
+        logger.info(
+            "%s: skipped %d file(s) that are not corpus files (%s%s); name a file to read it anyway",
+            directory, len(skipped), names, more,
+        )  # fmt: skip
     return sorted(found)
 
 

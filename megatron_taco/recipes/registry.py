@@ -87,16 +87,17 @@ def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
 
 
 def read_checkpoint(
-    load: str,
+    load: str | CheckpointInfo,
     ckpt_step: int | None = None,
     tokenizer_model: str | None = None,
     *,
     optimizer: bool = True,
 ) -> tuple[TrainingStates, Any, ModelBuilder]:
     """(every tensor of the checkpoint merged to full size, model config, builder), whatever
-    tensor-parallel size and ZeRO stage (0-2) wrote it. ``optimizer=False`` reads only the
-    weights (fp32 master copies where the optimizer kept them)."""
-    info = find_checkpoint(load, ckpt_step)
+    tensor-parallel size and ZeRO stage (0-2) wrote it; ``load`` is a --load directory or a
+    checkpoint already found. ``optimizer=False`` reads only the model files (the fp32
+    master weights of ZeRO 1-2 live in the optimizer files)."""
+    info = load if isinstance(load, CheckpointInfo) else find_checkpoint(load, ckpt_step)
     config, build = model_builder(info, tokenizer_model)
     states = read_states(
         info, ModelLayout(build, info.tp_size, config.vocab_size), optimizer=optimizer

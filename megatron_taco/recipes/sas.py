@@ -8,13 +8,18 @@
 
 SAS^c: ``--rtd-weight-final 50`` (constant lambda). SAS^DA: ``--disentangled-attention``.
 Training runs in real epochs over a fixed set of instances (data/epochs.py); lambda steps
-once per epoch. The run itself is the generic driver (training/pretrain.py).
+once per epoch and reaches its final value at the last whole epoch (a partial last epoch
+from --train-iters keeps it). The run itself is the generic driver (training/pretrain.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
+from fractions import Fraction
+from typing import Any, NamedTuple
 
 from megatron_taco.arguments import ConfigError, option, require
 from megatron_taco.data.sas_collator import ReplacementConfig
@@ -22,6 +27,8 @@ from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.pretrain import BuildContext, ModelParts, ModelSpec, PretrainConfigs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +38,8 @@ class RtdScheduleConfig:
     )
     rtd_weight_final: float = option(
         200.0,
-        "Lambda in the last epoch, linear per epoch in between (paper's SAS: 200; SAS^c: set it "
-        "equal to --rtd-weight for a constant lambda).",
+        "Lambda in the last whole epoch (and a partial epoch after it), linear per epoch in "
+        "between (paper's SAS: 200; SAS^c: set it equal to --rtd-weight for a constant lambda).",
         flag="--rtd-weight-final",
     )
 
@@ -41,24 +48,40 @@ class RtdScheduleConfig:
             value = getattr(self, name)
             require(value >= 0, type(self), name, f"must be >= 0, got {value}")
 
-    def weight(self, epoch: int, num_epochs: int) -> float:
-        """lambda of 0-based ``epoch``: 50, 87.5, 125, 162.5, 200 over 5 epochs by default."""
-        if num_epochs <= 1:
+    def weight(self, epoch: int, whole_epochs: int) -> float:
+        """lambda of 0-based ``epoch`` in a run of ``whole_epochs`` whole epochs (and maybe a
+        part of one more): 50, 87.5, 125, 162.5, 200 over 5 epochs by default, the final
+        value held after the last whole epoch; one whole epoch (or none) keeps the first."""
+        if whole_epochs <= 1:
             return float(self.rtd_weight)
-        step = (self.rtd_weight_final - self.rtd_weight) / (num_epochs - 1)
-        return self.rtd_weight + step * epoch
+        step = (self.rtd_weight_final - self.rtd_weight) / (whole_epochs - 1)
+        return self.rtd_weight + step * min(epoch, whole_epochs - 1)
+
+    def describe(self, epochs: Fraction) -> str:
+        """The per-epoch values of a run of ``epochs`` (maybe fractional) epochs, for the
+        banner."""
+        whole, count = math.floor(epochs), max(math.ceil(epochs), 1)
+        values = [f"{self.weight(e, whole):g}" for e in range(count)]
+        if count > 8:
+            values = [*values[:3], "...", *values[-2:]]
+        tail = epochs - whole
+        note = f" (epoch {count} is {float(tail):.2f} of an epoch)" if tail > 0 else ""
+        return f"lambda per epoch {', '.join(values)}{note}"
 
 
 class RtdWeightSchedule(Callback):
-    """Sets the model's lambda at the start of every epoch (also of a resumed one)."""
+    """Sets the model's lambda at the start of every epoch (also of a resumed one) and says
+    so in the log."""
 
     name = "rtd_weight_schedule"
 
-    def __init__(self, model, config: RtdScheduleConfig) -> None:
-        self.model, self.config = model, config
+    def __init__(self, model, config: RtdScheduleConfig, whole_epochs: int) -> None:
+        self.model, self.config, self.whole_epochs = model, config, whole_epochs
 
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
-        self.model.set_rtd_weight(self.config.weight(epoch, trainer.num_epochs()))
+        value = self.config.weight(epoch, self.whole_epochs)
+        self.model.set_rtd_weight(value)
+        trainer.logger.print(f" epoch {epoch + 1}/{trainer.num_epochs()}: lambda {value:g}")
 
 
 def check_sas(cfg: PretrainConfigs) -> None:
@@ -98,17 +121,42 @@ def sas_shape(config: SasConfig, seq_length: int):
     )
 
 
-def build_instances(ctx: BuildContext):
-    """(train stream over fixed instances, valid, test, instances per epoch)."""
+class DatasetPasses(NamedTuple):
+    """How much of one --data-path dataset an epoch sees."""
+
+    prefix: str
+    weight: float
+    instances: int  # of the epoch's
+    per_pass: int  # samples in one pass over its train split
+    passes: float  # instances / per_pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Instances:
+    train: Any  # InstanceEpochDataset: the training stream over the fixed instances
+    valid: Any
+    test: Any
+    count: int  # instances per epoch (N)
+    epochs: Fraction  # the run's length in epochs: fractional with --train-iters
+    passes: list[DatasetPasses]
+
+    @property
+    def whole_epochs(self) -> int:
+        return math.floor(self.epochs)
+
+
+def build_instances(ctx: BuildContext) -> Instances:
     from megatron_taco.data.bert_dataset import (
         build_train_valid_test_datasets,
-        train_samples_per_pass,
+        train_samples_per_dataset,
     )
+    from megatron_taco.data.blending import dataset_passes
     from megatron_taco.data.epochs import InstanceEpochDataset
 
     cfg = ctx.configs
     data, t, gbs = cfg.data, cfg.training, cfg.deepspeed.global_batch_size
-    per_pass = train_samples_per_pass(data)
+    per_dataset = train_samples_per_dataset(data)
+    per_pass = sum(per_dataset)
     # Whole global batches per epoch, so that no batch straddles two epochs (epoch t+1 reads
     # what epoch t wrote); the few instances cut are the same ones in every epoch.
     instances = per_pass - per_pass % gbs
@@ -122,37 +170,79 @@ def build_instances(ctx: BuildContext):
         data, ctx.tokenizer, (per_pass, eval_samples, eval_samples)
     )
     if t.train_epochs is not None:
-        epochs = t.train_epochs
+        epochs = Fraction(t.train_epochs)
     else:
-        epochs = -(-t.train_samples(ctx.parallel.dp_size) // instances)
-    stream = InstanceEpochDataset(train, instances, epochs, data.seed)
-    return stream, valid, test, instances
+        epochs = Fraction(t.train_samples(ctx.parallel.dp_size), instances)
+    # An epoch is the first N samples of the blend: each dataset in proportion to its weight,
+    # its own samples in order (whole passes first).
+    shares = dataset_passes(getattr(train, "dataset_index", None), instances, per_dataset)
+    passes = [
+        DatasetPasses(prefix, weight, used, n, share)
+        for prefix, weight, n, (used, share) in zip(
+            data.prefixes, data.weights, per_dataset, shares
+        )
+    ]
+    stream = InstanceEpochDataset(train, instances, max(math.ceil(epochs), 1), data.seed)
+    return Instances(stream, valid, test, instances, epochs, passes)
+
+
+def describe_passes(passes: list[DatasetPasses]) -> tuple[list[str], list[str]]:
+    """Banner lines and warnings on how much of each --data-path dataset an epoch sees."""
+    if len(passes) < 2:
+        return [], []
+    lines = [
+        f"per epoch: {prefix} (weight {weight:.3g}): {used:,} instances, {share:.2f} passes over "
+        f"its {n:,} samples"
+        for prefix, weight, used, n, share in passes
+    ]
+    total = sum(p.per_pass for p in passes)
+    proportional = " ".join(f"{n / total:.3g} {prefix}" for prefix, _, _, n, _ in passes)
+    warnings = [
+        f"--data-path: {prefix} is seen {share:.2f} times per epoch (weight {weight:.3g} gives "
+        f"it {used:,} of the epoch's instances, it has {n:,} samples): {1 - share:.0%} of it "
+        f"is never trained on, in any epoch (instances are fixed); weights proportional to "
+        f"the sizes ('--data-path {proportional}') see every dataset once per epoch"
+        for prefix, weight, used, n, share in passes
+        if share < 1
+    ]
+    return lines, warnings
 
 
 def build_sas(ctx: BuildContext) -> ModelParts:
     import numpy as np
 
     from megatron_taco.data.replacement_store import StoreLayout
-    from megatron_taco.data.sas_collator import ColdStart, SasCollator, cold_start_probs
+    from megatron_taco.data.sas_collator import (
+        ColdStart,
+        SasCollator,
+        cold_start_probs,
+        tempered,
+    )
     from megatron_taco.models.flops import sas_train_flops
     from megatron_taco.models.sas.model import SasForPretraining
     from megatron_taco.recipes.sas_augmentation import SelfAugmentation, StoreSource
 
     cfg, model_config = ctx.configs, ctx.model_config
     data, replacement = cfg.data, cfg.task["replacement"]
-    train, valid, test, instances = build_instances(ctx)
+    instances = build_instances(ctx)
     probs = cold_start_probs(
         replacement, data.prefixes, data.weights, ctx.tokenizer.is_special_mask()
     )
     augmentation = cfg.task["self_augmentation"]
-    cold = ColdStart(probs, ctx.seed)
+    warmup_samples = replacement.cold_start_warmup_iters * cfg.deepspeed.global_batch_size
+    cold = ColdStart(
+        probs,
+        ctx.seed,
+        warmup_probs=tempered(probs, replacement.cold_start_warmup_power),
+        warmup_samples=warmup_samples,
+    )
     callbacks: list[Callback] = []
     source = cold
     if augmentation.self_augmentation:
         root = augmentation.store_dir(cfg.training.save)
         source = StoreSource(cold, root)
         layout = StoreLayout(
-            num_instances=instances,
+            num_instances=instances.count,
             width=replacement.width(data.seq_length),
             vocab_size=ctx.tokenizer.vocab_size,
             num_shards=augmentation.replacement_store_shards,
@@ -174,6 +264,9 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         seed=ctx.seed,
         config=replacement,
         source=source,
+        # S must stay put only when epoch t+1 reads what epoch t sampled at S.
+        fixed_positions=augmentation.self_augmentation,
+        drop_hits=augmentation.drop_replacement_hits,
     )
     model = SasForPretraining(model_config, ctx.parallel, ctx.rng_tracker)
     shape = sas_shape(model_config, data.seq_length)
@@ -188,30 +281,45 @@ def build_sas(ctx: BuildContext) -> ModelParts:
 
     variant = "SAS^DA" if da else "SAS"
     schedule = cfg.task["rtd_schedule"]
+    data_lines, data_warnings = describe_passes(instances.passes)
+    if ctx.parallel.rank == 0:
+        for warning in data_warnings:
+            logger.warning(warning)
+    warmup = (
+        f"; the first {replacement.cold_start_warmup_iters} iterations from "
+        f"{replacement.cold_start}^{replacement.cold_start_warmup_power:g}"
+        if warmup_samples
+        else ""
+    )
+    if augmentation.self_augmentation:
+        source_line = (
+            f"self-augmentation from epoch 2 (T={augmentation.sampling_temperature:g}, "
+            f"store {augmentation.store_dir(cfg.training.save)}"
+            + ("; hits dropped from S" if augmentation.drop_replacement_hits else "")
+            + ")"
+        )
+    else:
+        source_line = "no self-augmentation (cold start in every epoch, S redrawn per epoch)"
     return ModelParts(
         model=model,
         collate_fn=collator,
-        train_dataset=train,
-        valid_dataset=valid,
-        test_dataset=test,
+        train_dataset=instances.train,
+        valid_dataset=instances.valid,
+        test_dataset=instances.test,
         tokens_per_sample=data.seq_length,
         train_flops=train_flops,
         paper_flops=paper_flops,
-        samples_per_epoch=instances,
-        callbacks=[RtdWeightSchedule(model, schedule), *callbacks],
+        samples_per_epoch=instances.count,
+        callbacks=[RtdWeightSchedule(model, schedule, instances.whole_epochs), *callbacks],
         banner=[
             f"variant: {variant}; hidden {model_config.hidden_size}, FFN "
             f"{model_config.ffn_hidden_size}, {model_config.num_attention_heads} heads, "
-            f"embedding {model_config.embedding_size}",
+            f"embedding {model_config.embedding_size}; LayerNorm eps "
+            f"{model_config.norm_epsilon:g}; output-layer init {model_config.output_layer_init}",
             f"replacements: {replacement.mask_prob:g} of each instance's tokens; cold start "
-            f"{replacement.cold_start}; lambda {schedule.rtd_weight:g} -> "
-            f"{schedule.rtd_weight_final:g} per epoch; "
-            + (
-                f"self-augmentation from epoch 2 (T={augmentation.sampling_temperature:g}, "
-                f"store {augmentation.store_dir(cfg.training.save)})"
-                if augmentation.self_augmentation
-                else "no self-augmentation (cold start in every epoch)"
-            ),
+            f"{replacement.cold_start}{warmup}; {source_line}",
+            schedule.describe(instances.epochs),
+            *data_lines,
         ],
     )
 

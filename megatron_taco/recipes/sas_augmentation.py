@@ -15,6 +15,14 @@ replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t
   (flush everywhere, barrier, one manifest written atomically by rank 0) before epoch t+1's
   data loader exists. A crash and ``--load`` replays the steps since the checkpoint and
   rewrites the same rows with the same tokens, so the committed store is byte-identical.
+* Retention: a checkpoint taken in epoch e needs generation e-1 (read in epoch e) and the
+  rows of generation e written before it; at every epoch end every generation that a
+  checkpoint still in --save needs is kept (so with --save-retain only those of the retained
+  ones), the others are deleted. The last epoch commits its generation too, so a finished
+  run can be extended with more epochs.
+* ``--drop-replacement-hits`` (the reference release): a slot whose stored token equals the
+  original is dropped from S by the collator; the sampler writes the original there again,
+  so the slot stays dropped in every later epoch and S only shrinks.
 """
 
 from __future__ import annotations
@@ -40,6 +48,12 @@ from megatron_taco.data.replacement_store import (
 from megatron_taco.data.sas_collator import ColdStart
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
 from megatron_taco.training.callbacks import Callback
+from megatron_taco.training.checkpointing import (
+    CheckpointInvalid,
+    checkpoint_tag,
+    complete_iterations,
+    read_metadata,
+)
 
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
 
@@ -68,9 +82,24 @@ class SelfAugmentationConfig:
         "k mod dp).",
         flag="--replacement-store-shards",
     )
+    drop_replacement_hits: bool = option(
+        False,
+        "From epoch 2 on, drop from S every position whose stored sample equals the original "
+        "token (a hit): it is read unreplaced, has no MLM label and stays out of S in later "
+        "epochs, so S shrinks (the reference release). Off: hits stay in S with RTD label 0 "
+        "(the paper).",
+        flag="--drop-replacement-hits",
+    )
 
     def __post_init__(self) -> None:
         cls = type(self)
+        require(
+            self.self_augmentation or not self.drop_replacement_hits,
+            cls,
+            "drop_replacement_hits",
+            "drops stored samples equal to the original; without self-augmentation there is "
+            "no store (drop --no-self-augmentation or --drop-replacement-hits)",
+        )
         require(
             self.sampling_temperature > 0,
             cls,
@@ -98,15 +127,20 @@ class StoreSource:
         self.cold, self.root = cold, root
         self._readers: dict[int, GenerationReader] = {}
 
-    def replacements(self, instance: int, epoch: int, positions: np.ndarray) -> np.ndarray:
-        if epoch == 0:
-            return self.cold.replacements(instance, epoch, positions)
+    def replacements(
+        self, instance: int, epoch: int, positions: np.ndarray, global_index: int | None = None
+    ) -> np.ndarray:
+        if not self.reads_store(epoch):
+            return self.cold.replacements(instance, epoch, positions, global_index)
         reader = self._readers.get(epoch - 1)
         if reader is None:
             # Verified once by the callback before the epoch's loader was created.
             reader = self._readers[epoch - 1] = GenerationReader(self.root, epoch - 1, verify=False)
         row = reader.read(np.asarray([instance]))[0]
         return row[: positions.shape[0]].astype(np.int64)
+
+    def reads_store(self, epoch: int) -> bool:
+        return epoch >= 1
 
     def __getstate__(self) -> dict[str, Any]:
         return {"cold": self.cold, "root": self.root, "_readers": {}}
@@ -133,6 +167,10 @@ class SelfAugmentation(Callback):
         self.epoch = 0
         self.write_seconds = 0.0
         self.steps = 0
+        self.group = None  # the data-parallel group the measured share is reduced over
+        # Slots of S read from the store / all kept slots, since the last log (tensors on the
+        # batch's device: no host sync per micro-batch).
+        self.counts: torch.Tensor | None = None
 
     # -- ownership and layout -----------------------------------------------------------
 
@@ -163,6 +201,8 @@ class SelfAugmentation(Callback):
 
     def on_train_start(self, trainer, state) -> None:
         os.makedirs(self.root, exist_ok=True)
+        if trainer.parallel.dp_size > 1:
+            self.group = trainer.parallel.get_data_parallel_group()
 
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
         self.epoch = epoch
@@ -170,14 +210,13 @@ class SelfAugmentation(Callback):
             self._verify(trainer.parallel.rank, epoch - 1)
         self.writer = None
         owned = self._owned_shards(trainer.parallel)
-        if epoch + 1 < trainer.num_epochs() and owned:
+        if owned:
             self.writer = GenerationWriter(self.root, epoch, self.layout, owned)
         self._barrier()
 
     @torch.no_grad()
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
-        if epoch_is_last(trainer, self.epoch):
-            return
+        self._count(batch)
         start = time.perf_counter()
         tokens = self._sample(trainer.parallel, batch, outputs)  # [b, W]
         instances = batch["instance_ids"].to(tokens.device)
@@ -193,20 +232,29 @@ class SelfAugmentation(Callback):
         self.write_seconds += time.perf_counter() - start
         self.steps += 1
 
+    def _count(self, batch: dict) -> None:
+        kept = (batch["replaced_positions"] >= 0) & ~batch["dropped_slots"]
+        counts = torch.stack([batch["from_store"].sum(), kept.sum()]).to(torch.float64)
+        self.counts = counts if self.counts is None else self.counts + counts
+
     def _sample(self, parallel, batch: dict, outputs: dict) -> torch.Tensor:
-        """One token per slot of S [b, W] (0 in unused slots), from the MLM logits at S."""
+        """One token per slot of S [b, W] (0 in unused slots): drawn from the MLM logits at
+        the slot's position, or the original token at a dropped slot (so it stays a hit)."""
         logits = outputs["mlm_logits"]  # [N, V_padded/tp], rows at S in flat b*s order
         flat = outputs["mlm_positions"]  # [N] indices into b*s
-        slots = batch["replaced_positions"].to(logits.device)  # [b, W], -1 = unused
-        b, s = batch["input_ids"].shape
-        row_of = torch.full((b * s,), -1, dtype=torch.long, device=logits.device)
-        row_of[flat] = torch.arange(flat.shape[0], device=logits.device)
+        device = logits.device
+        slots = batch["replaced_positions"].to(device)  # [b, W] in draw order, -1 = unused
         used = slots >= 0
-        index = torch.arange(b, device=logits.device)[:, None] * s + slots.clamp(min=0)
-        rows = row_of[index[used]]  # logits row of every used slot
+        dropped = batch["dropped_slots"].to(device) & used  # [b, W]
+        drawn_slots = used & ~dropped
+        b, s = batch["input_ids"].shape
+        row_of = torch.full((b * s,), -1, dtype=torch.long, device=device)
+        row_of[flat] = torch.arange(flat.shape[0], device=device)
+        index = torch.arange(b, device=device)[:, None] * s + slots.clamp(min=0)
+        rows = row_of[index[drawn_slots]]  # logits row of every drawn slot
         keys = sample_row_keys(
-            batch["instance_ids"].to(logits.device)[:, None].expand_as(slots)[used],
-            slots[used],
+            batch["instance_ids"].to(device)[:, None].expand_as(slots)[drawn_slots],
+            slots[drawn_slots],
             self.epoch,
         )
         drawn = vocab_parallel_sample(
@@ -216,10 +264,13 @@ class SelfAugmentation(Callback):
             row_keys=keys,
             seed=self.seed,
             temperature=self.config.sampling_temperature,
-            exclude_ids=self.special_ids.to(logits.device),
+            exclude_ids=self.special_ids.to(device),
         )
         tokens = torch.zeros_like(slots)
-        tokens[used] = drawn
+        tokens[drawn_slots] = drawn
+        # A dropped slot was read unreplaced: its input is the original token.
+        originals = batch["input_ids"].to(device).gather(1, slots.clamp(min=0))
+        tokens[dropped] = originals[dropped]
         return tokens
 
     def on_save(self, trainer, state) -> None:
@@ -231,31 +282,45 @@ class SelfAugmentation(Callback):
             self.writer.flush()
             self.writer.close()
             self.writer = None
-        if epoch_is_last(trainer, epoch):
-            return
         self._barrier()  # every owner flushed
         if trainer.parallel.rank == 0:
             commit_generation(self.root, epoch, self.layout)
-            # Epoch t+1 reads generation t; a checkpoint inside epoch t may still need
-            # generation t-1. Older ones can go.
-            delete_generations(self.root, keep={g for g in (epoch - 1, epoch) if g >= 0})
+            # Epoch t+1 reads generation t; the checkpoints in --save need theirs.
+            needed = generations_needed(trainer.training.save, self.layout.num_instances)
+            delete_generations(self.root, keep={epoch} | needed)
         self._barrier()
 
     def metrics(self) -> dict[str, float]:
-        out = {
-            "self_augmented": float(self.epoch >= 1),
-            "store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1),
-        }
+        out = {"store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1)}
         self.write_seconds, self.steps = 0.0, 0
+        if self.counts is not None:
+            counts, self.counts = self.counts, None
+            if self.group is not None:  # every rank logs, in step: one small all-reduce
+                dist.all_reduce(counts, group=self.group)
+            from_store, kept = counts.tolist()
+            # Measured: the share of the kept slots of S whose token was read from the store.
+            out["self_augmented"] = from_store / kept if kept else 0.0
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"generation_being_written": self.epoch, "root": self.root}
 
 
-def epoch_is_last(trainer, epoch: int) -> bool:
-    # Nothing reads what the last epoch would sample.
-    return epoch + 1 >= trainer.num_epochs()
+def generations_needed(save_dir: str | None, samples_per_epoch: int) -> set[int]:
+    """Store generations the checkpoints in ``save_dir`` need to resume: one taken after c
+    samples, in epoch e = c // N, reads generation e-1 and, inside the epoch, keeps the
+    rows of generation e written before it (the replay rewrites only those after it)."""
+    needed: set[int] = set()
+    if save_dir is None:
+        return needed
+    for iteration in complete_iterations(save_dir):
+        try:
+            meta = read_metadata(os.path.join(save_dir, checkpoint_tag(iteration)))
+        except CheckpointInvalid:
+            continue  # not loadable, so it needs nothing
+        epoch, into = divmod(int(meta.get("consumed_samples", 0)), samples_per_epoch)
+        needed.update(g for g in (epoch - 1, epoch if into else -1) if g >= 0)
+    return needed
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:

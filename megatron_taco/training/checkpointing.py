@@ -37,6 +37,8 @@ import re
 import secrets
 import shutil
 import signal
+import stat
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +51,13 @@ import torch.distributed as dist
 from megatron_taco.arguments import ConfigError, option, require
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
+from megatron_taco.training.safe_files import (
+    UnsafeFile,
+    checksum_regular,
+    kind_of,
+    read_regular,
+    regular_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +70,14 @@ RNG_FORMAT = 2
 # alone after_metadata (complete, not yet renamed), after_rename (before the tracker) and
 # after_tracker (before replaced or retired checkpoints are deleted).
 KILL_ENV = "MEGATRON_TACO_TEST_KILL_AT"
+# The same points, to sleep at instead ("after_model_files@4:6", "after_model_files:6"): a
+# save that takes that much longer, for the tests of signals arriving during a save.
+PAUSE_ENV = "MEGATRON_TACO_TEST_PAUSE_AT"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 # A save in progress or crashed (.tmp-), or a replaced/retired checkpoint being deleted (.del-).
 _LEFTOVER = re.compile(
     r"^(iter_\d{7,}\.(tmp|del)-[0-9a-f]+|" + re.escape(TRACKER_FILENAME) + r"\.tmp\.\d+)$"
 )
-_CHUNK = 1 << 20
 
 
 class RunError(RuntimeError):
@@ -144,6 +155,9 @@ def _barrier() -> None:
 def _kill_point(point: str, iteration: int) -> None:
     if os.environ.get(KILL_ENV) in (point, f"{point}@{iteration}"):
         os.kill(os.getpid(), signal.SIGKILL)
+    where, _, seconds = os.environ.get(PAUSE_ENV, "").rpartition(":")
+    if where in (point, f"{point}@{iteration}"):
+        time.sleep(float(seconds))
 
 
 # -- files ------------------------------------------------------------------------------
@@ -169,16 +183,6 @@ def _atomic_write_text(path: str, text: str) -> None:
     _write_durably(tmp, lambda f: f.write(text.encode("utf-8")))
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def file_checksum(path: str) -> tuple[int, str]:
-    """(size in bytes, CRC-32 as 8 hex digits), streamed."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, f"{crc:08x}"
 
 
 def _remove(path: str) -> None:
@@ -300,8 +304,31 @@ def _error_detail(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def _exception_line(error: BaseException) -> str:
+    """'KeyError: 5': a crafted pickle's KeyError or struct.error says little without its
+    type."""
+    detail = _error_detail(error)
+    name = type(error).__name__
+    return detail if detail == name else f"{name}: {detail}"
+
+
+SAFE_TORCH = (2, 6)  # weights_only has a known bypass before (CVE-2025-32434)
+
+
+def require_safe_torch() -> None:
+    """Refuse to read a checkpoint with a torch whose weights_only loading is unsafe."""
+    found = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    if found < SAFE_TORCH:
+        raise ConfigError(
+            f"torch {torch.__version__}: loading checkpoints safely needs torch >= "
+            f"{'.'.join(map(str, SAFE_TORCH))} (weights_only can be bypassed before); upgrade torch"
+        )
+
+
 def safe_torch_load(path: str, map_location: Any = "cpu", *, hint: str = "") -> Any:
-    """torch.load with weights_only=True; any failure is one ConfigError naming the file."""
+    """torch.load with weights_only=True; any failure is one ConfigError naming the file
+    (a crafted pickle can make the unpickler raise KeyError, IndexError, struct.error...)."""
+    require_safe_torch()
     try:
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
@@ -310,9 +337,9 @@ def safe_torch_load(path: str, map_location: Any = "cpu", *, hint: str = "") -> 
             f"--load: {path} holds pickled objects other than tensors, numbers and strings "
             f"({_error_detail(e)}); refusing to load it{hint}"
         ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
+    except Exception as e:
         raise ConfigError(
-            f"--load: {path} is not a readable checkpoint file ({_error_detail(e)}){hint}"
+            f"--load: {path} is not a readable checkpoint file ({_exception_line(e)}){hint}"
         ) from None
 
 
@@ -386,6 +413,30 @@ def _safe_engine(engine) -> SafeCheckpointEngine:
 
 # -- metadata and manifest --------------------------------------------------------------
 
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+_MAX_METADATA_BYTES = 64 << 20
+# Every field a reader relies on, with its type: the required ones must be present, the
+# others are checked where present. Nothing is optional that a check depends on, so that no
+# missing key or null skips one.
+_REQUIRED_FIELDS: dict[str, type] = {
+    "format": str,
+    "iteration": int,
+    "consumed_samples": int,
+    "world_size": int,
+    "tensor_model_parallel_size": int,
+    "data_parallel_size": int,
+    "files": dict,
+    "checksum": str,
+}
+_OPTIONAL_FIELDS: dict[str, type] = {
+    "model": str,
+    "configs": dict,
+    "callbacks": dict,
+    "epoch": int,
+    "rng_states": bool,
+    "converted_from": dict,
+}
+
 
 def _metadata_checksum(meta: dict[str, Any]) -> str:
     body = {k: v for k, v in meta.items() if k != "checksum"}
@@ -401,22 +452,84 @@ def _write_metadata(iter_dir: str, meta: dict[str, Any], files: dict[str, dict])
     _write_durably(os.path.join(iter_dir, METADATA_FILENAME), lambda f: f.write(text.encode()))
 
 
+def _has_type(value: Any, kind: type) -> bool:
+    if kind is int:  # JSON true/false are not counts
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _check_schema(path: str, meta: dict[str, Any]) -> None:
+    for key in _REQUIRED_FIELDS:
+        if key not in meta:
+            raise CheckpointInvalid(f"{path} lacks the field {key!r}")
+    for key, kind in {**_REQUIRED_FIELDS, **_OPTIONAL_FIELDS}.items():
+        if key in meta and not _has_type(meta[key], kind):
+            raise CheckpointInvalid(
+                f"{path}: field {key!r} must be {kind.__name__}, got {meta[key]!r:.60}"
+            )
+    if meta["format"] != FORMAT:
+        raise CheckpointInvalid(
+            f"{path}: format {meta['format']!r:.40}, this version reads {FORMAT!r}"
+        )
+    if not _HEX8.match(meta["checksum"]):
+        raise CheckpointInvalid(f"{path}: field 'checksum' must be 8 hex digits")
+    sizes = [meta[k] for k in ("world_size", "tensor_model_parallel_size", "data_parallel_size")]
+    if meta["iteration"] < 0 or meta["consumed_samples"] < 0 or min(sizes) < 1:
+        raise CheckpointInvalid(f"{path}: negative iteration or samples, or a size below 1")
+    if sizes[0] != sizes[1] * sizes[2]:
+        raise CheckpointInvalid(
+            f"{path}: world_size {sizes[0]} is not tp {sizes[1]} x dp {sizes[2]}"
+        )
+
+
 def read_metadata(iter_dir: str) -> dict[str, Any]:
+    """metadata.json, read without following links, its schema and checksum checked."""
     path = os.path.join(iter_dir, METADATA_FILENAME)
-    if not os.path.isfile(path):
-        raise CheckpointInvalid(f"{path} is missing")
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raw = read_regular(path, _MAX_METADATA_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{path} is missing") from None
+    except UnsafeFile as e:
+        raise CheckpointInvalid(str(e)) from None
+    except OSError as e:
+        raise CheckpointInvalid(f"{path} cannot be read ({e.strerror or e})") from None
+    if len(raw) > _MAX_METADATA_BYTES:
+        raise CheckpointInvalid(f"{path} is larger than {_MAX_METADATA_BYTES >> 20} MiB")
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointInvalid(f"{path} is not valid JSON ({e})") from None
     if not isinstance(meta, dict):
         raise CheckpointInvalid(f"{path} must hold a JSON object, got {type(meta).__name__}")
-    if "checksum" in meta and meta["checksum"] != _metadata_checksum(meta):
+    _check_schema(path, meta)
+    if meta["checksum"] != _metadata_checksum(meta):
         raise CheckpointInvalid(
             f"{path} does not match its checksum (it was changed or is corrupt)"
         )
     return meta
+
+
+def check_model_kind(meta: dict[str, Any], where: str, accepted: tuple[str, ...]) -> None:
+    """A checkpoint of another model (metadata.json's "model" against the names the running
+    spec accepts): the first thing to tell the user, before any shape or layout mismatch
+    it would otherwise show up as."""
+    saved = meta.get("model")
+    if saved in accepted:
+        return
+    what = (
+        f"a {saved} checkpoint"
+        if saved
+        else "a checkpoint that does not name the model that saved it"
+    )
+    raise ConfigError(
+        f"--load: {where} is {what}; this run loads {' or '.join(accepted)} checkpoints: give "
+        "--load a checkpoint of that model, or use the script of the model that saved it"
+    )
+
+
+def file_checksum(path: str) -> tuple[int, str]:
+    """(size in bytes, CRC-32 as 8 hex digits) of a regular file, streamed."""
+    return checksum_regular(path)
 
 
 def _manifest_entry(path: str) -> dict[str, Any]:
@@ -425,91 +538,129 @@ def _manifest_entry(path: str) -> dict[str, Any]:
 
 
 def _relative_files(iter_dir: str) -> set[str]:
-    found = set()
-    for root, _dirs, names in os.walk(iter_dir):
-        for name in names:
-            found.add(os.path.relpath(os.path.join(root, name), iter_dir).replace(os.sep, "/"))
-    return found - {METADATA_FILENAME}
+    return set(regular_files(iter_dir)) - {METADATA_FILENAME}
 
 
-def _check_manifest_entry(iter_dir: str, name: str, entry: Any) -> str:
+def _check_manifest_entry(iter_dir: str, name: Any, entry: Any) -> str:
     meta_path = os.path.join(iter_dir, METADATA_FILENAME)
-    parts = name.split("/")
-    if not name or os.path.isabs(name) or ".." in parts:
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
         raise CheckpointInvalid(f"{meta_path} lists a file outside the checkpoint: {name!r}")
     valid = (
         isinstance(entry, dict)
-        and isinstance(entry.get("bytes"), int)
-        and isinstance(entry.get("crc32"), str)
+        and set(entry) == {"bytes", "crc32"}
+        and _has_type(entry["bytes"], int)
+        and entry["bytes"] >= 0
+        and isinstance(entry["crc32"], str)
+        and _HEX8.match(entry["crc32"]) is not None
     )
-    if not valid:
-        raise CheckpointInvalid(f"{meta_path}: malformed manifest entry for {name!r}")
+    if not valid or name == METADATA_FILENAME:
+        raise CheckpointInvalid(
+            f"{meta_path}: malformed manifest entry of {name!r} (expected "
+            '{"bytes": size, "crc32": 8 hex digits})'
+        )
     return os.path.join(iter_dir, *parts)
 
 
 def verify_files(iter_dir: str, meta: dict[str, Any]) -> None:
-    """Every file against the manifest (presence, size, CRC-32), nothing unlisted, and no .pt
-    file that pickles anything unsafe. Raises CheckpointInvalid naming the file."""
-    present = _relative_files(iter_dir)
-    manifest = meta.get("files")
-    if manifest is None:  # a checkpoint written without one (an older version or a tool)
-        logger.warning("%s has no file manifest: sizes and checksums are not verified", iter_dir)
-        manifest = {name: None for name in sorted(present)}
-    elif not isinstance(manifest, dict):
-        raise CheckpointInvalid(f"{os.path.join(iter_dir, METADATA_FILENAME)}: malformed manifest")
-    for name, entry in sorted(manifest.items()):
-        path = os.path.join(iter_dir, *name.split("/"))
-        if entry is not None:
-            path = _check_manifest_entry(iter_dir, name, entry)
-            if name not in present:
-                raise CheckpointInvalid(f"{path} is missing")
-            size, crc = file_checksum(path)
-            if size != entry["bytes"]:
-                raise CheckpointInvalid(
-                    f"{path} has {size} bytes, the manifest says {entry['bytes']} (truncated "
-                    "or overwritten)"
-                )
-            if crc != entry["crc32"]:
-                raise CheckpointInvalid(
-                    f"{path} is corrupt: CRC-32 {crc}, the manifest says {entry['crc32']}"
-                )
-        if name.endswith(".pt"):
-            _check_pickle(path)
-    unlisted = sorted(present - set(manifest))
-    if unlisted:
+    """Every file against the manifest (presence, size, CRC-32), nothing unlisted, nothing
+    that is not a regular file (links, FIFOs, devices are refused, never opened), and no .pt
+    file that pickles anything unsafe or that the unpickler cannot read. Any failure, an
+    I/O error included, raises CheckpointInvalid naming the file."""
+    manifest = meta["files"]
+    paths = {name: _check_manifest_entry(iter_dir, name, entry) for name, entry in manifest.items()}
+    try:
+        present = _relative_files(iter_dir)
+    except UnsafeFile as e:
+        raise CheckpointInvalid(str(e)) from None
+    except OSError as e:
+        raise CheckpointInvalid(f"{iter_dir} cannot be listed ({e.strerror or e})") from None
+    for name in sorted(set(manifest) - present):
+        raise CheckpointInvalid(f"{paths[name]} is missing")
+    for name in sorted(present - set(manifest)):
         raise CheckpointInvalid(
-            f"{os.path.join(iter_dir, unlisted[0])} is not in the manifest of {METADATA_FILENAME}"
+            f"{os.path.join(iter_dir, name)} is not in the manifest of {METADATA_FILENAME}"
         )
+    for name in sorted(manifest):
+        _verify_file(paths[name], manifest[name])
+
+
+def _verify_file(path: str, entry: dict[str, Any]) -> None:
+    try:
+        size, crc = checksum_regular(path)
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{path} is missing") from None
+    except UnsafeFile as e:
+        raise CheckpointInvalid(str(e)) from None
+    except OSError as e:
+        raise CheckpointInvalid(f"{path} cannot be read ({e.strerror or e})") from None
+    if size != entry["bytes"]:
+        raise CheckpointInvalid(
+            f"{path} has {size} bytes, the manifest says {entry['bytes']} (truncated "
+            "or overwritten)"
+        )
+    if crc != entry["crc32"]:
+        raise CheckpointInvalid(
+            f"{path} is corrupt: CRC-32 {crc}, the manifest says {entry['crc32']}"
+        )
+    if path.endswith(".pt"):
+        _check_pickle(path)
 
 
 def _check_pickle(path: str) -> None:
+    """The opcode scan (names unsafe imports, runs nothing), then a weights_only load with
+    the file memory-mapped: it parses the whole pickle, so a crafted one that breaks the
+    unpickler (KeyError, IndexError, struct.error) fails here, where --load-fallback can
+    still act, without reading the tensors' bytes."""
+    require_safe_torch()
     try:
         unsafe = unsafe_globals(path)
-    except (RuntimeError, OSError, ValueError, EOFError) as e:
+    except Exception as e:
         raise CheckpointInvalid(
-            f"{path} is not a readable torch checkpoint ({_error_detail(e)})"
+            f"{path} is not a readable torch checkpoint ({_exception_line(e)})"
         ) from None
     if unsafe:
         raise CheckpointInvalid(
             f"{path} holds pickled objects other than tensors, numbers and strings "
             f"({', '.join(unsafe[:3])}); refusing to load it"
         )
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise CheckpointInvalid(
+            f"{path} is not a readable torch checkpoint ({_exception_line(e)})"
+        ) from None
 
 
-def verify_checkpoint(load_dir: str, iteration: int, *, tp_size: int | None = None) -> dict:
+def verify_checkpoint(
+    load_dir: str,
+    iteration: int,
+    *,
+    tp_size: int | None = None,
+    models: tuple[str, ...] | None = None,
+) -> dict:
     """Everything a load of ``iteration`` needs, checked without any process group; returns
-    its metadata. CheckpointInvalid names the damaged file; a tensor-parallel mismatch is a
-    ConfigError naming the flag."""
+    its metadata. CheckpointInvalid names the damaged file; a checkpoint of a model not in
+    ``models`` (checked first) or of another tensor-parallel size is a ConfigError."""
     iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
-    if not os.path.isdir(iter_dir):
-        raise CheckpointInvalid(f"checkpoint directory {iter_dir} does not exist")
+    try:
+        mode = os.lstat(iter_dir).st_mode
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"checkpoint directory {iter_dir} does not exist") from None
+    except OSError as e:
+        raise CheckpointInvalid(f"{iter_dir} cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISDIR(mode):
+        raise CheckpointInvalid(f"{iter_dir} is {kind_of(mode)}, not a checkpoint directory")
     meta = read_metadata(iter_dir)
-    if meta.get("iteration", iteration) != iteration:
+    if models is not None:
+        check_model_kind(meta, iter_dir, models)
+    if meta["iteration"] != iteration:
         raise CheckpointInvalid(
             f"{os.path.join(iter_dir, METADATA_FILENAME)} is of iteration {meta['iteration']}"
         )
-    saved_tp = meta.get("tensor_model_parallel_size")
-    if tp_size is not None and saved_tp is not None and saved_tp != tp_size:
+    saved_tp = meta["tensor_model_parallel_size"]
+    if tp_size is not None and saved_tp != tp_size:
         raise ConfigError(
             f"--tensor-model-parallel-size: {iter_dir} was saved with tensor parallel size "
             f"{saved_tp}, this run uses {tp_size}"
@@ -518,48 +669,77 @@ def verify_checkpoint(load_dir: str, iteration: int, *, tp_size: int | None = No
     return meta
 
 
-def newest_verified(load_dir: str, below: int | None, *, tp_size: int | None = None) -> int | None:
+@dataclass(frozen=True)
+class LoadChoice:
+    """The checkpoint --load restores, as verified: its iteration and metadata checksum
+    (what the ranks compare after the rendezvous)."""
+
+    iteration: int
+    checksum: str
+
+
+def newest_verified(
+    load_dir: str,
+    below: int | None,
+    *,
+    tp_size: int | None = None,
+    models: tuple[str, ...] | None = None,
+) -> LoadChoice | None:
     """The newest complete checkpoint in ``load_dir`` older than ``below`` that verifies."""
     for iteration in reversed(complete_iterations(load_dir)):
         if below is not None and iteration >= below:
             continue
         try:
-            verify_checkpoint(load_dir, iteration, tp_size=tp_size)
+            meta = verify_checkpoint(load_dir, iteration, tp_size=tp_size, models=models)
         except ConfigError:
             continue
-        return iteration
+        return LoadChoice(iteration, meta["checksum"])
     return None
 
 
-def choose_checkpoint(
-    load_dir: str, ckpt_step: int | None, *, tp_size: int | None = None, fallback: bool = False
-) -> int | None:
-    """The iteration --load will restore, verified (None: no tracker, a fresh start)."""
+def choose_load(
+    load_dir: str,
+    ckpt_step: int | None,
+    *,
+    tp_size: int | None = None,
+    fallback: bool = False,
+    models: tuple[str, ...] | None = None,
+) -> LoadChoice | None:
+    """The checkpoint --load will restore, verified (None: no tracker, a fresh start)."""
+    kw = dict(tp_size=tp_size, models=models)
     try:
         iteration = ckpt_step if ckpt_step is not None else read_tracker(load_dir)
     except ConfigError as e:
-        older = newest_verified(load_dir, None, tp_size=tp_size) if fallback else None
+        older = newest_verified(load_dir, None, **kw) if fallback else None
         if older is None:
             raise
-        logger.warning("%s; --load-fallback: loading iteration %d instead", e, older)
+        logger.warning("%s; --load-fallback: loading iteration %d instead", e, older.iteration)
         return older
     if iteration is None:
         return None
     try:
-        verify_checkpoint(load_dir, iteration, tp_size=tp_size)
-        return iteration
+        meta = verify_checkpoint(load_dir, iteration, **kw)
+        return LoadChoice(iteration, meta["checksum"])
     except CheckpointInvalid as e:
         problem = f"--load: checkpoint iteration {iteration} is incomplete or corrupt: {e}"
-        older = newest_verified(load_dir, iteration, tp_size=tp_size)
+        older = newest_verified(load_dir, iteration, **kw)
     if older is None:
         raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
     if fallback:
-        logger.warning("%s; --load-fallback: loading iteration %d instead", problem, older)
+        logger.warning(
+            "%s; --load-fallback: loading iteration %d instead", problem, older.iteration
+        )
         return older
     raise CheckpointInvalid(
-        f"{problem}; the last complete checkpoint there is iteration {older}: pass "
-        f"--ckpt-step {older}, or --load-fallback to fall back automatically"
+        f"{problem}; the last complete checkpoint there is iteration {older.iteration}: pass "
+        f"--ckpt-step {older.iteration}, or --load-fallback to fall back automatically"
     )
+
+
+def choose_checkpoint(load_dir: str, ckpt_step: int | None, **kw) -> int | None:
+    """choose_load's iteration."""
+    choice = choose_load(load_dir, ckpt_step, **kw)
+    return None if choice is None else choice.iteration
 
 
 def check_save_dir(save_dir: str) -> None:
@@ -591,10 +771,19 @@ _UNSUPPORTED_DS_CHECKPOINT_KEYS = {
 
 
 def prepare_checkpoints(
-    training, checkpoint: CheckpointConfig, *, tp_size: int, ds_config: dict, zero_stage: int
-) -> int | None:
-    """The checkpoint checks every rank runs before the rendezvous. Returns the iteration
-    --load will restore (verified), None when there is nothing to load."""
+    training,
+    checkpoint: CheckpointConfig,
+    *,
+    tp_size: int,
+    ds_config: dict,
+    zero_stage: int,
+    models: tuple[str, ...] | None = None,
+    once: Callable[[Callable[[], Any]], Any] | None = None,
+) -> LoadChoice | None:
+    """The checkpoint checks every rank runs before the rendezvous. Returns the checkpoint
+    --load will restore (verified), None when there is nothing to load. ``once(fn)`` runs
+    the verification, which reads every byte of the checkpoint, once for the ranks that
+    share it (the driver: once per node) and hands every rank the same result."""
     if checkpoint.save_retain is not None:
         require(training.save is not None, CheckpointConfig, "save_retain", "needs --save")
     if checkpoint.load_fallback:
@@ -620,9 +809,12 @@ def prepare_checkpoints(
             "without the optimizer files through zero_to_fp32, which unpickles them unsafely; "
             "load with a ZeRO stage 0-2 config"
         )
-    return choose_checkpoint(
-        training.load, training.ckpt_step, tp_size=tp_size, fallback=checkpoint.load_fallback
-    )
+
+    def choose() -> LoadChoice | None:
+        return choose_load(training.load, training.ckpt_step, tp_size=tp_size,
+                           fallback=checkpoint.load_fallback, models=models)  # fmt: skip
+
+    return choose() if once is None else once(choose)
 
 
 # -- saving -----------------------------------------------------------------------------
@@ -758,8 +950,11 @@ def _own_manifest(writer: SafeCheckpointEngine, tmp_dir: str) -> dict[str, dict]
 
 def _finalize(
     save_dir: str, tmp_dir: str, meta: dict, files: dict, token: str, retain: int | None
-) -> None:
-    """Rank 0, once every rank's files are on disk: manifest, rename, tracker, clean-up."""
+) -> str | None:
+    """Rank 0, once every rank's files are on disk: manifest, rename, tracker, clean-up.
+    Raises (OSError, CheckpointSaveError) while the save can still fail as a whole; once the
+    tracker names the new checkpoint the save has succeeded, and a failing clean-up is
+    returned as a warning instead."""
     iteration = meta["iteration"]
     for name in sorted(_relative_files(tmp_dir) - set(files)):  # written by other means
         path = os.path.join(tmp_dir, *name.split("/"))
@@ -773,12 +968,24 @@ def _finalize(
     replaced = _publish(save_dir, tmp_dir, iteration, token)
     _fsync_dir(save_dir)
     _kill_point("after_rename", iteration)
-    _atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
-    _kill_point("after_tracker", iteration)
-    if replaced is not None:
-        _remove(replaced)
-    if retain is not None:
-        _retire(save_dir, retain, token)
+    tmp_tracker = f"{tracker_path(save_dir)}.tmp.{os.getpid()}"
+    _write_durably(tmp_tracker, lambda f: f.write(f"{iteration}\n".encode()))
+    os.replace(tmp_tracker, tracker_path(save_dir))
+    # Published: from here on nothing may turn the save into a failure.
+    try:
+        _fsync_dir(save_dir)
+        _kill_point("after_tracker", iteration)
+        if replaced is not None:
+            _remove(replaced)
+        if retain is not None:
+            _retire(save_dir, retain, token)
+    except OSError as e:
+        return (
+            f"saved checkpoint iteration {iteration} (latest), but removing older checkpoints "
+            f"in {save_dir} failed: {e.filename or save_dir}: {e.strerror or e}; training "
+            "goes on (remove them by hand)"
+        )
+    return None
 
 
 def _fsync_file(path: str) -> None:
@@ -821,7 +1028,7 @@ def save_checkpoint(
     writer.attempt(rng_path, _write_rng, rng_path, rng_tracker, writer)
     _kill_point("after_rng_files", iteration)
     gathered = _gather((writer.error, _own_manifest(writer, tmp_dir)))
-    message = None
+    message = warning = None
     if parallel.rank == 0:
         error = next((err for err, _ in gathered if err is not None), None)
         if error is None:
@@ -835,24 +1042,28 @@ def save_checkpoint(
                 **(metadata or {}),
             }
             files = {name: entry for _, entries in gathered for name, entry in entries.items()}
-            error = _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain)
+            error, warning = _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain)
         if error is not None:
             _remove(tmp_dir)
             message = _save_failure(save_dir, iteration, error)
-    message = _broadcast(message)
+    message, warning = _broadcast((message, warning))
     if message is not None:
         raise CheckpointSaveError(message)
+    if warning is not None and parallel.rank == 0:
+        logger.warning(warning)
     return os.path.join(save_dir, checkpoint_tag(iteration))
 
 
-def _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain) -> str | None:
+def _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain):
+    """(error that fails the save, warning about a clean-up after it succeeded)."""
     try:
-        _finalize(save_dir, tmp_dir, meta, files, token, retain)
+        return None, _finalize(save_dir, tmp_dir, meta, files, token, retain)
     except CheckpointSaveError as e:
-        return str(e)
+        return str(e), None
     except OSError as e:
-        return _describe_write_error(e.filename or tmp_dir, e)
-    return None
+        return _describe_write_error(e.filename or tmp_dir, e), None
+    except UnsafeFile as e:  # something not a regular file in our own temporary directory
+        return str(e), None
 
 
 def _save_failure(save_dir: str, iteration: int, error: str) -> str:
@@ -895,11 +1106,13 @@ def _shape_mismatch_error(error: RuntimeError, iter_dir: str) -> Exception:
 
 def read_tracker(load_dir: str) -> int | None:
     path = tracker_path(load_dir)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
+        raw = read_regular(path, 64)
+        text = raw.decode("utf-8").strip()
+    except UnsafeFile as e:
+        raise ConfigError(f"--load: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--load: cannot read {path}: {e}") from None
     try:

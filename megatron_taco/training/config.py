@@ -89,6 +89,13 @@ class TrainingConfig:
         "AdamW weight decay (not applied to biases, norm weights and other 1-D parameters).",
         flag="--weight-decay",
     )
+    layerwise_lr_decay: float | None = option(
+        None,
+        "Layer-wise learning-rate decay (ELECTRA's fine-tuning): a parameter at depth d of a "
+        "model with D depths trains at lr * decay^(D - d) (embeddings deepest, task head at "
+        "lr). Needs a model that reports its parameters' depths; default: none.",
+        flag="--layerwise-lr-decay",
+    )
     adam_beta1: float = option(0.9, "Adam beta1.", flag="--adam-beta1")
     adam_beta2: float = option(0.999, "Adam beta2.", flag="--adam-beta2")
     adam_eps: float = option(1e-6, "Adam epsilon.", flag="--adam-eps")
@@ -256,6 +263,13 @@ class TrainingConfig:
             "weight_decay",
             f"must be >= 0, got {self.weight_decay!r}",
         )
+        if self.layerwise_lr_decay is not None:
+            require(
+                _is_number(self.layerwise_lr_decay) and 0 < self.layerwise_lr_decay <= 1,
+                cls,
+                "layerwise_lr_decay",
+                f"must be in (0, 1], got {self.layerwise_lr_decay!r}",
+            )
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             require(
@@ -298,11 +312,11 @@ class TrainingConfig:
     _SWITCHES = ("no_load_optim", "no_load_rng", "finetune")
 
     @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_args(parser, cls, "training")
+    def add_args(cls, parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:
+        add_dataclass_args(parser, cls, "training", exclude=exclude)
         group = parser.add_argument_group("checkpoint loading")
         for f in dataclasses.fields(cls):
-            if f.name in cls._SWITCHES:
+            if f.name in cls._SWITCHES and f.name not in exclude:
                 group.add_argument(
                     flag_of(cls, f.name), dest=f.name, action="store_true", help=f.metadata["help"]
                 )

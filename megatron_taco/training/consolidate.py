@@ -106,16 +106,19 @@ def ds_format(ds_config: dict[str, Any] | None) -> tuple[int, str]:
     return stage, "fp16" if enabled("fp16") else "bf16" if enabled("bf16") else "fp32"
 
 
-def find_checkpoint(load_dir: str, ckpt_step: int | None = None) -> CheckpointInfo:
+def find_checkpoint(
+    load_dir: str, ckpt_step: int | None = None, *, verify: bool = True
+) -> CheckpointInfo:
     """The iteration ``ckpt_step`` of ``load_dir``, or the one its tracker names, verified
-    against its manifest (checkpointing.verify_checkpoint)."""
+    against its manifest (checkpointing.verify_checkpoint) unless ``verify`` is False (it
+    was verified earlier in the same run)."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load: {load_dir} is not a directory")
     iteration = ckpt_step if ckpt_step is not None else read_tracker(load_dir)
     if iteration is None:
         raise CheckpointError(f"--load: {tracker_path(load_dir)} does not exist; give --ckpt-step")
-    meta = verify_checkpoint(load_dir, iteration)
     iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
+    meta = verify_checkpoint(load_dir, iteration) if verify else read_metadata(iter_dir)
     if not isinstance(meta.get("configs", {}), dict):
         raise CheckpointError(f"{iter_dir}/{METADATA_FILENAME}: 'configs' must be an object")
     stage, precision = ds_format(meta.get("configs", {}).get("deepspeed"))
@@ -642,13 +645,17 @@ def _target_info(states: TrainingStates, target: TargetLayout, iter_dir: str) ->
 # Resuming at another layout
 
 
-def _saved_layout(training) -> tuple[str, dict[str, Any]] | None:
-    """(iteration directory, metadata) that --load names, None when it cannot be read (the
-    checkpoint checks report that)."""
+def _saved_layout(training, iteration: int | None) -> tuple[str, dict[str, Any]] | None:
+    """(iteration directory, metadata) of the checkpoint --load restores (``iteration``,
+    as chosen and verified, else --ckpt-step or the tracker's); None when it cannot be read
+    (the checkpoint checks report that)."""
     try:
-        iteration = (
-            training.ckpt_step if training.ckpt_step is not None else read_tracker(training.load)
-        )
+        if iteration is None:
+            iteration = (
+                training.ckpt_step
+                if training.ckpt_step is not None
+                else read_tracker(training.load)
+            )
         if iteration is None:
             return None
         iter_dir = os.path.join(training.load, checkpoint_tag(iteration))
@@ -658,13 +665,14 @@ def _saved_layout(training) -> tuple[str, dict[str, Any]] | None:
 
 
 def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: int,
-                        precision: str) -> None:  # fmt: skip
+                        precision: str, iteration: int | None = None) -> None:  # fmt: skip
     """Before any process group: refuse a --load that DeepSpeed cannot restore at this run's
     layout (tensor/data-parallel sizes, ZeRO stage, precision, world size for the RNG
-    states), with the command that converts the checkpoint. Returns quietly otherwise."""
+    states), with the command that converts the checkpoint. ``iteration``: the checkpoint
+    chosen (with --load-fallback, maybe not the tracker's). Returns quietly otherwise."""
     if training.load is None or training.finetune:
         return
-    found = _saved_layout(training)
+    found = _saved_layout(training, iteration)
     if found is None:
         return
     iter_dir, meta = found

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,6 +24,7 @@ from megatron_taco.parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_taco.parallel.state import ParallelState, init_parallel
 from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
 from megatron_taco.training.optim import AnnealingLR, build_optimizer, build_scheduler
+from megatron_taco.training.signals import nccl_environment
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -116,6 +118,8 @@ def init_distributed(tp_size: int, timeout: timedelta | None = None) -> Parallel
             # One GPU per process; nccl needs it chosen before the first collective.
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             backend = "nccl"
+            # A dead or hung peer must raise into Python (and our one line), not abort.
+            os.environ.update(nccl_environment())
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
     parallel = init_parallel(tp_size)
     if timeout is not None:
@@ -204,6 +208,13 @@ def initialize_engine(
     import deepspeed
 
     disable_deepspeed_shm_comm()
+    # DeepSpeed's ZeRO calls torch.distributed.all_gather_into_tensor, which torch 2.13
+    # deprecates in a FutureWarning on every rank at every run: nothing a user can act on.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+        category=FutureWarning,
+    )
 
     optimizer, impl = build_optimizer(model, training)
     scheduler = build_scheduler(optimizer, training)

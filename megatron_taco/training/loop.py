@@ -10,6 +10,7 @@ the callbacks (callbacks.py), which see every training micro-batch and its outpu
 Epochs: a task that defines ``samples_per_epoch`` (a multiple of the global batch size) is
 trained epoch by epoch; each epoch gets its own data iterator, created only after the
 previous epoch ended and its callbacks ran, so nothing prefetched reads across the boundary.
+A log interval never spans two epochs: the last iteration of an epoch is always logged.
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ class Trainer:
         self, data_iter: Iterator[dict], acc: MetricAccumulator, state: TrainingState
     ) -> tuple[float, bool, float | None]:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns (learning
-        rate used, whether DeepSpeed skipped the step on an fp16 overflow, gradient norm)."""
+        rate used, whether DeepSpeed skipped the step, gradient norm: None for a skipped
+        step, possibly inf/NaN for one DeepSpeed applied)."""
         lr = float(self.ds.get_lr()[0])
         skipped_before = self.ds.skipped_steps
         own_norm = None
@@ -214,27 +216,38 @@ class Trainer:
             self.ds.step()
             acc.add(outputs)
             self.callbacks.after_micro_batch(self, state, batch, outputs)
+        # DeepSpeed skips a step whose gradient norm is not finite in fp16 and in its ZeRO
+        # optimizers (fp32; bf16 with check_grad_overflow), and applies it with a plain torch
+        # optimizer (ZeRO-0 fp32) and in bf16 ZeRO without the check.
         skipped = self.ds.skipped_steps != skipped_before
         norm = own_norm if self._own_grad_norm else self.ds.get_global_grad_norm()
         if skipped or norm is None:
             return lr, skipped, None
-        norm = float(norm.item() if torch.is_tensor(norm) else norm)
-        return lr, skipped, norm if math.isfinite(norm) else None
+        return lr, skipped, float(norm.item() if torch.is_tensor(norm) else norm)
 
-    def _check_finite(self, iteration: int, acc: MetricAccumulator) -> None:
-        """fp32/bf16: stop at the first non-finite loss, before a save can keep the weights it
-        produced (fp16 overflows are DeepSpeed's skipped steps instead). The losses summed so
-        far in this log interval were finite, so this iteration's is not. Every rank learns
-        which loss failed on any rank (one all-reduce), so all of them stop together."""
-        if self.engine.settings.precision == "fp16":
-            return
-        keys = sorted(k for k in acc.sums if is_loss_key(k))
-        if not keys:
-            return
-        bad = (~torch.isfinite(torch.stack([acc.sums[k] for k in keys]))).to(torch.float64)
+    def _end_of_iteration(
+        self, iteration: int, acc: MetricAccumulator, norm: float | None
+    ) -> str | None:
+        """The one all-reduce (MAX over the world) of every iteration: this iteration's
+        non-finite losses and gradient norm, and the exit requests (signal, launcher gone,
+        time limit). Raises NonFiniteLossError on every rank when any rank saw a non-finite
+        value in a step that was applied: fp32/bf16 stop there, before a save can keep the
+        weights it produced (the losses summed so far in this log interval were finite, so
+        this iteration's is not). Returns the reason to exit, the same on every rank."""
+        keys = []
+        if self.engine.settings.precision != "fp16":  # fp16 overflows are skipped steps
+            keys = sorted(k for k in acc.sums if is_loss_key(k))
+        host = [float(norm is not None and not math.isfinite(norm)), *self._exit_flags()]
+        flags = torch.tensor(host, dtype=torch.float64, device=self.ds.device)
+        if keys:  # no host sync for the losses: they join the flags on the device
+            losses = torch.stack([acc.sums[k] for k in keys])
+            flags = torch.cat([(~torch.isfinite(losses)).to(torch.float64), flags])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        names = [k for k, b in zip(keys, bad.tolist()) if b]
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        values = flags.tolist()
+        names = [k for k, bad in zip(keys, values) if bad]
+        if values[len(keys)]:
+            names.append("gradient norm")
         if names:
             raise NonFiniteLossError(
                 f"iteration {iteration}: non-finite {', '.join(names)} in "
@@ -242,6 +255,11 @@ class Trainer:
                 "last checkpoint is untouched): lower --lr, check the data, or resume from the "
                 "last checkpoint"
             )
+        exit_flags = values[len(keys) + 1 :]
+        return self.exit_monitor.reason(exit_flags) if self.exit_monitor else None
+
+    def _exit_flags(self) -> list[int]:
+        return self.exit_monitor.local_flags() if self.exit_monitor else [0, 0, 0]
 
     # -- evaluation ---------------------------------------------------------------------
 
@@ -334,7 +352,7 @@ class Trainer:
         while state.iteration < t.train_iters:
             start = time.perf_counter()
             lr, skipped, norm = self.train_step(data_iter, interval.acc, state)
-            self._check_finite(state.iteration + 1, interval.acc)
+            stop = self._end_of_iteration(state.iteration + 1, interval.acc, norm)
             self._sync()
             interval.add(time.perf_counter() - start, skipped, norm)
             state.iteration += 1
@@ -347,10 +365,21 @@ class Trainer:
                     f" epoch {epoch + 1}/{self.num_epochs()} ended at iteration {state.iteration}"
                 )
 
-            if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
+            # The window also closes at an epoch boundary: values that change per epoch (a
+            # loss weight scheduled by epoch, a data source) are never averaged across two.
+            log_now = state.iteration % t.log_interval == 0 or epoch_ended
+            if log_now or state.iteration == t.train_iters:
                 metrics = self._train_metrics(state, interval, lr, epoch)
                 self.logger.log("train", state.iteration, metrics)
                 interval = _Interval()
+            if stop is not None:
+                # Before this iteration's validation and periodic save: a launcher or a
+                # scheduler allows a bounded time after its signal, and the save is what
+                # must fit in it.
+                saving = "; saving a checkpoint" if t.save is not None else ""
+                self.logger.print(f" exiting at iteration {state.iteration}: {stop}{saving}")
+                self.save(state)
+                return state
             if (
                 self.task.valid_dataset is not None
                 and t.eval_iters > 0
@@ -362,13 +391,6 @@ class Trainer:
                 self.save(state)
             if t.exit_interval is not None and state.iteration % t.exit_interval == 0:
                 self.logger.print(f" exiting at iteration {state.iteration} (--exit-interval)")
-                self.save(state)
-                return state
-            # One small all-reduce per iteration: every rank stops at the same iteration.
-            stop = self.exit_monitor.should_exit(self.ds.device) if self.exit_monitor else None
-            if stop is not None:
-                saving = "; saving a checkpoint" if t.save is not None else ""
-                self.logger.print(f" exiting at iteration {state.iteration}: {stop}{saving}")
                 self.save(state)
                 return state
             if epoch_ended and state.iteration < t.train_iters:

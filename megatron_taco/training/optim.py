@@ -53,13 +53,45 @@ def split_weight_decay(model: nn.Module) -> tuple[list[str], list[str]]:
     return decay, no_decay
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def layer_lr_scales(model: nn.Module, decay: float) -> dict[str, float]:
+    """ELECTRA's layer-wise LR decay: lr * decay^(D - depth) for every parameter, where the
+    model's ``parameter_depth(name) -> (depth, D)`` says how deep a parameter sits (ELECTRA:
+    embeddings 0, layer i (0-based) i + 1, task head D = layers + 2)."""
+    depth_of = getattr(model, "parameter_depth", None)
+    if depth_of is None:
+        raise ValueError(
+            f"--layerwise-lr-decay: {type(model).__name__} does not report its layers' depths"
+        )
+    scales = {}
+    for name, _ in model.named_parameters():
+        depth, deepest = depth_of(name)
+        scales[name] = decay ** (deepest - depth)
+    return scales
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, layerwise_lr_decay: float | None = None
+) -> list[dict]:
+    """AdamW groups: with and without weight decay, and with layer-wise decay one group per
+    (decay, LR scale) pair; every group carries its ``lr_scale`` for the scheduler."""
     decay, no_decay = split_weight_decay(model)
     params = dict(model.named_parameters())
-    groups = [
-        {"params": [params[n] for n in decay], "weight_decay": weight_decay, "name": "decay"},
-        {"params": [params[n] for n in no_decay], "weight_decay": 0.0, "name": "no_decay"},
-    ]
+    scales = layer_lr_scales(model, layerwise_lr_decay) if layerwise_lr_decay is not None else None
+    groups: list[dict] = []
+    for names, wd, label in ((decay, weight_decay, "decay"), (no_decay, 0.0, "no_decay")):
+        by_scale: dict[float, list[str]] = {}
+        for n in names:
+            by_scale.setdefault(scales[n] if scales else 1.0, []).append(n)
+        for scale, members in sorted(by_scale.items(), reverse=True):
+            name = label if scales is None else f"{label}_lr{scale:.4g}"
+            groups.append(
+                {
+                    "params": [params[n] for n in members],
+                    "weight_decay": wd,
+                    "name": name,
+                    "lr_scale": scale,
+                }  # fmt: skip
+            )
     return [g for g in groups if g["params"]]
 
 
@@ -67,7 +99,7 @@ def build_optimizer(
     model: nn.Module, training: TrainingConfig
 ) -> tuple[torch.optim.Optimizer, str]:
     """(optimizer, a description of the implementation for the start-up banner)."""
-    groups = param_groups(model, training.weight_decay)
+    groups = param_groups(model, training.weight_decay, training.layerwise_lr_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters")
     kwargs = dict(
@@ -147,7 +179,7 @@ class AnnealingLR(LRScheduler):
 
     def get_lr(self) -> list[float]:
         lr = self.lr_at(self.last_epoch)
-        return [lr for _ in self.optimizer.param_groups]
+        return [lr * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
 
     _SCHEDULE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
 
@@ -170,10 +202,9 @@ class AnnealingLR(LRScheduler):
     def apply(self) -> None:
         """Set every param group's lr for the current step. Needed after a checkpoint load:
         the optimizer state may be restored after the scheduler, with the lr it had then."""
-        lr = self.lr_at(self.last_epoch)
-        for group in self.optimizer.param_groups:
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
             group["lr"] = lr
-        self._last_lr = [lr for _ in self.optimizer.param_groups]
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig) -> AnnealingLR:

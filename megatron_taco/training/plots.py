@@ -22,6 +22,23 @@ def _loss_keys(records: list[dict]) -> list[str]:
     return sorted(keys, key=lambda k: (k != "loss", k)) + extra
 
 
+_PRETRAIN_SPLITS = ("train", "valid", "test")
+_NOT_PLOTTED = ("iteration", "epoch", "split")
+
+
+def _eval_keys(records: list[dict]) -> list[str]:
+    """Metrics of other evaluations (a fine-tuning run's dev splits: accuracy, F1, ...)."""
+    return sorted(
+        {
+            k
+            for r in records
+            if r.get("split", "train") not in _PRETRAIN_SPLITS
+            for k, v in r.items()
+            if k not in _NOT_PLOTTED and isinstance(v, (int, float))
+        }
+    )
+
+
 def _epoch_starts(records: list[dict]) -> list[int]:
     """Iterations after which a new epoch began (from the train records' "epoch")."""
     train = [r for r in records if r.get("split", "train") == "train" and "epoch" in r]
@@ -33,8 +50,10 @@ def plot_loss_curves(metrics_file: str, output: str | None = None) -> str | None
     file holds no loss values."""
     records = read_metrics(metrics_file)
     keys = _loss_keys(records)
+    eval_keys = [k for k in _eval_keys(records) if k not in keys]
     if not keys:
         return None
+    keys += eval_keys
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
@@ -43,12 +62,22 @@ def plot_loss_curves(metrics_file: str, output: str | None = None) -> str | None
     output = output or os.path.join(
         os.path.dirname(os.path.abspath(metrics_file)), "loss_curve.png"
     )
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
+    # A grid of at most three panels per row, readable however many series a model logs.
+    cols = min(3, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(keys) :]:
+        ax.set_visible(False)
     boundaries = _epoch_starts(records)
-    for ax, key in zip(axes[0], keys):
+    splits = [("train", "-"), ("valid", "o--")] + [
+        (s, "o-")
+        for s in sorted({r.get("split", "train") for r in records})
+        if s not in _PRETRAIN_SPLITS
+    ]
+    for ax, key in zip(axes.flat, keys):
         for i, x in enumerate(boundaries):
             ax.axvline(x, color="grey", linestyle=":", label="epoch" if i == 0 else None)
-        for split, style in (("train", "-"), ("valid", "o--")):
+        for split, style in splits:
             points = [
                 (r["iteration"], r[key])
                 for r in records

@@ -25,21 +25,35 @@ from typing import Any
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
+from megatron_taco.arguments import (
+    ConfigError,
+    add_dataclass_args,
+    dataclass_from_args,
+    program_name,
+)
 from megatron_taco.data.config import DataConfig
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.checkpointing import CheckpointConfig, RunError, prepare_checkpoints
+from megatron_taco.training.checkpointing import (
+    TRACKER_FILENAME,
+    CheckpointConfig,
+    LoadChoice,
+    RunError,
+    prepare_checkpoints,
+)
 from megatron_taco.training.config import (
     DeepSpeedSettings,
     TrainingConfig,
     resolve_deepspeed_config,
 )
 from megatron_taco.training.consolidate import check_resume_layout
+from megatron_taco.training.rendezvous import agree_on_load, forget_node_results, once_per_node
 from megatron_taco.training.signals import (
     ExitConfig,
     ExitMonitor,
     PeerFailure,
+    PeerWatch,
+    abort_process_groups,
     describe_peer_failure,
     gather_peers,
     is_peer_failure,
@@ -52,7 +66,9 @@ logger = logging.getLogger("megatron_taco.pretrain")
 class PretrainConfigs:
     parallel: ParallelConfig
     model: Any  # the spec's model config (a PresetConfig dataclass)
-    data: DataConfig
+    # DataConfig for pretraining; any config with seed, tokenizer_model, num_workers and
+    # seq_length for other recipes (fine-tuning reads a benchmark's files instead).
+    data: Any
     task: dict[str, Any]  # the spec's other config groups by name (e.g. "masking")
     training: TrainingConfig
     deepspeed: DeepSpeedSettings
@@ -60,8 +76,12 @@ class PretrainConfigs:
     device_type: str
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # The checkpoint --load restores, chosen and verified before any process group existed.
-    load_iteration: int | None = None
+    load: LoadChoice | None = None
     exit: ExitConfig = field(default_factory=ExitConfig)
+
+    @property
+    def load_iteration(self) -> int | None:
+        return None if self.load is None else self.load.iteration
 
     @property
     def data_parallel_size(self) -> int:
@@ -107,6 +127,8 @@ class ModelParts:
     samples_per_epoch: int | None = None
     callbacks: list[Callback] = field(default_factory=list)
     banner: list[str] = field(default_factory=list)  # model-specific start-up lines
+    title: str | None = None  # the banner's first line (default "<spec name> pretraining")
+    metadata: dict[str, Any] = field(default_factory=dict)  # extra metadata.json entries
 
 
 @dataclass(frozen=True)
@@ -120,10 +142,16 @@ class ModelSpec:
     # Cross-checks of the configs, run before any process group exists.
     check: Callable[[PretrainConfigs], None] = lambda cfg: None
     has_epochs: bool = False  # trains real epochs over fixed instances (--train-epochs)
+    # The "model" names a --load checkpoint may carry (metadata.json); default: ``name``.
+    loads: tuple[str, ...] = ()
+
+    @property
+    def loadable_models(self) -> tuple[str, ...]:
+        return self.loads or (self.name,)
 
     def build_parser(self) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(
-            prog=self.prog, description=self.description, allow_abbrev=False
+            prog=program_name(self.prog), description=self.description, allow_abbrev=False
         )
         add_dataclass_args(parser, ParallelConfig, "parallelism")
         self.model_config.add_args(parser)
@@ -164,19 +192,24 @@ class ModelSpec:
         deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
         data.validate_files()
         _open_datasets(data)
+        # Verified once per node (it reads every byte of the checkpoint); a checkpoint of
+        # another model is named before anything else about it.
+        load = prepare_checkpoints(
+            training,
+            checkpoint,
+            tp_size=tp,
+            ds_config=deepspeed.config,
+            zero_stage=deepspeed.zero_stage,
+            models=self.loadable_models,
+            once=verify_once_per_node,
+        )
         check_resume_layout(
             training,
             world_size=world_size,
             tp_size=tp,
             zero_stage=deepspeed.zero_stage,
             precision=deepspeed.precision,
-        )
-        load_iteration = prepare_checkpoints(
-            training,
-            checkpoint,
-            tp_size=tp,
-            ds_config=deepspeed.config,
-            zero_stage=deepspeed.zero_stage,
+            iteration=None if load is None else load.iteration,
         )
         configs = PretrainConfigs(
             parallel=parallel,
@@ -188,7 +221,7 @@ class ModelSpec:
             world_size=world_size,
             device_type=device_type,
             checkpoint=checkpoint,
-            load_iteration=load_iteration,
+            load=load,
             exit=exit_config,
         )
         self.check(configs)
@@ -203,23 +236,42 @@ class ModelSpec:
         )
 
     def main(self, argv: list[str] | None = None) -> int:
+        # First thing: parsing the flags and verifying the checkpoint behind --load can take
+        # minutes, and a rank whose launcher dies meanwhile must not be left behind.
+        monitor = ExitMonitor()
+        monitor.tie_to_launcher()
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
         try:
             cfg = self.parse_configs(argv)
-            # Errors found later (e.g. a --load directory without the named checkpoint) are
-            # reported the same way, after pretrain() has torn the process groups down.
-            return pretrain(cfg, self)
+            # Errors found later (e.g. ranks disagreeing on the checkpoint) are reported the
+            # same way, after pretrain() has torn the process groups down.
+            return pretrain(cfg, self, monitor=monitor)
         except ConfigError as e:
-            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            print(f"{program_name(self.prog)}: error: {e}", file=sys.stderr)
             return 2
         except RunError as e:  # a failed save, a diverged loss: one line, no traceback
-            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            print(f"{program_name(self.prog)}: error: {e}", file=sys.stderr)
             return 1
         except PeerFailure as e:  # another rank died or hung: one line, no traceback
-            print(f"{self.prog}: error: {e}", file=sys.stderr, flush=True)
+            print(f"{program_name(self.prog)}: error: {e}", file=sys.stderr, flush=True)
             return 1
+        finally:
+            monitor.uninstall()
+
+
+def verify_once_per_node(choose: Callable[[], LoadChoice | None]) -> LoadChoice | None:
+    """prepare_checkpoints' ``once``: the --load verification, by one rank per node."""
+    return once_per_node("load", choose, _encode_choice, _decode_choice)
+
+
+def _encode_choice(choice: LoadChoice | None):
+    return None if choice is None else [choice.iteration, choice.checksum]
+
+
+def _decode_choice(value) -> LoadChoice | None:
+    return None if value is None else LoadChoice(*value)
 
 
 def _open_datasets(data: DataConfig) -> None:
@@ -273,7 +325,7 @@ def _banner(
     tp = cfg.parallel.tensor_model_parallel_size
     lines = [
         "=" * 78,
-        f"megatron_taco: {spec.name} pretraining",
+        f"megatron_taco: {parts.title or f'{spec.name} pretraining'}",
         f"  world size {cfg.world_size} = tensor parallel {tp} x data parallel "
         f"{cfg.data_parallel_size}  (accelerator: {cfg.device_type})",
         f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision}",
@@ -290,10 +342,12 @@ def _banner(
     ]
     if parts.samples_per_epoch:
         steps = parts.samples_per_epoch // ds.global_batch_size
-        total = t.train_samples(cfg.data_parallel_size)
+        whole, tail = divmod(t.train_samples(cfg.data_parallel_size), parts.samples_per_epoch)
+        # --train-iters rarely ends on an epoch boundary: say how much of the last one runs.
+        partial = f" ({whole} whole + {tail / parts.samples_per_epoch:.2f})" if tail else ""
         lines.append(
-            f"  epochs: {-(-total // parts.samples_per_epoch)} of {parts.samples_per_epoch:,} "
-            f"samples ({steps} iterations each)"
+            f"  epochs: {whole + tail / parts.samples_per_epoch:.4g}{partial} of "
+            f"{parts.samples_per_epoch:,} samples ({steps} iterations each)"
         )
     if parts.paper_flops is not None:
         per_step = parts.paper_flops(ds.global_batch_size, 1)
@@ -328,14 +382,20 @@ def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
     from megatron_taco.training.checkpointing import TrainingState, load_checkpoint
 
     t = cfg.training
-    if t.load is None:
+    if t.load is None or cfg.load is None:
+        # No tracker when the ranks verified --load: every rank starts from scratch, even
+        # if one appeared since.
+        if t.load is not None and parallel.rank == 0:
+            logger.warning(
+                "--load %s: no %s found, training from scratch", t.load, TRACKER_FILENAME
+            )
         return TrainingState(), "starting from scratch"
     loaded = load_checkpoint(
         engine.engine,
         t.load,
         parallel,
         rng_tracker,
-        ckpt_step=cfg.load_iteration if cfg.load_iteration is not None else t.ckpt_step,
+        ckpt_step=cfg.load.iteration,
         load_optim=not t.no_load_optim,
         load_rng=not t.no_load_rng,
         finetune=t.finetune,
@@ -352,10 +412,20 @@ def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
     )
 
 
-def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
+def pretrain(
+    cfg: PretrainConfigs,
+    spec: ModelSpec,
+    monitor: ExitMonitor | None = None,
+    *,
+    keep_process_group: bool = False,
+) -> int:
+    """One run, from process groups to teardown. ``keep_process_group`` leaves the default
+    group up for the next run of a sweep in the same processes (only this run's tensor/data
+    parallel groups are destroyed)."""
     # Before the heavy imports: a signal during start-up stops the run after its first iteration.
-    monitor = ExitMonitor(cfg.exit)
-    monitor.install()
+    own_monitor = monitor is None
+    monitor = monitor or ExitMonitor()
+    monitor.install(cfg.exit)
     # Heavy imports after validation: --help and config errors stay fast.
     import deepspeed  # noqa: F401  (creates DeepSpeed's logger, tuned below)
     import torch
@@ -375,13 +445,17 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
     # DeepSpeed's INFO output (config dumps, per-step notes) drowns the training log.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t = cfg.training
-    parallel = train_logger = None
+    parallel = train_logger = peer_watch = None
     peers = []
     try:
         parallel = init_distributed(
             cfg.parallel.tensor_model_parallel_size, timeout=cfg.exit.distributed_timeout
         )
         peers = gather_peers()
+        if torch.distributed.get_backend() == "nccl":
+            peer_watch = PeerWatch(peers, parallel.rank, abort_process_groups).start()
+        forget_node_results("load")  # every rank of this node read it before the rendezvous
+        agree_on_load(cfg.load, t.load)
         if parallel.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         seed = cfg.data.seed
@@ -443,7 +517,7 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
             seed=seed,
             num_workers=cfg.data.num_workers,
             rng_tracker=rng_tracker,
-            checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict()},
+            checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict(), **parts.metadata},
             save_retain=cfg.checkpoint.save_retain,
             exit_monitor=monitor,
         )
@@ -463,7 +537,14 @@ def pretrain(cfg: PretrainConfigs, spec: ModelSpec) -> int:
         timeout = cfg.exit.distributed_timeout_minutes
         raise PeerFailure(describe_peer_failure(error, parallel.rank, peers, timeout)) from None
     finally:
-        monitor.uninstall()
+        if own_monitor:
+            monitor.uninstall()
+        if peer_watch is not None:
+            peer_watch.stop()
         if train_logger is not None:
             train_logger.close()
-        destroy_distributed(parallel)
+        if keep_process_group:
+            if parallel is not None:
+                parallel.destroy()
+        else:
+            destroy_distributed(parallel)

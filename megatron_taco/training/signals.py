@@ -1,21 +1,29 @@
 """Preemption, time limits, launcher death and peer failures.
 
 * Exit signals (``--exit-signal-handler``, on by default): SIGTERM, SIGINT or SIGUSR1 on any
-  rank only sets a flag. At the end of every iteration the ranks agree on the flags with one
-  all-reduce (MAX) over the world; when one is set, every rank saves a checkpoint (with
-  ``--save``) and exits 0. A second signal of the same kind takes the default action (a
-  double Ctrl-C still kills), unless it comes within ``REPEAT_WINDOW_S`` of the first:
-  launchers (DeepSpeed's per-node launcher, torchrun) forward to their ranks the SIGTERM that
-  the whole process group already got, and that copy must not kill the save.
+  rank only sets a flag. At the end of every iteration the ranks agree on the flags, in the
+  loop's one all-reduce (MAX) over the world; when one is set, every rank saves a checkpoint
+  (with ``--save``) and exits 0. Every later exit signal is absorbed until the save is done
+  (SLURM's time-limit warning, then a TERM forwarded as USR1, must not kill the save), except
+  a second SIGINT ``REPEAT_WINDOW_S`` or more after the first: an interactive user's second
+  Ctrl-C still kills at once.
 * ``--exit-duration-in-mins``: the same exit once that long has passed since the process
   started (ranks agree through the same all-reduce).
 * Ranks never outlive their launcher: the kernel sends SIGTERM when the parent dies
   (PR_SET_PDEATHSIG), and a watchdog thread notices when the parent, or the ``deepspeed``
   runner above DeepSpeed's per-node launcher, exits. DeepSpeed's runner forwards nothing on a
-  single node, and its per-node launcher keeps running when the runner dies.
+  single node, and its per-node launcher keeps running when the runner dies. The tie is made
+  first thing in ``main()`` (``ExitMonitor.tie_to_launcher``), before the flags are parsed and
+  the checkpoint verified, which can take minutes; until the handlers are installed the
+  watchdog ends the rank with SIGTERM. Ranks of mpirun (MPI's variables, no LOCAL_RANK yet)
+  are tied to their launcher too.
 * A peer that dies makes a collective raise (gloo: "Connection closed by peer"; a hung peer:
   a timeout after ``--distributed-timeout-minutes``). ``describe_peer_failure`` turns that
   into one line naming the dead rank (found by PID on this node) and the collective.
+  NCCL reports nothing by itself until its watchdog times out, and then tears the process
+  down with a C++ trace: ``nccl_environment`` makes its watchdog abort the communicators
+  and leave the process alone (the blocked collective then raises into Python), and a
+  ``PeerWatch`` thread aborts them as soon as a rank on this node dies.
 """
 
 from __future__ import annotations
@@ -67,8 +75,9 @@ class ExitConfig:
     exit_signal_handler: bool = option(
         True,
         "On by default (Megatron's is off): a signal from --exit-signals on any rank makes every "
-        "rank finish the current iteration, save a checkpoint (with --save) and exit 0. A second "
-        "signal of the same kind, 2 s or more after the first, kills at once.",
+        "rank finish the current iteration, save a checkpoint (with --save) and exit 0. Later "
+        "signals are absorbed until the save is done, except a second SIGINT (Ctrl-C) 2 s or "
+        "more after the first, which kills at once.",
         flag="--exit-signal-handler",
     )
     exit_signals: str = option(
@@ -193,10 +202,15 @@ def set_pdeathsig(signum: int) -> bool:
     return libc is not None and libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
 
 
+# What mpirun/mpiexec set in each rank (Open MPI; MPICH's and Intel MPI's Hydra; MVAPICH2):
+# such ranks learn LOCAL_RANK only at MPI discovery, after the configs are parsed.
+_MPI_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK")
+
+
 def launched_by_launcher() -> bool:
-    # deepspeed and torchrun set LOCAL_RANK; plain `python` (maybe under nohup, whose shell
-    # may go away) does not, and is not tied to its parent.
-    return "LOCAL_RANK" in os.environ
+    # deepspeed and torchrun set LOCAL_RANK, mpirun its own variables; plain `python`
+    # (maybe under nohup, whose shell may go away) sets none, and is not tied to its parent.
+    return "LOCAL_RANK" in os.environ or any(k in os.environ for k in _MPI_RANK_ENV)
 
 
 def ignore_in_worker(signums: tuple[int, ...], _worker_id: int = 0) -> None:
@@ -233,18 +247,19 @@ class ExitMonitor:
 
     def __init__(
         self,
-        config: ExitConfig,
+        config: ExitConfig | None = None,
         *,
         repeat_window: float = REPEAT_WINDOW_S,
         watchdog_interval: float = WATCHDOG_INTERVAL_S,
     ) -> None:
-        self.config = config
+        self.config = config or ExitConfig()
         self.repeat_window = repeat_window
         self.watchdog_interval = watchdog_interval
         self.start_time = process_start_time()
         self.received: int = 0  # the first exit signal's number
+        self.absorbed: int = 0  # exit signals after the first, absorbed
         self.launcher_gone: str | None = None  # why, once the launcher died
-        self._first_seen: dict[int, float] = {}
+        self._first_seen: float | None = None
         self._previous: dict[int, object] = {}
         self._pid = os.getpid()
         self._pdeathsig_before: int | None = None
@@ -253,12 +268,22 @@ class ExitMonitor:
 
     # -- set-up and teardown --------------------------------------------------------------
 
-    def install(self) -> None:
+    def tie_to_launcher(self) -> None:
+        """Die with the launcher from now on (idempotent); first thing in main(), before
+        the configs (and the checkpoint behind --load) are checked."""
+        self._pid = os.getpid()
+        if self._watchdog is None and launched_by_launcher():
+            self._tie_to_launcher()
+
+    def install(self, config: ExitConfig | None = None) -> None:
+        """The exit-signal handlers of ``config`` (default: the constructor's), and the tie
+        to the launcher if tie_to_launcher() did not make it yet."""
+        if config is not None:
+            self.config = config
         self._pid = os.getpid()
         if self.config.exit_signal_handler:
             self._install_handlers()
-        if launched_by_launcher():
-            self._tie_to_launcher()
+        self.tie_to_launcher()
 
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -266,7 +291,8 @@ class ExitMonitor:
             logger.warning("not in the main thread: --exit-signal-handler is not installed")
             return
         for signum in self.config.signals:
-            self._previous[signum] = signal.signal(signum, self._handle)
+            # Installed again for each run of a sweep: keep the handler from before the first.
+            self._previous.setdefault(signum, signal.signal(signum, self._handle))
 
     def uninstall(self) -> None:
         self._stop.set()
@@ -285,13 +311,20 @@ class ExitMonitor:
         if os.getpid() != self._pid:
             return  # a forked DataLoader worker inherited the handler; its rank decides
         now = time.monotonic()
-        first = self._first_seen.setdefault(signum, now)
-        if now - first >= self.repeat_window:
+        if not self.received:
+            self.received, self._first_seen = signum, now
+            return
+        if (
+            signum == signal.SIGINT == self.received
+            and now - self._first_seen >= self.repeat_window
+        ):
+            # A person's second Ctrl-C: stop now, whatever is being written.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if not self.received:
-            self.received = signum
+        # A launcher's or the scheduler's later signal (a forwarded copy, SLURM's TERM after
+        # its USR1 warning): the save it asks for is already coming; killing it would lose it.
+        self.absorbed += 1
 
     @property
     def worker_init_fn(self):
@@ -330,25 +363,24 @@ class ExitMonitor:
                 if stat is None or stat.ppid != parent:
                     # A process's children are re-parented the moment it exits.
                     self.launcher_gone = f"launcher process {parent} exited"
+                    if not self._previous:
+                        # Nothing will read the flag (start-up, or no exit handler): end the
+                        # rank as the launcher's own death signal would.
+                        os.kill(self._pid, signal.SIGTERM)
                     return
 
     # -- the decision -----------------------------------------------------------------------
 
     def local_flags(self) -> list[int]:
+        """[signal number or 0, launcher gone, time limit reached]: this rank's part of the
+        loop's end-of-iteration all-reduce (MAX)."""
         limit = self.config.exit_duration_in_mins
         over = limit is not None and time.time() - self.start_time >= 60 * limit
         return [int(self.received), int(self.launcher_gone is not None), int(over)]
 
-    def should_exit(self, device) -> str | None:
-        """Every rank calls this at the end of every iteration (one all-reduce over the world);
-        the reason to stop, the same on every rank, or None."""
-        import torch
-        import torch.distributed as dist
-
-        flags = torch.tensor(self.local_flags(), dtype=torch.int32, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signum, gone, over = flags.tolist()
+    def reason(self, flags: list[int]) -> str | None:
+        """The reason to stop for flags reduced over every rank, or None."""
+        signum, gone, over = (int(f) for f in flags)
         reasons = []
         if signum:
             reasons.append(f"{signal.Signals(signum).name} received (--exit-signal-handler)")
@@ -357,6 +389,17 @@ class ExitMonitor:
         if over:
             reasons.append(f"--exit-duration-in-mins {self.config.exit_duration_in_mins:g} reached")
         return "; ".join(reasons) or None
+
+    def should_exit(self, device) -> str | None:
+        """The reason to stop, the same on every rank, or None: the flags alone in one
+        all-reduce over the world (the training loop folds them into its own)."""
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.tensor(self.local_flags(), dtype=torch.int32, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return self.reason(flags.tolist())
 
 
 # ---------------------------------------------------------------------------------------
@@ -391,7 +434,7 @@ def gather_peers() -> list[Peer]:
     return peers
 
 
-_FAILURE_MARKERS = ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL")
+_FAILURE_MARKERS = ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL", "nccl")
 _C10D = os.path.join("torch", "distributed", "")
 _WRAPPERS = (_C10D, os.path.join("deepspeed", "comm", ""))
 
@@ -435,7 +478,11 @@ def _short_path(path: str) -> str:
 def _short(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
-    return text.split(". This is typically")[0]
+    # NCCL: "NCCL error in: /src/.../ProcessGroupNCCL.cpp:2027, remote process exited ..."
+    text = re.sub(r"^NCCL error in: \S+:\d+, ", "NCCL: ", text)
+    text = re.sub(r"^\[(PG [^\]]*)?\s*Rank \d+\]\s*", "", text)
+    text = text.split(". This is typically")[0]
+    return text if len(text) <= 240 else text[:237] + "..."
 
 
 def describe_peer_failure(
@@ -465,3 +512,67 @@ def describe_peer_failure(
         f"rank {rank}: a rank on another node failed or closed the connection during {where} "
         f"({_short(error)}); exiting"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# NCCL
+
+
+def nccl_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables to set before an NCCL process group exists, so that a dead or hung
+    peer ends in a Python exception (and our one line) rather than a C++ abort; a value the
+    user set wins. The timeout itself is init_process_group's (--distributed-timeout-minutes).
+
+    * TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): on an error or timeout the watchdog
+      aborts the communicators but does not tear the process down (the default, 3, kills it
+      with a C++ trace); the blocked collective, or the next one, raises DistBackendError.
+    * TORCH_NCCL_DUMP_ON_TIMEOUT=0: no flight-recorder dump files on a timeout.
+    """
+    env = os.environ if env is None else env
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    return {key: value for key, value in wanted.items() if key not in env}
+
+
+class PeerWatch:
+    """Watches the other ranks on this node (by PID, from gather_peers) and calls
+    ``on_death(dead_ranks)`` once, as soon as one dies. Under NCCL ``on_death`` aborts the
+    process groups: the collective this rank is blocked in then raises, and
+    describe_peer_failure names the dead rank, within seconds instead of after the
+    distributed timeout. (gloo needs none of this: the dead peer's sockets close.)"""
+
+    def __init__(self, peers: list[Peer], rank: int, on_death, interval: float = 1.0) -> None:
+        me = peers[rank]
+        self.local = [r for r, p in enumerate(peers) if r != rank and p.host == me.host]
+        self.peers, self.on_death, self.interval = peers, on_death, interval
+        self.dead: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
+
+    def start(self) -> PeerWatch:
+        if self.local:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            dead = [r for r in self.local if self.peers[r].is_dead()]
+            if dead:
+                self.dead = dead
+                try:
+                    self.on_death(dead)
+                except Exception as e:  # the distributed timeout still applies
+                    logger.warning("could not abort the process groups after rank %s died: %s",
+                                   dead[0], e)  # fmt: skip
+                return
+
+
+def abort_process_groups(_dead: list[int]) -> None:
+    """PeerWatch's on_death under NCCL: abort every process group of this process."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._abort_process_group()

@@ -1,9 +1,18 @@
-"""SAS self-augmentation on real gloo groups: the committed generation does not depend on
-the layout that wrote it (dp=1, dp=2 and tp=2 write byte-identical stores from the same
-logits), and the next epoch's collator reads exactly those rows."""
+"""SAS self-augmentation on real gloo groups, with S in the collator's own draw order:
+
+* the stored tokens follow softmax(logits / T) of their own slot's position (a chi-square
+  test of the probability integral transform), dropped slots keep the original token;
+* the committed generation does not depend on the layout that wrote it (dp=1, dp=2 and tp=2
+  write byte-identical stores from the same logits), and the next epoch's collator reads
+  exactly those rows;
+* the logged self_augmented share is measured over every data-parallel rank;
+* at an epoch end the generations a checkpoint in --save needs are kept, the others go.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,93 +20,188 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from megatron_taco.data.replacement_store import GenerationReader, StoreLayout
-from megatron_taco.data.sas_collator import ColdStart
+from megatron_taco.data.replacement_store import (
+    GenerationReader,
+    StoreLayout,
+    committed_generations,
+)
+from megatron_taco.data.sas_collator import ColdStart, replaced_positions
 from megatron_taco.parallel.layers import pad_vocab_size
-from megatron_taco.parallel.state import init_parallel
+from megatron_taco.parallel.state import init_parallel, single_process_state
 from megatron_taco.recipes.sas_augmentation import (
     SelfAugmentation,
     SelfAugmentationConfig,
     StoreSource,
+    generations_needed,
 )
-from megatron_taco.training.checkpointing import TrainingState
-from tests.helpers import run_distributed
+from megatron_taco.training.checkpointing import TrainingState, checkpoint_tag
+from tests.helpers import chi2_goodness_of_fit, run_distributed
 
-N, WIDTH, SEQ, VOCAB, MICRO = 16, 3, 8, 300, 4
+N, SEQ, VOCAB, MICRO = 16, 22, 300, 4
+WIDTH = 3  # ceil(0.15 * (SEQ - 2))
 SPECIALS = np.arange(5)
+TEMPERATURE = 0.7
 
 
+@functools.cache
 def slots_of(instance: int) -> np.ndarray:
-    """S of an instance (fixed positions); instance 3 uses only 2 of its 3 slots."""
-    used = 2 if instance == 3 else WIDTH
-    return np.sort(np.random.default_rng(instance).choice(np.arange(1, SEQ - 1), used, False))
+    """S of an instance in the production draw order (replaced_positions: whole words in a
+    random order, so slot order is not position order); every third instance is shorter
+    and uses only 2 slots."""
+    length = 16 if instance % 3 == 0 else SEQ
+    rng = np.random.default_rng(instance)
+    word_starts = rng.random(SEQ) < 0.8
+    word_starts[[0, 1, length - 1]] = True
+    special = np.ones(SEQ, dtype=bool)
+    special[1 : length - 1] = False
+    return replaced_positions(word_starts, special, length, 0.15, 11, instance)
+
+
+def dropped_of(instance: int, where: np.ndarray) -> np.ndarray:
+    """Slots dropped as hits (--drop-replacement-hits): every fourth instance's second slot."""
+    drop = np.zeros(where.size, dtype=bool)
+    if instance % 4 == 1:
+        drop[1] = True
+    return drop
+
+
+def original_of(instance: int, position: int) -> int:
+    return 5 + (7 * instance + 13 * position) % (VOCAB - 5)
 
 
 def logits_of(instance: int, position: int) -> torch.Tensor:
     """The MLM logits of (instance, position) over the padded vocabulary: a fixed function,
     so every layout sees the same numbers."""
     g = torch.Generator().manual_seed(1000 * instance + position)
-    full = torch.randn(pad_vocab_size(VOCAB, 1), generator=g, dtype=torch.float64) * 3
-    return full
+    return torch.randn(pad_vocab_size(VOCAB, 1), generator=g, dtype=torch.float64) * 3
 
 
 def micro_batch(instances: list[int], tp_rank: int, tp: int):
+    """A batch as the collator builds it and the outputs as the model returns them: logits
+    rows only at the kept positions of S, in flat b*s order."""
     b = len(instances)
     slots = torch.full((b, WIDTH), -1, dtype=torch.long)
+    dropped = torch.zeros(b, WIDTH, dtype=torch.bool)
+    input_ids = torch.zeros(b, SEQ, dtype=torch.long)
     rows, flat = [], []
     for i, inst in enumerate(instances):
         where = slots_of(inst)
+        drop = dropped_of(inst, where)
         slots[i, : where.size] = torch.from_numpy(where)
-        for p in sorted(where.tolist()):  # the model's rows are in flat b*s order
+        dropped[i, : where.size] = torch.from_numpy(drop)
+        for p in range(SEQ):
+            input_ids[i, p] = original_of(inst, p)
+        for p in sorted(where[~drop].tolist()):  # the model's rows are in flat b*s order
             rows.append(logits_of(inst, p))
             flat.append(i * SEQ + p)
     full = torch.stack(rows)  # [N, V_padded(tp=1)]
     padded = pad_vocab_size(VOCAB, tp)
     full = torch.cat([full, full.new_zeros(full.shape[0], padded - full.shape[1])], dim=1)
     local = full.chunk(tp, dim=1)[tp_rank]
+    kept = ((slots >= 0) & ~dropped).sum(1)
     batch = {
-        "input_ids": torch.zeros(b, SEQ, dtype=torch.long),
+        "input_ids": input_ids,
         "instance_ids": torch.tensor(instances),
         "replaced_positions": slots,
+        "dropped_slots": dropped,
+        # Measured share: pretend even instances came from the store.
+        "from_store": torch.where(torch.tensor(instances) % 2 == 0, kept, 0),
     }
     return batch, {"mlm_logits": local, "mlm_positions": torch.tensor(flat)}
 
 
-def _write_generation(rank, world_size, tp, root):
-    parallel = init_parallel(tp)
-    layout = StoreLayout(num_instances=N, width=WIDTH, vocab_size=VOCAB, num_shards=3)
-    callback = SelfAugmentation(
-        SelfAugmentationConfig(), root=root, layout=layout, seed=11,
-        special_ids=SPECIALS, vocab_size=VOCAB,
+def _callback(root: str, num_instances: int) -> SelfAugmentation:
+    layout = StoreLayout(num_instances=num_instances, width=WIDTH, vocab_size=VOCAB, num_shards=3)
+    return SelfAugmentation(
+        SelfAugmentationConfig(sampling_temperature=TEMPERATURE), root=root, layout=layout,
+        seed=11, special_ids=SPECIALS, vocab_size=VOCAB,
     )  # fmt: skip
-    trainer = SimpleNamespace(parallel=parallel, num_epochs=lambda: 2)
+
+
+def _trainer(parallel, save=None, epochs=2):
+    return SimpleNamespace(
+        parallel=parallel, num_epochs=lambda: epochs, training=SimpleNamespace(save=save)
+    )
+
+
+def _write_generation(rank, world_size, tp, root, num_instances=N, parallel=None, micro=MICRO):
+    """Epoch 0 of a run: every instance once, in a shuffled order, split over dp ranks in
+    micro-batches of ``micro``; returns the logged metrics."""
+    parallel = parallel or init_parallel(tp)
+    callback = _callback(root, num_instances)
+    trainer = _trainer(parallel)
     state = TrainingState()
     callback.on_train_start(trainer, state)
     callback.on_epoch_start(trainer, state, 0)
-    order = np.random.default_rng(5).permutation(N).tolist()
-    chunk = MICRO * parallel.dp_size  # one global micro-step
-    for start in range(0, N, chunk):
-        mine = order[start + parallel.dp_rank * MICRO : start + (parallel.dp_rank + 1) * MICRO]
+    order = np.random.default_rng(5).permutation(num_instances).tolist()
+    chunk = micro * parallel.dp_size  # one global micro-step
+    for start in range(0, num_instances, chunk):
+        mine = order[start + parallel.dp_rank * micro : start + (parallel.dp_rank + 1) * micro]
         batch, outputs = micro_batch(mine, parallel.tp_rank, tp)
         callback.after_micro_batch(trainer, state, batch, outputs)
     callback.on_epoch_end(trainer, state, 0)
-    return True
+    return callback.metrics()
 
 
 def _store_files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+def _reference_probs(instance: int, position: int) -> np.ndarray:
+    """softmax(logits / T) over the real vocabulary, specials excluded: what the sampler
+    must draw from, computed here in float64 without the code under test."""
+    logits = logits_of(instance, position)[:VOCAB] / TEMPERATURE
+    logits[SPECIALS] = -np.inf
+    return torch.softmax(logits, 0).numpy()
+
+
+def test_stored_tokens_follow_the_softmax_of_their_own_slot(tmp_path):
+    """Probability integral transform: with the vocabulary ordered by the reference
+    probability of the slot's own position, u = P(rank < rank(token)) + U * p(token) is
+    uniform on (0, 1) exactly when the token was drawn from that distribution. A sampler
+    reading another slot's logits, ignoring the logits or the temperature puts u elsewhere."""
+    num = 900
+    _write_generation(0, 1, 1, str(tmp_path), num, parallel=single_process_state(), micro=50)
+    rows = GenerationReader(str(tmp_path), 0).read(np.arange(num))
+    rng = np.random.default_rng(0)
+    u = []
+    for inst in range(num):
+        where, drop = slots_of(inst), dropped_of(inst, slots_of(inst))
+        for j, position in enumerate(where):
+            token = int(rows[inst, j])
+            if drop[j]:  # read unreplaced, so it stays a hit in every later epoch
+                assert token == original_of(inst, int(position))
+                continue
+            p = _reference_probs(inst, int(position))
+            assert p[token] > 0, "a special token or padding was drawn"
+            order = np.argsort(-p, kind="stable")
+            rank = int(np.flatnonzero(order == token)[0])
+            u.append(p[order[:rank]].sum() + rng.random() * p[token])
+        assert (rows[inst, where.size :] == 0).all()  # unused slots
+    bins = 20
+    observed = np.bincount(np.minimum((np.asarray(u) * bins).astype(int), bins - 1), minlength=bins)
+    statistic, pvalue = chi2_goodness_of_fit(observed, np.full(bins, len(u) / bins))
+    assert len(u) > 2000 and pvalue > 1e-3, (statistic, observed)
+
+
 def test_generation_is_layout_independent_and_read_back_exactly(tmp_path):
     layouts = {"dp1": (1, 1), "dp2": (2, 1), "tp2": (2, 2)}  # name: (world, tp)
+    metrics = {}
     for name, (world, tp) in layouts.items():
-        run_distributed(_write_generation, world, tp, str(tmp_path / name))
+        metrics[name] = run_distributed(_write_generation, world, tp, str(tmp_path / name))
     stores = {name: _store_files(tmp_path / name) for name in layouts}
     assert "gen_00000/manifest.json" in stores["dp1"]
     for name in ("dp2", "tp2"):
         assert stores[name].keys() == stores["dp1"].keys()
         for file, data in stores["dp1"].items():
             assert stores[name][file] == data, (name, file)
+
+    # The share of S read from the store, over all ranks: the even instances' kept slots.
+    kept = {i: int((~dropped_of(i, slots_of(i))).sum()) for i in range(N)}
+    share = sum(kept[i] for i in range(0, N, 2)) / sum(kept.values())
+    for name in layouts:
+        for rank_metrics in metrics[name]:
+            assert rank_metrics["self_augmented"] == share, name
 
     # Epoch 2 (index 1) reads generation 0 exactly at S; epoch 1 (index 0) the cold start.
     cold = ColdStart(np.r_[np.zeros(5), np.ones(VOCAB - 5)] / (VOCAB - 5), seed=3)
@@ -111,18 +215,14 @@ def test_generation_is_layout_independent_and_read_back_exactly(tmp_path):
         np.testing.assert_array_equal(
             source.replacements(inst, 0, where), cold.replacements(inst, 0, where)
         )
-    assert os.path.isfile(tmp_path / "dp1" / "gen_00000" / "manifest.json")
+    assert source.reads_store(1) and not source.reads_store(0)
 
 
 def _epoch_start_on_a_damaged_store(rank, world_size, root):
     from megatron_taco.arguments import ConfigError
 
     parallel = init_parallel(1)
-    layout = StoreLayout(num_instances=N, width=WIDTH, vocab_size=VOCAB, num_shards=3)
-    callback = SelfAugmentation(
-        SelfAugmentationConfig(), root=root, layout=layout, seed=11,
-        special_ids=SPECIALS, vocab_size=VOCAB,
-    )  # fmt: skip
+    callback = _callback(root, N)
     trainer = SimpleNamespace(parallel=parallel, num_epochs=lambda: 3)
     try:
         callback.on_epoch_start(trainer, TrainingState(), 1)
@@ -141,3 +241,43 @@ def test_damaged_generation_is_refused_on_every_rank_by_name(tmp_path):
     for message in messages:
         assert message is not None and message.startswith("--replacement-store: ")
         assert "shard_00001.bin" in message and "truncated" in message
+
+
+def _fake_checkpoint(save: Path, iteration: int, consumed: int) -> None:
+    path = save / checkpoint_tag(iteration)
+    path.mkdir(parents=True)
+    (path / "metadata.json").write_text(json.dumps({"consumed_samples": consumed}))
+
+
+def _run_epochs(rank, world_size, root, save, epochs):
+    parallel = init_parallel(1)
+    callback = _callback(root, N)
+    trainer = _trainer(parallel, save, epochs)
+    state = TrainingState()
+    callback.on_train_start(trainer, state)
+    for epoch in range(epochs):
+        callback.on_epoch_start(trainer, state, epoch)
+        for start in range(0, N, MICRO * parallel.dp_size):
+            mine = list(
+                range(start + parallel.dp_rank * MICRO, start + (parallel.dp_rank + 1) * MICRO)
+            )
+            batch, outputs = micro_batch(mine, 0, 1)
+            callback.after_micro_batch(trainer, state, batch, outputs)
+        callback.on_epoch_end(trainer, state, epoch)
+    return committed_generations(root)
+
+
+def test_generations_kept_for_the_checkpoints_in_save(tmp_path):
+    """Checkpoints (as --save-retain left them) at 2.5 epochs and at 4: generation 1 (read
+    in epoch 2) and 2 (half written) for the first, 3 for the second; every epoch commits
+    its generation, the last one's too."""
+    save = tmp_path / "ckpt"
+    _fake_checkpoint(save, 10, int(2.5 * N))  # inside epoch 2 (0-based)
+    _fake_checkpoint(save, 16, 4 * N)  # the end of the run
+    assert generations_needed(str(save), N) == {1, 2, 3}
+    assert generations_needed(None, N) == set()
+    kept = run_distributed(_run_epochs, 2, str(tmp_path / "store"), str(save), 5)
+    assert kept == [[1, 2, 3, 4]] * 2  # 0 is needed by no checkpoint; 4 is the last epoch's
+    no_save = run_distributed(_run_epochs, 1, str(tmp_path / "store2"), None, 3)
+    assert no_save == [[2]]
+    assert os.path.isfile(tmp_path / "store" / "gen_00004" / "manifest.json")

@@ -278,3 +278,170 @@ def test_bad_requests_are_one_line(taco_run, tmp_path, capsys):
     assert "is not a directory" in errors[0]
     assert "3" in errors[1] and "divisible" in errors[1]
     assert "already holds checkpoints" in errors[2]
+
+
+# -- untrusted input (issue 15) -------------------------------------------------------------
+
+
+def _store_copy(sas_da_run: Path, tmp_path: Path) -> Path:
+    """A --load directory with iteration 4 of the SAS^DA run and a replacement store written
+    by the store's own writer: generation 0 committed, generation 1 still being written."""
+    import shutil
+
+    import numpy as np
+
+    from megatron_taco.data.replacement_store import (
+        GenerationWriter,
+        StoreLayout,
+        commit_generation,
+    )
+
+    load = tmp_path / "load"
+    load.mkdir(parents=True)
+    shutil.copytree(sas_da_run / "iter_0000004", load / "iter_0000004")
+    (load / "latest_checkpointed_iteration.txt").write_text("4\n")
+    store = load / "replacement_store"
+    layout = StoreLayout(num_instances=10, width=4, vocab_size=800, num_shards=2)
+    for generation in (0, 1):
+        with GenerationWriter(store, generation, layout, owned_shards=[0, 1]) as writer:
+            ids = np.arange(10 if generation == 0 else 5)
+            writer.write(ids, np.arange(len(ids) * 4).reshape(-1, 4) % 800)
+    commit_generation(store, 0, layout)
+    return load
+
+
+def _convert_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        convert_main(argv)
+    assert info.value.code == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    return line
+
+
+def test_the_replacement_store_is_copied_by_its_manifests_only(sas_da_run, tmp_path, capsys):
+    load = _store_copy(sas_da_run, tmp_path)
+    store = load / "replacement_store"
+    generations = ["gen_00000"]
+    (store / "notes.txt").write_text("not a store file")  # junk: skipped, counted
+    out = tmp_path / "out"
+    assert convert_main(["--load", str(load), "--save", str(out)]) == 0
+    said = capsys.readouterr().out
+    # Generation 1 (uncommitted: layout + 2 shards) and the junk file stay behind.
+    assert "replacement store: 1 committed generation(s), 4 files" in said, said
+    assert "(4 not named by a manifest skipped)" in said, said
+    copied = sorted(str(p.relative_to(out / "replacement_store"))
+                    for p in (out / "replacement_store").rglob("*") if p.is_file())  # fmt: skip
+    assert copied == ["gen_00000/layout.json", "gen_00000/manifest.json",
+                      "gen_00000/shard_00000.bin", "gen_00000/shard_00001.bin"]  # fmt: skip
+    for name in copied:
+        assert (out / "replacement_store" / name).read_bytes() == (store / name).read_bytes()
+
+    # A link to a private key, a link to /, a FIFO: refused by name, nothing followed.
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+
+    def key(store: Path) -> str:
+        (store / generations[0] / "key").symlink_to(secret)
+        return "key is a symbolic link"
+
+    def root(store: Path) -> str:
+        (store / "root").symlink_to("/")
+        return "root is a symbolic link"
+
+    def fifo(store: Path) -> str:
+        shard = store / "gen_00000" / "shard_00000.bin"
+        shard.unlink()
+        os.mkfifo(shard)
+        return f"{shard.name} is a FIFO"
+
+    for plant in (key, root, fifo):
+        fresh = _store_copy(sas_da_run, tmp_path / plant.__name__)
+        what = plant(fresh / "replacement_store")
+        out = tmp_path / f"out_{plant.__name__}"
+        line = _convert_error(["--load", str(fresh), "--save", str(out)], capsys)
+        assert what in line and "(in the SAS replacement store of --load)" in line, line
+        assert not (out / "latest_checkpointed_iteration.txt").exists()
+    # A shard changed after its manifest was written: its checksum says so.
+    fresh = _store_copy(sas_da_run, tmp_path / "changed")
+    shard = fresh / "replacement_store" / "gen_00000" / "shard_00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    line = _convert_error(["--load", str(fresh), "--save", str(tmp_path / "o_changed")], capsys)
+    assert f"{shard} changed while it was copied" in line, line
+
+
+def test_exports_are_readable_by_others_on_the_cluster(taco_run, tmp_path):
+    import stat as stat_module
+
+    umask = os.umask(0o022)
+    try:
+        out = tmp_path / "model.safetensors"
+        assert convert_main(["--load", str(taco_run), "--consolidate", str(out)]) == 0
+    finally:
+        os.umask(umask)
+    assert stat_module.S_IMODE(out.stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("kind", ["sas_in_taco", "taco_in_sas"])
+def test_a_checkpoint_of_the_other_model_is_named_first(
+    botchan_dataset, taco_run, sas_da_run, tmp_path, capsys, kind
+):
+    from megatron_taco.cli.pretrain_sas import main as sas_main
+    from megatron_taco.cli.pretrain_taco import main as taco_main
+
+    main, load, saved, runs, flags = {
+        "sas_in_taco": (taco_main, sas_da_run, "SAS", "TACO", TACO),
+        "taco_in_sas": (sas_main, taco_run, "TACO", "SAS", SAS_DA),
+    }[kind]
+    capsys.readouterr()
+    argv = train_args(botchan_dataset, tmp_path / "out", *flags, "--load", str(load))
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    assert f"is a {saved} checkpoint; this run loads {runs} checkpoints" in err[0], err[0]
+
+
+def test_the_converter_tracker_survives_a_power_cut(taco_run, tmp_path, monkeypatch):
+    """The tracker is renamed into place and then its directory is fsynced: without the
+    second fsync the rename itself may be lost, leaving --save without a tracker."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        events.append(("replace", os.fspath(dst)))
+        return real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "out"
+    assert convert_main(["--load", str(taco_run), "--save", str(out)]) == 0
+    tracker = str(out / "latest_checkpointed_iteration.txt")
+    at = events.index(("replace", tracker))
+    assert ("fsync", str(out)) in events[at + 1 :], events[at:]
+
+
+def test_the_layout_checked_is_that_of_the_checkpoint_load_fallback_picks(
+    botchan_dataset, taco_run, tmp_path
+):
+    import shutil
+
+    from megatron_taco.training.checkpointing import _metadata_checksum
+
+    load = tmp_path / "load"
+    shutil.copytree(taco_run, load)
+    # The tracker's iteration 4: saved by another layout (ZeRO-0) and now corrupt.
+    meta_path = load / "iter_0000004" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["configs"]["deepspeed"]["zero_optimization"] = {"stage": 0}
+    meta["checksum"] = _metadata_checksum(meta)
+    meta_path.write_text(json.dumps(meta))
+    model = load / "iter_0000004" / "mp_rank_00_model_states.pt"
+    model.write_bytes(model.read_bytes()[:-100])
+    cfg = configs(botchan_dataset, tmp_path / "new", 2, *TACO, "--load", str(load),
+                  "--load-fallback")  # fmt: skip
+    assert cfg.load_iteration == 2  # iteration 2 has this run's layout: nothing to refuse

@@ -21,7 +21,7 @@ import pytest
 from megatron_taco.data.indexed_dataset import IndexedDataset, data_file_path
 from megatron_taco.data.tokenizer import Tokenizer
 from megatron_taco.preprocessing.preprocess import unigram_path
-from megatron_taco.preprocessing.text import SentenceSplitter, normalize_text
+from megatron_taco.preprocessing.text import make_sentence_splitter, normalize_text
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "examples" / "corpus" / "demo.jsonl.gz"
@@ -106,7 +106,7 @@ def test_megatron_core_reads_the_same_dataset(pipeline):
 
 def test_ids_decode_to_the_normalised_source_sentences(pipeline):
     tokenizer = Tokenizer(pipeline.tokenizer_model)
-    splitter = SentenceSplitter()
+    splitter = make_sentence_splitter()  # the default the tool used
     written = documents(IndexedDataset(pipeline.prefix))
     checked = with_unknown = 0
     for record, sequences in zip(pipeline.source, written):

@@ -4,17 +4,23 @@ SAS^DA (ZeRO-1 bf16, fp32 master weights) to DeBERTa-v2. transformers loads each
 (model, MLM head, RTD head, AutoTokenizer) and, on the same input, its encoder states, RTD
 logits and MLM logits equal those of our model built at tp=1 from the consolidated
 checkpoint (float32; tolerance relative to the largest value). The exported tokenizer
-encodes like ours; TACO checkpoints are refused.
+encodes like ours. TACO (trained at tp=2 by the deepspeed launcher, ZeRO-1 bf16) exports
+with its own modeling code: loaded by the Auto classes with trust_remote_code=True while
+megatron_taco cannot be imported, its hidden states and MLM/MPM logits equal ours on a
+padded batch in float64, and the task models miss only their new head.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_taco.cli.export_hf import main as export_main
 from megatron_taco.cli.export_hf import save_tokenizer
@@ -23,7 +29,7 @@ from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import ModelLayout
-from tests.helpers import run_distributed
+from tests.helpers import deepspeed, run_distributed
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -83,8 +89,8 @@ def ours(load: Path):
     return model.eval(), config
 
 
-def inputs(out: Path, tokenizer_model: str):
-    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+def inputs(out: Path, tokenizer_model: str, **kwargs):
+    tok = transformers.AutoTokenizer.from_pretrained(str(out), **kwargs)
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     ref = Tokenizer(tokenizer_model)
     for text, ids, mask in zip(TEXTS, enc["input_ids"], enc["attention_mask"]):
@@ -106,8 +112,8 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert (a - b).abs().max().item() <= RTOL * scale + 1e-7, what
 
 
-def loaded(cls, out: Path):
-    model, info = cls.from_pretrained(str(out), output_loading_info=True)
+def loaded(cls, out: Path, **kwargs):
+    model, info = cls.from_pretrained(str(out), output_loading_info=True, **kwargs)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
@@ -170,11 +176,178 @@ def test_exported_tokenizer_encodes_like_ours(tokenizer_model, botchan_path, tmp
     )
 
 
+# ---------------------------------------------------------------------------------------
+# TACO: its own modeling code (trust_remote_code=True)
+
+TACO_RTOL = 1e-10  # float64 on both sides
+TACO_HEADS = {
+    "AutoModelForSequenceClassification": "classifier",
+    "AutoModelForQuestionAnswering": "qa_outputs",
+    "AutoModelForMultipleChoice": "classifier",
+}
+
+
+@pytest.fixture(scope="module")
+def taco_tp2(botchan_dataset, tmp_path_factory) -> Path:
+    """TACO trained 2 steps at tp=2 by the real deepspeed launcher (ZeRO-1, bf16 with fp32
+    master weights)."""
+    save = tmp_path_factory.mktemp("taco") / "run"
+    data = botchan_dataset
+    deepspeed(
+        "pretrain_taco.py",
+        "--model-size", "tiny", "--seq-length", "64", "--tensor-model-parallel-size", "2",
+        "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
+        "--data-cache-path", str(data["dir"] / "cache"), "--split", "80,10,10",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
+        "--num-workers", "0", "--save", str(save), "--save-interval", "2",
+        "--deepspeed_config", "ds_configs/zero1_bf16.json",
+    )  # fmt: skip
+    return save
+
+
+@contextmanager
+def without_megatron_taco():
+    """Any import of megatron_taco inside fails, as on a machine without our package. (Only
+    our entries are put back afterwards: modules imported meanwhile stay loaded.)"""
+    saved = {n: m for n, m in sys.modules.items() if n.split(".")[0] == "megatron_taco"}
+    sys.modules.update(dict.fromkeys(saved))
+    try:
+        yield
+    finally:
+        sys.modules.update(saved)
+
+
+def our_taco_outputs(load: Path, ids, mask):
+    """Our TACO at tp=1 from the checkpoint, float64: ([b, s, H], MLM, MPM logits)."""
+    from megatron_taco.models.taco.model import TacoForPretraining
+
+    # optimizer=True: under ZeRO 1-2 the fp32 master weights live in the optimizer's
+    # shards; the model files hold only their bf16 copies.
+    states, config, build = read_checkpoint(str(load))
+    (state_dict,) = ModelLayout(build, 1, config.vocab_size).split(states.full_state_dict())
+    config = dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0)
+    model = TacoForPretraining(config, single_process_state()).double()
+    model.load_state_dict(state_dict, strict=True)
+    model.eval()
+    heads, emb = model.heads, model.taco.embeddings
+    vocab, positions = config.vocab_size, config.max_position_embeddings
+    # As the collator lays positions out: 0, 1, ... over the real tokens, 0 on padding.
+    pos = torch.arange(ids.shape[1]).expand_as(ids) * mask
+    with torch.no_grad():
+        h = torch.cat(model.taco(ids, pos, mask.bool()), dim=-1)
+        mlm = F.linear(
+            heads.mlm_transform(h), emb.word_embeddings.weight[:vocab], heads.mlm_bias[:vocab]
+        )
+        mpm = F.linear(heads.mpm_transform(h), emb.position_embeddings[:positions], heads.mpm_bias)
+    return h, mlm, mpm
+
+
+def assert_close64(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype == torch.float64, what
+    scale = b.abs().max().item()
+    assert scale > 1e-3, f"{what}: reference too small to test ({scale})"
+    err = (a - b).abs().max().item()
+    assert err <= TACO_RTOL * scale, f"{what}: max error {err:.3e} vs scale {scale:.3e}"
+
+
+def test_taco_exports_with_its_own_modeling_code(taco_tp2, botchan_dataset, tmp_path):
+    out = tmp_path / "taco"
+    export(taco_tp2, out)
+    files = {p.name for p in out.iterdir()}
+    assert {"configuration_taco.py", "modeling_taco.py", "model.safetensors"} <= files
+    assert {"tokenizer.json", "tokenizer_config.json", "spm.model"} <= files
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["model_type"] == "taco" and meta["architectures"] == ["TacoForMaskedLM"]
+    assert set(meta["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForMaskedLM", *TACO_HEADS}
+
+    # AutoTokenizer reads config.json too, whose AutoConfig is remote code: without
+    # trust_remote_code=True it would ask on the terminal.
+    ids, mask = inputs(out, botchan_dataset["tokenizer"], trust_remote_code=True)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
+    assert "token_type_ids" not in tok(TEXTS[0])  # TACO has no segment embeddings
+    assert not mask.all()  # a padded batch
+    h, mlm, mpm = our_taco_outputs(taco_tp2, ids, mask)
+    real = mask.bool()
+
+    auto = transformers
+    with without_megatron_taco():
+        config = auto.AutoConfig.from_pretrained(str(out), trust_remote_code=True)
+        assert config.hidden_size == h.shape[-1]
+        base = loaded(auto.AutoModel, out, trust_remote_code=True).double()
+        masked_lm = loaded(auto.AutoModelForMaskedLM, out, trust_remote_code=True).double()
+        with torch.no_grad():
+            ref = base(input_ids=ids, attention_mask=mask).last_hidden_state
+            ref_lm = masked_lm(input_ids=ids, attention_mask=mask)
+        for name, head in TACO_HEADS.items():
+            cls = getattr(auto, name)
+            model, info = cls.from_pretrained(
+                str(out), trust_remote_code=True, output_loading_info=True
+            )
+            # Only the new head is missing; the pre-training heads are dropped silently.
+            assert sorted(info["missing_keys"]) == [f"{head}.bias", f"{head}.weight"], name
+            assert not info["unexpected_keys"] and not info["mismatched_keys"], (name, info)
+        model = model.double().eval()  # multiple choice: one question, the batch's options
+        with torch.no_grad():
+            choice = model(input_ids=ids[None], attention_mask=mask[None]).logits
+    assert_close64(ref[real], h[real], "hidden states")
+    assert_close64(ref_lm.logits[real], mlm[real], "MLM logits")
+    assert_close64(ref_lm.position_logits[real], mpm[real], "MPM logits")
+    assert_close64(choice[0], model.classifier(h[:, 0]).squeeze(-1).detach(), "choice logits")
+
+
+# Accents (composed and decomposed), emoji (with a skin tone and a ZWJ family), CJK, Hangul,
+# full-width forms, repeated and odd spaces, specials glued to words.
+HARD_TEXTS = [
+    "naïve café, Ünïcödé ÀÉÎÕÜ ñ ç ß ø å æ œ and decomposed: cafe\u0301",
+    "emoji 😀😀 and 👍🏽 family 👨\u200d👩\u200d👧 here",
+    "日本語のテキスト、中文文本。한국어 텍스트",
+    "repeated     spaces,\ttabs,\u00a0nbsp and\u3000ideographic space   ",
+    "ＦＵＬＬＷＩＤＴＨ ｶﾀｶﾅ ﬁ Ⅻ 1234567890 3.14 $100 50%",
+    "x[MASK]y [CLS] a [SEP] b",
+]
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+@pytest.mark.parametrize("byte_fallback", [True, False])
+def test_autotokenizer_gives_our_ids(tmp_path, botchan_path, model_type, byte_fallback):
+    from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
+
+    model = train_tokenizer(
+        TrainTokenizerConfig(
+            input=(str(botchan_path),),
+            model_prefix=str(tmp_path / "spm"),
+            vocab_size=800,
+            model_type=model_type,
+            byte_fallback=byte_fallback,
+            num_threads=1,
+            quiet=True,
+        )
+    )
+    (tmp_path / "hf").mkdir()
+    save_tokenizer(model, str(tmp_path / "hf"), 128)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ref = Tokenizer(model)
+    lines = botchan_path.read_text(encoding="utf-8").splitlines()[:100]
+    for text in [*HARD_TEXTS, *lines]:
+        ids = ref.encode(text)
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids, text
+        if byte_fallback:  # every character survives: both decode to the same text
+            assert (ref.unk_id in ids) is False, text
+            assert tok.decode(ids) == ref.decode(ids), text
+    assert tok("a b")["input_ids"] == [2, *ref.encode("a b"), 3]
+
+
 def test_taco_checkpoint_is_refused(tmp_path, capsys):
     iter_dir = tmp_path / "ckpt" / "iter_0000002"
     iter_dir.mkdir(parents=True)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
-    (iter_dir / "metadata.json").write_text(json.dumps({"model": "TACO", "configs": {}}))
+    from megatron_taco.training.checkpointing import FORMAT, _write_metadata
+
+    meta = {"format": FORMAT, "iteration": 2, "consumed_samples": 8, "world_size": 1,
+            "tensor_model_parallel_size": 1, "data_parallel_size": 1, "model": "TACO",
+            "configs": {}}  # fmt: skip
+    _write_metadata(str(iter_dir), meta, {})
     with pytest.raises(SystemExit) as info:  # a config error: usage line + one error line
         export_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "o")])
     assert info.value.code == 2

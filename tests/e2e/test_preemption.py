@@ -26,7 +26,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import ENV, REPO, TACO_METRIC_KEYS, deepspeed, deepspeed_command, train_records
+from megatron_taco.training.checkpointing import PAUSE_ENV
+from tests.helpers import (
+    BIN,
+    ENV,
+    REPO,
+    TACO_METRIC_KEYS,
+    deepspeed,
+    deepspeed_command,
+    train_records,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -223,4 +232,74 @@ def test_kill_9_of_one_rank_stops_the_other_with_one_line(botchan_dataset, tmp_p
     assert len(ours) == 1, out[-3000:]
     pattern = rf"pretrain_taco.py: error: rank 0: rank 1 \(pid {ranks[1].pid}\) has died; \w+ \("
     assert re.match(pattern, ours[0]), ours[0]
+    assert "Traceback" not in out
+
+
+# -- signals during a save, and a launcher that waits for it (issue 15 items 8, 9) ----------
+
+SLOW_SAVE = {PAUSE_ENV: "after_model_files:6"}  # every save takes 6 s longer
+
+
+def start_with(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env={**ENV, **env}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def saving(ckpt: Path) -> bool:
+    return any(".tmp-" in p.name for p in ckpt.iterdir()) if ckpt.is_dir() else False
+
+
+def test_a_second_signal_during_the_save_does_not_kill_it(botchan_dataset, tmp_path):
+    # SLURM: the time-limit warning (USR1) starts the save; scancel's TERM arrives, which
+    # examples/slurm/launch.sh passes on as USR1, and Slurm's own TERM to the ranks.
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
+    cmd = deepspeed_command("pretrain_taco.py",
+                            *taco_args(botchan_dataset, "--train-iters", LONG_RUN, "--save", str(ckpt)))  # fmt: skip
+    proc = start_with(cmd, log, SLOW_SAVE)
+    try:
+        wait_for_iteration(proc, ckpt / "metrics.jsonl", 3)
+        _, ranks = processes(proc)
+        for rank in ranks.values():
+            rank.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 60
+        while not saving(ckpt):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(2.5)  # past the old 2 s repeat window, still inside the save
+        assert saving(ckpt)
+        for later in (signal.SIGUSR1, signal.SIGTERM):
+            for rank in ranks.values():
+                rank.send_signal(later)
+        code = proc.wait(timeout=120)
+    finally:
+        kill_session(proc)
+    out = log.read_text()
+    assert code == 0, out[-3000:]
+    stopped = latest(ckpt)
+    assert f"saved checkpoint {ckpt}/iter_{stopped:07d}" in out
+    assert not saving(ckpt) and "Traceback" not in out
+
+
+def test_taco_launch_returns_only_after_the_ranks_saved(botchan_dataset, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
+    args = taco_args(botchan_dataset, "--train-iters", LONG_RUN, "--save", str(ckpt))
+    cmd = [str(BIN / "taco-launch"), *deepspeed_command("pretrain_taco.py", *args)]
+    proc = start_with(cmd, log, SLOW_SAVE)
+    try:
+        wait_for_iteration(proc, ckpt / "metrics.jsonl", 3)
+        below = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)  # what a batch system or a container runtime does
+        code = proc.wait(timeout=120)
+        # The moment the wrapper returned: the checkpoint was complete, nothing was left.
+        done = not saving(ckpt) and (ckpt / "latest_checkpointed_iteration.txt").exists()
+        left = [p for p in below if alive(p)]
+    finally:
+        kill_session(proc)
+    out = log.read_text()
+    assert code == 0, out[-3000:]
+    assert done and left == [], (left, out[-3000:])
+    stopped = latest(ckpt)
+    assert f" exiting at iteration {stopped}: SIGTERM received" in out
+    assert "taco-launch: SIGTERM passed to 2 rank(s) on this node" in out
     assert "Traceback" not in out

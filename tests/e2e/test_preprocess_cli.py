@@ -105,7 +105,8 @@ def start_and_interrupt(
         tool(
             "--input", str(big_corpus), "--output-prefix", str(tmp_path / "corpus"),
             "--tokenizer-model", tokenizer_model, "--split-sentences", "--workers", "1",
-            "--chunk-size", "32",
+            # punkt: the slower splitter keeps the run going long enough to be interrupted
+            "--chunk-size", "32", "--sentence-splitter", "punkt",
         ),
         cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=log,
     )  # fmt: skip

@@ -4,12 +4,17 @@
   exactly the losses of the uninterrupted run;
 * SAS with self-augmentation over 3 epochs is killed with SIGKILL in the middle of epoch 2;
   resumed with --load it logs the uninterrupted run's losses, and the replacement store it
-  commits is byte-identical to the uninterrupted run's.
+  commits is byte-identical to the uninterrupted run's; the finished run extends to a 4th
+  epoch, and goes back to a checkpoint three epoch boundaries old;
+* the model's inputs, recorded through the real driver, are the committed generation's
+  tokens (SAS) or the cold start at a redrawn S (the ablation); the log shows lambda and
+  the measured self_augmented per epoch.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,9 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_taco.training.callbacks import Callback
 from tests.helpers import ENV, REPO, SAS_METRIC_KEYS, deepspeed, deepspeed_command, train_records
 
 pytestmark = pytest.mark.e2e
+SAS_LOGGER = "megatron_taco.recipes.sas"
 
 
 def sas_args(dataset, *extra: str) -> list[str]:
@@ -91,27 +98,30 @@ def _run_until_killed(cmd: list[str], metrics: Path, iteration: int, timeout: fl
 
 
 def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset, tmp_path):
-    # 200 instances per epoch at global batch 8: epochs end at iterations 25, 50, 75.
-    common = sas_args(
+    # 192 instances per epoch at global batch 16: epochs end at iterations 12, 24, 36.
+    base = sas_args(
         botchan_dataset,
-        "--micro-batch-size", "4", "--global-batch-size", "8", "--train-epochs", "3",
-        "--eval-interval", "1000", "--save-interval", "10",
+        "--micro-batch-size", "8", "--global-batch-size", "16",
+        "--eval-interval", "1000", "--save-interval", "5",
         "--deepspeed-config", "ds_configs/zero0_fp32.json", "--replacement-store-shards", "5",
     )  # fmt: skip
+    common = [*base, "--train-epochs", "3"]
     full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
     deepspeed("pretrain_sas.py", *common, "--save", str(full_dir), timeout=300)
     full = train_records(full_dir / "metrics.jsonl")
-    assert sorted(full)[-1] == 75 and [full[i]["epoch"] for i in (25, 26, 51)] == [1, 2, 3]
-    assert full[26]["self_augmented"] == 1.0 and full[25]["self_augmented"] == 0.0
+    assert sorted(full)[-1] == 36 and [full[i]["epoch"] for i in (12, 13, 25)] == [1, 2, 3]
+    assert full[13]["self_augmented"] == 1.0 and full[12]["self_augmented"] == 0.0
+    for it, record in full.items():  # lambda per epoch, read from the training log
+        assert record["rtd_weight"] == {1: 50.0, 2: 125.0, 3: 200.0}[record["epoch"]], it
 
     cmd = deepspeed_command("pretrain_sas.py", *common, "--save", str(crash_dir), "--load",
                             str(crash_dir))  # fmt: skip
-    _run_until_killed(cmd, crash_dir / "metrics.jsonl", iteration=34)
-    assert (crash_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    _run_until_killed(cmd, crash_dir / "metrics.jsonl", iteration=16)
+    assert (crash_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "15"
     deepspeed("pretrain_sas.py", *common, "--save", str(crash_dir), "--load", str(crash_dir),
               timeout=300)  # fmt: skip
     resumed = train_records(crash_dir / "metrics.jsonl")
-    for it in range(31, 76):
+    for it in range(16, 37):
         for key in (*SAS_METRIC_KEYS, "lr", "epoch"):
             assert resumed[it][key] == full[it][key], (it, key)
     a, b = (
@@ -121,6 +131,27 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
     assert sorted(a) == sorted(b) and any(name.endswith("manifest.json") for name in a)
     for name in a:
         assert a[name] == b[name], name
+
+    # The finished run extended by a 4th epoch: it reads generation 2, which the last epoch
+    # committed.
+    deepspeed("pretrain_sas.py", *base, "--train-epochs", "4", "--save", str(crash_dir),
+              "--load", str(crash_dir), timeout=300)  # fmt: skip
+    extended = train_records(crash_dir / "metrics.jsonl")
+    assert sorted(extended)[-1] == 48
+    for it in range(37, 49):
+        assert extended[it]["epoch"] == 4 and extended[it]["self_augmented"] == 1.0, it
+        assert extended[it]["rtd_weight"] == 200.0, it
+    # Back to the checkpoint at iteration 10, older than three epoch boundaries: the rows
+    # generation 0 got before it were kept for it, so epoch 1 commits again, byte-identical.
+    deepspeed("pretrain_sas.py", *base, "--save", str(crash_dir), "--load", str(crash_dir),
+              "--ckpt-step", "10", "--train-iters", "15", "--lr-decay-iters", "36",
+              timeout=300)  # fmt: skip
+    rewound = train_records(crash_dir / "metrics.jsonl")
+    for it in range(11, 13):  # epoch 1: the same lambda and learning rates as the full run
+        for key in (*SAS_METRIC_KEYS, "lr"):
+            assert rewound[it][key] == full[it][key], (it, key)
+    again = _store_bytes(crash_dir / "replacement_store" / "gen_00000")
+    assert again == _store_bytes(full_dir / "replacement_store" / "gen_00000")
 
 
 def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
@@ -132,7 +163,7 @@ def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
 
     args = sas_args(
         botchan_dataset,
-        "--micro-batch-size", "8", "--global-batch-size", "8", "--train-epochs", "2",
+        "--micro-batch-size", "16", "--global-batch-size", "16", "--train-epochs", "2",
         "--eval-interval", "1000", "--num-workers", "0", "--no-self-augmentation",
         "--cold-start", "uniform", "--rtd-weight-final", "50",
     )  # fmt: skip
@@ -140,7 +171,219 @@ def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
     assert "world size 1 = tensor parallel 1 x data parallel 1" in res.stdout
     assert "cold start uniform" in res.stdout and "no self-augmentation" in res.stdout
     records = train_records(tmp_path / "ckpt" / "metrics.jsonl")
-    assert sorted(records)[-1] == 50 and {r["epoch"] for r in records.values()} == {1, 2}
+    assert sorted(records)[-1] == 24 and {r["epoch"] for r in records.values()} == {1, 2}
     assert {r["rtd_weight"] for r in records.values()} == {50.0}
     assert {r["self_augmented"] for r in records.values() if "self_augmented" in r} <= {0.0}
     assert not (tmp_path / "ckpt" / "replacement_store").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# What the model reads: the real driver (pretrain_sas's spec on gloo ranks from
+# run_distributed), with one extra callback that records every training batch it is given.
+
+
+class InputRecorder(Callback):
+    """Saves, per rank and epoch, the batches the model received (after_micro_batch sees
+    exactly the batch the forward pass read)."""
+
+    name = "input_recorder"
+    KEYS = ("epoch", "instance_ids", "input_ids", "mlm_labels", "replaced_positions")
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.batches = directory, []
+
+    def after_micro_batch(self, trainer, state, batch, outputs) -> None:
+        self.batches.append({k: batch[k].cpu().numpy() for k in self.KEYS})
+
+    def on_epoch_end(self, trainer, state, epoch) -> None:
+        import numpy as np
+
+        merged = {k: np.concatenate([b[k] for b in self.batches]) for k in self.KEYS}
+        np.savez(f"{self.directory}/rank{trainer.parallel.rank}_epoch{epoch}.npz", **merged)
+        self.batches = []
+
+
+def recorded_pretrain(rank: int, world: int, argv: list[str], record_dir: str) -> int:
+    import dataclasses
+
+    from megatron_taco.recipes.sas import SPEC, build_sas
+
+    def build(ctx):
+        parts = build_sas(ctx)
+        parts.callbacks.append(InputRecorder(record_dir))
+        return parts
+
+    return dataclasses.replace(SPEC, build=build).main(argv)
+
+
+def recorded_epochs(record_dir: Path, epochs: int) -> list[dict]:
+    import numpy as np
+
+    out = []
+    for epoch in range(epochs):
+        parts = [np.load(p) for p in sorted(record_dir.glob(f"rank*_epoch{epoch}.npz"))]
+        out.append({k: np.concatenate([p[k] for p in parts]) for k in InputRecorder.KEYS})
+    return out
+
+
+def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
+    botchan_dataset, tmp_path, capfd
+):
+    """SAS on 2 ranks for 3 epochs: in epochs 2 and 3 the model's input at S of every
+    instance is that instance's row of the generation committed in the epoch before; in
+    epoch 1 the cold start; S never moves. With --drop-replacement-hits a stored token equal
+    to the original loses its MLM label, and stays dropped in epoch 3. The log shows lambda
+    50, 125, 200 per epoch, self_augmented 0, 1, 1 measured, and a log window closing at
+    each epoch boundary."""
+    import numpy as np
+
+    from megatron_taco.data.replacement_store import GenerationReader
+    from megatron_taco.data.sas_collator import ColdStart, ReplacementConfig, cold_start_probs
+    from megatron_taco.data.tokenizer import Tokenizer
+    from tests.helpers import run_distributed
+
+    records_dir, save = tmp_path / "inputs", tmp_path / "ckpt"
+    records_dir.mkdir()
+    argv = sas_args(
+        botchan_dataset,
+        "--micro-batch-size", "8", "--global-batch-size", "16", "--train-epochs", "3",
+        "--log-interval", "5", "--eval-iters", "0", "--save", str(save),
+        "--save-interval", "12", "--deepspeed-config", "ds_configs/zero0_fp32.json",
+        "--replacement-store-shards", "3", "--drop-replacement-hits",
+    )  # fmt: skip
+    assert run_distributed(recorded_pretrain, 2, argv, str(records_dir), timeout=600) == [0, 0]
+    out = capfd.readouterr().out
+    epochs = recorded_epochs(records_dir, 3)
+    n = epochs[0]["instance_ids"].shape[0]
+    steps = n // 16
+    assert f"epochs: 3 of {n} samples ({steps} iterations each)" in out
+    assert "lambda per epoch 50, 125, 200" in out
+    for e, value in enumerate(("50", "125", "200")):
+        assert f" epoch {e + 1}/3: lambda {value}\n" in out
+
+    records = train_records(save / "metrics.jsonl")
+    boundaries = [steps, 2 * steps, 3 * steps]
+    assert set(boundaries) <= set(records)  # the window closes at every epoch boundary
+    for it, r in records.items():
+        epoch = -(-it // steps)  # 1-based epoch of iteration it
+        assert r["epoch"] == epoch, it
+        assert r["rtd_weight"] == {1: 50.0, 2: 125.0, 3: 200.0}[epoch], it
+        assert r["self_augmented"] == (0.0 if epoch == 1 else 1.0), it
+
+    tokenizer = Tokenizer(botchan_dataset["tokenizer"])
+    probs = cold_start_probs(
+        ReplacementConfig(), [botchan_dataset["prefix"]], [1.0], tokenizer.is_special_mask()
+    )
+    cold = ColdStart(probs, 1234)  # --seed's default
+    by_instance = []
+    for e, rec in enumerate(epochs):
+        ids = rec["instance_ids"]
+        assert sorted(ids.tolist()) == list(range(n)), e  # every instance once per epoch
+        order = np.argsort(ids)
+        by_instance.append({k: v[order] for k, v in rec.items()})
+    store = save / "replacement_store"
+    dropped = {}  # instance -> its slots dropped in the epoch before
+    hits = 0
+    for e, rec in enumerate(by_instance):
+        rows = GenerationReader(str(store), e - 1).read(np.arange(n)) if e else None
+        for i in range(n):
+            slots = rec["replaced_positions"][i]
+            where = slots[slots >= 0]
+            np.testing.assert_array_equal(
+                where, by_instance[0]["replaced_positions"][i][: where.size]
+            )
+            read = rec["input_ids"][i][where]
+            expected = rows[i, : where.size] if e else cold.replacements(i, 0, where)
+            np.testing.assert_array_equal(read, expected, err_msg=f"epoch {e + 1} instance {i}")
+            # The original tokens at S: epoch 1's MLM labels (the cold start drops nothing).
+            original = by_instance[0]["mlm_labels"][i][where]
+            hit = (read == original) if e else np.zeros(where.size, dtype=bool)
+            labels = rec["mlm_labels"][i][where]
+            np.testing.assert_array_equal(labels[~hit], original[~hit])
+            assert (labels[hit] == -100).all(), (e, i)
+            assert hit[dropped.get(i, hit)].all(), (e, i)  # once dropped, dropped for good
+            dropped[i], hits = hit, hits + int(hit.sum())
+            # Outside S the original text, the same in every epoch.
+            outside = np.ones(rec["input_ids"].shape[1], dtype=bool)
+            outside[where] = False
+            np.testing.assert_array_equal(
+                rec["input_ids"][i][outside], by_instance[0]["input_ids"][i][outside]
+            )
+    assert hits > 0
+    # Every epoch committed its generation, the last one's too (a finished run can be
+    # extended), and each is kept: the checkpoints at the epoch ends need them all.
+    assert all((store / f"gen_{g:05d}" / "manifest.json").is_file() for g in range(3))
+
+
+def test_ablation_redraws_s_per_epoch_and_reports_blended_passes(botchan_dataset, tmp_path, capfd):
+    """--no-self-augmentation: S drawn afresh every epoch, the cold start placed there (its
+    first 3 iterations from unigram^0.5, --cold-start-warmup-iters). Two
+    weighted copies of one dataset (0.8 / 0.2): the banner says how often an epoch sees
+    each, with a warning for the one seen less than once. --train-iters ending inside the
+    third epoch: a fractional epoch count, lambda 50 then the final 200 from the last whole
+    epoch on."""
+    import numpy as np
+
+    from megatron_taco.data.sas_collator import (
+        ColdStart,
+        ReplacementConfig,
+        cold_start_probs,
+        tempered,
+    )
+    from megatron_taco.data.tokenizer import Tokenizer
+    from tests.helpers import run_distributed
+
+    records_dir, save = tmp_path / "inputs", tmp_path / "ckpt"
+    records_dir.mkdir()
+    prefix = botchan_dataset["prefix"]
+    argv = sas_args(
+        botchan_dataset,
+        "--data-path", "0.8", prefix, "0.2", prefix,
+        "--micro-batch-size", "16", "--global-batch-size", "16", "--train-iters", "60",
+        "--no-self-augmentation", "--cold-start-warmup-iters", "3",
+        "--log-interval", "7", "--eval-iters", "0",
+        "--num-workers", "0", "--save", str(save), "--save-interval", "1000",
+        "--deepspeed-config", "ds_configs/zero0_fp32.json",
+    )  # fmt: skip
+    assert run_distributed(recorded_pretrain, 1, argv, str(records_dir), timeout=600) == [0]
+    out, err = capfd.readouterr()
+    epochs = recorded_epochs(records_dir, 2)
+    n = epochs[0]["instance_ids"].shape[0]
+    steps = n // 16
+    assert 2 * steps < 60 < 3 * steps, "the run must end inside its third epoch"
+    tail = 60 / steps - 2
+    assert f"epochs: {60 / steps:.4g} (2 whole + {tail:.2f})" in out
+    assert f"lambda per epoch 50, 200, 200 (epoch 3 is {tail:.2f} of an epoch)" in out
+    per_pass = [int(x) for x in re.findall(r"passes over its ([\d,]+) samples", out)]
+    assert len(per_pass) == 2 and per_pass[0] == per_pass[1]
+    passes = [float(x) for x in re.findall(r"instances, ([\d.]+) passes over", out)]
+    assert passes == pytest.approx([0.8 * n / per_pass[0], 0.2 * n / per_pass[0]], abs=0.01)
+    assert passes[0] > 1 > passes[1]
+    assert f"WARNING {SAS_LOGGER}: --data-path: {prefix} is seen {passes[1]:.2f} times" in err
+    assert "no self-augmentation (cold start in every epoch, S redrawn per epoch)" in out
+
+    assert "cold start unigram; the first 3 iterations from unigram^0.5" in out
+    tokenizer = Tokenizer(botchan_dataset["tokenizer"])
+    probs = cold_start_probs(
+        ReplacementConfig(), [prefix] * 2, [0.8, 0.2], tokenizer.is_special_mask()
+    )
+    # The first 3 iterations (48 samples of the stream) draw from unigram^0.5.
+    cold = ColdStart(probs, 1234, warmup_probs=tempered(probs, 0.5), warmup_samples=48)
+    moved = 0
+    first = {}
+    for e, rec in enumerate(epochs):
+        for i, inst in enumerate(rec["instance_ids"]):  # one rank: row i is sample e * n + i
+            slots = rec["replaced_positions"][i]
+            where = slots[slots >= 0]
+            read = rec["input_ids"][i][where]
+            np.testing.assert_array_equal(read, cold.replacements(int(inst), e, where, e * n + i))
+            if e == 0:
+                first[int(inst)] = set(where.tolist())
+            else:
+                moved += first[int(inst)] != set(where.tolist())
+    assert moved > 0.9 * n  # S redrawn: nearly every instance's S differs from epoch 1's
+    records = train_records(save / "metrics.jsonl")
+    assert {steps, 2 * steps, 60} <= set(records)
+    for it, r in records.items():
+        assert r["rtd_weight"] == (50.0 if it <= steps else 200.0), it
+        assert "self_augmented" not in r

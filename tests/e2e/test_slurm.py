@@ -10,7 +10,9 @@ time:
 
 Each time the ranks save a checkpoint at the end of the current iteration and exit 0
 (--exit-signal-handler), `launch.sh` requeues the job, and the next start resumes from that
-checkpoint (the script's --load is its --save and it sets no --save-interval, so these are
+checkpoint. Every save is made 5 s slower (MEGATRON_TACO_TEST_PAUSE_AT), and while the first
+one is being written a second warning reaches the batch shell (launch.sh does not pass it on)
+and a USR1 the ranks themselves (they absorb it): neither may kill the save (the script's --load is its --save and it sets no --save-interval, so these are
 the only checkpoints). The job finishes every iteration with the losses of the preempting
 job, which ran the same script uninterrupted.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_taco.training.checkpointing import PAUSE_ENV
 from tests.e2e.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
 from tests.helpers import BIN, ENV, REPO, TACO_METRIC_KEYS, free_port, train_records
 
@@ -47,6 +50,7 @@ def _submit(cluster: SlurmCluster, dataset: dict, ckpt: Path, out: Path, *option
         # 1 too, so the script's job-id port could collide.
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
+        PAUSE_ENV: "after_model_files:5",
     }
     return cluster.sbatch(SCRIPT, f"--output={out}", *options, cwd=REPO, env=env)
 
@@ -71,6 +75,10 @@ def _last_iteration(ckpt: Path) -> int:
     return max(train_records(metrics), default=0) if metrics.exists() else 0
 
 
+def _saving(ckpt: Path) -> bool:
+    return any(".tmp-" in p.name for p in ckpt.iterdir())
+
+
 def _resumed_at(out: Path) -> list[int]:
     text = out.read_text(errors="replace") if out.exists() else ""
     return [int(it) for it in re.findall(r"resumed from \S+ at iteration (\d+)", text)]
@@ -85,9 +93,15 @@ def test_sbatch_job_requeued_after_time_limit_warning_and_preemption_resumes(
     ckpt, out = tmp_path / "requeued", tmp_path / "requeued.out"
     job = _submit(cluster, botchan_dataset, ckpt, out)
 
-    # 1. Time-limit warning to the batch shell.
+    # 1. Time-limit warning to the batch shell; then, while the ranks save, another signal
+    # to the batch shell and one to the ranks directly. (scancel --signal=TERM would cancel
+    # the job itself.)
     _wait("3 iterations", lambda: _last_iteration(ckpt) >= 3, cluster, job, out, 240)
     cluster.run("scancel", "--batch", "--signal=USR1", job)
+    _wait("the save under way", lambda: _saving(ckpt), cluster, job, out, 120)
+    time.sleep(2.5)  # past the ranks' old 2 s repeat window
+    cluster.run("scancel", "--batch", "--signal=USR1", job)
+    cluster.run("scancel", "--signal=USR1", job)
     _wait("a resumed start", lambda: len(_resumed_at(out)) == 1, cluster, job, out, 180)
     first = _resumed_at(out)[0]
     _wait("3 more iterations", lambda: _last_iteration(ckpt) >= first + 3, cluster, job, out, 180)
@@ -108,7 +122,8 @@ def test_sbatch_job_requeued_after_time_limit_warning_and_preemption_resumes(
     log = out.read_text()
     assert cluster.job(job)["Restarts"] == "2", log[-6000:]
     assert cluster.job(ref_job)["Restarts"] == "0"
-    assert log.count("launch.sh: SIGUSR1") == 1, log[-6000:]
+    assert log.count("launch.sh: SIGUSR1") == 2, log[-6000:]
+    assert log.count("the ranks are already saving; not passed on") == 1, log[-6000:]
     assert log.count(f"launch.sh: job {job} was preempted") == 1, log[-6000:]
     # The ranks' own exit status each time: they saved and exited cleanly, not killed.
     assert log.count("launch.sh: ranks exited with status 0; requeueing") == 2, log[-6000:]

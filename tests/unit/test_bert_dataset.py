@@ -1,6 +1,8 @@
+import logging
 import os
 import pickle
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -180,10 +182,24 @@ def test_blended_datasets(corpus, tokenizer, tokenizer_model, tmp_path):
     assert all(p.info["status"] == "loaded" for p in again.datasets)
 
 
-def test_empty_split_with_samples_requested(corpus, tokenizer, tokenizer_model, tmp_path):
+def test_empty_split_with_samples_requested(corpus, tokenizer, tokenizer_model, tmp_path, caplog):
+    # The default --split 949,50,1 on a small corpus: a one-line note sized to the data,
+    # not a warning that names the --eval-iters default's 400 samples.
+    caplog.set_level(logging.INFO, logger="megatron_taco.data.bert_dataset")
+    cfg = config(corpus, tokenizer_model, tmp_path, split="949,50,1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train, valid, test = build_train_valid_test_datasets(cfg, tokenizer, (10, 5, 400))
+    assert len(train) == 10 and len(valid) == 5 and test is None
+    docs = IndexedDataset(str(corpus / "a")).num_documents
+    (note,) = [r.getMessage() for r in caplog.records if "note:" in r.getMessage()]
+    assert note == (
+        f"note: --split 949,50,1 gives the test split 0.1% of the {docs} documents of "
+        f"{corpus / 'a'}, which rounds to none: test evaluation is skipped (a test share of "
+        f"about {100 / docs:.2g}% or more would give it a document)"
+    )
     cfg = config(corpus, tokenizer_model, tmp_path, split="100,0,0")
-    with pytest.warns(UserWarning, match="--split.*valid split none of.*skipped"):
-        train, valid, test = build_train_valid_test_datasets(cfg, tokenizer, (10, 5, 0))
+    train, valid, test = build_train_valid_test_datasets(cfg, tokenizer, (10, 5, 0))
     assert len(train) == 10 and valid is None and test is None
     cfg = config(corpus, tokenizer_model, tmp_path, split="0,1,0")
     with pytest.raises(ConfigError, match="--split.*train split none of"):

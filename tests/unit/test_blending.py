@@ -8,6 +8,7 @@ from megatron_taco.data import blending
 from megatron_taco.data.blending import (
     BlendedDataset,
     blend_indices,
+    dataset_passes,
     parse_data_path,
     samples_per_dataset,
 )
@@ -142,3 +143,16 @@ def test_blended_dataset(tmp_path):
     again = pickle.loads(blob)
     assert isinstance(again.dataset_index, np.memmap)
     assert [again[i] for i in range(100)] == items
+
+
+def test_dataset_passes_per_epoch():
+    """An epoch of N = 1000 samples over datasets of 300 and 700 samples per pass: weights
+    0.6 / 0.4 see the first 2.0 passes of one and 0.57 of the other; weights proportional
+    to the sizes see each exactly once."""
+    d, _ = blend_indices([0.6, 0.4], 1000)
+    (a, pa), (b, pb) = dataset_passes(d, 1000, [300, 700])
+    assert (a, b) == (600, 400) and pa == 2.0 and pb == pytest.approx(400 / 700)
+    d, _ = blend_indices([0.3, 0.7], 1000)
+    assert dataset_passes(d, 1000, [300, 700]) == [(300, 1.0), (700, 1.0)]
+    assert dataset_passes(d, 990, [300, 700])[1][0] in (692, 693)  # a prefix of the blend
+    assert dataset_passes(None, 96, [100]) == [(96, 0.96)]

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +20,7 @@ from megatron_taco.arguments import ConfigError
 from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import ParallelState
+from megatron_taco.training.checkpointing import FORMAT, _write_metadata
 from megatron_taco.training.consolidate import ModelLayout, check_resume_layout
 from tests.helpers import VOCAB, tiny_config, tiny_sas_config
 
@@ -86,9 +86,10 @@ def _checkpoint(tmp_path, *, tp=1, dp=2, stage=1, precision="fp32", **extra):
     iter_dir.mkdir(parents=True)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4\n")
     ds = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
-    meta = {"iteration": 4, "world_size": tp * dp, "tensor_model_parallel_size": tp,
-            "data_parallel_size": dp, "configs": {"deepspeed": ds}, **extra}  # fmt: skip
-    (iter_dir / "metadata.json").write_text(json.dumps(meta))
+    meta = {"format": FORMAT, "iteration": 4, "consumed_samples": 16, "world_size": tp * dp,
+            "tensor_model_parallel_size": tp, "data_parallel_size": dp,
+            "configs": {"deepspeed": ds}, **extra}  # fmt: skip
+    _write_metadata(str(iter_dir), meta, {})
     return str(tmp_path / "ckpt")
 
 

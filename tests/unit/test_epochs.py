@@ -35,6 +35,7 @@ def test_instance_stream_visits_every_instance_once_per_epoch():
         items = [ds[epoch * 8 + j] for j in range(8)]
         assert sorted(it["index"] for it in items) == list(range(8))
         assert all(it["epoch"] == epoch and it["tokens"] == it["index"] for it in items)
+        assert [it["global_index"] for it in items] == list(range(epoch * 8, epoch * 8 + 8))
     with pytest.raises(IndexError):
         ds[24]
     with pytest.raises(ValueError):

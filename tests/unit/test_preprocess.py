@@ -36,7 +36,7 @@ from megatron_taco.preprocessing.preprocess import (
     summary_path,
     unigram_path,
 )
-from megatron_taco.preprocessing.text import SentenceSplitter
+from megatron_taco.preprocessing.text import SentenceSplitter, make_sentence_splitter
 
 CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 BOTCHAN = Path(__file__).resolve().parents[1] / "fixtures" / "text" / "botchan_excerpt.txt"
@@ -98,7 +98,7 @@ def file_bytes(prefix):
 
 @pytest.fixture(scope="module")
 def splitter():
-    return SentenceSplitter()
+    return make_sentence_splitter()  # the default, one document at a time
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +228,81 @@ def test_nothing_written_is_an_error(tmp_path, tokenizer_model):
 
 
 # ---------------------------------------------------------------------------------------
+# sentence splitters and the [UNK] rate
+
+# punkt ends sentences at "No." and "Op.", blingfire does not: the two give different data.
+ABBREVIATIONS = (
+    "The Symphony No. 5 in C minor, Op. 67, is a symphony by Ludwig van Beethoven. It was "
+    "composed between 1804 and 1808.\nSgt. Pepper is an album. It was released in 1967."
+)
+
+
+def test_sentence_splitter_option_picks_the_splitter(tmp_path, tokenizer_model, tokenizer, corpus):
+    path = tmp_path / "abbrev.jsonl"
+    path.write_text(json.dumps({"text": ABBREVIATIONS}) + "\n" + corpus.read_text())
+    docs, _ = expected_documents([path])
+    written = {}
+    for name in ("punkt", "blingfire"):
+        _, out = run(tmp_path, [path], tokenizer_model, name=name, split_sentences=True,
+                     sentence_splitter=name, workers=2)  # fmt: skip
+        written[name] = written_documents(dataset_prefix(out, "text", "sentence"))
+        splitter = SentenceSplitter() if name == "punkt" else make_sentence_splitter(name)
+        expect = [expected_sequences(d.text["text"], tokenizer, splitter, False) for d in docs]
+        assert written[name] == expect
+    assert len(written["punkt"][0]) == 7 and len(written["blingfire"][0]) == 4
+
+
+def test_unk_rate_per_input(tmp_path, botchan_path, capsys):
+    from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
+    from megatron_taco.data.tokenizer import Tokenizer
+
+    plain, web = tmp_path / "plain.jsonl", tmp_path / "web.jsonl"
+    lines = [ln for ln in botchan_path.read_text().splitlines() if ln.strip()]
+    plain.write_text("".join(json.dumps({"text": ln}) + "\n" for ln in lines[:200]))
+    web.write_text(
+        "".join(
+            json.dumps({"text": f"{ln} \U0001f600 \u6f22\u5b57 caf\u00e9"}) + "\n"
+            for ln in lines[200:260]
+        )
+    )
+    for byte_fallback in (False, True):
+        model = train_tokenizer(
+            TrainTokenizerConfig(
+                input=(str(botchan_path),), model_prefix=str(tmp_path / f"spm{byte_fallback}"),
+                vocab_size=600, byte_fallback=byte_fallback, character_coverage=1.0,
+                num_threads=1, quiet=True,
+            )
+        )  # fmt: skip
+        tok = Tokenizer(model)
+        summary, out = run(tmp_path, [plain, web], model, name=f"out{byte_fallback}", workers=2)
+        capsys.readouterr()
+        per_input = summary["unk"]["per_input"]
+        # an independent count: encode every document and count [UNK] ids
+        for path in (plain, web):
+            ids = [tok.encode(json.loads(x)["text"]) for x in path.read_text().splitlines()]
+            unk = sum(i.count(tok.unk_id) for i in ids)
+            assert per_input[str(path)]["tokens"] == unk
+            assert per_input[str(path)]["rate"] == pytest.approx(unk / sum(map(len, ids)), abs=1e-8)
+        total = summary["unk"]["tokens"]
+        assert total == int(np.load(unigram_path(dataset_prefix(out, "text", "document")))[1])
+        if byte_fallback:
+            assert total == 0
+        else:
+            # each record adds three unknown characters: 😀, 漢字 (one [UNK]: a run) and é
+            assert per_input[str(web)]["tokens"] >= 3 * 60
+            assert per_input[str(plain)]["rate"] == 0 and per_input[str(web)]["rate"] > 1e-3
+    # the summary printed by the tool names the bad corpus, and only it
+    preprocess(
+        PreprocessConfig(input=(str(plain), str(web)), output_prefix=str(tmp_path / "again"),
+                         tokenizer_model=str(tmp_path / "spmFalse.model")),
+        progress=False,
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    warning = [ln for ln in printed.splitlines() if "warning: [UNK]" in ln]
+    assert len(warning) == 1 and str(web) in warning[0] and str(plain) not in warning[0]
+
+
+# ---------------------------------------------------------------------------------------
 # the batch encoder on its own
 
 
@@ -266,6 +341,7 @@ def test_batch_encoder_eod_only_on_last_sequence_and_empty_dropped(tokenizer, sp
         ({"dataset_impl": "lazy"}, "--dataset-impl"),
         ({"input_format": "csv"}, "--input-format"),
         ({"output_prefix": "somewhere/"}, "--output-prefix"),
+        ({"sentence_splitter": "spacy"}, "--sentence-splitter"),
     ],
 )
 def test_config_errors_name_the_flag(change, flag):
@@ -413,3 +489,15 @@ def test_index_is_readable_by_own_reader_with_expected_shape(tmp_path, tokenizer
     assert len(ds) == summary["datasets"]["text"]["sequences"]
     assert ds.num_documents == 400
     assert os.path.getsize(index_file_path(prefix)) == 34 + 12 * len(ds) + 8 * 401
+
+
+def test_unavailable_splitter_is_one_line_naming_the_flag(tmp_path, tokenizer_model, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "blingfire", None)  # not installed
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"text": "One. Two."}) + "\n")
+    with pytest.raises(ConfigError) as err:
+        run(tmp_path, [path], tokenizer_model, split_sentences=True)
+    message = str(err.value)
+    assert message.startswith("--sentence-splitter blingfire: ") and "\n" not in message
+    assert "--sentence-splitter punkt" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]  # nothing started

@@ -279,3 +279,42 @@ def test_same_samples_as_megatron_core_build_mapping():
     assert sorted(map(tuple, ours.tolist())) == sorted(
         map(tuple, np.asarray(theirs, np.int64).tolist())
     )
+
+
+def test_base_chains_plus_walks_equal_walking_every_chain():
+    # The index keeps each document's full-length chain up to its first short start and
+    # walks only the rest again; walking every chain of every epoch must give the same rows.
+    rng = np.random.default_rng(5)
+    per_doc = np.concatenate([rng.integers(0, 40, size=300), [700, 0, 1, 2]])
+    sizes = rng.integers(1, 60, size=int(per_doc.sum())).astype(np.int32)
+    docs = np.concatenate([[0], np.cumsum(per_doc)])
+    cum = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    used = np.diff(docs) >= 2
+    start, end = docs[:-1][used], docs[1:][used]
+    for p in (0.0, 0.3, 1.0):
+        packing = samples._Packing(cum, 62, p, 2, 17, 0, np.int64)
+        epochs = np.arange(3, 9)
+        rows, slots, sums = packing.rows(start, end, epochs)
+        for k in range(epochs.shape[0]):
+            a, b, walked = slots[k]
+            got = sorted(map(tuple, rows[np.concatenate((np.arange(a, b), walked))].tolist()))
+            n = start.shape[0]
+            _, s, e, t = packing.walk(np.full(n, k), start, end)
+            assert got == sorted(zip(s.tolist(), e.tolist(), t.tolist()))
+            body = cum[e] - cum[s]
+            assert sums[k].tolist() == [
+                np.minimum(body, t).sum(),
+                (body - np.minimum(body, t)).sum(),
+                np.count_nonzero(t < 62),
+            ]
+
+
+def test_index_does_not_depend_on_how_many_epochs_are_built_together(monkeypatch):
+    sizes, docs = make_corpus(num_docs=200, seed=6)
+    kw = dict(num_samples=4000, max_seq_length=40, short_seq_prob=0.2, min_sentences=2, seed=3)
+    together, stats = build_sample_index_with_stats(sizes, docs, (0, 200), **kw)
+    monkeypatch.setattr(samples, "_MAX_CHAINS", 1)  # one epoch at a time
+    one_by_one, stats1 = build_sample_index_with_stats(sizes, docs, (0, 200), **kw)
+    assert np.array_equal(together, one_by_one) and stats == stats1
+    assert stats.epochs >= 3
+    check_rows(together, sizes, docs, (0, 200), 38, 2)

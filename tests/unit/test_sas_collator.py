@@ -14,7 +14,9 @@ from megatron_taco.data.sas_collator import (
     SasCollator,
     cold_start_probs,
     replaced_positions,
+    tempered,
 )
+from tests.helpers import chi2_goodness_of_fit
 
 PAD, CLS, SEP = 0, 2, 3
 VOCAB, SEQ = 60, 40
@@ -39,25 +41,50 @@ def make_sample(index, length=None, epoch=0, seed=0):
     )  # fmt: skip
 
 
-def collator(cold="uniform", probs=None, mask_prob=0.15, seed=7):
+def collator(cold="uniform", probs=None, mask_prob=0.15, seed=7, source=None, **kwargs):
     config = ReplacementConfig(mask_prob=mask_prob, cold_start=cold)
     probs = probs if probs is not None else (~SPECIAL) / (~SPECIAL).sum()
     return SasCollator(
-        pad_id=PAD, seq_length=SEQ, seed=seed, config=config, source=ColdStart(probs, seed)
-    )
+        pad_id=PAD, seq_length=SEQ, seed=seed, config=config,
+        source=source or ColdStart(probs, seed), **kwargs,
+    )  # fmt: skip
+
+
+def words_of(sample) -> list[np.ndarray]:
+    """The sample's words, derived independently of the code under test: a word starts at a
+    word-start token and runs to the next word start or the closing [SEP]."""
+    length = sample["length"]
+    starts = np.flatnonzero(sample["word_starts"][1 : length - 1]) + 1
+    ends = np.r_[starts[1:], length - 1]
+    return [np.arange(a, b) for a, b in zip(starts, ends)]
+
+
+def check_replaced_set(sample, where, mask_prob=0.15):
+    """|S| = ceil(mask_prob * k), distinct real tokens, and whole words: every chosen word
+    with all its pieces, except at most one word cut at the size limit, which must be the
+    last one drawn and keep a prefix of its pieces."""
+    k = sample["length"] - 2
+    assert where.size == math.ceil(mask_prob * k)
+    assert len(set(where.tolist())) == where.size
+    assert not sample["special"][where].any() and (where < sample["length"]).all()
+    chosen = set(where.tolist())
+    partial = [w for w in words_of(sample) if 0 < len(chosen & set(w.tolist())) < w.size]
+    assert len(partial) <= 1, f"{len(partial)} words chosen without all their pieces"
+    if partial:
+        word = partial[0]
+        taken = np.sort(where[np.isin(where, word)])
+        np.testing.assert_array_equal(taken, word[: taken.size])  # a prefix of the word
+        assert set(where[-taken.size :].tolist()) == set(taken.tolist())  # drawn last
 
 
 def test_replaced_set_size_specials_and_whole_words():
+    multi_piece = 0
     for index in range(300):
         s = make_sample(index)
         where = replaced_positions(s["word_starts"], s["special"], s["length"], 0.15, 7, index)
-        k = s["length"] - 2
-        assert where.size == math.ceil(0.15 * k)
-        assert len(set(where.tolist())) == where.size
-        assert not s["special"][where].any() and (where < s["length"]).all()
-        # Whole words, except possibly the last one drawn (cut to the exact size).
-        starts = s["word_starts"][where[:-1]] | np.isin(where[:-1] - 1, where)
-        assert starts.all()
+        check_replaced_set(s, where)
+        multi_piece += sum(w.size > 1 and np.isin(w, where).all() for w in words_of(s))
+    assert multi_piece > 100  # the check above saw many whole multi-piece words
 
 
 def test_replaced_set_is_the_same_in_every_epoch_and_seeded():
@@ -73,14 +100,45 @@ def test_replaced_set_is_the_same_in_every_epoch_and_seeded():
     )
 
 
+def test_replaced_set_is_redrawn_per_epoch_without_self_augmentation():
+    """The Unig-MLM-RTD ablation: S drawn afresh per epoch, seeded by (seed, instance, epoch),
+    whole words of the right size in every epoch, each position equally likely over epochs
+    (chi-square); the fixed S of self-augmentation fails the same statistic."""
+    dynamic = collator(fixed_positions=False)
+    for index in range(30):
+        sets = [dynamic.positions(make_sample(index, epoch=e)) for e in range(4)]
+        for e, where in enumerate(sets):
+            check_replaced_set(make_sample(index, epoch=e), where)
+            np.testing.assert_array_equal(where, dynamic.positions(make_sample(index, epoch=e)))
+        assert len({tuple(w.tolist()) for w in sets}) > 1
+    # One instance of single-piece words over 2000 epochs: every real position equally often.
+    s = make_sample(5, length=SEQ)
+    s["word_starts"][:] = True
+    real = np.arange(1, SEQ - 1)
+
+    def position_counts(c):
+        counts = np.zeros(SEQ)
+        for epoch in range(2000):
+            counts[c.positions({**s, "epoch": epoch})] += 1
+        return counts[real]
+
+    counts = position_counts(dynamic)
+    _, p = chi2_goodness_of_fit(counts, np.full(real.size, counts.sum() / real.size))
+    assert p > 1e-3
+    fixed = position_counts(collator())
+    _, p = chi2_goodness_of_fit(fixed, np.full(real.size, fixed.sum() / real.size))
+    assert p < 1e-12
+
+
 def test_batch_labels_and_rtd_hits():
     c = collator()
     samples = [make_sample(i, length=30) for i in range(16)]
     batch = c(samples)
     assert set(batch) == {
         "input_ids", "attention_mask", "mlm_labels", "rtd_labels", "instance_ids", "epoch",
-        "replaced_positions",
+        "replaced_positions", "dropped_slots", "from_store",
     }  # fmt: skip
+    assert not batch["dropped_slots"].any() and (batch["from_store"] == 0).all()  # cold start
     for i, s in enumerate(samples):
         where = batch["replaced_positions"][i]
         where = where[where >= 0].numpy()
@@ -159,3 +217,81 @@ def test_cold_start_draws_are_seeded_per_instance_and_epoch():
     np.testing.assert_array_equal(a, source.replacements(5, 0, np.arange(30)))
     assert not np.array_equal(a, source.replacements(5, 1, np.arange(30)))
     assert not np.array_equal(a, source.replacements(6, 0, np.arange(30)))
+
+
+class FakeStore:
+    """A replacement source that reads "stored" tokens from epoch 1 on: the original token
+    at every third slot (a hit), another token elsewhere."""
+
+    def __init__(self, tokens_of):
+        self.tokens_of = tokens_of
+
+    def replacements(self, instance, epoch, positions, global_index=None):
+        original = self.tokens_of(instance)[positions]
+        other = (original - 5 + 1 + instance % 7) % (VOCAB - 5) + 5
+        return np.where(np.arange(positions.size) % 3 == 0, original, other)
+
+    def reads_store(self, epoch):
+        return epoch >= 1
+
+
+def test_store_tokens_are_counted_and_hits_dropped_on_request():
+    samples = {i: make_sample(i, length=36) for i in range(12)}
+    store = FakeStore(lambda i: samples[i]["tokens"])
+    keep = collator(source=store)
+    drop = collator(source=store, drop_hits=True)
+    for epoch in (0, 1):
+        batch = [{**samples[i], "epoch": epoch} for i in range(12)]
+        kept, dropped = keep(batch), drop(batch)
+        sizes = (kept["replaced_positions"] >= 0).sum(1)
+        # Without dropping, hits stay in S (RTD label 0, MLM label kept).
+        assert not kept["dropped_slots"].any()
+        assert torch.equal(kept["from_store"], sizes if epoch else torch.zeros_like(sizes))
+        assert torch.equal(kept["input_ids"], dropped["input_ids"])
+        assert torch.equal(kept["rtd_labels"], dropped["rtd_labels"])
+        if epoch == 0:  # the cold start is never dropped from
+            assert not dropped["dropped_slots"].any()
+            continue
+        for i in range(12):
+            where = kept["replaced_positions"][i][: sizes[i]]
+            hit = torch.arange(int(sizes[i])) % 3 == 0
+            assert torch.equal(dropped["dropped_slots"][i][: sizes[i]], hit)
+            assert torch.equal(kept["input_ids"][i][where[hit]], kept["mlm_labels"][i][where[hit]])
+            assert (dropped["mlm_labels"][i][where[hit]] == IGNORE_INDEX).all()
+            assert (dropped["mlm_labels"][i][where[~hit]] != IGNORE_INDEX).all()
+            assert (dropped["rtd_labels"][i][where[hit]] == 0).all()
+            assert dropped["from_store"][i] == int((~hit).sum())
+
+
+def test_cold_start_warmup_draws_from_the_tempered_distribution():
+    """The first warmup_samples of the stream draw from p^power (chi-square), later ones and
+    evaluation samples (no global index) from p; the mutation "no warm-up" fails."""
+    counts = np.zeros(VOCAB)
+    counts[5:] = np.arange(1, VOCAB - 4) ** 2  # skewed, as unigram counts are
+    probs = counts / counts.sum()
+    warm = tempered(probs, 0.5)
+    np.testing.assert_allclose(warm[5:], np.sqrt(counts[5:]) / np.sqrt(counts[5:]).sum())
+    source = ColdStart(probs, 3, warmup_probs=warm, warmup_samples=4000)
+
+    def draws(global_index):
+        out = [source.replacements(i, 0, np.arange(20), global_index(i)) for i in range(4000)]
+        return np.bincount(np.concatenate(out), minlength=VOCAB)[5:]
+
+    early, late, evaluation = draws(lambda i: i), draws(lambda i: 4000 + i), draws(lambda i: None)
+    n = early.sum()
+    assert chi2_goodness_of_fit(early, warm[5:] * n)[1] > 1e-3
+    assert chi2_goodness_of_fit(early, probs[5:] * n)[1] < 1e-12
+    for observed in (late, evaluation):
+        assert chi2_goodness_of_fit(observed, probs[5:] * n)[1] > 1e-3
+    with pytest.raises(ConfigError, match="--cold-start-warmup-power"):
+        ReplacementConfig(cold_start_warmup_power=0.0)
+    with pytest.raises(ConfigError, match="--cold-start-warmup-iters"):
+        ReplacementConfig(cold_start_warmup_iters=-1)
+
+
+def test_hit_dropping_needs_self_augmentation():
+    from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig
+
+    assert SelfAugmentationConfig(drop_replacement_hits=True).drop_replacement_hits
+    with pytest.raises(ConfigError, match="^--drop-replacement-hits: .*no store"):
+        SelfAugmentationConfig(self_augmentation=False, drop_replacement_hits=True)

@@ -17,6 +17,7 @@ from tests.helpers import (
     VOCAB,
     build_sas,
     make_sas_batch,
+    normal_std_pvalue,
     tiny_sas_config,
 )
 
@@ -40,7 +41,7 @@ def test_presets_are_table5():
     assert small.head_size == base.head_size == 64
     assert small.max_position_embeddings == base.max_position_embeddings == 512
     assert SasConfig() == dataclasses.replace(base, model_size=None)
-    assert base.layernorm_epsilon == 1e-12 and base.init_method_std == 0.02
+    assert base.norm_epsilon == 1e-12 and base.init_method_std == 0.02
     assert base.hidden_dropout == base.attention_dropout == 0.1
     for name in PRESETS:
         SasConfig.preset(name).validate_parallel(2)
@@ -58,7 +59,9 @@ def test_derived_properties():
     assert SasConfig(
         disentangled_attention=True, position_biased_input=True
     ).uses_position_embeddings
-    assert not SasConfig(position_biased_input=False).uses_position_embeddings
+    assert not SasConfig(
+        disentangled_attention=True, position_biased_input=False
+    ).uses_position_embeddings
     tiny = tiny_sas_config()
     assert tiny.embedding_size != tiny.hidden_size and tiny.head_size == 12
 
@@ -76,8 +79,84 @@ def test_flags():
     assert not c.uses_position_embeddings
     c = _parse(["--disentangled-attention", "--position-biased-input", "--position-buckets", "0"])
     assert c.uses_position_embeddings and c.relative_span == 512
-    assert not _parse(["--no-position-biased-input"]).uses_position_embeddings
+    assert not _parse(
+        ["--disentangled-attention", "--no-position-biased-input"]
+    ).uses_position_embeddings
     assert _parse([]) == SasConfig()
+
+
+def test_layernorm_epsilon_follows_the_variant():
+    # SAS^DA follows DeBERTa (transformers' DebertaV2Config), SAS/SAS^c BERT and ELECTRA.
+    from transformers import DebertaV2Config, ElectraConfig
+
+    assert SasConfig(disentangled_attention=True).norm_epsilon == DebertaV2Config().layer_norm_eps
+    assert SasConfig().norm_epsilon == ElectraConfig().layer_norm_eps == 1e-12
+    assert SasConfig(disentangled_attention=True, layernorm_epsilon=1e-5).norm_epsilon == 1e-5
+    assert _parse(["--disentangled-attention"]).layernorm_epsilon is None  # resolved, not stored
+    model = build_sas(tiny_sas_config(disentangled_attention=True))
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and {m.eps for m in norms} == {1e-7}
+    norms = [m for m in build_sas(tiny_sas_config()).modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and {m.eps for m in norms} == {1e-12}
+
+
+def test_order_blind_encoder_is_a_config_error():
+    with pytest.raises(ConfigError, match="--position-biased-input: without --disentangled"):
+        SasConfig(position_biased_input=False)
+    with pytest.raises(ConfigError, match="order-blind"):
+        _parse(["--model-size", "small", "--no-position-biased-input"])
+    assert not SasConfig(
+        disentangled_attention=True, position_biased_input=False
+    ).uses_position_embeddings
+
+
+def _output_projections(model):
+    layers = model.sas.layers
+    return [layer.attention.dense.weight for layer in layers] + [
+        layer.mlp.fc2.weight for layer in layers
+    ]
+
+
+def _input_projections(model):
+    layers = model.sas.layers
+    return [layer.attention.qkv.weight for layer in layers] + [
+        layer.mlp.fc1.weight for layer in layers
+    ]
+
+
+def test_output_layer_init_megatron_or_electra():
+    """Megatron's scaled init (std / sqrt(2L)) by default, ELECTRA's normal(std) on request,
+    each checked with a chi-square test of the weights' variance; transformers' own ELECTRA
+    init passes the ELECTRA test and fails Megatron's."""
+    from transformers import ElectraConfig, ElectraModel
+
+    sizes = dict(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4)
+    scaled = 0.02 / math.sqrt(2 * 4)
+    for init, std in (("megatron", scaled), ("electra", 0.02)):
+        config = tiny_sas_config(**sizes, output_layer_init=init)
+        assert config.output_layer_std == pytest.approx(std)
+        model = build_sas(config, seed=3)
+        out = torch.cat([w.flatten() for w in _output_projections(model)])  # 4 * 2 * 65536
+        assert normal_std_pvalue(out, std) > 1e-3, init
+        other = 0.02 if init == "megatron" else scaled
+        assert normal_std_pvalue(out, other) < 1e-12, init
+        inputs = torch.cat([w.flatten() for w in _input_projections(model)])
+        assert normal_std_pvalue(inputs, 0.02) > 1e-3, init
+    torch.manual_seed(3)
+    electra = ElectraModel(
+        ElectraConfig(
+            vocab_size=VOCAB, embedding_size=32, hidden_size=128, num_hidden_layers=4,
+            num_attention_heads=4, intermediate_size=512,
+        )
+    )  # fmt: skip
+    reference = torch.cat(
+        [layer.attention.output.dense.weight.flatten() for layer in electra.encoder.layer]
+        + [layer.output.dense.weight.flatten() for layer in electra.encoder.layer]
+    )
+    assert normal_std_pvalue(reference, 0.02) > 1e-3
+    assert normal_std_pvalue(reference, scaled) < 1e-12
+    with pytest.raises(ConfigError, match="--output-layer-init"):
+        SasConfig(output_layer_init="xavier")
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ tests/e2e/test_preemption.py)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -127,22 +128,41 @@ _HANDLER_CHILD = """
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_second_signal_after_the_window_takes_the_default_action(signum):
+def test_a_second_ctrl_c_after_the_window_takes_the_default_action():
     child = python(_HANDLER_CHILD)
     try:
         assert child.stdout.readline() == "ready\n"
-        child.send_signal(signum)
+        child.send_signal(signal.SIGINT)
         first = time.monotonic()
-        assert child.stdout.readline() == f"flag {int(signum)}\n"
-        child.send_signal(signum)  # within the window (a launcher's forwarded copy): one request
+        assert child.stdout.readline() == f"flag {int(signal.SIGINT)}\n"
+        child.send_signal(signal.SIGINT)  # within the window (a launcher's forwarded copy)
         time.sleep(0.3)
         assert child.poll() is None
         time.sleep(max(0.0, first + REPEAT_WINDOW_S + 0.2 - time.monotonic()))
         assert child.poll() is None
-        child.send_signal(signum)  # a user's second Ctrl-C
-        assert child.wait(timeout=10) == -signum
+        child.send_signal(signal.SIGINT)  # a person's second Ctrl-C
+        assert child.wait(timeout=10) == -signal.SIGINT
         assert "Traceback" not in child.stderr.read()  # killed, not a KeyboardInterrupt
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("first", [signal.SIGUSR1, signal.SIGTERM])
+def test_later_signals_are_absorbed_until_the_save_is_done(first):
+    # SLURM: the time-limit warning (USR1) starts a save; scancel's TERM, which launch.sh
+    # forwards as USR1, or the time limit's TERM arrive while it is being written.
+    child = python(_HANDLER_CHILD)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(first)
+        assert child.stdout.readline() == f"flag {int(first)}\n"
+        time.sleep(REPEAT_WINDOW_S + 0.3)
+        for later in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            child.send_signal(later)
+            time.sleep(0.1)
+        time.sleep(0.3)
+        assert child.poll() is None, child.stderr.read()
     finally:
         child.kill()
         child.wait()
@@ -217,12 +237,19 @@ _RANK = """
 """
 
 
+# deepspeed and torchrun set LOCAL_RANK; mpirun's ranks have only MPI's variables until
+# MPI discovery: each ties a rank to its launcher.
+LAUNCHER_ENVS = {"deepspeed/torchrun": {"LOCAL_RANK": "0"},
+                 "mpich": {"PMI_RANK": "0", "PMI_SIZE": "1"},
+                 "open mpi": {"OMPI_COMM_WORLD_RANK": "0"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("launched_by", sorted(LAUNCHER_ENVS))
 @pytest.mark.parametrize("handler", [True, False])
-def test_a_rank_stops_when_its_launcher_dies(tmp_path, handler):
+def test_a_rank_stops_when_its_launcher_dies(tmp_path, handler, launched_by):
     out = tmp_path / "rank.out"
-    # LOCAL_RANK: what deepspeed and torchrun set, and what ties a rank to its launcher.
-    launcher = python(_LAUNCHER, textwrap.dedent(_RANK), str(out), LOCAL_RANK="0",
-                      HANDLER=str(int(handler)))  # fmt: skip
+    env = {**LAUNCHER_ENVS[launched_by], "HANDLER": str(int(handler))}
+    launcher = python(_LAUNCHER, textwrap.dedent(_RANK), str(out), **env)
     try:
         wait_for(lambda: out.is_file() and out.read_text().endswith("\n"), timeout=30)
         rank = int(out.read_text().split()[0])
@@ -236,6 +263,57 @@ def test_a_rank_stops_when_its_launcher_dies(tmp_path, handler):
         assert lines[1] == f"{int(signal.SIGTERM)} launcher process {launcher.pid} exited"
     else:  # no handler: the kernel's SIGTERM ends the rank at once
         assert len(lines) == 1
+
+
+# The deepspeed runner -> its per-node launcher -> a rank still parsing its flags and
+# verifying the checkpoint (slow here on purpose), before any handler exists.
+_RUNNER = """
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3],
+                      "deepspeed.launcher.launch"])
+    time.sleep(60)
+"""
+_NODE_LAUNCHER = """
+    import os, subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=open(sys.argv[2], "w"),
+                     env={**os.environ, "LOCAL_RANK": "0"})
+    time.sleep(60)
+"""
+_SLOW_START_RANK = """
+    import os, sys, time
+    from megatron_taco.recipes.taco import SPEC
+    from megatron_taco.training.pretrain import ModelSpec
+
+    def slow(self, args, **kw):
+        print("pid", os.getpid(), flush=True)
+        time.sleep(60)  # a checkpoint of many GB being checksummed
+        raise SystemExit("still running: not tied to the launcher")
+
+    ModelSpec.configs_from_args = slow
+    SPEC.main(["--data-path", "x", "--tokenizer-model", "x", "--train-iters", "1",
+               "--micro-batch-size", "1"])
+"""
+
+
+@pytest.mark.parametrize("dies", ["launcher", "runner"])
+def test_a_rank_is_tied_to_its_launcher_before_its_flags_are_checked(tmp_path, dies):
+    out = tmp_path / "rank.out"
+    runner = python(_RUNNER, textwrap.dedent(_NODE_LAUNCHER), textwrap.dedent(_SLOW_START_RANK),
+                    str(out))  # fmt: skip
+    launcher = None
+    try:
+        wait_for(lambda: "pid " in (out.read_text() if out.is_file() else ""), timeout=60)
+        rank = int(out.read_text().split("pid ")[1].split()[0])
+        launcher = proc_stat(rank).ppid
+        os.kill(launcher if dies == "launcher" else runner.pid, signal.SIGKILL)
+        # The kernel's death signal (launcher) or the watchdog (runner), within seconds.
+        wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z", timeout=10)
+    finally:
+        runner.kill()
+        runner.wait()
+        if launcher is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launcher, signal.SIGKILL)
 
 
 # -- a peer that dies or hangs, over real gloo process groups --------------------------------
@@ -293,3 +371,113 @@ def test_a_dead_or_hung_peer_is_one_line(mode):
         assert line.startswith("rank 0: all_reduce (") and "test_signals.py:" in line
         assert "timed out after --distributed-timeout-minutes 0.05: a rank hung" in line
         assert 2.5 < took < 15
+
+
+# -- NCCL, apart from NCCL (no GPU here): the environment, the peer watch, the one line ------
+
+
+def test_nccl_environment_makes_errors_raise_and_keeps_the_users_settings():
+    from megatron_taco.training.signals import nccl_environment
+
+    assert nccl_environment({}) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # abort the communicators, keep the process
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    }
+    assert nccl_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"
+    }
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_peer_watch_reports_a_dead_local_rank_at_once():
+    from megatron_taco.training.signals import Peer, PeerWatch
+
+    procs = [_sleeper(), _sleeper()]
+    me = Peer("here", os.getpid(), proc_stat(os.getpid()).start_ticks)
+    peers = [me] + [Peer("here", p.pid, proc_stat(p.pid).start_ticks) for p in procs]
+    peers.append(Peer("elsewhere", procs[0].pid, 0))  # another node: not watched
+    calls = []
+    watch = PeerWatch(peers, 0, calls.append, interval=0.05).start()
+    try:
+        time.sleep(0.3)
+        assert calls == []
+        procs[1].kill()
+        procs[1].wait()
+        wait_for(lambda: calls, timeout=5)
+        assert calls == [[2]] and watch.dead == [2]
+    finally:
+        watch.stop()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _raised_in_all_reduce(error: BaseException) -> BaseException:
+    """``error`` as a collective raises it: from inside torch.distributed.all_reduce."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    real = distributed_c10d._get_default_group
+
+    def fail():
+        raise error
+
+    distributed_c10d._get_default_group = fail
+    try:
+        dist.all_reduce(torch.ones(1))
+    except BaseException as e:
+        return e
+    finally:
+        distributed_c10d._get_default_group = real
+    raise AssertionError("all_reduce did not raise")
+
+
+# NCCL's own words (ProcessGroupNCCL / NCCLUtils), as DistBackendError carries them.
+NCCL_TIMEOUT = (
+    "[PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: "
+    "WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for "
+    "600013 milliseconds before timing out."
+)
+NCCL_ABORTED = "NCCL communicator was aborted on rank 0. Original reason for failure was: "
+NCCL_REMOTE = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:2027, remote "
+    "process exited or there was a network error, NCCL version 2.21.5\n"
+    "ncclRemoteError: A call failed possibly due to a network error or a remote process "
+    "exiting prematurely.\nLast error:\nsocketProgress: Connection closed by remote peer"
+)
+
+
+def test_nccl_errors_are_one_line():
+    import torch.distributed as dist
+
+    from megatron_taco.training.signals import Peer, describe_peer_failure, is_peer_failure
+
+    dead = _sleeper()
+    dead.kill()
+    dead.wait()
+    me = Peer("here", os.getpid(), proc_stat(os.getpid()).start_ticks)
+    alone = [me, Peer("far", 1, 0)]
+    with_dead = [me, Peer("here", dead.pid, 0)]
+    cases = [
+        (NCCL_TIMEOUT, alone, "rank 0: all_reduce ("),
+        (NCCL_ABORTED + NCCL_TIMEOUT, with_dead, f"rank 0: rank 1 (pid {dead.pid}) has died; "),
+        (NCCL_REMOTE, alone, "rank 0: a rank on another node failed or closed the connection"),
+    ]
+    for text, peers, start in cases:
+        error = _raised_in_all_reduce(dist.DistBackendError(text))
+        assert is_peer_failure(error)
+        line = describe_peer_failure(error, 0, peers, 10, wait=0.1)
+        assert line.startswith(start) and "\n" not in line, line
+        assert "all_reduce (" in line and "test_signals.py:" in line, line
+        assert line.endswith("; exiting"), line
+    timeout = describe_peer_failure(_raised_in_all_reduce(dist.DistBackendError(NCCL_TIMEOUT)),
+                                    0, alone, 10, wait=0.1)  # fmt: skip
+    assert "timed out after --distributed-timeout-minutes 10: a rank hung" in timeout
+    assert "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7" in timeout
+    remote = describe_peer_failure(_raised_in_all_reduce(dist.DistBackendError(NCCL_REMOTE)),
+                                   0, alone, 10, wait=0.1)  # fmt: skip
+    assert "(NCCL: remote process exited or there was a network error" in remote

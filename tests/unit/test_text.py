@@ -1,4 +1,5 @@
-"""text.py: wikitext -> plain text, normalisation, and the offline punkt_tab sentence splitter."""
+"""text.py: wikitext -> plain text, normalisation, and the sentence splitters (blingfire, offline
+punkt_tab)."""
 
 import contextlib
 import os
@@ -21,10 +22,13 @@ from megatron_taco.preprocessing.corpora import (
     iter_records,
 )
 from megatron_taco.preprocessing.text import (
+    DEFAULT_SENTENCE_SPLITTER,
     NO_LLAMA_INDEX_ENV,
     PunktNotFoundError,
     SentenceSplitter,
+    SplitterUnavailableError,
     find_punkt_tab,
+    make_sentence_splitter,
     normalize_text,
     split_lines,
     wikitext_to_plain,
@@ -291,3 +295,91 @@ def test_punkt_tab_found_in_llama_index_wheel(isolated_nltk, monkeypatch):
     assert root.endswith(os.path.join("llama_index", "core", "_static", "nltk_cache"))
     with pytest.raises(PunktNotFoundError):
         find_punkt_tab(search_llama_index=False)
+
+
+# ---------------------------------------------------------------------------------------
+# blingfire (the default splitter)
+
+# A line without a full stop, abbreviations punkt gets wrong, non-Latin scripts, emoji.
+HARD_LINES = (
+    "The Symphony No. 5 in C minor, Op. 67, is a symphony by Ludwig van Beethoven. It was "
+    "composed between 1804 and 1808.\n"
+    "A heading without a stop\n"
+    "Sgt. Pepper's Lonely Hearts Club Band is an album by the Beatles. J. A. Cuddon wrote it.\n"
+    "Über café. Ñandú ok. 日本語のテキストです。次の文。 emoji 😀 here! Next?"
+)
+
+
+@pytest.fixture(scope="module")
+def bling():
+    return make_sentence_splitter("blingfire")
+
+
+def _texts():
+    book = (CORPORA / "bookcorpus" / "books" / "botchan-ch1.txt").read_text()
+    wiki = [
+        d.text["text"]
+        for d in iter_records(str(CORPORA / "wikipedia"), "auto", ("text",))
+        if isinstance(d, Document)
+    ]
+    return [book, HARD_LINES, *wiki, "", " \n \n", "one"]
+
+
+def test_blingfire_batches_like_the_library_one_line_at_a_time(bling):
+    import blingfire
+
+    texts = _texts()
+    # The reference: blingfire's own Python entry point, one line per call.
+    expect = [
+        [
+            s.strip()
+            for line in split_lines(t)
+            for s in blingfire.text_to_sentences(line).split("\n")
+        ]
+        for t in texts
+    ]
+    expect = [[s for s in e if s] for e in expect]
+    assert bling.split_many(texts) == expect
+    assert [bling.split(t) for t in texts] == expect
+    assert sum(map(len, expect)) > 100
+
+
+def test_blingfire_lines_are_hard_boundaries_and_nothing_is_lost(bling):
+    sents = bling.split(HARD_LINES)
+    assert "A heading without a stop" in sents  # blingfire alone joins it to the next line
+    assert "The Symphony No. 5 in C minor, Op. 67, is a symphony by Ludwig van Beethoven." in sents
+    assert "日本語のテキストです。" in sents and "emoji 😀 here!" in sents
+    for t in _texts():
+        assert "".join(bling.split(t)).replace(" ", "") == "".join(t.split())
+
+
+def test_blingfire_many_calls_and_a_failing_call(bling, monkeypatch):
+    texts = _texts()
+    expect = bling.split_many(texts)
+    small = make_sentence_splitter("blingfire")
+    monkeypatch.setattr(small, "_MAX_CALL_BYTES", 300)  # dozens of calls
+    assert small.split_many(texts) == expect
+
+    real = small._lib.TextToSentencesWithOffsets
+
+    class FailsOnMarker:  # the library reports an error for any call containing the marker
+        def TextToSentencesWithOffsets(self, data, *args):
+            return -1 if b"MARKER" in data else real(data, *args)
+
+    monkeypatch.setattr(small, "_lib", FailsOnMarker())
+    got = small.split_many(["One here. Two here.", "MARKER line. Not split.", "Three. Four."])
+    # the failing line is kept whole, the others of the same call still split
+    assert got == [["One here.", "Two here."], ["MARKER line. Not split."], ["Three.", "Four."]]
+
+
+def test_blingfire_pickles_and_unavailable_names_the_flag(bling, monkeypatch):
+    clone = pickle.loads(pickle.dumps(bling))
+    assert len(pickle.dumps(bling)) < 200
+    assert clone.split(HARD_LINES) == bling.split(HARD_LINES)
+    monkeypatch.setitem(__import__("sys").modules, "blingfire", None)  # not installed
+    with pytest.raises(SplitterUnavailableError, match="--sentence-splitter punkt"):
+        make_sentence_splitter("blingfire")
+    with pytest.raises(ValueError, match="unknown sentence splitter"):
+        make_sentence_splitter("spacy")
+    assert isinstance(make_sentence_splitter("punkt"), SentenceSplitter)
+    assert DEFAULT_SENTENCE_SPLITTER == "blingfire"

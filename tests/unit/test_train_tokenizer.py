@@ -46,7 +46,7 @@ def test_unigram_from_txt_via_cli(tmp_path, botchan_path):
             "--model-prefix",
             str(prefix),
             "--vocab-size",
-            "300",
+            "400",
             "--num-threads",
             "1",
             "--quiet",
@@ -54,8 +54,8 @@ def test_unigram_from_txt_via_cli(tmp_path, botchan_path):
     )
     assert rc == 0
     tok = Tokenizer(str(prefix) + ".model")
-    assert tok.vocab_size == 300
-    assert Path(str(prefix) + ".vocab").read_text(encoding="utf-8").count("\n") == 300
+    assert tok.vocab_size == 400
+    assert Path(str(prefix) + ".vocab").read_text(encoding="utf-8").count("\n") == 400
     proto = _model_proto(str(prefix) + ".model")
     assert proto.trainer_spec.model_type == model_pb2.TrainerSpec.UNIGRAM
     assert [p.piece for p in proto.pieces[:5]] == list(SPECIAL_PIECES)
@@ -100,7 +100,7 @@ def test_json_keys_select_fields(tmp_path, jsonl_corpus):
             input=(str(jsonl_corpus),),
             json_keys=("text", "meta"),
             model_prefix=str(prefix),
-            vocab_size=300,
+            vocab_size=500,
             character_coverage=1.0,
             num_threads=1,
             quiet=True,
@@ -119,6 +119,7 @@ def test_sampling_is_seeded_and_bounded(tmp_path, botchan_path, caplog):
                     input=(str(botchan_path),),
                     model_prefix=str(prefix),
                     vocab_size=200,
+                    byte_fallback=False,  # small vocabularies: sampling is what is tested
                     input_sentence_size=size,
                     shuffle_input_sentence=shuffle,
                     seed=seed,
@@ -160,6 +161,7 @@ def test_sampling_is_reproducible_across_processes(tmp_path, botchan_path):
                 str(prefix),
                 "--vocab-size",
                 "200",
+                "--no-byte-fallback",
                 "--input-sentence-size",
                 "150",
                 "--num-threads",
@@ -246,7 +248,42 @@ def test_corpus_without_text(tmp_path):
                 input=(str(empty),),
                 model_prefix=str(tmp_path / "m"),
                 vocab_size=100,
+                byte_fallback=False,
                 num_threads=1,
                 quiet=True,
             )
+        )
+
+
+def test_sentence_splitter_choice(tmp_path, botchan_path):
+    for name in ("punkt", "blingfire"):
+        config = cli.TrainTokenizerConfig(
+            input=(str(botchan_path),), model_prefix=str(tmp_path / name), vocab_size=400,
+            split_sentences=True, sentence_splitter=name, num_threads=1, quiet=True,
+        )  # fmt: skip
+        stream = cli._SentenceStream(config, [(str(botchan_path), "bookcorpus")])
+        assert stream.splitter.name == name
+        sentences = list(stream._read())
+        assert len(sentences) > 900 and all(s == s.strip() and s for s in sentences)
+    with pytest.raises(ConfigError, match="--sentence-splitter"):
+        cli.TrainTokenizerConfig(
+            input=(str(botchan_path),), model_prefix=str(tmp_path / "x"), sentence_splitter="x"
+        )
+
+
+def test_byte_fallback_needs_room_and_says_so(tmp_path, botchan_path):
+    with pytest.raises(ConfigError, match="--vocab-size: 200 is too small for --byte-fallback"):
+        cli.TrainTokenizerConfig(
+            input=(str(botchan_path),), model_prefix=str(tmp_path / "m"), vocab_size=200
+        )
+    with pytest.raises(ConfigError, match="--vocab-size: 300 cannot hold the .* byte pieces"):
+        cli.train_tokenizer(
+            cli.TrainTokenizerConfig(
+                input=(str(botchan_path),),
+                model_prefix=str(tmp_path / "m"),
+                vocab_size=300,
+                character_coverage=1.0,
+                num_threads=1,
+                quiet=True,
+            )  # fmt: skip
         )

@@ -124,7 +124,9 @@ class EncoderConfig(PresetConfig):
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             require(0.0 <= value < 1.0, cls, name, f"must be in [0, 1), got {value}")
-        require(self.layernorm_epsilon > 0, cls, "layernorm_epsilon", "must be > 0")
+        # None: the model resolves its own default (SAS: by variant).
+        eps = self.layernorm_epsilon
+        require(eps is None or eps > 0, cls, "layernorm_epsilon", f"must be > 0, got {eps}")
         require(self.init_method_std > 0, cls, "init_method_std", "must be > 0")
         require(
             self.model_size is None or self.model_size in cls.PRESETS,

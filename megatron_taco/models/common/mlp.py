@@ -12,14 +12,25 @@ from megatron_taco.parallel.state import ParallelState
 
 class ParallelMLP(nn.Module):
     """fc2(GELU(fc1(x))): fc1 splits the FFN columns over tp, fc2 all-reduces the partial
-    sums. fc2 feeds a residual, so it gets Megatron's std / sqrt(2 * num_layers) init."""
+    sums. fc2 feeds a residual, so it gets Megatron's std / sqrt(2 * num_layers) init unless
+    ``output_std`` says otherwise (ELECTRA/DeBERTa draw it like every other layer)."""
 
     def __init__(
-        self, hidden: int, ffn: int, parallel: ParallelState, *, init_std: float, num_layers: int
+        self,
+        hidden: int,
+        ffn: int,
+        parallel: ParallelState,
+        *,
+        init_std: float,
+        num_layers: int,
+        output_std: float | None = None,
     ) -> None:
         super().__init__()
         init = init_method_normal(init_std)
-        out_init = scaled_init_method_normal(init_std, num_layers)
+        if output_std is None:
+            out_init = scaled_init_method_normal(init_std, num_layers)
+        else:
+            out_init = init_method_normal(output_std)
         self.fc1 = ColumnParallelLinear(hidden, ffn, parallel, init_method=init)
         self.fc2 = RowParallelLinear(ffn, hidden, parallel, init_method=out_init)
 

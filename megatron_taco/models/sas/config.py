@@ -8,11 +8,16 @@ shared with the content, optional log buckets).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatron_taco.arguments import flag_of, option, require
 from megatron_taco.models.common.config import EncoderConfig
+
+BERT_LAYERNORM_EPSILON = 1e-12  # BERT, ELECTRA
+DEBERTA_LAYERNORM_EPSILON = 1e-7  # DeBERTa-v2/v3 (transformers' DebertaV2Config default)
+OUTPUT_LAYER_INITS = ("megatron", "electra")
 
 # Presets override only architecture sizes; dropout/init/eps keep the defaults.
 # "small"/"base" are Table 5's "All Other Small Models" / "All Base Models" columns.
@@ -96,6 +101,20 @@ class SasConfig(EncoderConfig):
         "as in DeBERTa-v2/v3).",
         "--position-biased-input",
     )
+    layernorm_epsilon: float | None = _opt(
+        None,
+        "LayerNorm epsilon (default: 1e-12 as BERT/ELECTRA for SAS and SAS^c, 1e-7 as "
+        "DeBERTa for SAS^DA).",
+        "--layernorm-epsilon",
+    )
+    output_layer_init: str = _opt(
+        "megatron",
+        "Init of the attention-output and FFN-output projections: 'megatron' draws them from "
+        "normal(--init-method-std / sqrt(2 * layers)) (Megatron-LM's scaled init); 'electra' "
+        "from normal(--init-method-std), as ELECTRA and DeBERTa initialise every linear layer.",
+        "--output-layer-init",
+        choices=OUTPUT_LAYER_INITS,
+    )
     model_size: str | None = _opt(
         None,
         "Start from a preset (Table 5); explicitly given flags override it.",
@@ -123,6 +142,21 @@ class SasConfig(EncoderConfig):
         if self.max_relative_positions is not None:
             self.require_positive_ints("max_relative_positions")
         self._check_buckets()
+        # Without absolute positions only the disentangled attention sees token order; a
+        # plain BERT encoder would be a bag of words.
+        require(
+            self.position_biased_input is not False or self.disentangled_attention,
+            cls,
+            "position_biased_input",
+            "without --disentangled-attention the encoder would have no position information "
+            "(order-blind); drop --no-position-biased-input or add --disentangled-attention",
+        )
+        require(
+            self.output_layer_init in OUTPUT_LAYER_INITS,
+            cls,
+            "output_layer_init",
+            f"must be one of {OUTPUT_LAYER_INITS}, got {self.output_layer_init!r}",
+        )
         self.validate_common()
 
     def _check_buckets(self) -> None:
@@ -158,6 +192,22 @@ class SasConfig(EncoderConfig):
         if self.position_biased_input is None:
             return not self.disentangled_attention
         return self.position_biased_input
+
+    @property
+    def norm_epsilon(self) -> float:
+        """--layernorm-epsilon resolved: DeBERTa's 1e-7 for SAS^DA, BERT's 1e-12 otherwise."""
+        if self.layernorm_epsilon is not None:
+            return self.layernorm_epsilon
+        if self.disentangled_attention:
+            return DEBERTA_LAYERNORM_EPSILON
+        return BERT_LAYERNORM_EPSILON
+
+    @property
+    def output_layer_std(self) -> float:
+        """Std of the attention-output and FFN-output projections (--output-layer-init)."""
+        if self.output_layer_init == "electra":
+            return self.init_method_std
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
 
     @property
     def relative_positions(self) -> int:

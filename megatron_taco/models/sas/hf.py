@@ -48,7 +48,7 @@ def _common_kwargs(config: SasConfig) -> dict[str, Any]:
         attention_probs_dropout_prob=config.attention_dropout,
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.init_method_std,
-        layer_norm_eps=config.layernorm_epsilon,
+        layer_norm_eps=config.norm_epsilon,
     )
 
 

@@ -30,7 +30,6 @@ from megatron_taco.models.common.layers import (
     gelu,
     init_from_master_,
     init_method_normal,
-    scaled_init_method_normal,
 )
 from megatron_taco.models.common.lm_head import (
     PredictionTransform,
@@ -85,7 +84,7 @@ class SasEmbeddings(nn.Module):
         super().__init__()
         config.require_vocab()
         self.config = config
-        std, eps = config.init_method_std, config.layernorm_epsilon
+        std, eps = config.init_method_std, config.norm_epsilon
         emb, hidden = config.embedding_size, config.hidden_size
         da = config.disentangled_attention
         self.word_embeddings = VocabParallelEmbedding(
@@ -217,7 +216,7 @@ class SasAttention(nn.Module):
             hidden,
             hidden,
             parallel,
-            init_method=scaled_init_method_normal(std, config.num_layers),
+            init_method=init_method_normal(config.output_layer_std),
         )
         # DeBERTa drops the relative rows again in every layer (its pos_dropout).
         self.relative_dropout = nn.Dropout(config.hidden_dropout) if self.disentangled else None
@@ -275,7 +274,7 @@ class SasLayer(nn.Module):
 
     def __init__(self, config: SasConfig, parallel: ParallelState, rng_tracker=None) -> None:
         super().__init__()
-        eps = config.layernorm_epsilon
+        eps = config.norm_epsilon
         self.attention = SasAttention(config, parallel, rng_tracker)
         self.attention_layernorm = LayerNorm(config.hidden_size, eps)
         self.mlp = ParallelMLP(
@@ -284,6 +283,7 @@ class SasLayer(nn.Module):
             parallel,
             init_std=config.init_method_std,
             num_layers=config.num_layers,
+            output_std=config.output_layer_std,
         )
         self.output_layernorm = LayerNorm(config.hidden_size, eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -379,7 +379,7 @@ class SasPretrainingHeads(nn.Module):
         self.tp_group = parallel.tp_group
         hidden, std = config.hidden_size, config.init_method_std
         self.mlm_transform = PredictionTransform(
-            hidden, config.embedding_size, init_std=std, eps=config.layernorm_epsilon
+            hidden, config.embedding_size, init_std=std, eps=config.norm_epsilon
         )
         self.mlm_bias = vocab_parallel_bias(config.vocab_size, parallel)
         self.rtd_dense = replicated_linear(hidden, hidden, std)

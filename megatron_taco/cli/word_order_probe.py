@@ -1,0 +1,489 @@
+"""The word-order probe of the TACO paper's Figure 1 (taco-word-order-probe,
+tools/word_order_probe.py): how much the last-layer vector of the same word, and of [CLS],
+changes between sentences that reorder the same words.
+
+    python tools/word_order_probe.py --load taco_ckpt --load sas_ckpt --load bert-base-dir \\
+        [--sentences sentences.txt] [--output-dir probe]
+
+For every pair of sentences and every word they share: the paper's Distance
+d(v1, v2) = |v1 - v2| / min(|v1|, |v2|) and Angle arccos(v1.v2 / (|v1| |v2|)) (radians; the
+table gives degrees too), and the same two numbers for the first token ([CLS]) of each pair.
+Written: a table on stdout, word_order_probe.json and .csv, and word_order_probe.png in the
+style of Figure 1, one column per model (words of --plot-pair on top, [CLS] of every pair
+below).
+
+Models: our checkpoints (TACO, SAS; any tensor-parallel size, ZeRO 0-2; the latest
+iteration) and transformers model directories (BERT, DeBERTa, an exported TACO with
+--trust-remote-code), read from disk only.
+
+Which vector (the paper's Figure 1 probes BERT and DeBERTa only; for TACO it says "TACO
+concatenates WE and PE output vector of each token as its complete representation" and that
+the complete representations of the last layer feed the task layers): --taco-stream both
+(default) is that complete representation [h_WE; h_PE]; we / pe probe one stream alone.
+
+Words and shared words: a word is a run of letters/digits or one punctuation character (as
+BERT's basic tokenizer splits); its vector is the mean (--subword mean, default) or the
+first (--subword first) of the last-layer vectors of the subword pieces that overlap its
+characters (a piece spanning two words counts for both; specials count for none). Two
+sentences share a word when it occurs in both, compared case-insensitively ("Once" matches
+"once"); the k-th occurrence in one sentence is paired with the k-th in the other, and
+occurrences beyond the smaller count are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import os
+import re
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_taco.arguments import (
+    ConfigError,
+    add_dataclass_args,
+    dataclass_from_args,
+    option,
+    require,
+    run_cli,
+)
+from megatron_taco.training.consolidate import CheckpointError
+
+PROG = "word_order_probe.py"
+log = logging.getLogger(__name__)
+
+# The TACO paper's three sentences (its introduction; Figure 1).
+PAPER_SENTENCES = (
+    "Bob once asked Alice to borrow a book.",
+    "Once, Bob asked Alice to borrow a book.",
+    "Bob once borrow Alice to asked a book.",
+)
+_WORD = re.compile(r"\w+|[^\w\s]")
+OUTPUT_NAME = "word_order_probe"
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    load: tuple[str, ...] = option((), "Models to probe.", cli=False)
+    sentences: str | None = option(
+        None, "Text file of sentences, one per line (default: the TACO paper's three)."
+    )
+    taco_stream: str = option(
+        "both",
+        "TACO's vector: both = the complete representation [h_WE; h_PE]; we / pe = one stream.",
+        choices=("both", "we", "pe"),
+    )
+    subword: str = option(
+        "mean",
+        "A word's vector from its subword pieces: their mean, or the first piece's.",
+        choices=("mean", "first"),
+    )
+    plot_pair: tuple[int, ...] = option(
+        (1, 2), "The two sentences (1-based) whose shared words the PNG shows."
+    )
+    tokenizer_model: str | None = option(
+        None, "Sentencepiece model of our checkpoints (default: the one each metadata names)."
+    )
+    trust_remote_code: bool = option(
+        False, "Run the modeling code of transformers directories that ship their own."
+    )
+    output_dir: str = option(OUTPUT_NAME, "Directory for the JSON, CSV and PNG files.")
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        require(len(self.load) > 0, cls, "load", "give at least one model")
+        pair = self.plot_pair
+        require(
+            len(pair) == 2 and pair[0] != pair[1] and min(pair) >= 1,
+            cls,
+            "plot_pair",
+            f"needs two different sentence numbers >= 1, got {list(pair)}",
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Measures
+
+
+def distance(v1: np.ndarray, v2: np.ndarray) -> float:
+    """|v1 - v2| / min(|v1|, |v2|)."""
+    v1, v2 = np.asarray(v1, np.float64), np.asarray(v2, np.float64)
+    return float(np.linalg.norm(v1 - v2) / min(np.linalg.norm(v1), np.linalg.norm(v2)))
+
+
+def angle(v1: np.ndarray, v2: np.ndarray) -> float:
+    """arccos(v1.v2 / (|v1| |v2|)) in radians; the cosine is clipped to [-1, 1], which
+    rounding can leave by an ulp for (anti)parallel vectors."""
+    v1, v2 = np.asarray(v1, np.float64), np.asarray(v2, np.float64)
+    cos = np.dot(v1, v2) / (np.linalg.norm(v1) * np.linalg.norm(v2))
+    return float(np.arccos(np.clip(cos, -1.0, 1.0)))
+
+
+# ---------------------------------------------------------------------------------------
+# Words, pieces, shared words
+
+Span = tuple[int, int]  # [start, end) in characters
+
+
+@dataclass(frozen=True)
+class Word:
+    text: str  # as written
+    key: str  # case-folded
+    occurrence: int  # 0 for the first time ``key`` occurs in the sentence, 1 next, ...
+    span: Span
+
+
+def words_of(text: str) -> list[Word]:
+    seen: dict[str, int] = defaultdict(int)
+    words = []
+    for m in _WORD.finditer(text):
+        key = m.group().casefold()
+        words.append(Word(m.group(), key, seen[key], m.span()))
+        seen[key] += 1
+    return words
+
+
+def word_vectors(
+    words: Sequence[Word], pieces: Sequence[Span], hidden: np.ndarray, rule: str
+) -> tuple[list[Word], np.ndarray]:
+    """(the words some piece covers, their vectors [n, H]). ``pieces[i]`` is the character
+    span of row i of ``hidden``; empty spans (specials) cover nothing."""
+    kept, vectors = [], []
+    for word in words:
+        start, end = word.span
+        rows = [i for i, (s, e) in enumerate(pieces) if s < e and s < end and e > start]
+        if not rows:
+            log.warning("no subword piece covers %r; left out", word.text)
+            continue
+        kept.append(word)
+        vectors.append(hidden[rows[0]] if rule == "first" else hidden[rows].mean(axis=0))
+    width = hidden.shape[-1]
+    return kept, np.stack(vectors) if vectors else np.zeros((0, width))
+
+
+def shared_words(a: Sequence[Word], b: Sequence[Word]) -> list[tuple[int, int]]:
+    """Index pairs (i in a, j in b) of the same word, k-th occurrence with k-th, in a's order."""
+    in_b = {(w.key, w.occurrence): j for j, w in enumerate(b)}
+    return [
+        (i, in_b[w.key, w.occurrence]) for i, w in enumerate(a) if (w.key, w.occurrence) in in_b
+    ]
+
+
+def char_spans_from_bytes(text: str, spans: Sequence[Span]) -> list[Span]:
+    """Sentencepiece reports UTF-8 byte offsets; the words are found in characters."""
+    char_at = np.zeros(len(text.encode("utf-8")) + 1, dtype=np.int64)
+    pos = 0
+    for i, ch in enumerate(text):
+        n = len(ch.encode("utf-8"))
+        char_at[pos : pos + n] = i
+        pos += n
+    char_at[pos] = len(text)
+    return [(int(char_at[s]), int(char_at[e])) for s, e in spans]
+
+
+# ---------------------------------------------------------------------------------------
+# Encoders: text -> (piece spans, last-layer vectors [n, H] float64, [CLS] vector [H])
+
+Encoded = tuple[list[Span], np.ndarray, np.ndarray]
+
+
+@dataclass
+class Encoder:
+    label: str
+    encode: Callable[[str], Encoded]
+
+
+def _stream(hidden, we_width: int, stream: str):
+    # [..., d_WE + d_PE] -> the chosen part.
+    if stream == "we":
+        return hidden[..., :we_width]
+    if stream == "pe":
+        return hidden[..., we_width:]
+    return hidden
+
+
+def our_encoder(path: str, config: ProbeConfig) -> Encoder:
+    import sentencepiece as spm
+    import torch
+
+    from megatron_taco.parallel.state import single_process_state
+    from megatron_taco.recipes.registry import checkpoint_tokenizer, read_checkpoint
+    from megatron_taco.training.consolidate import ModelLayout
+
+    # The default optimizer=True matters: under ZeRO 1-2 with bf16 the fp32 master weights
+    # live in the optimizer's shards, the model files hold only bf16 copies.
+    try:
+        states, model_config, build = read_checkpoint(path, tokenizer_model=config.tokenizer_model)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"--load: {path} is neither a transformers model directory (no config.json) nor a "
+            f"checkpoint we can read ({e})"
+        ) from None
+    info = states.info
+    sp = spm.SentencePieceProcessor(model_file=checkpoint_tokenizer(info, config.tokenizer_model))
+    (state_dict,) = ModelLayout(build, 1, model_config.vocab_size).split(states.full_state_dict())
+    model = build(single_process_state(), model_config.vocab_size)
+    model.load_state_dict(state_dict, strict=True)
+    model.eval()
+    taco = info.model == "TACO"
+    limit = model_config.max_position_embeddings
+
+    def encode(text: str) -> Encoded:
+        proto = sp.encode(text, return_type="proto")
+        ids = [2, *(p.id for p in proto.pieces), 3]  # [CLS] ... [SEP]
+        if len(ids) > limit:
+            raise ConfigError(
+                f"--sentences: {_short(text)} has {len(ids)} tokens; {path} takes {limit}"
+            )
+        spans = char_spans_from_bytes(text, [(p.begin, p.end) for p in proto.pieces])
+        x = torch.tensor([ids])
+        mask = torch.ones_like(x, dtype=torch.bool)
+        with torch.no_grad():
+            if taco:
+                pos = torch.arange(len(ids))[None]  # as the collator: 0..n-1
+                we, pe = model.taco(x, pos, mask)
+                hidden = _stream(torch.cat([we, pe], -1), we.shape[-1], config.taco_stream)
+            else:
+                hidden = model.sas(x, mask)
+        hidden = hidden[0].double().numpy()
+        return [(0, 0), *spans, (0, 0)], hidden, hidden[0]
+
+    kind = f"TACO ({config.taco_stream})" if taco else "SAS"
+    return Encoder(f"{kind}: {_name(path)} iter {info.iteration}", encode)
+
+
+def transformers_encoder(path: str, config: ProbeConfig) -> Encoder:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("auto_map") and not config.trust_remote_code:
+        raise ConfigError(
+            f"--load: {path} ships its own modeling code (config.json auto_map); "
+            "pass --trust-remote-code to run it"
+        )
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    remote = {"trust_remote_code": config.trust_remote_code, "local_files_only": True}
+    tok = AutoTokenizer.from_pretrained(path, **remote)
+    if not tok.is_fast:
+        raise ConfigError(f"--load: {path}: the probe needs a fast tokenizer (character offsets)")
+    model = AutoModel.from_pretrained(path, **remote).eval()
+    taco = meta.get("model_type") == "taco"
+    limit = meta.get("max_position_embeddings")
+
+    def encode(text: str) -> Encoded:
+        enc = tok(text, return_offsets_mapping=True, return_tensors="pt")
+        n = enc["input_ids"].shape[1]
+        if limit is not None and n > limit:
+            raise ConfigError(f"--sentences: {_short(text)} has {n} tokens; {path} takes {limit}")
+        spans = [tuple(map(int, s)) for s in enc.pop("offset_mapping")[0].tolist()]
+        with torch.no_grad():
+            hidden = model(**enc).last_hidden_state[0]
+        if taco:
+            hidden = _stream(hidden, model.config.we_hidden_size, config.taco_stream)
+        hidden = hidden.double().numpy()
+        return spans, hidden, hidden[0]
+
+    kind = meta.get("model_type", "transformers")
+    if taco:
+        kind += f" ({config.taco_stream})"
+    return Encoder(f"{kind}: {_name(path)}", encode)
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:37] + "...")
+
+
+def _name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path))
+
+
+def load_encoder(path: str, config: ProbeConfig) -> Encoder:
+    if not os.path.isdir(path):
+        raise ConfigError(f"--load: {path} is not a directory")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return transformers_encoder(path, config)
+    return our_encoder(path, config)
+
+
+# ---------------------------------------------------------------------------------------
+# The probe
+
+
+def _measures(v1, v2) -> dict[str, float]:
+    a = angle(v1, v2)
+    return {"distance": distance(v1, v2), "angle_rad": a, "angle_deg": math.degrees(a)}
+
+
+def probe(encoder: Encoder, sentences: Sequence[str], rule: str) -> dict:
+    """{"label", "tokens": [per pair and shared word], "cls": [per pair]}."""
+    per_sentence = []
+    for text in sentences:
+        spans, hidden, cls = encoder.encode(text)
+        words, vectors = word_vectors(words_of(text), spans, hidden, rule)
+        per_sentence.append((words, vectors, cls))
+    tokens, cls_rows = [], []
+    for i in range(len(sentences)):
+        for j in range(i + 1, len(sentences)):
+            (wa, va, ca), (wb, vb, cb) = per_sentence[i], per_sentence[j]
+            pair = [i + 1, j + 1]
+            for a, b in shared_words(wa, wb):
+                word = wa[a]
+                row = {"pair": pair, "word": word.text, "occurrence": word.occurrence}
+                tokens.append({**row, **_measures(va[a], vb[b])})
+            cls_rows.append({"pair": pair, **_measures(ca, cb)})
+    return {"label": encoder.label, "tokens": tokens, "cls": cls_rows}
+
+
+def read_sentences(path: str | None) -> list[str]:
+    if path is None:
+        return list(PAPER_SENTENCES)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--sentences: cannot read {path} ({e})") from None
+    sentences = [line for line in lines if line]
+    if len(sentences) < 2:
+        raise ConfigError(f"--sentences: {path} has {len(sentences)} sentences; give at least 2")
+    return sentences
+
+
+# ---------------------------------------------------------------------------------------
+# Output
+
+
+def _token_label(row: dict) -> str:
+    return row["word"] + (f"#{row['occurrence'] + 1}" if row["occurrence"] else "")
+
+
+def format_table(results: Sequence[dict], sentences: Sequence[str]) -> str:
+    lines = [f"  {i}. {s}" for i, s in enumerate(sentences, 1)]
+    for model in results:
+        lines += [
+            "",
+            f"== {model['label']}",
+            f"{'pair':<6}{'token':<16}{'distance':>10}{'angle':>10}",
+        ]
+        for row in [*model["tokens"], *({**r, "word": "[CLS]"} for r in model["cls"])]:
+            pair = "{}-{}".format(*row["pair"])
+            token = row["word"] if "occurrence" not in row else _token_label(row)
+            lines.append(f"{pair:<6}{token:<16}{row['distance']:>10.4f}{row['angle_deg']:>9.2f}°")
+    return "\n".join(lines)
+
+
+def write_csv(path: str, results: Sequence[dict]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        out = csv.writer(f)
+        out.writerow(["model", "pair", "token", "occurrence", "distance", "angle_rad", "angle_deg"])
+        for model in results:
+            for row in model["tokens"]:
+                out.writerow([model["label"], "{}-{}".format(*row["pair"]), row["word"],
+                              row["occurrence"] + 1, row["distance"], row["angle_rad"],
+                              row["angle_deg"]])  # fmt: skip
+            for row in model["cls"]:
+                out.writerow([model["label"], "{}-{}".format(*row["pair"]), "[CLS]", 1,
+                              row["distance"], row["angle_rad"], row["angle_deg"]])  # fmt: skip
+
+
+def plot(path: str, results: Sequence[dict], pair: Sequence[int]) -> None:
+    """Figure 1's style: bars of Distance and Angle (radians) per shared word of ``pair``,
+    and per sentence pair for [CLS]; one column per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(
+        2, n, figsize=(4.2 * n + 0.6, 6.0), squeeze=False, height_ratios=(2, 1)
+    )
+    for col, model in enumerate(results):
+        rows = [r for r in model["tokens"] if r["pair"] == list(pair)]
+        panels = (
+            (axes[0, col], [_token_label(r) for r in rows], rows,
+             f"({chr(97 + col)}) {model['label']}\nsentence {pair[0]} vs {pair[1]}"),
+            (axes[1, col], ["{}-{}".format(*r["pair"]) for r in model["cls"]], model["cls"],
+             "[CLS], every pair of sentences"),
+        )  # fmt: skip
+        for ax, labels, data, title in panels:
+            x = np.arange(len(labels))
+            ax.bar(x - 0.2, [r["distance"] for r in data], 0.4, label="Distance")
+            ax.bar(x + 0.2, [r["angle_rad"] for r in data], 0.4, label="Angle (rad)")
+            ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+            ax.set_title(title, fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0, col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(config: ProbeConfig) -> dict:
+    sentences = read_sentences(config.sentences)
+    if max(config.plot_pair) > len(sentences):
+        raise ConfigError(
+            f"--plot-pair: {list(config.plot_pair)} but there are {len(sentences)} sentences"
+        )
+    encoders = [load_encoder(path, config) for path in config.load]
+    results = [probe(e, sentences, config.subword) for e in encoders]
+    labels = [r["label"] for r in results]
+    for i, r in enumerate(results):  # two --load of the same name stay apart
+        if labels.count(r["label"]) > 1:
+            r["label"] += f" [{i + 1}]"
+    os.makedirs(config.output_dir, exist_ok=True)
+    base = os.path.join(config.output_dir, OUTPUT_NAME)
+    report = {
+        "sentences": sentences,
+        "representation": {
+            "layer": "last",
+            "taco_stream": config.taco_stream,
+            "subword": config.subword,
+        },
+        "models": [{"source": p, **r} for p, r in zip(config.load, results)],
+    }
+    with open(base + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    write_csv(base + ".csv", results)
+    plot(base + ".png", results, config.plot_pair)
+    print(format_table(results, sentences))
+    print(f"\nwrote {base}.json, {base}.csv, {base}.png")
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[3:]),
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "--load",
+        action="extend",
+        nargs="+",
+        required=True,
+        help="Our checkpoint directory (a --save of pre-training) or a transformers model "
+        "directory; repeat for several models.",
+    )
+    add_dataclass_args(p, ProbeConfig, "word-order probe")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args: argparse.Namespace) -> None:
+        run(dataclass_from_args(ProbeConfig, args, load=tuple(args.load)))
+
+    return run_cli(build_parser(), argv, body, user_errors=(CheckpointError, ImportError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,633 @@
+"""Fine-tune a pretrained TACO or SAS checkpoint on a downstream task, on the pretraining
+driver (training/pretrain.py): the same launchers, tensor/data parallelism, ZeRO stages,
+checkpoints, exact resume, preemption handling and logs.
+
+    taco-finetune --load ckpt/sas_small --task cola --data-dir glue_data/CoLA \\
+        --output runs/cola --lr 1e-4 --epochs 20 --global-batch-size 32
+
+What it adds to the driver is a recipe: the encoder of the checkpoint --load names (any
+layout: its tp shards are merged and re-split for this run's tp size), a task head
+(models/finetune.py), the task's features (tasks/), and the DevEvaluation callback that
+scores every dev split after each epoch and writes OUTPUT/results.json. OUTPUT holds
+everything of the run: results.json, metrics.jsonl, tensorboard/, the PNG, checkpoints/
+(to resume an interrupted run: start the same command again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_taco.arguments import (
+    ConfigError,
+    add_dataclass_args,
+    dataclass_from_args,
+    option,
+    require,
+)
+from megatron_taco.parallel.config import ParallelConfig, check_world_size
+from megatron_taco.training.checkpointing import CheckpointConfig, prepare_checkpoints
+from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+from megatron_taco.training.pretrain import (
+    BuildContext,
+    ModelParts,
+    ModelSpec,
+    PretrainConfigs,
+    add_launcher_compat_args,
+    verify_once_per_node,
+)
+from megatron_taco.training.signals import ExitConfig
+
+
+@dataclass(frozen=True)
+class PretrainedCheckpoint:
+    """The verified checkpoint --load names (recorded in the run's metadata)."""
+
+    load: str
+    iteration: int
+    model: str  # "TACO" | "SAS", from its metadata.json
+    model_size: str | None = None
+
+
+PRETRAINED = "pretrained"  # once_per_node's name for the --load verification
+RUN_FILE = "run.json"  # what OUTPUT was started with: a restart must match it
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    load: str | None = option(
+        None,
+        "Pretrained checkpoint directory (a --save of pretrain_taco.py or pretrain_sas.py; any "
+        "tensor-parallel size, ZeRO stage 0-2). The model kind and its configuration are read "
+        "from its metadata.json.",
+        flag="--load",
+    )
+    ckpt_step: int | None = option(
+        None, "Iteration of --load to fine-tune (default: the latest).", flag="--ckpt-step"
+    )
+    output: str | None = option(
+        None,
+        "Directory of this run: results.json, metrics.jsonl, tensorboard/, the PNG and "
+        "checkpoints/. A new directory, or the one of an interrupted run with the same "
+        "settings, which then resumes.",
+        flag="--output",
+    )
+    random_init: bool = option(
+        False,
+        "Build --load's architecture but keep its random initialisation instead of the "
+        "pretrained weights: the baseline that shows what pretraining bought.",
+        flag="--random-init",
+    )
+    classifier_dropout: float | None = option(
+        None,
+        "Dropout before the task head (default: the encoder's hidden dropout).",
+        flag="--classifier-dropout",
+    )
+    epoch_selection: str = option(
+        "best",
+        "Which epoch's dev scores the run reports: the best by the task's main metric (the "
+        "SAS paper's protocol for small tasks) or the last.",
+        flag="--epoch-selection",
+        choices=("best", "last"),
+    )
+    save_every_epoch: bool = option(
+        True,
+        "Save a checkpoint after every epoch's evaluation, so an interrupted run resumes at "
+        "the last epoch boundary (besides --save-interval and exit signals).",
+        flag="--save-every-epoch",
+    )
+
+    def __post_init__(self) -> None:
+        cls = FinetuneConfig
+        require(bool(self.load), cls, "load", "the pretrained checkpoint directory is required")
+        require(bool(self.output), cls, "output", "the run's output directory is required")
+        if self.classifier_dropout is not None:
+            require(
+                0 <= self.classifier_dropout < 1,
+                cls,
+                "classifier_dropout",
+                f"must be in [0, 1), got {self.classifier_dropout}",
+            )
+
+
+@dataclass(frozen=True)
+class TaskDataConfig:
+    task: str = option(None, "Downstream task (tasks.TASKS).", flag="--task")
+    data_dir: str = option(
+        None,
+        "The task's data as its benchmark distributes it (GLUE: the task's folder, e.g. "
+        "glue_data/MNLI, or Hugging Face datasets splits; SQuAD: the folder with its JSON "
+        "files; RACE: the folder with train/dev/test).",
+        flag="--data-dir",
+    )
+    seq_length: int | None = option(
+        None,
+        "Tokens per sequence including [CLS]/[SEP] (default: 128 for GLUE, 384 for SQuAD, "
+        "512 for RACE; at most the model's position table).",
+        flag="--seq-length",
+    )
+    doc_stride: int = option(128, "SQuAD: tokens between context windows.", flag="--doc-stride")
+    max_query_length: int = option(64, "SQuAD: question tokens kept.", flag="--max-query-length")
+    max_answer_length: int = option(
+        30, "SQuAD: longest answer span decoded, in tokens.", flag="--max-answer-length"
+    )
+    n_best_size: int = option(20, "SQuAD: start/end candidates decoded.", flag="--n-best-size")
+    tokenizer_model: str | None = option(
+        None,
+        "Sentencepiece model (default: the one --load's metadata.json names).",
+        flag="--tokenizer-model",
+    )
+    seed: int = option(1234, "Seed of the head's init, shuffling and dropout.", flag="--seed")
+    num_workers: int = option(1, "DataLoader worker processes per rank.", flag="--num-workers")
+
+    def __post_init__(self) -> None:
+        from megatron_taco.tasks import TASKS
+
+        cls = TaskDataConfig
+        require(
+            self.task in TASKS, cls, "task", f"unknown task {self.task!r}; one of {sorted(TASKS)}"
+        )
+        require(bool(self.data_dir), cls, "data_dir", "the task's data directory is required")
+        if self.seq_length is not None:
+            require(self.seq_length >= 8, cls, "seq_length", f"must be >= 8, got {self.seq_length}")
+        for name in ("doc_stride", "max_query_length", "max_answer_length", "n_best_size"):
+            require(getattr(self, name) >= 1, cls, name, f"must be >= 1, got {getattr(self, name)}")
+        require(self.num_workers >= 0, cls, "num_workers", "must be >= 0")
+
+    @property
+    def info(self):
+        from megatron_taco.tasks import TASKS
+
+        return TASKS[self.task]
+
+
+DEFAULT_SEQ_LENGTH = {"span": 384, "multiple_choice": 512}
+
+# TrainingConfig fields this recipe sets itself (under --output) or does not use.
+_OWN_TRAINING_FIELDS = (
+    "train_iters",
+    "train_epochs",
+    "save",
+    "load",
+    "ckpt_step",
+    "finetune",
+    "no_load_optim",
+    "no_load_rng",
+    "tensorboard_dir",
+    "metrics_file",
+    "eval_iters",
+    "eval_interval",
+)
+# Fine-tuning defaults (the SAS paper's Table 6 where it gives one).
+_DEFAULTS = {
+    "train_epochs": 3,
+    "micro_batch_size": 32,
+    "lr": 1e-4,
+    "lr_warmup_fraction": 0.1,
+    "weight_decay": 0.0,
+    "log_interval": 10,
+}
+
+
+def _set_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    """parser.set_defaults that also corrects the "(default: ...)" of each flag's help."""
+    for action in parser._actions:
+        if action.dest in defaults:
+            action.default = defaults[action.dest]
+            if action.help and "(default:" in action.help:
+                action.help = action.help[: action.help.rindex("(default:")].rstrip()
+            if action.help is not None:
+                action.help += f" (default: {defaults[action.dest]})"
+
+
+def output_paths(output: str) -> dict[str, str]:
+    return {
+        "save": os.path.join(output, CHECKPOINTS),
+        "load": os.path.join(output, CHECKPOINTS),
+        "tensorboard_dir": os.path.join(output, "tensorboard"),
+        "metrics_file": os.path.join(output, "metrics.jsonl"),
+    }
+
+
+@dataclass(frozen=True)
+class FinetuneSpec(ModelSpec):
+    """The fine-tuning recipe: its flags, and the model kind and configuration taken from
+    the pretrained checkpoint instead of flags."""
+
+    def build_parser(self) -> argparse.ArgumentParser:
+        from megatron_taco.arguments import program_name
+
+        parser = argparse.ArgumentParser(
+            prog=program_name(self.prog), description=self.description, allow_abbrev=False
+        )
+        add_dataclass_args(parser, FinetuneConfig, "fine-tuning")
+        add_dataclass_args(parser, TaskDataConfig, "task data")
+        add_dataclass_args(parser, ParallelConfig, "parallelism")
+        TrainingConfig.add_args(parser, exclude=_OWN_TRAINING_FIELDS)
+        parser.add_argument(
+            "--epochs",
+            "--train-epochs",
+            dest="train_epochs",
+            type=int,
+            help="Passes over the training set.",
+        )
+        add_dataclass_args(parser, CheckpointConfig, "checkpoints")
+        add_dataclass_args(parser, ExitConfig, "preemption, time limits and failures")
+        add_launcher_compat_args(parser)
+        from megatron_taco.recipes.sweep import SweepConfig
+
+        add_dataclass_args(parser, SweepConfig, "protocols and sweeps")
+        _set_defaults(parser, _DEFAULTS)
+        return parser
+
+    def configs_from_args(
+        self, args: argparse.Namespace, *, world_size: int, device_type: str
+    ) -> PretrainConfigs:
+        from megatron_taco.recipes.registry import checkpoint_model_config
+        from megatron_taco.training.consolidate import CheckpointError, find_checkpoint
+        from megatron_taco.training.rendezvous import once_per_node
+
+        ft = dataclass_from_args(FinetuneConfig, args)
+        data = dataclass_from_args(TaskDataConfig, args)
+        parallel = dataclass_from_args(ParallelConfig, args)
+        tp = parallel.tensor_model_parallel_size
+        check_world_size(world_size, tp)
+
+        def verify() -> int:
+            # Reads every byte of the pretrained checkpoint: one rank per node does it.
+            try:
+                return find_checkpoint(ft.load, ft.ckpt_step).iteration
+            except CheckpointError as e:
+                raise ConfigError(f"--load: {e}") from None
+
+        iteration = once_per_node(PRETRAINED, verify)
+        try:
+            info = find_checkpoint(ft.load, iteration, verify=False)
+            kind, model = checkpoint_model_config(info, data.tokenizer_model)
+        except CheckpointError as e:
+            raise ConfigError(f"--load: {e}") from None
+        pretrained = PretrainedCheckpoint(
+            load=os.path.abspath(ft.load),
+            iteration=info.iteration,
+            model=kind.name,
+            model_size=model.model_size,
+        )
+        model.validate_parallel(tp)
+        seq = data.seq_length or DEFAULT_SEQ_LENGTH.get(data.info.kind, 128)
+        if seq > model.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-length: {seq} exceeds the pretrained model's position table "
+                f"({model.max_position_embeddings})"
+            )
+        tokenizer = data.tokenizer_model or info.configs["data"]["tokenizer_model"]
+        data = dataclasses.replace(data, seq_length=seq, tokenizer_model=tokenizer)
+        if not os.path.isdir(data.data_dir):
+            raise ConfigError(f"--data-dir: {data.data_dir} is not a directory")
+        training = dataclass_from_args(
+            TrainingConfig,
+            args,
+            train_epochs=args.train_epochs,
+            eval_iters=0,
+            **output_paths(ft.output),
+        )
+        checkpoint = dataclass_from_args(CheckpointConfig, args)
+        if checkpoint.save_retain is None:  # only the newest is needed to resume
+            checkpoint = dataclasses.replace(checkpoint, save_retain=1)
+        exit_config = dataclass_from_args(ExitConfig, args)
+        deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
+        run = {
+            "pretrained": dataclasses.asdict(pretrained),
+            # Where the run lives and how many workers read its data do not change the run.
+            "finetune": {k: v for k, v in dataclasses.asdict(ft).items() if k != "output"},
+            "data": {k: v for k, v in dataclasses.asdict(data).items() if k != "num_workers"},
+            "training": dataclasses.asdict(training),
+            "deepspeed": {"zero_stage": deepspeed.zero_stage, "precision": deepspeed.precision},
+            "tensor_model_parallel_size": tp,
+        }
+        claim_output(ft.output, run)
+        load = prepare_checkpoints(
+            training, checkpoint, tp_size=tp, ds_config=deepspeed.config,
+            zero_stage=deepspeed.zero_stage, models=self.loadable_models,
+            once=verify_once_per_node,
+        )  # fmt: skip
+        return PretrainConfigs(
+            parallel=parallel,
+            model=model,
+            data=data,
+            task={"finetune": ft, "pretrained": pretrained},
+            training=training,
+            deepspeed=deepspeed,
+            world_size=world_size,
+            device_type=device_type,
+            checkpoint=checkpoint,
+            load=load,
+            exit=exit_config,
+        )
+
+    def main(self, argv: list[str] | None = None) -> int:
+        import logging
+        import sys
+
+        from megatron_taco.arguments import program_name
+        from megatron_taco.recipes.sweep import run_sweep, sweep_from_args
+        from megatron_taco.training.checkpointing import RunError
+        from megatron_taco.training.engine import accelerator_name, launcher_world_size
+        from megatron_taco.training.pretrain import pretrain
+        from megatron_taco.training.signals import ExitMonitor, PeerFailure
+
+        # First thing, as pretraining: a rank whose launcher dies is never left behind.
+        monitor = ExitMonitor()
+        monitor.tie_to_launcher()
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        prog = program_name(self.prog)
+        try:
+            args = self.build_parser().parse_args(argv)
+            sweep = sweep_from_args(args)
+            if sweep.is_sweep or "," in (args.task or "") or args.task == "glue":
+                return run_sweep(self, args, sweep, monitor)
+            cfg = self.configs_from_args(
+                args, world_size=launcher_world_size(), device_type=accelerator_name()
+            )
+            return pretrain(cfg, self.for_run(cfg), monitor=monitor)
+        except ConfigError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        except (RunError, PeerFailure) as e:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            monitor.uninstall()
+
+    def load_features(self, cfg: PretrainConfigs):
+        return load_task_data(cfg.data)
+
+    def for_run(self, cfg: PretrainConfigs, task_data=None) -> FinetuneSpec:
+        """This spec with the task's features read and checked now, before any process
+        group exists (a bad file is one line, not a failure after the rendezvous); a sweep
+        passes the features it already built for another run of the same task."""
+        if task_data is None:
+            task_data = self.load_features(cfg)
+        gbs, n = cfg.deepspeed.global_batch_size, len(task_data.train)
+        if n < gbs:
+            raise ConfigError(
+                f"--global-batch-size: {gbs} is more than the {n} training examples of "
+                f"{cfg.data.data_dir}"
+            )
+        return dataclasses.replace(self, build=lambda ctx: build_finetune(ctx, task_data))
+
+
+def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
+    """The preset size ("small", "base", ...) a checkpoint's metadata records (for the
+    protocols' size-dependent grids); verified later, when its run starts."""
+    from megatron_taco.training.consolidate import CheckpointError, find_checkpoint
+
+    if not load:
+        raise ConfigError("--load: the pretrained checkpoint directory is required")
+    try:
+        info = find_checkpoint(load, ckpt_step, verify=False)
+    except (CheckpointError, ConfigError) as e:
+        raise ConfigError(f"--load: {e}") from None
+    return (info.configs.get("model") or {}).get("model_size")
+
+
+def claim_output(output: str, run: dict[str, Any]) -> None:
+    """A new --output, or the same run again (it resumes); anything else is refused."""
+    path = os.path.join(output, RUN_FILE)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--output: {path} is unreadable ({e})") from None
+        if saved != json.loads(json.dumps(run)):
+            diff = _first_difference(saved, json.loads(json.dumps(run)))
+            raise ConfigError(
+                f"--output: {output} holds a run with other settings ({diff}); give a new "
+                "--output, or the same flags to resume it"
+            )
+        return
+    if os.path.isdir(output) and os.listdir(output):
+        raise ConfigError(f"--output: {output} exists, is not empty and holds no {RUN_FILE}")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 writes it; the others only check
+    os.makedirs(output, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(run, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _first_difference(a: Any, b: Any, where: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{where}.{key}".lstrip("."))
+    return f"{where}: {a!r} before, {b!r} now"
+
+
+def load_task_data(data: TaskDataConfig):
+    from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.tasks import TaskDataError, load_task
+
+    try:
+        return load_task(
+            data.task,
+            data.data_dir,
+            Tokenizer(data.tokenizer_model),
+            seq_length=data.seq_length,
+            doc_stride=data.doc_stride,
+            max_query_length=data.max_query_length,
+            max_answer_length=data.max_answer_length,
+            n_best_size=data.n_best_size,
+        )
+    except TaskDataError as e:
+        raise ConfigError(f"--data-dir: {e}") from None
+
+
+class EpochShuffled:
+    """The training stream of a fine-tuning run: epoch e visits ``per_epoch`` examples of
+    ``base`` in its own seeded order (a permutation of ALL examples, so the remainder that
+    does not fill a global batch differs from epoch to epoch)."""
+
+    def __init__(self, base, per_epoch: int, epochs: int, seed: int) -> None:
+        from megatron_taco.data.epochs import EpochPermutation
+
+        if not 1 <= per_epoch <= len(base):
+            raise ValueError(f"per_epoch {per_epoch} must be in [1, {len(base)}]")
+        self.base, self.per_epoch, self.epochs = base, per_epoch, epochs
+        self.permutation = EpochPermutation(len(base), seed)
+
+    def __len__(self) -> int:
+        return self.per_epoch * self.epochs
+
+    def __getitem__(self, g: int) -> dict[str, Any]:
+        epoch, j = divmod(int(g), self.per_epoch)
+        return self.base[int(self.permutation(epoch, j))]
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+
+
+def load_pretrained_encoder(model, cfg: PretrainConfigs, parallel) -> str:
+    """Copy the pretrained encoder's weights into ``model.encoder``; returns a banner line."""
+    from megatron_taco.models.finetune import encoder_state_from_pretraining
+    from megatron_taco.recipes.registry import read_checkpoint
+    from megatron_taco.training.consolidate import find_checkpoint
+
+    ref = cfg.task["pretrained"]
+    # Verified before the rendezvous already.
+    info = find_checkpoint(ref.load, ref.iteration, verify=False)
+    # ZeRO 1-2 keep the fp32 master weights in the optimizer files: read them, so a bf16
+    # run is fine-tuned from its exact weights rather than their bf16 rounding.
+    masters = info.zero_stage > 0 and info.precision != "fp32"
+    states, config, _ = read_checkpoint(info, tokenizer_model=cfg.data.tokenizer_model,
+                                        optimizer=masters)  # fmt: skip
+    full = encoder_state_from_pretraining(ref.model, states.full_state_dict())
+    load_encoder_state(model, ref.model, config, full, parallel, where=info.iter_dir)
+    return f"encoder: {ref.model} from {info.iter_dir}"
+
+
+def load_encoder_state(model, kind: str, config, full: dict, parallel, where: str = "") -> None:
+    """Full (tp-merged, unpadded) encoder tensors -> this rank's slices at this run's tp size
+    (vocabulary padding re-added), copied into ``model.encoder``."""
+    from megatron_taco.models.finetune import build_encoder
+    from megatron_taco.training.consolidate import ModelLayout
+
+    def build(p, vocab_size):
+        c = dataclasses.replace(
+            config.with_vocab_size(vocab_size), hidden_dropout=0.0, attention_dropout=0.0
+        )
+        return build_encoder(kind, c, p)
+
+    part = ModelLayout(build, parallel.tp_size, config.vocab_size).split(full)[parallel.tp_rank]
+    own = model.encoder.state_dict()
+    missing = sorted(set(own) - set(part))
+    if missing:
+        raise ConfigError(f"--load: {where} holds no {missing[0]} for the encoder")
+    for name, tensor in part.items():
+        own[name].copy_(tensor.to(own[name].dtype))
+
+
+def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
+    from megatron_taco.models.finetune import TaskModel
+    from megatron_taco.recipes.finetune_eval import DevEvaluation
+    from megatron_taco.training.rendezvous import forget_node_results
+
+    # Every rank of this node read the verification's result before the rendezvous.
+    forget_node_results(PRETRAINED)
+    cfg = ctx.configs
+    ft, data, info = cfg.task["finetune"], cfg.data, task_data.info
+    gbs = cfg.deepspeed.global_batch_size
+    n = len(task_data.train)
+    per_epoch = n - n % gbs
+    if per_epoch == 0:
+        raise ConfigError(f"--global-batch-size {gbs}: the training set has only {n} examples")
+    epochs = cfg.training.train_epochs or -(-cfg.training.train_iters * gbs // per_epoch)
+    model = TaskModel(
+        cfg.task["pretrained"].model,
+        ctx.model_config,
+        ctx.parallel,
+        ctx.rng_tracker,
+        task_kind=info.kind,
+        num_labels=info.num_labels,
+        classifier_dropout=ft.classifier_dropout,
+    )
+    source = (
+        "encoder: random initialisation (--random-init)"
+        if ft.random_init
+        else load_pretrained_encoder(model, cfg, ctx.parallel)
+    )
+    evaluation = DevEvaluation(
+        task_data,
+        output=ft.output,
+        selection=ft.epoch_selection,
+        save_every_epoch=ft.save_every_epoch,
+        micro_batch_size=cfg.training.micro_batch_size,
+        summary=_run_summary(cfg, task_data),
+    )
+    stats = task_data.stats
+    return ModelParts(
+        model=model,
+        collate_fn=collate,
+        train_dataset=EpochShuffled(task_data.train, per_epoch, epochs, data.seed),
+        tokens_per_sample=data.seq_length
+        * (info.num_labels if info.kind == "multiple_choice" else 1),
+        samples_per_epoch=per_epoch,
+        callbacks=[evaluation],
+        title=f"fine-tuning {cfg.task['pretrained'].model} on {info.name}",
+        banner=[
+            source,
+            f"task {info.name} ({info.kind}, {info.num_labels} outputs) from {data.data_dir}: "
+            f"{n:,} training features ({per_epoch:,} per epoch), dev "
+            + ", ".join(f"{s} {len(d):,}" for s, d in task_data.dev.items())
+            + "".join(
+                f"; {count:,} {split} truncated"
+                for split, count in (stats.get("truncated") or {}).items()
+                if count
+            ),
+            f"selection: {ft.epoch_selection} epoch by {info.main_metric}",
+        ],
+        metadata={"task": info.name, "pretrained": dataclasses.asdict(cfg.task["pretrained"])},
+    )
+
+
+def _run_summary(cfg: PretrainConfigs, task_data) -> dict[str, Any]:
+    ft, t, data = cfg.task["finetune"], cfg.training, cfg.data
+    return {
+        "task": task_data.info.name,
+        "pretrained": {
+            **dataclasses.asdict(cfg.task["pretrained"]),
+            "random_init": ft.random_init,
+        },  # fmt: skip
+        "hyperparameters": {
+            "lr": t.lr,
+            "global_batch_size": cfg.deepspeed.global_batch_size,
+            "micro_batch_size": t.micro_batch_size,
+            "epochs": t.train_epochs,
+            "warmup_fraction": t.lr_warmup_fraction,
+            "lr_decay_style": t.lr_decay_style,
+            "weight_decay": t.weight_decay,
+            "layerwise_lr_decay": t.layerwise_lr_decay,
+            "adam_eps": t.adam_eps,
+            "adam_betas": [t.adam_beta1, t.adam_beta2],
+            "clip_grad": t.clip_grad,
+            "seed": data.seed,
+            "seq_length": data.seq_length,
+            "classifier_dropout": ft.classifier_dropout,
+            "hidden_dropout": cfg.model.hidden_dropout,
+            "zero_stage": cfg.deepspeed.zero_stage,
+            "precision": cfg.deepspeed.precision,
+            "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
+            "data_parallel_size": cfg.data_parallel_size,
+        },
+        "data": {k: v for k, v in task_data.stats.items() if _jsonable(v)},
+    }
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+SPEC = FinetuneSpec(
+    name="finetune",
+    prog="finetune.py",
+    description="Fine-tune a pretrained TACO or SAS checkpoint on a GLUE, SQuAD or RACE task.",
+    model_config=object,  # from the checkpoint, not from flags
+    task_configs=(),
+    build=lambda ctx: (_ for _ in ()).throw(RuntimeError("use SPEC.for_run(cfg)")),
+    has_epochs=True,
+)

@@ -1,0 +1,185 @@
+"""Dev-set evaluation of a fine-tuning run after every epoch, and its results.json.
+
+Every dev split is scored on all of its features (nothing dropped): data-parallel rank r
+runs the contiguous block r of the features (the last block padded by repeating its last
+feature), in micro-batches under torch.no_grad(), and one all-gather over the data-parallel
+group brings every rank the model's outputs of all features in order; each rank then
+scores them with the task's own metric (tasks/: GLUE's, the official SQuAD scripts',
+RACE's). Tensor-parallel ranks compute identical outputs and are not gathered over.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_taco.training.callbacks import Callback
+
+RESULTS_FILE = "results.json"
+# What TaskModel returns for the evaluation to score (models/finetune.py).
+OUTPUT_KEYS = ("logits", "predictions", "start_logits", "end_logits")
+
+
+def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np.ndarray]:
+    """The model's outputs on every feature of ``dataset``, in feature order, on every rank."""
+    from megatron_taco.training.engine import to_device
+
+    parallel, engine = trainer.parallel, trainer.ds
+    n, dp, rank = len(dataset), parallel.dp_size, parallel.dp_rank
+    per_rank = math.ceil(n / dp)
+    block = [min(i, n - 1) for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(dataset, block),
+        batch_size=micro_batch_size,
+        collate_fn=collate_fn,
+        num_workers=0,
+    )
+    chunks: dict[str, list[torch.Tensor]] = {}
+    engine.eval()
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                batch = {k: v for k, v in batch.items() if not k.endswith("positions")}
+                outputs = engine(to_device(batch, engine.device))
+                for key in OUTPUT_KEYS:
+                    if key in outputs:
+                        chunks.setdefault(key, []).append(outputs[key].float())
+    finally:
+        engine.train()
+    result = {}
+    for key, parts in chunks.items():
+        local = torch.cat(parts)  # [per_rank, ...]
+        if dist.is_initialized() and dp > 1:
+            gathered = [torch.empty_like(local) for _ in range(dp)]
+            dist.all_gather(gathered, local, group=parallel.get_data_parallel_group())
+            local = torch.cat(gathered)
+        result[key] = local[:n].cpu().numpy()
+    return result
+
+
+def flat_scores(scores: dict[str, dict[str, float]]) -> dict[str, float]:
+    """{split: {metric: v}} -> {metric: v} for one split, {split/metric: v} for several."""
+    if len(scores) == 1:
+        return dict(next(iter(scores.values())))
+    return {f"{split}/{k}": v for split, metrics in scores.items() for k, v in metrics.items()}
+
+
+class DevEvaluation(Callback):
+    """Scores every dev split at the end of each epoch, logs the scores (split name =
+    the dev split's), keeps their history in the checkpoint, writes OUTPUT/results.json,
+    and (``save_every_epoch``) saves a checkpoint so a restart resumes at this epoch."""
+
+    name = "dev_evaluation"
+
+    def __init__(
+        self,
+        task_data,
+        *,
+        output: str,
+        selection: str,
+        save_every_epoch: bool,
+        micro_batch_size: int,
+        summary: dict[str, Any],
+        collate_fn=None,
+    ) -> None:
+        from megatron_taco.recipes.finetune import collate
+
+        self.task = task_data
+        self.output = output
+        self.selection = selection
+        self.save_every_epoch = save_every_epoch
+        self.micro_batch_size = micro_batch_size
+        self.summary = summary
+        self.collate_fn = collate_fn or collate
+        self.history: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = list(state.get("history", []))
+
+    def on_epoch_end(self, trainer, state, epoch: int) -> None:
+        scores = {}
+        for split, dataset in self.task.dev.items():
+            outputs = predict(trainer, dataset, self.micro_batch_size, self.collate_fn)
+            scores[split] = {k: float(v) for k, v in self.task.score(split, outputs).items()}
+            if self.task.info.kind == "span" and trainer.parallel.rank == 0:
+                self.write_predictions(split, epoch + 1, outputs)
+            trainer.logger.log(split, state.iteration, {"epoch": epoch + 1, **scores[split]})
+        self.history.append({"epoch": epoch + 1, "iteration": state.iteration, "scores": scores})
+        if trainer.parallel.rank == 0:
+            self.write_results(finished=epoch + 1 == trainer.num_epochs())
+        if self.save_every_epoch:
+            trainer.save(state)
+
+    def write_predictions(self, split: str, epoch: int, outputs: dict[str, Any]) -> None:
+        """SQuAD: the answers in the official evaluation scripts' input format
+        (predictions.json, v2.0's null_odds.json, nbest_predictions.json)."""
+        from megatron_taco.tasks import write_squad_predictions
+
+        folder = os.path.join(self.output, "predictions", split, f"epoch{epoch}")
+        write_squad_predictions(folder, self.task.predict(split, outputs))
+
+    def chosen(self) -> dict[str, Any] | None:
+        if not self.history:
+            return None
+        if self.selection == "last":
+            return self.history[-1]
+        info = self.task.info
+        first = info.dev_splits[0]
+
+        def key(record):
+            value = record["scores"][first][info.main_metric]
+            return value if math.isfinite(value) else -math.inf
+
+        # The earliest epoch among equals: max() keeps the first maximum.
+        return max(self.history, key=key)
+
+    def write_results(self, *, finished: bool) -> None:
+        chosen = self.chosen()
+        info = self.task.info
+        results = {
+            **self.summary,
+            "finished": finished,
+            "main_metric": info.main_metric,
+            "main_split": info.dev_splits[0],
+            "selection": self.selection,
+            "epochs": [
+                {"epoch": r["epoch"], "iteration": r["iteration"], **flat_scores(r["scores"])}
+                for r in self.history
+            ],
+            "chosen_epoch": chosen["epoch"] if chosen else None,
+            "dev": flat_scores(chosen["scores"]) if chosen else {},
+        }
+        write_json_atomic(os.path.join(self.output, RESULTS_FILE), results)
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=True))
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace ``path`` whole: readers, and other writers (a sweep's array tasks on other
+    nodes rewrite the same summary), see the old file or the new one, never a mix."""
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_results(output: str) -> dict[str, Any] | None:
+    path = os.path.join(output, RESULTS_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,434 @@
+"""GLUE (from the GLUE distribution's TSV folders or Hugging Face ``datasets`` saved splits)
+and the generic ``custom`` TSV classification task.
+
+Label ids follow the hub's nyu-mll/glue ClassLabel order (its glue.py ``label_classes``), so a
+model fine-tuned on either layout has the same head. The hub's column names and ids are:
+cola/sst2 ``sentence``; mrpc/stsb/rte/wnli ``sentence1, sentence2``; qqp ``question1,
+question2``; mnli ``premise, hypothesis``; qnli ``question, sentence``; ``label`` an int
+(stsb float32; -1 for the unlabelled test splits) and ``idx``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from megatron_taco.tasks import metrics
+from megatron_taco.tasks.base import (
+    FeatureDataset,
+    FeatureOptions,
+    Segment,
+    TaskData,
+    TaskDataError,
+    TaskInfo,
+    assemble,
+    check_outputs,
+    ids_dtype,
+    tokenize,
+    truncate_pair,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GlueFormat:
+    tsv_text: tuple[str, ...]  # the TSV header's names of the text columns (1 or 2)
+    tsv_label: str
+    hf_text: tuple[str, ...]  # the hub's column names
+    tsv_label_kind: str = "names"  # "names" (label strings), "ids" ("0"/"1"), "float"
+    # CoLA's train/dev files have no header: their four columns are named here
+    headerless: tuple[str, ...] = ()
+    # QQP's released train.tsv has rows broken by stray newlines inside questions; the hub's
+    # loader drops them too (its "corrupted rows" filter). They are counted as skipped.
+    skip_malformed: bool = False
+    # STS-B: read sentence1, sentence2, score as the last three columns, as ELECTRA's reader
+    # does (columns -3, -2, -1), so that rows whose leading metadata holds a stray tab still read
+    from_end: bool = False
+
+
+FORMATS = {
+    "cola": GlueFormat(
+        ("sentence",),
+        "label",
+        ("sentence",),
+        "ids",
+        headerless=("source", "label", "original_label", "sentence"),
+    ),
+    "sst2": GlueFormat(("sentence",), "label", ("sentence",), "ids"),
+    "mrpc": GlueFormat(("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"), "ids"),
+    "stsb": GlueFormat(
+        ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), "float", from_end=True
+    ),
+    "qqp": GlueFormat(
+        ("question1", "question2"),
+        "is_duplicate",
+        ("question1", "question2"),
+        "ids",
+        skip_malformed=True,
+    ),
+    "mnli": GlueFormat(("sentence1", "sentence2"), "gold_label", ("premise", "hypothesis")),
+    "qnli": GlueFormat(("question", "sentence"), "label", ("question", "sentence")),
+    "rte": GlueFormat(("sentence1", "sentence2"), "label", ("sentence1", "sentence2")),
+    "wnli": GlueFormat(("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), "ids"),
+}
+
+# our split name -> the GLUE distribution's file stem and the hub's split name
+_TSV_SPLIT = {
+    "train": "train",
+    "dev": "dev",
+    "dev_matched": "dev_matched",
+    "dev_mismatched": "dev_mismatched",
+}
+_HF_SPLIT = {
+    "train": "train",
+    "dev": "validation",
+    "dev_matched": "validation_matched",
+    "dev_mismatched": "validation_mismatched",
+}
+
+
+@dataclass
+class Examples:
+    text_a: list[str]
+    text_b: list[str] | None
+    labels: np.ndarray  # int64 [n] class ids, float32 [n] for regression
+    sources: list[str]
+    skipped: Counter = field(default_factory=Counter)
+
+
+# ---------------------------------------------------------------------------------------
+# GLUE distribution layout
+
+
+def read_tsv(path: str) -> Iterator[tuple[int, list[str]]]:
+    """(line number, fields) per line, split on tabs only: GLUE's quotes are text, not TSV
+    quoting (csv.QUOTE_NONE), and only "\\n" ends a line (a stray "\\r" inside a sentence
+    would otherwise split it)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskDataError(
+                    f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})"
+                ) from None
+            line = line.rstrip("\n").rstrip("\r")
+            if lineno == 1:
+                line = line.lstrip("\ufeff")  # MRPC's source files start with a BOM
+            yield lineno, line.split("\t")
+
+
+def _label_map(info: TaskInfo, kind: str) -> dict[str, int]:
+    if kind == "names":
+        return {name: i for i, name in enumerate(info.labels)}
+    return {str(i): i for i in range(len(info.labels))}
+
+
+def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
+    rows = read_tsv(path)
+    if fmt.headerless:
+        header = list(fmt.headerless)
+    else:
+        first = next(rows, None)
+        if first is None:
+            raise TaskDataError(f"{path}: empty file (expected a header line)")
+        header = first[1]
+    wanted = (*fmt.tsv_text, fmt.tsv_label)
+    missing = [c for c in wanted if c not in header]
+    if missing:
+        raise TaskDataError(
+            f"{path}:1: header lacks column(s) {missing} of the GLUE {info.name} layout "
+            f"(found {header})"
+        )
+    ncol = len(header)
+    cols = [header.index(c) - ncol if fmt.from_end else header.index(c) for c in wanted]
+    label_map = None if fmt.tsv_label_kind == "float" else _label_map(info, fmt.tsv_label_kind)
+    texts: list[list[str]] = [[] for _ in fmt.tsv_text]
+    labels: list = []
+    skipped: Counter = Counter()
+    for lineno, row in rows:
+        if row == [""]:
+            skipped["blank_line"] += 1
+            continue
+        if len(row) != ncol and not (fmt.from_end and len(row) > ncol):
+            if fmt.skip_malformed:
+                skipped["malformed_row"] += 1
+                continue
+            raise TaskDataError(
+                f"{path}:{lineno}: {len(row)} tab-separated columns, the {info.name} layout has "
+                f"{ncol} ({', '.join(header)})"
+            )
+        values = [row[c] for c in cols]
+        labels.append(_parse_label(values[-1], label_map, f"{path}:{lineno}", info))
+        for t, v in zip(texts, values):
+            t.append(v)
+    return _examples(texts, labels, label_map is None, [path], skipped)
+
+
+def _parse_label(value, label_map, where: str, info: TaskInfo):
+    if label_map is None:
+        try:
+            score = float(value)
+        except (TypeError, ValueError):
+            score = math.nan
+        if not math.isfinite(score):
+            raise TaskDataError(f"{where}: score {value!r} is not a number")
+        return score
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if 0 <= value < len(info.labels):
+            return int(value)
+    elif isinstance(value, str) and value.strip() in label_map:
+        return label_map[value.strip()]
+    elif isinstance(value, str) and value in info.labels:
+        return info.labels.index(value)
+    hint = " (-1 marks the unlabelled test split)" if value in (-1, "-1") else ""
+    expected = sorted(label_map) if label_map else list(info.labels)
+    raise TaskDataError(
+        f"{where}: unknown label {value!r} for {info.name} (expected one of "
+        f"{', '.join(map(str, expected))}){hint}"
+    )
+
+
+def _examples(texts, labels, regression, sources, skipped) -> Examples:
+    return Examples(
+        text_a=texts[0],
+        text_b=texts[1] if len(texts) > 1 else None,
+        labels=np.asarray(labels, dtype=np.float32 if regression else np.int64),
+        sources=sources,
+        skipped=skipped,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face layout: Dataset.to_parquet / to_json, or the hub's own parquet files
+
+
+def hf_files(data_dir: str, config: str, split: str) -> list[str]:
+    """The files of one hub split: {split}.parquet|.jsonl|.json, the hub's shards
+    {split}-00000-of-0000N.parquet, its parquet-converter {split}/*.parquet, each either in
+    data_dir or in data_dir/{config}/."""
+    for base in (data_dir, os.path.join(data_dir, config)):
+        for name in (f"{split}.parquet", f"{split}.jsonl", f"{split}.json"):
+            if os.path.isfile(os.path.join(base, name)):
+                return [os.path.join(base, name)]
+        for pattern in (f"{split}-*.parquet", os.path.join(split, "*.parquet")):
+            found = sorted(glob.glob(os.path.join(glob.escape(base), pattern)))
+            if found:
+                return found
+    return []
+
+
+def _hf_records(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """(where, record) per row with the wanted columns."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise TaskDataError(f"{path}: not a readable parquet file ({e})") from None
+        missing = [c for c in columns if c not in table.column_names]
+        if missing:
+            raise TaskDataError(
+                f"{path}: no column(s) {missing} (found {table.column_names}); "
+                "expected the Hugging Face hub's column names"
+            )
+        data = {c: table.column(c).to_pylist() for c in columns}
+        for i in range(table.num_rows):
+            yield f"{path}: row {i}", {c: data[c][i] for c in columns}
+        return
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskDataError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
+            if not isinstance(record, dict) or any(c not in record for c in columns):
+                found = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise TaskDataError(f"{path}:{lineno}: needs keys {list(columns)}, found {found}")
+            yield f"{path}:{lineno}", record
+
+
+def read_hf(paths: list[str], info: TaskInfo, fmt: GlueFormat) -> Examples:
+    columns = (*fmt.hf_text, "label")
+    regression = info.kind == "regression"
+    label_map = None if regression else {n: i for i, n in enumerate(info.labels)}
+    texts: list[list[str]] = [[] for _ in fmt.hf_text]
+    labels: list = []
+    for path in paths:
+        for where, record in _hf_records(path, columns):
+            for c in fmt.hf_text:
+                if not isinstance(record[c], str):
+                    raise TaskDataError(f"{where}: {c} is {record[c]!r}, not text")
+            labels.append(_parse_label(record["label"], label_map, where, info))
+            for t, c in zip(texts, fmt.hf_text):
+                t.append(record[c])
+    return _examples(texts, labels, regression, list(paths), Counter())
+
+
+def read_split(data_dir: str, info: TaskInfo, split: str) -> Examples:
+    fmt = FORMATS[info.name]
+    tsv = os.path.join(data_dir, _TSV_SPLIT[split] + ".tsv")
+    if os.path.isfile(tsv):
+        return read_glue_tsv(tsv, info, fmt)
+    paths = hf_files(data_dir, info.name, _HF_SPLIT[split])
+    if paths:
+        return read_hf(paths, info, fmt)
+    hf = _HF_SPLIT[split]
+    raise TaskDataError(
+        f"{data_dir}: no {split} split of {info.name}: looked for {os.path.basename(tsv)} (GLUE "
+        f"layout) and {hf}.parquet, {hf}.jsonl, {hf}-*.parquet, {hf}/*.parquet, also under "
+        f"{info.name}/ (Hugging Face layout)"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Features and scoring
+
+
+def featurize(examples: Examples, tokenizer, seq_length: int) -> tuple[FeatureDataset, int]:
+    """-> (features, number of truncated examples). Rows: [CLS] a [SEP] (b [SEP])."""
+    a = tokenize(tokenizer, examples.text_a)
+    if examples.text_b is None:
+        la = np.minimum(a.length, seq_length - 2)
+        truncated = int(np.sum(la < a.length))
+        segments = [Segment(a.flat, a.start, la)]
+    else:
+        b = tokenize(tokenizer, examples.text_b)
+        la, lb = truncate_pair(a.length, b.length, seq_length - 3)
+        truncated = int(np.sum((la < a.length) | (lb < b.length)))
+        segments = [Segment(a.flat, a.start, la), Segment(b.flat, b.start, lb)]
+    ids, lengths = assemble(segments, seq_length, tokenizer, ids_dtype(tokenizer.vocab_size))
+    return FeatureDataset(ids, lengths.astype(np.int32), {"labels": examples.labels}), truncated
+
+
+def _scorer(info: TaskInfo, gold: dict[str, np.ndarray]):
+    def score(split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        n = len(gold[split])
+        if info.kind == "regression":
+            pred = check_outputs(info, split, outputs, "predictions", (n,))
+        else:
+            pred = check_outputs(info, split, outputs, "logits", (n, info.num_labels)).argmax(-1)
+        return metrics.compute(info.metrics, pred, gold[split])
+
+    return score
+
+
+def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> TaskData:
+    """read(split) -> Examples; shared by GLUE and custom."""
+    start = time.perf_counter()
+    stats: dict = {k: {} for k in ("sources", "examples", "features", "truncated", "skipped")}
+    datasets: dict[str, FeatureDataset] = {}
+    gold: dict[str, np.ndarray] = {}
+    for split in splits:
+        examples = read(split)
+        if not len(examples.labels):
+            raise TaskDataError(f"{', '.join(examples.sources)}: no examples in the {split} split")
+        features, truncated = featurize(examples, tokenizer, options.seq_length)
+        datasets[split] = features
+        gold[split] = examples.labels
+        stats["sources"][split] = examples.sources
+        stats["examples"][split] = len(examples.labels)
+        stats["features"][split] = len(features)
+        stats["truncated"][split] = truncated
+        stats["skipped"][split] = dict(examples.skipped)
+        logger.info(
+            "%s %s: %d examples from %s, %d truncated to %d tokens, skipped %s",
+            info.name,
+            split,
+            len(examples.labels),
+            ", ".join(examples.sources),
+            truncated,
+            options.seq_length,
+            dict(examples.skipped) or "none",
+        )
+    stats["seconds"] = time.perf_counter() - start
+    return TaskData(
+        info=info,
+        train=datasets.pop("train", None),
+        dev=datasets,
+        stats=stats,
+        scorer=_scorer(info, gold),
+    )
+
+
+def load(info: TaskInfo, data_dir: str, tokenizer, options: FeatureOptions, splits) -> TaskData:
+    if info.name == "custom":
+        return load_custom(info, data_dir, tokenizer, options, splits)
+    return build(info, lambda split: read_split(data_dir, info, split), tokenizer, options, splits)
+
+
+# ---------------------------------------------------------------------------------------
+# custom: train.tsv / dev.tsv with a header "sentence label" or "sentence1 sentence2 label"
+
+
+def _read_custom(path: str) -> tuple[list[list[str]], list[str], list[int]]:
+    """-> (texts per column, label strings, line numbers)."""
+    if not os.path.isfile(path):
+        raise TaskDataError(f"{path}: missing (the custom task reads train.tsv and dev.tsv)")
+    rows = read_tsv(path)
+    first = next(rows, None)
+    header = first[1] if first else []
+    if "label" in header and "sentence" in header:
+        text = ["sentence"]
+    elif "label" in header and "sentence1" in header and "sentence2" in header:
+        text = ["sentence1", "sentence2"]
+    else:
+        raise TaskDataError(
+            f"{path}:1: header must name 'sentence' (or 'sentence1' and 'sentence2') and "
+            f"'label', found {header}"
+        )
+    cols = [header.index(c) for c in (*text, "label")]
+    texts: list[list[str]] = [[] for _ in text]
+    labels: list[str] = []
+    lines: list[int] = []
+    for lineno, row in rows:
+        if row == [""]:
+            continue
+        if len(row) != len(header):
+            raise TaskDataError(
+                f"{path}:{lineno}: {len(row)} tab-separated columns, the header has {len(header)}"
+            )
+        for t, c in zip(texts, cols):
+            t.append(row[c])
+        labels.append(row[cols[-1]])
+        lines.append(lineno)
+    return texts, labels, lines
+
+
+def load_custom(info, data_dir, tokenizer, options, splits) -> TaskData:
+    paths = {s: os.path.join(data_dir, f"{s}.tsv") for s in splits}
+    read = {s: _read_custom(p) for s, p in paths.items()}
+    # labels are discovered from train (sorted); when train is not loaded, from the splits given
+    found = read["train"][1] if "train" in read else [x for r in read.values() for x in r[1]]
+    names = tuple(sorted(set(found)))
+    if not names:
+        raise TaskDataError(f"{paths.get('train', data_dir)}: no examples")
+    info = replace(info, num_labels=len(names), labels=names)
+    label_map = {n: i for i, n in enumerate(names)}
+
+    def examples(split: str) -> Examples:
+        texts, labels, lines = read[split]
+        ids = []
+        for label, lineno in zip(labels, lines):
+            if label not in label_map:
+                raise TaskDataError(
+                    f"{paths[split]}:{lineno}: label {label!r} does not occur in train.tsv "
+                    f"(labels: {', '.join(names)})"
+                )
+            ids.append(label_map[label])
+        return _examples(texts, ids, False, [paths[split]], Counter())
+
+    return build(info, examples, tokenizer, options, splits)

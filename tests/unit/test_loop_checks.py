@@ -1,0 +1,240 @@
+"""The training loop's end-of-iteration checks, on real DeepSpeed engines in real gloo
+process groups:
+
+* a non-finite gradient norm with a finite loss stops every rank before the step is saved
+  where DeepSpeed applies such a step (ZeRO-0 fp32), and counts as a skipped iteration where
+  DeepSpeed skips it (ZeRO-1 fp32);
+* an exit request is acted on before the iteration's validation and periodic save;
+* the non-finite flags and the exit flags travel in one all-reduce per iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_taco.training.checkpointing import TRACKER_FILENAME, TrainingState
+from megatron_taco.training.config import TrainingConfig
+from tests.helpers import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+VOCAB, SEQ = 64, 12
+
+
+class _InfGrad(torch.autograd.Function):
+    """Identity forward, infinite gradient backward: a finite loss whose step is not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.out = nn.Linear(16, 8)
+        self.poison_grad = False
+
+    def forward(self, batch):
+        hidden = self.embed(batch["tokens"])
+        if self.poison_grad:
+            hidden = _InfGrad.apply(hidden)
+        logits = self.out(hidden)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), (batch["tokens"] % 8).flatten())
+        return {"loss": loss}
+
+
+class ToyDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, index: int):
+        return {"tokens": torch.from_numpy(np.random.default_rng(index).integers(0, VOCAB, SEQ))}
+
+
+def _collate(samples):
+    return {"tokens": torch.stack([s["tokens"] for s in samples])}
+
+
+def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=None, **kw):
+    from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
+    from megatron_taco.training.engine import initialize_engine
+    from megatron_taco.training.logging import TrainingLogger
+    from megatron_taco.training.loop import PretrainTask, Trainer
+
+    values = dict(train_iters=5, micro_batch_size=2, global_batch_size=2 * parallel.dp_size,
+                  lr=1e-2, lr_warmup_iters=1, log_interval=1, eval_iters=0,
+                  progress_bar=False, save=os.path.join(tmp, "ckpt"))  # fmt: skip
+    values.update(kw)
+    training = TrainingConfig(**values)
+    ds_json = load_deepspeed_json(str(REPO / "ds_configs" / f"zero{stage}_fp32.json"))
+    settings = resolve_deepspeed_config(training, parallel.dp_size, device_type="cpu",
+                                        ds_json=ds_json)  # fmt: skip
+    torch.manual_seed(0)
+    engine = initialize_engine(ToyModel(), training, settings, parallel)
+    logger = TrainingLogger(rank=parallel.rank, train_iters=training.train_iters,
+                            progress_bar=False)  # fmt: skip
+    task = PretrainTask(model=engine.engine.module, collate_fn=_collate,
+                        train_dataset=ToyDataset(), valid_dataset=valid,
+                        callbacks=list(callbacks))  # fmt: skip
+    trainer = Trainer(engine, parallel, training, task, logger, seed=1, exit_monitor=exit_monitor)
+    return trainer, logger
+
+
+def _listing(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith(("iter_", TRACKER_FILENAME)))
+
+
+# ---------------------------------------------------------------------------------------
+# 1. A non-finite gradient norm with a finite loss
+
+
+def _grad_worker(rank, world_size, tmp, stage):
+    from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.training.callbacks import Callback
+    from megatron_taco.training.loop import NonFiniteLossError
+
+    parallel = init_parallel(1)
+    holder = {}
+
+    class PoisonGrad(Callback):
+        name = "poison"
+
+        def on_save(self, trainer, state):
+            # Iteration 3 on rank 1 only: its gradient is infinite, its loss finite.
+            holder["model"].poison_grad = state.iteration == 2 and parallel.rank == 1
+
+        def after_micro_batch(self, trainer, state, batch, outputs):
+            if state.iteration == 2:  # the poisoned iteration 3
+                holder["losses"].append(float(outputs["loss"]))
+
+    trainer, logger = _trainer(parallel, tmp, stage, callbacks=[PoisonGrad()], save_interval=1)
+    holder.update(model=trainer.ds.module, losses=[])
+    records = []
+    real_log = logger.log
+    logger.log = lambda split, it, metrics: (records.append((split, it, metrics)),
+                                             real_log(split, it, metrics))  # fmt: skip
+    error = None
+    try:
+        trainer.train(TrainingState())
+    except NonFiniteLossError as e:
+        error = str(e)
+    finally:
+        logger.close()
+    skipped = {it: m.get("skipped_iterations") for split, it, m in records if split == "train"}
+    finite = all(np.isfinite(holder["losses"]))
+    return error, _listing(trainer.training.save), skipped, finite
+
+
+def test_non_finite_gradient_norm_stops_every_rank_before_the_step_is_saved(tmp_path):
+    # ZeRO-0 fp32: DeepSpeed applies a step with an infinite gradient norm.
+    results = run_distributed(_grad_worker, 2, str(tmp_path), 0)
+    (msg0, listing, _, finite), (msg1, *_) = results
+    assert finite  # iteration 3's loss itself was finite
+    # Saved after iterations 1 and 2; the step with the infinite gradient was never saved.
+    assert listing == ["iter_0000001", "iter_0000002", TRACKER_FILENAME]
+    assert msg0 == msg1 and msg0 is not None, results
+    assert msg0.startswith("iteration 3: non-finite gradient norm in fp32 training"), msg0
+
+
+def test_a_step_deepspeed_skips_is_counted_and_training_goes_on(tmp_path):
+    # ZeRO-1 fp32: DeepSpeed's optimizer skips a step whose gradient norm is not finite.
+    (msg, listing, skipped, _), _ = run_distributed(_grad_worker, 2, str(tmp_path), 1)
+    assert msg is None
+    assert skipped == {1: 0, 2: 0, 3: 1, 4: 0, 5: 0}
+    assert listing[-1] == TRACKER_FILENAME and len(listing) == 6
+
+
+# ---------------------------------------------------------------------------------------
+# 8. The exit request comes before the iteration's validation and periodic save
+# issue 16 item 6. One all-reduce per iteration for the non-finite and the exit checks
+
+
+def _exit_worker(rank, world_size, tmp):
+    from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.training.callbacks import Callback
+    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+
+    parallel = init_parallel(1)
+    monitor = ExitMonitor(ExitConfig())
+
+    class Signal(Callback):
+        name = "signal"
+
+        def after_micro_batch(self, trainer, state, batch, outputs):
+            if state.iteration == 3 and parallel.rank == 1:  # during iteration 4
+                monitor.received = int(signal.SIGTERM)
+
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        caller = traceback.extract_stack(limit=2)[0]
+        if os.sep + os.path.join("megatron_taco", "training") in caller.filename:
+            calls.append((os.path.basename(caller.filename), caller.name))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    trainer, logger = _trainer(parallel, tmp, 1, exit_monitor=monitor, callbacks=[Signal()],
+                               train_iters=8, log_interval=100, eval_iters=1, eval_interval=4,
+                               save_interval=4, valid=ToyDataset())  # fmt: skip
+    evaluated, saved = [], []
+    trainer.evaluate = lambda split, dataset, it: evaluated.append(it) or {}
+    real_save = trainer.save
+    trainer.save = lambda state: saved.append(state.iteration) or real_save(state)
+    try:
+        state = trainer.train(TrainingState())
+    finally:
+        dist.all_reduce = real
+        logger.close()
+    return state.iteration, evaluated, saved, calls
+
+
+def test_exit_before_validation_and_one_all_reduce_per_iteration(tmp_path):
+    results = run_distributed(_exit_worker, 2, str(tmp_path))
+    for stopped, evaluated, saved, calls in results:
+        assert stopped == 4
+        assert evaluated == []  # iteration 4's validation never ran
+        assert saved == [4]  # one save, the exit's
+        # Four iterations, one all-reduce each (the flags), and nothing else from the loop:
+        # no log line was due before the exit.
+        assert calls == [("loop.py", "_end_of_iteration")] * 4, calls
+
+
+# ---------------------------------------------------------------------------------------
+# A run's output: DeepSpeed's deprecated all_gather_into_tensor warns nothing
+
+
+def _gather_worker(rank, world_size, tmp):
+    import warnings
+
+    from megatron_taco.parallel.state import init_parallel
+
+    parallel = init_parallel(1)
+    # Where DeepSpeed would JIT-compile an op (make demo, make test and make bench share
+    # build/torch_extensions): on this CPU path nothing is compiled at all.
+    os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(tmp, f"ext{rank}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        _trainer(parallel, tmp, 1)  # initialize_engine
+        out = torch.zeros(2 * world_size)
+        dist.all_gather_into_tensor(out, torch.ones(2))  # what DeepSpeed's ZeRO calls
+    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    return future, os.path.exists(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def test_no_future_warning_and_no_op_compiled_by_an_engine(tmp_path):
+    assert run_distributed(_gather_worker, 2, str(tmp_path)) == [([], False), ([], False)]

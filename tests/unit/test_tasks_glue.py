@@ -1,0 +1,534 @@
+"""GLUE from the GLUE distribution's TSV folders and from Hugging Face saved splits (parquet,
+JSON lines, the hub's shards), the custom TSV task, their features, errors and scores.
+
+Fixtures are written here in each real layout: the GLUE column orders of its download script
+and the hub's nyu-mll/glue column names and ClassLabel ids."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import scipy.stats
+import torch
+from sklearn.metrics import f1_score, matthews_corrcoef
+
+from megatron_taco.tasks import TASKS, TaskDataError, load_task
+
+# Per task: (text_a, text_b, label as written in the GLUE TSV, the hub's label id). Quotes are
+# text (unbalanced on purpose), accents and tabs-free punctuation included.
+EXAMPLES = {
+    "cola": [
+        ("Our friends won't buy this analysis, let alone the next one.", None, "1", 1),
+        ('"They drank the pub dry.', None, "1", 1),
+        ("The more we study verbs, the crazier they get get.", None, "0", 0),
+        ("Café naïve is a sentence.", None, "0", 0),
+    ],
+    "sst2": [
+        ("it 's a charming and often affecting journey . ", None, "1", 1),
+        ('unflinchingly bleak and "desperate ', None, "0", 0),
+        ("the acting is superb", None, "1", 1),
+    ],
+    "mrpc": [
+        (
+            "He said the foodservice pie business doesn't fit.",
+            "The pie business does not fit.",
+            "1",
+            1,
+        ),
+        ('Magnarelli said Racicot hated the "Iraqi regime.', "Racicot hated it.", "0", 0),
+        ("The DVD-CCA then appealed.", "The DVD CCA appealed that decision.", "1", 1),
+    ],
+    "stsb": [
+        ("A plane is taking off.", "An air plane is taking off.", "5.000", 5.0),
+        ("A man is playing a flute.", 'A man is playing a "bamboo flute.', "3.800", 3.8),
+        ("A woman is dancing.", "A man is talking.", "0.000", 0.0),
+    ],
+    "qqp": [
+        ("How is the life of a math student?", "Which level of math is the hardest?", "0", 0),
+        ('What is "Quora"?', "What is Quora for?", "1", 1),
+        ("Why are so many questions asked?", "Why do people ask so much?", "1", 1),
+    ],
+    "mnli": [
+        (
+            "Conceptually cream skimming has two basic dimensions.",
+            "Product and geography matter.",
+            "neutral",
+            1,
+        ),
+        ("you know during the season and i guess", "You lose the things.", "entailment", 0),
+        (
+            'One of our number will carry out your "instructions.',
+            "A member will do it.",
+            "entailment",
+            0,
+        ),
+        (
+            "How do you know? All this is their information again.",
+            "This has none.",
+            "contradiction",
+            2,
+        ),
+    ],
+    "qnli": [
+        (
+            "When did the third Digimon series begin?",
+            "Unlike the two seasons before it, it began.",
+            "not_entailment",
+            1,
+        ),
+        (
+            "Which missile batteries often have individual launchers?",
+            "When the range is short, the launchers are separate.",
+            "entailment",
+            0,
+        ),
+    ],
+    "rte": [
+        (
+            "No Weapons of Mass Destruction Found in Iraq Yet.",
+            "Weapons were found.",
+            "not_entailment",
+            1,
+        ),
+        (
+            'A place of "sorrow, after Pope John Paul II died.',
+            "Pope Benedict XVI is the new leader.",
+            "entailment",
+            0,
+        ),
+        ("Herceptin was already approved.", "Herceptin can be used.", "entailment", 0),
+    ],
+    "wnli": [
+        ("I stuck a pin through a carrot.", "The carrot had a hole.", "1", 1),
+        ("John couldn't see the stage with Billy in front of him.", "John is so short.", "0", 0),
+    ],
+}
+GLUE_DIR = {
+    "cola": "CoLA",
+    "sst2": "SST-2",
+    "mrpc": "MRPC",
+    "stsb": "STS-B",
+    "qqp": "QQP",
+    "mnli": "MNLI",
+    "qnli": "QNLI",
+    "rte": "RTE",
+    "wnli": "WNLI",
+}
+HF_COLUMNS = {
+    "cola": ("sentence",),
+    "sst2": ("sentence",),
+    "mrpc": ("sentence1", "sentence2"),
+    "stsb": ("sentence1", "sentence2"),
+    "qqp": ("question1", "question2"),
+    "mnli": ("premise", "hypothesis"),
+    "qnli": ("question", "sentence"),
+    "rte": ("sentence1", "sentence2"),
+    "wnli": ("sentence1", "sentence2"),
+}
+MNLI_TRAIN_HEADER = [
+    *("index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse"),
+    *("sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label"),
+]
+MNLI_DEV_HEADER = MNLI_TRAIN_HEADER[:-1] + ["label2", "label3", "label4", "label5", "gold_label"]
+
+
+def glue_lines(task, examples, split="train"):
+    """The TSV lines of the GLUE distribution for this task."""
+    if task == "cola":
+        return [f"gj04\t{lab}\t{'' if lab == '1' else '*'}\t{a}" for a, _, lab, _ in examples]
+    if task == "sst2":
+        return ["sentence\tlabel"] + [f"{a}\t{lab}" for a, _, lab, _ in examples]
+    if task == "mrpc":
+        return ["\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String"] + [
+            f"{lab}\t{100 + i}\t{200 + i}\t{a}\t{b}" for i, (a, b, lab, _) in enumerate(examples)
+        ]
+    if task == "stsb":
+        head = (
+            "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore"
+        )
+        return [head] + [
+            f"{i}\tmain-captions\tMSRvid\t2012test\t{i}\tnone\tnone\t{a}\t{b}\t{lab}"
+            for i, (a, b, lab, _) in enumerate(examples)
+        ]
+    if task == "qqp":
+        return ["id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate"] + [
+            f"{i}\t{2 * i}\t{2 * i + 1}\t{a}\t{b}\t{lab}"
+            for i, (a, b, lab, _) in enumerate(examples)
+        ]
+    if task == "mnli":
+        header = MNLI_TRAIN_HEADER if split == "train" else MNLI_DEV_HEADER
+        extra = 1 if split == "train" else 5
+        return ["\t".join(header)] + [
+            "\t".join(
+                [
+                    str(i),
+                    "31193",
+                    f"{i}n",
+                    "government",
+                    "( x )",
+                    "( y )",
+                    "(ROOT x)",
+                    "(ROOT y)",
+                    a,
+                    b,
+                ]
+                + [lab] * extra
+                + [lab]
+            )
+            for i, (a, b, lab, _) in enumerate(examples)
+        ]
+    if task == "qnli":
+        return ["index\tquestion\tsentence\tlabel"] + [
+            f"{i}\t{a}\t{b}\t{lab}" for i, (a, b, lab, _) in enumerate(examples)
+        ]
+    return ["index\tsentence1\tsentence2\tlabel"] + [
+        f"{i}\t{a}\t{b}\t{lab}" for i, (a, b, lab, _) in enumerate(examples)
+    ]
+
+
+def write_glue(root, task, examples=None):
+    folder = root / GLUE_DIR[task]
+    folder.mkdir(parents=True)
+    examples = examples or EXAMPLES[task]
+    dev_names = ["dev_matched", "dev_mismatched"] if task == "mnli" else ["dev"]
+    for split in ["train", *dev_names]:
+        rows = examples if split != "dev_mismatched" else examples[::-1]
+        (folder / f"{split}.tsv").write_text(
+            "\n".join(glue_lines(task, rows, split)) + "\n", encoding="utf-8"
+        )
+    return folder
+
+
+def hf_table(task, examples):
+    cols = HF_COLUMNS[task]
+    data = {cols[0]: [e[0] for e in examples]}
+    if len(cols) == 2:
+        data[cols[1]] = [e[1] for e in examples]
+    label_type = pa.float32() if task == "stsb" else pa.int64()
+    data["label"] = pa.array([e[3] for e in examples], type=label_type)
+    data["idx"] = list(range(len(examples)))
+    return pa.table(data)
+
+
+def write_hf(root, task, layout, examples=None):
+    """layout: "parquet" (Dataset.to_parquet per split), "jsonl" (Dataset.to_json), "hub"
+    (the hub's own {config}/{split}-00000-of-00001.parquet under the glue root), "converter"
+    (the hub's parquet-converter branch, {config}/{split}/0000.parquet)."""
+    examples = examples or EXAMPLES[task]
+    splits = (
+        ["train", "validation_matched", "validation_mismatched"]
+        if task == "mnli"
+        else ["train", "validation"]
+    )
+    folder = root / task
+    for split in splits:
+        rows = examples if split != "validation_mismatched" else examples[::-1]
+        table = hf_table(task, rows)
+        if layout == "hub":
+            (root / task).mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, root / task / f"{split}-00000-of-00001.parquet")
+            folder = root
+        elif layout == "converter":  # the hub's refs/convert/parquet: {config}/{split}/0000.parquet
+            (root / task / split).mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, root / task / split / "0000.parquet")
+            folder = root
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+            if layout == "parquet":
+                pq.write_table(table, folder / f"{split}.parquet")
+            else:
+                with open(folder / f"{split}.jsonl", "w", encoding="utf-8") as f:
+                    for r in table.to_pylist():
+                        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return folder
+
+
+def _all(dataset):
+    return [dataset[i] for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize("task", list(EXAMPLES))
+def test_glue_layout_reads_each_tasks_columns(tmp_path, tokenizer, task):
+    folder = write_glue(tmp_path, task)
+    data = load_task(task, folder, tokenizer, seq_length=64)
+    info = TASKS[task]
+    assert data.info == info and set(data.dev) == set(info.dev_splits)
+    examples = EXAMPLES[task]
+    items = _all(data.train)
+    assert len(items) == len(examples) == data.stats["examples"]["train"]
+    for item, (a, b, _, label) in zip(items, examples):
+        # [CLS] A [SEP] (B [SEP]) with no token-type ids; quotes kept as text
+        expect = [tokenizer.cls_id, *tokenizer.encode(a), tokenizer.sep_id]
+        if b is not None:
+            expect += [*tokenizer.encode(b), tokenizer.sep_id]
+        n = len(expect)
+        assert item["input_ids"].tolist() == expect + [tokenizer.pad_id] * (64 - n)
+        assert item["attention_mask"].tolist() == [True] * n + [False] * (64 - n)
+        if task == "stsb":
+            assert item["labels"].dtype == torch.float32 and item["labels"].item() == pytest.approx(
+                label
+            )
+        else:
+            assert item["labels"].dtype == torch.int64 and item["labels"].item() == label
+        assert item["input_ids"].dtype == torch.int64 and item["attention_mask"].dtype == torch.bool
+    assert [it["index"].item() for it in items] == list(range(len(items)))
+    assert data.stats["truncated"]["train"] == 0
+    if task == "mnli":
+        mm = _all(data.dev["dev_mismatched"])
+        assert [it["labels"].item() for it in mm] == [e[3] for e in examples[::-1]]
+
+
+def test_label_ids_follow_the_hub(tmp_path, tokenizer):
+    """Spot checks of the hub's ClassLabel order, written out (not read from TASKS)."""
+    assert TASKS["mnli"].labels == ("entailment", "neutral", "contradiction")
+    assert TASKS["rte"].labels == ("entailment", "not_entailment")
+    assert TASKS["qnli"].labels == ("entailment", "not_entailment")
+    assert TASKS["wnli"].labels == ("not_entailment", "entailment")
+    assert TASKS["cola"].labels == ("unacceptable", "acceptable")
+    mnli = load_task(
+        "mnli", write_glue(tmp_path, "mnli"), tokenizer, seq_length=64, splits=("train",)
+    )
+    # neutral, entailment, entailment, contradiction
+    assert [it["labels"].item() for it in _all(mnli.train)] == [1, 0, 0, 2]
+
+
+@pytest.mark.parametrize("layout", ["parquet", "jsonl", "hub", "converter"])
+@pytest.mark.parametrize("task", list(EXAMPLES))
+def test_hf_layout_gives_the_same_features_and_labels(tmp_path, tokenizer, task, layout):
+    glue = load_task(task, write_glue(tmp_path / "glue", task), tokenizer, seq_length=32)
+    hf = load_task(task, write_hf(tmp_path / "hf", task, layout), tokenizer, seq_length=32)
+    assert hf.info == glue.info
+    for split in ("train", *TASKS[task].dev_splits):
+        a = glue.train if split == "train" else glue.dev[split]
+        b = hf.train if split == "train" else hf.dev[split]
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.lengths, b.lengths)
+        np.testing.assert_array_equal(a.targets["labels"], b.targets["labels"])
+        assert a.targets["labels"].dtype == b.targets["labels"].dtype
+
+
+def test_truncation_longest_first_is_counted(tmp_path, tokenizer):
+    long = "the cat sat on the mat and looked at the dog for a long while " * 3
+    examples = [
+        (long, "short one.", "entailment", 0),
+        ("tiny", "also tiny", "entailment", 0),
+        ("short one.", long, "entailment", 0),
+    ]
+    folder = write_glue(tmp_path, "rte", examples)
+    data = load_task("rte", folder, tokenizer, seq_length=16, splits=("train",))
+    assert data.stats["truncated"]["train"] == 2
+    b = tokenizer.encode("short one.")
+    # the long side gives way: the short one stays whole, the long fills the rest of 16 - 3
+    assert data.train[0]["input_ids"].tolist() == [
+        2,
+        *tokenizer.encode(long)[: 13 - len(b)],
+        3,
+        *b,
+        3,
+    ]
+    assert data.train[2]["input_ids"].tolist() == [
+        2,
+        *b,
+        3,
+        *tokenizer.encode(long)[: 13 - len(b)],
+        3,
+    ]
+
+
+def test_qqp_malformed_rows_are_counted_and_skipped(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "qqp")
+    path = folder / "train.tsv"
+    lines = path.read_text().splitlines()
+    # the released file's kind of damage: a question broken by a newline
+    lines.insert(2, "77\t154\t155\tHow do I")
+    lines.insert(3, "learn?\tWhat is it?\t0")
+    path.write_text("\n".join(lines) + "\n")
+    data = load_task("qqp", folder, tokenizer, seq_length=32)
+    assert data.stats["skipped"]["train"] == {"malformed_row": 2}
+    assert len(data.train) == len(EXAMPLES["qqp"])
+
+
+@pytest.mark.parametrize(
+    ("task", "edit", "message"),
+    [
+        (
+            "rte",
+            lambda ls: ls[:2] + ["5\tonly two columns"] + ls[2:],
+            r"train\.tsv:3: 2 tab-separated columns, the rte layout has 4",
+        ),
+        (
+            "mnli",
+            lambda ls: ls[:3] + [ls[3].rsplit("\t", 1)[0] + "\tmaybe"] + ls[4:],
+            r"train\.tsv:4: unknown label 'maybe' for mnli",
+        ),
+        (
+            "cola",
+            lambda ls: ls + ["gj04\t2\t\tA sentence."],
+            r"train\.tsv:5: unknown label '2' for cola",
+        ),
+        (
+            "stsb",
+            lambda ls: ls[:1] + [ls[1].rsplit("\t", 1)[0] + "\tfive"] + ls[2:],
+            r"train\.tsv:2: score 'five' is not a number",
+        ),
+        (
+            "sst2",
+            lambda ls: ["sentence\tscore"] + ls[1:],
+            r"train\.tsv:1: header lacks column\(s\) \['label'\]",
+        ),
+    ],
+)
+def test_malformed_glue_lines_name_file_and_line(tmp_path, tokenizer, task, edit, message):
+    folder = write_glue(tmp_path, task)
+    path = folder / "train.tsv"
+    path.write_text("\n".join(edit(path.read_text().splitlines())) + "\n")
+    with pytest.raises(TaskDataError, match=message):
+        load_task(task, folder, tokenizer, seq_length=32)
+
+
+def test_undecodable_line_is_named(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "sst2")
+    with open(folder / "dev.tsv", "ab") as f:
+        f.write(b"caf\xe9\t1\n")
+    with pytest.raises(TaskDataError, match=r"dev\.tsv:5: not UTF-8"):
+        load_task("sst2", folder, tokenizer, seq_length=32)
+
+
+def test_missing_split_names_what_was_looked_for(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "rte")
+    (folder / "dev.tsv").unlink()
+    with pytest.raises(
+        TaskDataError, match=r"no dev split of rte: looked for dev\.tsv .*validation\.parquet"
+    ):
+        load_task("rte", folder, tokenizer, seq_length=32)
+    # a split not requested is not needed
+    assert load_task("rte", folder, tokenizer, seq_length=32, splits=("train",)).dev == {}
+
+
+def test_hf_errors_name_file_and_record(tmp_path, tokenizer):
+    folder = write_hf(tmp_path / "a", "rte", "jsonl")
+    with open(folder / "train.jsonl", "a") as f:
+        f.write('{"sentence1": "x", "sentence2": "y", "label": -1, "idx": 9}\n')
+    with pytest.raises(
+        TaskDataError, match=r"train\.jsonl:4: unknown label -1 .*unlabelled test split"
+    ):
+        load_task("rte", folder, tokenizer, seq_length=32)
+    with open(folder / "train.jsonl", "w") as f:
+        f.write('{"sentence1": "x", "label": 0}\n')
+    with pytest.raises(
+        TaskDataError, match=r"train\.jsonl:1: needs keys \['sentence1', 'sentence2', 'label'\]"
+    ):
+        load_task("rte", folder, tokenizer, seq_length=32)
+    with open(folder / "train.jsonl", "w") as f:
+        f.write('{"sentence1": "x", "sentence2": \n')
+    with pytest.raises(TaskDataError, match=r"train\.jsonl:1: not a JSON object"):
+        load_task("rte", folder, tokenizer, seq_length=32)
+    folder = write_hf(tmp_path / "b", "mrpc", "parquet")
+    pq.write_table(pa.table({"premise": ["a"], "label": [0]}), folder / "validation.parquet")
+    with pytest.raises(
+        TaskDataError, match=r"validation\.parquet: no column\(s\) \['sentence1', 'sentence2'\]"
+    ):
+        load_task("mrpc", folder, tokenizer, seq_length=32)
+
+
+def _logits(rng, n, c):
+    return rng.normal(size=(n, c))
+
+
+@pytest.mark.parametrize(
+    "task", ["cola", "sst2", "mrpc", "qqp", "qnli", "rte", "wnli", "mnli", "stsb"]
+)
+def test_scores_match_sklearn_and_scipy(tmp_path, tokenizer, task):
+    rng = np.random.default_rng(0)
+    base = EXAMPLES[task]
+    # a bigger dev set: the fixture's rows with random labels of the task
+    n = 60
+    if task == "stsb":
+        rows = [
+            (base[i % 3][0], base[i % 3][1], f"{v:.3f}", float(f"{v:.3f}"))
+            for i, v in enumerate(rng.uniform(0, 5, n))
+        ]
+    else:
+        names = TASKS[task].labels
+        numeric = task in ("cola", "sst2", "mrpc", "qqp", "wnli")
+        ids = rng.integers(0, len(names), n)
+        rows = [
+            (
+                base[i % len(base)][0],
+                base[i % len(base)][1],
+                str(k) if numeric else names[k],
+                int(k),
+            )
+            for i, k in enumerate(ids)
+        ]
+    data = load_task(task, write_glue(tmp_path, task, rows), tokenizer, seq_length=48)
+    gold = np.array([r[3] for r in rows])
+    for split in data.info.dev_splits:
+        g = gold if split != "dev_mismatched" else gold[::-1]
+        if task == "stsb":
+            pred = g + rng.normal(0, 1.5, n)
+            out = data.score(split, {"predictions": pred})
+            assert out["pearson"] == pytest.approx(100 * scipy.stats.pearsonr(g, pred)[0])
+            assert out["spearman"] == pytest.approx(100 * scipy.stats.spearmanr(g, pred)[0])
+            assert out["pearson_spearman_mean"] == pytest.approx(
+                (out["pearson"] + out["spearman"]) / 2
+            )
+            continue
+        logits = _logits(rng, n, data.info.num_labels)
+        pred = logits.argmax(-1)
+        out = data.score(split, {"logits": logits})
+        assert list(out) == list(data.info.metrics)
+        if task == "cola":
+            assert out["mcc"] == pytest.approx(100 * matthews_corrcoef(g, pred))
+        elif task in ("mrpc", "qqp"):
+            assert out["f1"] == pytest.approx(100 * f1_score(g, pred))
+            assert out["acc"] == pytest.approx(100 * np.mean(g == pred))
+            assert out["f1_acc_mean"] == pytest.approx((out["f1"] + out["acc"]) / 2)
+        else:
+            assert out["acc"] == pytest.approx(100 * np.mean(g == pred))
+    with pytest.raises(ValueError, match="shape"):
+        key = "predictions" if task == "stsb" else "logits"
+        data.score(data.info.dev_splits[0], {key: np.zeros((n - 1, data.info.num_labels))})
+
+
+def test_custom_task_discovers_sorted_labels(tmp_path, tokenizer):
+    (tmp_path / "train.tsv").write_text(
+        "sentence\tlabel\nthe cat sat\tswapped\nthe dog ran\toriginal\nit rained\tswapped\n"
+    )
+    (tmp_path / "dev.tsv").write_text(
+        "sentence\tlabel\ncat the sat\tswapped\nthe dog ran\toriginal\n"
+    )
+    data = load_task("custom", tmp_path, tokenizer, seq_length=16)
+    assert data.info.labels == ("original", "swapped") and data.info.num_labels == 2
+    assert [it["labels"].item() for it in _all(data.train)] == [1, 0, 1]
+    assert data.score("dev", {"logits": np.array([[0.0, 1.0], [0.0, 1.0]])}) == {"acc": 50.0}
+    (tmp_path / "dev.tsv").write_text("sentence1\tsentence2\tlabel\na\tb\ty\n")
+    (tmp_path / "train.tsv").write_text("sentence1\tsentence2\tlabel\na\tb\tx\nc\td\ty\n")
+    pair = load_task("custom", tmp_path, tokenizer, seq_length=16)
+    (tmp_path / "dev.tsv").write_text("sentence1\tsentence2\tlabel\na\tb\tswapped\n")
+    row = [2, *tokenizer.encode("a"), 3, *tokenizer.encode("b"), 3]
+    assert pair.train[0]["input_ids"].tolist() == row + [0] * (16 - len(row))
+    with pytest.raises(
+        TaskDataError, match=r"dev\.tsv:2: label 'swapped' does not occur in train\.tsv"
+    ):
+        load_task("custom", tmp_path, tokenizer, seq_length=16)
+    (tmp_path / "train.tsv").write_text("text\tlabel\na\tb\n")
+    with pytest.raises(TaskDataError, match=r"train\.tsv:1: header must name 'sentence'"):
+        load_task("custom", tmp_path, tokenizer, seq_length=16)
+
+
+def test_empty_split_and_bad_arguments(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "qnli")
+    (folder / "dev.tsv").write_text("index\tquestion\tsentence\tlabel\n")
+    with pytest.raises(TaskDataError, match=r"dev\.tsv: no examples in the dev split"):
+        load_task("qnli", folder, tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match="unknown task 'glue'"):
+        load_task("glue", folder, tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match=r"splits \['test'\] must be among \['train', 'dev'\]"):
+        load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))
+    with pytest.raises(TaskDataError, match="no such directory"):
+        load_task("qnli", tmp_path / "nowhere", tokenizer, seq_length=32)
+    with pytest.raises(ValueError, match="seq_length must be at least 4"):
+        load_task("qnli", folder, tokenizer, seq_length=3)
