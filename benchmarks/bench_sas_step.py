@@ -1,24 +1,38 @@
-"""Step time of SAS-small against transformers' ELECTRA-small, side by side in one run.
+"""Step time of SAS-small against transformers' ELECTRA-small, side by side in one run, and
+the peak activation memory of the base-size encoders against ELECTRA-base / DeBERTa-base.
 
 One SAS step: encoder + MLM head at the replaced positions + RTD head, the loss, backward,
 AdamW, and the self-augmentation draw from the MLM logits (inverse CDF). One ELECTRA step
 (the peer SAS replaces): generator MLM forward (hidden / 4, embeddings tied, generator head
 on the masked positions only, as ELECTRA's own code does), sampling the replacements from
 its softmax, discriminator forward with its RTD head, loss = MLM + 50 RTD, backward, AdamW.
-Same batch and sequence length. The models are timed alternately, several repeats each,
-so machine load drifts hit all alike; medians are reported.
+Same batch and sequence length. The models are timed alternately (A B C A B C ...), the
+median of the per-repeat ratios is reported with its range. --compile adds SAS-small and
+SAS^DA-small with torch.compile'd layers to the rotation.
 
-    python benchmarks/bench_sas_step.py                 # batch 16 x seq 128, target <= 0.7
-    python benchmarks/bench_sas_step.py --batch 32 --repeats 5
+Memory: one forward + backward of the encoder alone (a fixed random probe of its output as
+the loss) at base size, seq 512: SAS-base against transformers' ELECTRA-base discriminator
+(its default attention, SDPA) and SAS^DA-base against DeBERTa-v2-base, each configured by
+our exporter (models/sas/hf.py) so the architectures are the same.
+
+    python benchmarks/bench_sas_step.py                 # batch 16 x seq 128, goal <= 0.75
+    python benchmarks/bench_sas_step.py --threads 1 --clock cpu --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
-from timing import sync, time_steps
+from timing import (
+    add_common_args,
+    interleaved_times,
+    peak_activation_bytes,
+    profile_table,
+    ratio_row,
+    report,
+    setup,
+)
 
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.models.sas.model import SasForPretraining
@@ -26,7 +40,7 @@ from megatron_taco.parallel.sampling import vocab_parallel_sample
 from megatron_taco.parallel.state import single_process_state
 
 VOCAB = 30522
-TARGET = 0.7
+GOAL = 0.75  # SAS-small / ELECTRA-small step time
 
 
 def sas_batch(b: int, s: int, g: torch.Generator) -> dict:
@@ -40,9 +54,11 @@ def sas_batch(b: int, s: int, g: torch.Generator) -> dict:
     return dict(input_ids=replaced, attention_mask=mask, mlm_labels=mlm, rtd_labels=rtd)
 
 
-def build_sas(disentangled: bool):
+def build_sas(disentangled: bool, size: str = "small", compile: bool = False):
     torch.manual_seed(0)
-    config = SasConfig.preset("small", vocab_size=VOCAB, disentangled_attention=disentangled)
+    config = SasConfig.preset(
+        size, vocab_size=VOCAB, disentangled_attention=disentangled, compile=compile
+    )
     return SasForPretraining(config, single_process_state())
 
 
@@ -106,16 +122,62 @@ def electra_step(gen, disc, optimizer, batch) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def encoder_memory(batch: int, seq: int, device) -> dict[str, float]:
+    """Peak activation bytes per token of one encoder forward + backward at base size:
+    SAS, SAS^DA and the transformers encoders of the same architecture."""
+    import transformers
+
+    from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, VOCAB, (batch, seq), generator=g).to(device)
+    mask = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    probe = torch.randn(batch, seq, 768, generator=g).to(device)
+    out = {}
+    for da in (False, True):
+        sas = build_sas(da, "base").to(device).train()
+        config = sas.config
+        if da:
+            kwargs, _, _ = deberta_v2_config_and_state(config, sas.state_dict())
+            peer = transformers.DebertaV2Model(transformers.DebertaV2Config(**kwargs))
+        else:
+            kwargs, _ = electra_config_and_state(config, sas.state_dict())
+            peer = transformers.ElectraModel(transformers.ElectraConfig(**kwargs))
+        peer = peer.to(device).train()
+        names = ("SAS^DA-base", "DeBERTa-base") if da else ("SAS-base", "ELECTRA-base")
+        out[names[0]] = _per_token(lambda e=sas.sas: e(ids, mask), sas.sas, probe)
+        out[names[1]] = _per_token(
+            lambda p=peer: p(input_ids=ids, attention_mask=mask.long()).last_hidden_state,
+            peer,
+            probe,
+        )
+        del sas, peer
+    return out
+
+
+def _per_token(forward, model, probe) -> float:
+    def forward_backward():
+        (forward() * probe).sum().backward()
+
+    return peak_activation_bytes(forward_backward, model.parameters()) / probe[..., 0].numel()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="Timed steps per repeat.")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="Also time SAS-small and SAS^DA-small with torch.compile'd layers (--compile).",
+    )
+    parser.add_argument("--memory-batch", type=int, default=2)
+    parser.add_argument("--memory-seq-length", type=int, default=512)
+    add_common_args(parser, repeats=3, steps=3, warmup=1)
     args = parser.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = setup(args)
     g = torch.Generator().manual_seed(0)
     batch = sas_batch(args.batch, args.seq_length, g)
     batch["original"] = torch.where(
@@ -123,37 +185,99 @@ def main(argv=None) -> None:
     )
     batch = {k: v.to(device) for k, v in batch.items()}
 
-    sas, sas_da = build_sas(False).to(device), build_sas(True).to(device)
     gen, disc = build_electra()
     gen, disc = gen.to(device), disc.to(device)
     electra_params = {id(p): p for m in (gen, disc) for p in m.parameters()}
-    steps = {
-        "SAS-small": (sas_step, sas, torch.optim.AdamW(sas.parameters(), lr=1e-4)),
-        "SAS^DA-small": (sas_step, sas_da, torch.optim.AdamW(sas_da.parameters(), lr=1e-4)),
-        "ELECTRA-small": (
-            lambda _m, opt, b: electra_step(gen, disc, opt, b),
-            None,
-            torch.optim.AdamW(list(electra_params.values()), lr=1e-4),
-        ),
-    }
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for fn, model, opt in steps.values():  # warm-up
-        fn(model, opt, batch)
-    sync(device)
-    for _ in range(args.repeats):
-        for name, (fn, model, opt) in steps.items():
-            times[name].append(
-                time_steps(lambda f=fn, m=model, o=opt: f(m, o, batch), args.steps, device)
-            )
+    opt_e = torch.optim.AdamW(list(electra_params.values()), lr=1e-4)
+    steps = {"ELECTRA-small": lambda: electra_step(gen, disc, opt_e, batch)}
+    variants = [("SAS-small", False, False), ("SAS^DA-small", True, False)]
+    if args.compile:
+        variants += [("SAS-small+compile", False, True), ("SAS^DA-small+compile", True, True)]
+    for name, da, compiled in variants:
+        model = build_sas(da, compile=compiled).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        steps[name] = lambda m=model, o=opt: sas_step(m, o, batch)
+
+    for _ in range(args.warmup):  # the first warm-up compiles
+        for step in steps.values():
+            step()
+    times = interleaved_times(steps, args.repeats, args.steps, device, args.clock)
     tokens = args.batch * args.seq_length
-    print(f"batch {args.batch} x seq {args.seq_length} on {device}, {args.repeats} repeats")
-    electra = statistics.median(times["ELECTRA-small"])
-    for name in steps:
-        t = statistics.median(times[name])
-        print(f"  {name:14s} {1000 * t:8.1f} ms/step  {tokens / t:9.0f} tokens/s  "
-              f"step time vs ELECTRA-small: {t / electra:.2f}x")  # fmt: skip
-    ratio = statistics.median(times["SAS-small"]) / electra
-    print(f"SAS-small / ELECTRA-small step time: {ratio:.2f} (target <= {TARGET})")
+    print(
+        f"batch {args.batch} x seq {args.seq_length} on {device}, {torch.get_num_threads()} "
+        f"threads, clock={args.clock}, {args.repeats} repeats x {args.steps} steps"
+    )
+    electra = times["ELECTRA-small"]
+    for name, ts in times.items():
+        t = sorted(ts)[len(ts) // 2]
+        print(f"  {name:22s} {1000 * t:8.1f} ms/step  {tokens / t:9.0f} tokens/s  "
+              f"per-repeat ms {[round(1000 * x) for x in ts]}")  # fmt: skip
+
+    rows = [
+        ratio_row(
+            "sas_small_vs_electra_small_step_time",
+            times["SAS-small"],
+            electra,
+            GOAL,
+            "<=",
+            "SAS-small / ELECTRA-small step time",
+        ),  # fmt: skip
+        ratio_row(
+            "sas_da_small_vs_electra_small_step_time",
+            times["SAS^DA-small"],
+            electra,
+            None,
+            "<=",
+            "SAS^DA-small / ELECTRA-small step time",
+        ),  # fmt: skip
+    ]
+    if args.compile:
+        for name in ("SAS-small", "SAS^DA-small"):
+            metric = name.lower().replace("^", "_").replace("-", "_")
+            rows.append(
+                ratio_row(
+                    f"{metric}_compiled_vs_eager_step_time",
+                    times[f"{name}+compile"],
+                    times[name],
+                    None,
+                    "<=",
+                    f"{name} --compile / eager step time",
+                )  # fmt: skip
+            )
+        rows.append(
+            ratio_row(
+                "sas_small_compiled_vs_electra_small_step_time",
+                times["SAS-small+compile"],
+                electra,
+                GOAL,
+                "<=",
+                "SAS-small --compile / ELECTRA-small step time",
+            )  # fmt: skip
+        )
+    if args.memory:
+        mem = encoder_memory(args.memory_batch, args.memory_seq_length, device)
+        for name, m in mem.items():
+            print(f"peak activation memory {name} encoder: {m / 1024:.0f} KiB/token")
+        for ours, peer in (("SAS-base", "ELECTRA-base"), ("SAS^DA-base", "DeBERTa-base")):
+            metric = f"{ours}_vs_{peer}_peak_memory_per_token".lower()
+            metric = metric.replace("^", "_").replace("-", "_")
+            rows.append(
+                dict(
+                    metric=metric,
+                    value=mem[ours] / mem[peer],
+                    goal=None,
+                    op="<=",
+                    unit="x",
+                    note=f"encoder forward + backward, peak activation bytes per token "
+                    f"(weight grads excluded) at batch {args.memory_batch} x seq "
+                    f"{args.memory_seq_length}: {mem[ours] / 1024:.0f} vs "
+                    f"{mem[peer] / 1024:.0f} KiB",
+                )  # fmt: skip
+            )
+    report(args, "bench_sas_step.py", rows, f"small batch {args.batch} x seq {args.seq_length}")
+    if args.profile:
+        profiled = {k: steps[k] for k in ("SAS-small", "ELECTRA-small")}
+        profile_table(args.profile, profiled, f"batch {args.batch} x seq {args.seq_length}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,46 @@
-"""Tokens/s of a TACO training step (fwd + bwd + AdamW) against transformers' DeBERTa-v2.
+"""Tokens/s and peak activation memory of a TACO training step (fwd + bwd + AdamW) against
+transformers' DeBERTa-v2, side by side in one run.
 
 The DeBERTa baseline is matched to the TACO config: hidden = d_WE + d_PE, same depth, heads
 = h_WE + h_PE of the same head size, FFN = the two streams' FFNs added, relative attention
-c2p|p2c with the same maximum position, same rows x sequence length per step. The two models
-are timed alternately, several repeats each, so machine load drifts hit both alike; the
-median of the repeats is reported. MFU is against a torch float32 GEMM peak measured here.
+c2p|p2c with the same maximum position, same rows x sequence length per step. DeBERTa-lab
+runs HF's encoder and MLM head with the head on the labelled tokens only, as TACO's heads
+run: the peer of the goal (issue 16: TACO-base >= 1.0x DeBERTa-lab tokens/s at seq 512,
+peak memory per token no worse). The models are timed alternately (A B C A B C ...), the
+median of the per-repeat ratios is reported with its range. MFU is against a torch float32
+GEMM peak measured here. --compile adds TACO with torch.compile'd layers to the rotation.
 
-    python benchmarks/bench_taco_step.py                       # small preset, seq 128
-    python benchmarks/bench_taco_step.py --model-size base --seq-length 512 --rows 2
+    python benchmarks/bench_taco_step.py                          # base, seq 512, 2 rows
+    python benchmarks/bench_taco_step.py --model-size small --seq-length 128 --rows 8
+    python benchmarks/bench_taco_step.py --threads 1 --clock cpu  # a loaded shared machine
+    python benchmarks/bench_taco_step.py --profile docs/taco_profile.md
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
-from timing import gemm_peak, time_steps
+from timing import (
+    add_common_args,
+    gemm_peak,
+    interleaved_times,
+    peak_activation_bytes,
+    profile_table,
+    ratio_row,
+    report,
+    setup,
+)
 
 from megatron_taco.models.flops import taco_train_flops
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import single_process_state
+
+GOAL_SPEED = 1.0  # TACO / DeBERTa-lab tokens/s
+GOAL_MEMORY = 1.0  # TACO / DeBERTa-lab peak activation bytes per token
 
 
 def taco_batch(rows: int, seq: int, vocab: int, max_pos: int, g: torch.Generator, device) -> dict:
@@ -107,29 +126,23 @@ def main(argv=None) -> None:
     )
     TacoConfig.add_args(parser)
     parser.add_argument(
-        "--rows", type=int, default=8, help="Sequences per step (TACO: half MLM, half MPM rows)."
+        "--rows", type=int, default=2, help="Sequences per step (TACO: half MLM, half MPM rows)."
     )
-    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--vocab-size", type=int, default=30522)
-    parser.add_argument(
-        "--repeats", type=int, default=5, help="Alternating timing rounds per model."
-    )
-    parser.add_argument("--steps", type=int, default=3, help="Training steps per timing round.")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU).")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=True)
+    add_common_args(parser, repeats=3, steps=1, warmup=1)
     args = parser.parse_args(argv)
     if not hasattr(args, "model_size"):
-        args.model_size = "small"
-    if args.threads:
-        torch.set_num_threads(args.threads)
+        args.model_size = "base"
     if args.rows % 2:
         parser.error("--rows must be even (TACO pairs an MLM row with an MPM row)")
+    device = setup(args)
 
     overrides = {} if args.dropout else dict(hidden_dropout=0.0, attention_dropout=0.0)
     cfg = TacoConfig.from_args(args, vocab_size=args.vocab_size, **overrides)
-    device = torch.device(args.device)
+    compiled = cfg.compile
+    cfg = dataclasses.replace(cfg, compile=False)
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
 
@@ -142,74 +155,150 @@ def main(argv=None) -> None:
         args.rows, args.seq_length, cfg.vocab_size, cfg.max_position_embeddings, g, device
     )
     db = deberta_batch(args.rows, args.seq_length, cfg.vocab_size, g, device)
-
-    def taco_step():
-        opt_t.zero_grad(set_to_none=True)
-        taco(tb)["loss"].backward()
-        opt_t.step()
-
-    def deberta_step():
-        opt_d.zero_grad(set_to_none=True)
-        deberta(**db).loss.backward()
-        opt_d.step()
-
     labelled = (db["labels"] != -100).nonzero(as_tuple=True)
 
-    def deberta_labelled_step():
+    def taco_fb(model=taco):
+        model(tb)["loss"].backward()
+
+    def deberta_fb():
+        deberta(**db).loss.backward()
+
+    def deberta_labelled_fb():
         # HF's MaskedLM projects every token onto the vocabulary; TACO's heads only see the
         # labelled ones. This variant runs HF's own encoder and head, the head on the
         # labelled tokens only, to separate the encoders' speed from that choice.
-        opt_d.zero_grad(set_to_none=True)
         hidden = deberta.deberta(input_ids=db["input_ids"], attention_mask=db["attention_mask"])[0]
         scores = deberta.cls(hidden[labelled])
         torch.nn.functional.cross_entropy(scores, db["labels"][labelled]).backward()
-        opt_d.step()
 
-    steps = {"TACO": taco_step, "DeBERTa": deberta_step, "DeBERTa-lab": deberta_labelled_step}
-    for _ in range(args.warmup):
+    def stepper(fb, opt):
+        def step():
+            opt.zero_grad(set_to_none=True)
+            fb()
+            opt.step()
+
+        return step
+
+    steps = {
+        "TACO": stepper(taco_fb, opt_t),
+        "DeBERTa": stepper(deberta_fb, opt_d),
+        "DeBERTa-lab": stepper(deberta_labelled_fb, opt_d),
+    }
+    if compiled:
+        torch.manual_seed(0)
+        taco_c = TacoForPretraining(dataclasses.replace(cfg, compile=True), single_process_state())
+        taco_c = taco_c.to(device).train()
+        opt_c = torch.optim.AdamW(taco_c.parameters(), lr=1e-4)
+        steps["TACO+compile"] = stepper(lambda: taco_fb(taco_c), opt_c)
+
+    for _ in range(args.warmup):  # the first warm-up compiles
         for step in steps.values():
             step()
-    times = {name: [] for name in steps}
-    for _ in range(args.repeats):
-        for name, step in steps.items():
-            times[name].append(time_steps(step, args.steps, device))
-    tt, td, tl = (statistics.median(times[name]) for name in steps)
+    times = interleaved_times(steps, args.repeats, args.steps, device, args.clock)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
 
     tokens = args.rows * args.seq_length
     peak = gemm_peak(device)
     f_taco = taco_train_flops(cfg, args.seq_length, args.rows, vocab_size=cfg.vocab_size)
-    f_deb = deberta_train_flops(dcfg, args.seq_length, args.rows)
-    f_lab = deberta_train_flops(
-        dcfg, args.seq_length, args.rows, head_fraction=len(labelled[0]) / tokens
-    )
+    flops = {
+        "TACO": f_taco,
+        "TACO+compile": f_taco,
+        "DeBERTa": deberta_train_flops(dcfg, args.seq_length, args.rows),
+        "DeBERTa-lab": deberta_train_flops(
+            dcfg, args.seq_length, args.rows, head_fraction=len(labelled[0]) / tokens
+        ),
+    }
     n_taco = sum(p.numel() for p in taco.parameters())
     n_deb = sum(p.numel() for p in deberta.parameters())
+    params = {"TACO": n_taco, "TACO+compile": n_taco, "DeBERTa": n_deb, "DeBERTa-lab": n_deb}
 
     print(
-        f"device={device} threads={torch.get_num_threads()} rows={args.rows} seq={args.seq_length} "
-        f"preset={cfg.model_size} layers={cfg.num_layers} hidden=({cfg.we_hidden_size},{cfg.pe_hidden_size}) "
-        f"heads=({cfg.we_attention_heads},{cfg.pe_attention_heads})x{cfg.kv_channels} vocab={cfg.vocab_size}"
+        f"device={device} threads={torch.get_num_threads()} clock={args.clock} rows={args.rows} "
+        f"seq={args.seq_length} preset={cfg.model_size} layers={cfg.num_layers} "
+        f"hidden=({cfg.we_hidden_size},{cfg.pe_hidden_size}) "
+        f"heads=({cfg.we_attention_heads},{cfg.pe_attention_heads})x{cfg.kv_channels} "
+        f"vocab={cfg.vocab_size} repeats={args.repeats}x{args.steps} steps"
     )
     print(
-        f"DeBERTa: hidden={dcfg.hidden_size} heads={dcfg.num_attention_heads}x{dcfg.attention_head_size} "
-        f"ffn={dcfg.intermediate_size} layers={dcfg.num_hidden_layers} c2p|p2c over "
-        f"{2 * dcfg.max_position_embeddings} buckets"
+        f"DeBERTa: hidden={dcfg.hidden_size} heads={dcfg.num_attention_heads}x"
+        f"{dcfg.attention_head_size} ffn={dcfg.intermediate_size} layers="
+        f"{dcfg.num_hidden_layers} c2p|p2c over {2 * dcfg.max_position_embeddings} buckets"
     )
     print(f"float32 GEMM peak: {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'model':<12}{'params':>10}{'step ms':>10}{'tokens/s':>12}{'GFLOP/step':>12}{'MFU':>8}")
-    rows = (
-        ("TACO", n_taco, tt, f_taco),
-        ("DeBERTa", n_deb, td, f_deb),
-        ("DeBERTa-lab", n_deb, tl, f_lab),
-    )
-    for name, n, t, f in rows:
+    print(f"{'model':<14}{'params':>10}{'step ms':>10}{'tokens/s':>12}{'GFLOP/step':>12}{'MFU':>8}")
+    for name, t in med.items():
+        f = flops[name]
         print(
-            f"{name:<12}{n / 1e6:>9.2f}M{t * 1e3:>10.1f}{tokens / t:>12.0f}{f / 1e9:>12.2f}{f / t / peak:>8.1%}"
+            f"{name:<14}{params[name] / 1e6:>9.2f}M{t * 1e3:>10.1f}{tokens / t:>12.0f}"
+            f"{f / 1e9:>12.2f}{f / t / peak:>8.1%}"
         )
-    print(f"TACO / DeBERTa tokens/s: {td / tt:.2f}x (target >= 0.8x)")
-    print(f"TACO / DeBERTa-lab (MLM head on labelled tokens only) tokens/s: {tl / tt:.2f}x")
     for name, ts in times.items():
         print(f"per-repeat {name} ms: {[round(x * 1e3, 1) for x in ts]}")
+
+    # Tokens/s ratios from per-repeat time ratios (same tokens per step).
+    rows = [
+        ratio_row(
+            "taco_vs_deberta_lab_tokens_per_s",
+            times["DeBERTa-lab"],
+            times["TACO"],
+            GOAL_SPEED,
+            ">=",
+            "TACO / DeBERTa-lab tokens/s",
+        ),  # fmt: skip
+        ratio_row(
+            "taco_vs_deberta_tokens_per_s",
+            times["DeBERTa"],
+            times["TACO"],
+            None,
+            ">=",
+            "TACO / DeBERTa (MLM head on every token) tokens/s",
+        ),  # fmt: skip
+    ]
+    if compiled:
+        rows.append(
+            ratio_row(
+                "taco_compiled_vs_eager_tokens_per_s",
+                times["TACO"],
+                times["TACO+compile"],
+                None,
+                ">=",
+                "TACO --compile / eager tokens/s",
+            )  # fmt: skip
+        )
+        rows.append(
+            ratio_row(
+                "taco_compiled_vs_deberta_lab_tokens_per_s",
+                times["DeBERTa-lab"],
+                times["TACO+compile"],
+                GOAL_SPEED,
+                ">=",
+                "TACO --compile / DeBERTa-lab tokens/s",
+            )  # fmt: skip
+        )
+    if args.memory:
+        mem_taco = peak_activation_bytes(taco_fb, taco.parameters())
+        mem_deb = peak_activation_bytes(deberta_labelled_fb, deberta.parameters())
+        for name, m in (("TACO", mem_taco), ("DeBERTa-lab", mem_deb)):
+            print(
+                f"peak activation memory {name}: {m / 2**20:.0f} MiB, {m / tokens / 1024:.0f} KiB/token"
+            )
+        rows.append(
+            dict(
+                metric="taco_vs_deberta_lab_peak_memory_per_token",
+                value=mem_taco / mem_deb,
+                goal=GOAL_MEMORY,
+                op="<=",
+                unit="x",
+                note=f"peak activation bytes (weight grads excluded) per token, "
+                f"{mem_taco / tokens / 1024:.0f} vs {mem_deb / tokens / 1024:.0f} KiB",
+            )  # fmt: skip
+        )
+    report(args, "bench_taco_step.py", rows, f"{cfg.model_size} seq {args.seq_length}")
+
+    if args.profile:
+        profiled = {"TACO": steps["TACO"], "DeBERTa-lab": steps["DeBERTa-lab"]}
+        profile_table(args.profile, profiled, f"{cfg.model_size}, seq {args.seq_length}, "
+                      f"{args.rows} rows, {torch.get_num_threads()} threads")  # fmt: skip
 
 
 if __name__ == "__main__":

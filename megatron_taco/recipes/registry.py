@@ -73,9 +73,13 @@ def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
     kind, config = checkpoint_model_config(info, tokenizer_model)
 
     def build(parallel, vocab_size: int):
-        # Dropout changes no parameter, and at tp > 1 it would need the RNG tracker.
+        # Dropout changes no parameter, and at tp > 1 it would need the RNG tracker; the
+        # tools that read weights gain nothing from compiled layers.
         cfg = dataclasses.replace(
-            config.with_vocab_size(vocab_size), hidden_dropout=0.0, attention_dropout=0.0
+            config.with_vocab_size(vocab_size),
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            compile=False,
         )
         return kind.pretraining_cls(cfg, parallel)
 

@@ -181,25 +181,30 @@ def test_sas_da_equals_deberta_v2(overrides):
     _assert_close(out["mlm_logits"][:, :VOCAB].double(), ref_mlm, MLM_RTOL, "MLM logits")
 
 
-def _swap_projections(q, k, q_r, k_r, index, index_t, scale):
+def _swap_projections(q, k, q_r, k_r, index, index_t, scale, mask):
     # c2p against the query-projected rows and p2c against the key-projected ones.
-    return _ORIGINAL_SCORES(q, k, k_r, q_r, index, index_t, scale)
+    return _ORIGINAL_BIAS(q, k, k_r, q_r, index, index_t, scale, mask)
 
 
-def _flip_direction(q, k, q_r, k_r, index, index_t, scale):
+def _flip_direction(q, k, q_r, k_r, index, index_t, scale, mask):
     # Row of (i, j) taken from j - i instead of i - j.
-    return _ORIGINAL_SCORES(q, k, q_r, k_r, index_t, index, scale)
+    return _ORIGINAL_BIAS(q, k, q_r, k_r, index_t, index, scale, mask)
 
 
-_ORIGINAL_SCORES = sas_model.disentangled_scores
+def _no_relative_bias(q, k, q_r, k_r, index, index_t, scale, mask):
+    # SDPA gets only the padding mask: c2c alone, the c2p + p2c bias dropped.
+    return _ORIGINAL_BIAS(q, k, 0 * q_r, 0 * k_r, index, index_t, scale, mask)
 
 
-@pytest.mark.parametrize("mutant", [_swap_projections, _flip_direction])
+_ORIGINAL_BIAS = sas_model.relative_bias
+
+
+@pytest.mark.parametrize("mutant", [_swap_projections, _flip_direction, _no_relative_bias])
 def test_deberta_mutations_are_caught(monkeypatch, mutant):
     config = tiny_sas_config(disentangled_attention=True)
     model, batch = _randomised(config), _batch()
     ref_hidden, _, _ = _deberta_reference(config, model, batch)
-    monkeypatch.setattr(sas_model, "disentangled_scores", mutant)
+    monkeypatch.setattr(sas_model, "relative_bias", mutant)
     hidden, _, _ = _ours(model, batch)
     real = batch["attention_mask"]
     with pytest.raises(AssertionError, match="hidden states"):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megatron_taco.arguments import ConfigError
 from megatron_taco.models.sas import PRESETS, SasConfig, SasForPretraining
 from megatron_taco.models.sas.model import rtd_labels
-from megatron_taco.parallel.random import model_parallel_seed
+from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, model_parallel_seed
 from megatron_taco.parallel.state import ParallelState, single_process_state
 from tests.helpers import (
     SAS_METRIC_KEYS,
@@ -394,9 +394,10 @@ def test_relative_rows_in_use_are_compact():
     assert model.sas.relative_index(SAS_SEQ, torch.device("cpu"))[2] is index  # cached
 
 
-def test_disentangled_scores_backward_matches_autograd():
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "pair_mask"])
+def test_relative_bias_backward_matches_autograd(masked):
     from megatron_taco.models.common.relative import deberta_relative_index
-    from megatron_taco.models.sas.model import disentangled_scores
+    from megatron_taco.models.sas.model import relative_bias
 
     h, b, s, d, span = 2, 2, 5, 3, 4
     g = torch.Generator().manual_seed(0)
@@ -404,15 +405,45 @@ def test_disentangled_scores_backward_matches_autograd():
     q_r, k_r = (torch.randn(h, 2 * span, d, generator=g, dtype=torch.float64) for _ in range(2))
     index = deberta_relative_index(s, span, 0, span)
     index_t = index.transpose(1, 2).contiguous()
+    pad = torch.tensor([[False] * s, [False] * (s - 2) + [True] * 2])
+    mask = (pad[:, :, None] | pad[:, None, :]).unsqueeze(0) if masked else None
     inputs = tuple(t.requires_grad_() for t in (q, k, q_r, k_r))
 
     def fn(q, k, q_r, k_r):
-        return disentangled_scores(q, k, q_r, k_r, index, index_t, 0.5)
+        return relative_bias(q, k, q_r, k_r, index, index_t, 0.5, mask)
 
     assert torch.autograd.gradcheck(fn, inputs)
-    # The forward is DeBERTa's sum: c2c + q_i.K_r[idx(i, j)] + k_j.Q_r[idx(i, j)].
+    # DeBERTa's relative terms: q_i.K_r[idx(i, j)] + k_j.Q_r[idx(i, j)] (SDPA adds c2c).
     i = index[0]
-    want = q @ k.transpose(-1, -2)
-    want = want + torch.einsum("hbid,hijd->hbij", q, k_r[:, i])
-    want = want + torch.einsum("hbjd,hijd->hbij", k, q_r[:, i])
-    torch.testing.assert_close(fn(*inputs), 0.5 * want)
+    want = torch.einsum("hbid,hijd->hbij", q, k_r[:, i])
+    want = 0.5 * (want + torch.einsum("hbjd,hijd->hbij", k, q_r[:, i]))
+    if masked:
+        want = want.masked_fill(mask, torch.finfo(want.dtype).min)
+    torch.testing.assert_close(fn(*inputs), want)
+
+
+def test_attention_dropout_is_drawn_inside_sdpa_from_the_tracker_stream():
+    """SDPA's dropout runs under the tracker's fork: the layer equals a hand-written
+    attention whose mask is drawn from the tracker stream, not from the default one (each
+    tp rank must drop different elements of its heads)."""
+    cfg = _cfg("sas", attention_dropout=0.3)
+    parallel = single_process_state()
+    tracker = model_parallel_seed(5, parallel)
+    attention = SasForPretraining(cfg, parallel, tracker).double().sas.layers[0].attention
+    b, s, h, d = 2, SAS_SEQ, attention.heads, attention.d
+    x = torch.randn(b, s, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator())
+    stream = tracker.get_states()
+    default = torch.get_rng_state()
+    out = attention(x, None)
+    # The default stream is left untouched by the attention dropout.
+    assert torch.equal(torch.get_rng_state(), default)
+
+    def by_hand(rng_state):
+        q, k, v = attention.qkv(x).view(b, s, h, 3 * d).transpose(1, 2).split(d, dim=-1)
+        probs = torch.softmax(q @ k.transpose(-1, -2) * attention.scale, dim=-1)
+        torch.set_rng_state(rng_state)
+        probs = F.dropout(probs, cfg.attention_dropout)  # the same bernoulli draw as SDPA's
+        return attention.dense((probs @ v).transpose(1, 2).reshape(b, s, h * d))
+
+    torch.testing.assert_close(out, by_hand(stream[MODEL_PARALLEL_RNG]), rtol=1e-12, atol=0)
+    assert not torch.allclose(out, by_hand(default))

@@ -316,16 +316,18 @@ def test_flops_formula():
 
 
 @pytest.mark.parametrize("with_prev", [False, True])
-def test_attention_maps_backward_matches_autograd(with_prev):
-    """The hand-written backward of the fused maps op against finite differences, and its
-    forward against a plain einsum/gather reference."""
+def test_attention_logits_backward_matches_autograd(with_prev, monkeypatch):
+    """The fused maps + 1x1 conv op: its hand-written backward against finite differences,
+    its forward against a plain einsum/gather reference. A small column block makes the CPU
+    GEMMs run blocked, with a ragged last block."""
+    monkeypatch.setattr(taco_module, "_CPU_COLUMN_BLOCK", 7)
     g = torch.Generator().manual_seed(0)
-    hw, hp, b, s, d, k = 2, 1, 2, 5, 3, 3
+    hw, hp, b, s, d, k, c_out = 2, 1, 2, 5, 3, 3, 3
     pos = torch.tensor([[0, 1, 2, -1, 4], [3, -1, 0, 7, 1]])
     lo, hi = relative_bucket_range(pos, k)
     n = hi - lo + 2
     index = relative_position_index(pos, k, lo, hi)
-    index_t = index.transpose(1, 2).contiguous()
+    c_maps = 3 * hw + hp
 
     def rand(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.double, requires_grad=True)
@@ -339,24 +341,57 @@ def test_attention_maps_backward_matches_autograd(with_prev):
         rand(hw, n, d),
     ]
     prev = rand(hw + hp, b, s, s) if with_prev else None
+    w_maps, w_prev, bias = rand(c_out, c_maps), rand(c_out, hw + hp), rand(c_out)
     scale = 0.7
 
     def fn(*a):
-        return taco_module.attention_maps(
-            *a[:6], index, index_t, a[6] if with_prev else None, scale
-        )
+        p, wp = (a[6], a[7]) if with_prev else (None, None)
+        return taco_module.attention_logits(*a[:6], index, p, a[-2], wp, a[-1], scale)
 
-    inputs = (*args, prev) if with_prev else tuple(args)
+    inputs = (*args, prev, w_prev) if with_prev else tuple(args)
+    inputs = (*inputs, w_maps, bias)
     assert torch.autograd.gradcheck(fn, inputs)
 
     q_we, k_we, q_pe, k_pe, k_r, q_r = args
     c2p_all = torch.einsum("hbid,hnd->hbin", q_we, k_r)
     p2c_all = torch.einsum("hnd,hbjd->hbjn", q_r, k_we)
-    ref = [
+    maps = [
         torch.einsum("hbid,hbjd->hbij", q_we, k_we),
         torch.gather(c2p_all, -1, index.expand(hw, b, s, s)),
         torch.gather(p2c_all, -1, index.expand(hw, b, s, s)).transpose(-1, -2),
         torch.einsum("hbid,hbjd->hbij", q_pe, k_pe),
     ]
-    ref = torch.cat([r * scale for r in ref] + ([prev] if with_prev else []))
-    torch.testing.assert_close(fn(*inputs), ref)
+    maps = torch.cat([m * scale for m in maps])
+    want = torch.einsum("oc,cbij->obij", w_maps, maps) + bias[:, None, None, None]
+    if with_prev:
+        want = want + torch.einsum("oc,cbij->obij", w_prev, prev)
+    torch.testing.assert_close(fn(*inputs), want.reshape(c_out, -1))
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+def test_attention_probs_backward_matches_autograd(dropout, padding):
+    """Masked softmax, inverted dropout with a given keep mask and the two kinds of values:
+    the hand-written backward against finite differences, the forward against plain ops."""
+    g = torch.Generator().manual_seed(1)
+    hw, hp, b, s, dv_we, dv_pe, p = 2, 1, 2, 5, 4, 3, 0.3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.double, requires_grad=True)
+
+    logits, v_we, v_pe = rand(hw + hp, b, s, s), rand(hw, b, s, dv_we), rand(hp, b, s, dv_pe)
+    key_padding = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    key_padding = key_padding[None, :, None, :] if padding else None
+    keep = torch.rand(hw + hp, b, s, s, generator=g) >= p if dropout else None
+
+    def fn(logits, v_we, v_pe):
+        return taco_module.attention_probs(logits, key_padding, keep, v_we, v_pe, 1 / (1 - p))
+
+    assert torch.autograd.gradcheck(fn, (logits, v_we, v_pe))
+    scores = logits if key_padding is None else logits.masked_fill(key_padding, -1e300)
+    probs = torch.softmax(scores, -1)
+    if dropout:
+        probs = probs * keep / (1 - p)
+    ctx_we, ctx_pe = fn(logits, v_we, v_pe)
+    torch.testing.assert_close(ctx_we, probs[:hw] @ v_we)
+    torch.testing.assert_close(ctx_pe, probs[hw:] @ v_pe)

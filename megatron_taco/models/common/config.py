@@ -105,6 +105,13 @@ class EncoderConfig(PresetConfig):
         "Recompute each layer in the backward pass to save activation memory.",
         flag="--recompute-activations",
     )
+    compile: bool = option(
+        False,
+        "torch.compile each encoder layer (at its first call; a compile that fails runs the "
+        "layers eagerly after one warning). Off by default: benchmarks/bench_*_step.py "
+        "--compile measures it against eager (README, Benchmarks).",
+        flag="--compile",
+    )
 
     def validate_common(self) -> None:
         cls = type(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -26,8 +27,12 @@ except Exception:  # apex can fail at import for many reasons (ABI, CUDA mismatc
 
 InitMethod = Callable[[torch.Tensor], object]
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "HAVE_APEX",
+    "DropoutMask",
+    "compile_layers",
     "LayerNorm",
     "gelu",
     "init_from_master_",
@@ -42,6 +47,60 @@ def LayerNorm(hidden_size: int, eps: float) -> nn.Module:  # a factory named lik
     if HAVE_APEX:
         return _ApexLayerNorm(hidden_size, eps=eps)
     return nn.LayerNorm(hidden_size, eps=eps)
+
+
+class DropoutMask(nn.Module):
+    """The keep mask of inverted dropout, for ops that apply it themselves (and keep it as
+    bool, 1 byte per element, where nn.Dropout on CPU keeps a float scale tensor):
+    forward(like) -> bool tensor of like's shape, True with probability 1 - p; None when
+    dropout is off (eval, or p == 0). Drawn from the current default generator, so a caller
+    can fork an RNG tracker around it."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, like: torch.Tensor) -> torch.Tensor | None:
+        if not self.training or self.p == 0:
+            return None
+        return torch.empty(like.shape, dtype=torch.bool, device=like.device).bernoulli_(1 - self.p)
+
+
+class _CompileState:
+    def __init__(self, what: str) -> None:
+        self.what, self.failed = what, False
+
+    def fail(self, error: Exception) -> None:
+        self.failed = True
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        logger.warning(
+            "--compile: torch.compile of the %s failed (%s: %s); running them eagerly",
+            self.what,
+            type(error).__name__,
+            first,
+        )
+
+
+def compile_layers(layers: nn.ModuleList, what: str) -> None:
+    """torch.compile every layer's forward in place: parameter names, state dicts and
+    hooks are unchanged. Compiling happens at a layer's first call; if it fails (no C++
+    compiler for the CPU backend, an unsupported platform or op), that call and every
+    later call of all ``layers`` run eagerly, after one warning line naming ``what``."""
+    state = _CompileState(what)
+    for layer in layers:
+        eager = layer.forward
+        compiled = torch.compile(eager)
+
+        def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
+            if not state.failed:
+                try:
+                    return _compiled(*args, **kwargs)
+                except Exception as error:  # dynamo and inductor raise many types
+                    # A genuine error of the layer itself is raised again by the eager call.
+                    state.fail(error)
+            return _eager(*args, **kwargs)
+
+        layer.forward = forward
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:

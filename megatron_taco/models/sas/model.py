@@ -26,6 +26,7 @@ from torch import nn
 from megatron_taco.models.common.config import require_tracker_for_tp_dropout
 from megatron_taco.models.common.layers import (
     LayerNorm,
+    compile_layers,
     gelu,
     init_from_master_,
     init_method_normal,
@@ -128,38 +129,40 @@ class SasEmbeddings(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# Disentangled attention scores
+# Disentangled attention: the relative terms as SDPA's additive bias
 
 
-class _DisentangledScores(torch.autograd.Function):
-    """c2c + c2p + p2c of this rank's heads, every term scaled by ``scale`` (1/sqrt(3 d)),
-    summed into one [h, b, s, s] buffer; the backward is hand-written around relative.py's
-    helpers so no per-term [h, b, s, s] tensor is kept for it (only q, k, the projected rows
-    and the index are saved)."""
+class _RelativeBias(torch.autograd.Function):
+    """c2p + p2c of this rank's heads, each scaled by ``scale`` (1/sqrt(3 d)), summed into one
+    [h, b, s, s] buffer with the masked pairs set to the dtype's minimum: the additive
+    attention bias of scaled_dot_product_attention, which adds the scaled c2c term itself.
+    The backward is hand-written around relative.py's helpers, so no per-term [h, b, s, s]
+    tensor is kept for it (only q, k, the projected rows, the index and the mask)."""
 
     @staticmethod
-    def forward(ctx, q, k, q_r, k_r, index, index_t, scale):
-        # The terms are summed in place into one buffer of q's dtype: no autocast here (the
-        # inputs come from one dtype already).
+    def forward(ctx, q, k, q_r, k_r, index, index_t, scale, mask):
+        # Summed in place into one buffer of q's dtype: no autocast here (the inputs come
+        # from one dtype already).
         with torch.autocast(q.device.type, enabled=False):
-            h, b, s, d = q.shape
-            scores = c2p_scores(q, k_r, index, scale)  # [h, b, s, s]: q_i . K_r[idx(i, j)]
-            scores += p2c_scores(k, q_r, index, scale)  # k_j . Q_r[idx(i, j)]
-            flat = scores.view(h * b, s, s)
-            flat.baddbmm_(q.view(h * b, s, d), k.view(h * b, s, d).transpose(1, 2), alpha=scale)
-        ctx.save_for_backward(q, k, q_r, k_r, index, index_t)
+            bias = c2p_scores(q, k_r, index, scale)  # [h, b, s, s]: q_i . K_r[idx(i, j)]
+            bias += p2c_scores(k, q_r, index_t, scale)  # k_j . Q_r[idx(i, j)]
+            if mask is not None:
+                # DeBERTa's masking: the minimum, not -inf, so a padding query whose every
+                # pair is masked attends uniformly (as the reference does) instead of NaN.
+                bias.masked_fill_(mask, torch.finfo(bias.dtype).min)
+        ctx.save_for_backward(q, k, q_r, k_r, index, index_t, mask)
         ctx.scale = scale
-        return scores
+        return bias
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, q_r, k_r, index, index_t = ctx.saved_tensors
+        q, k, q_r, k_r, index, index_t, mask = ctx.saved_tensors
         h, b, s, d = q.shape
         with torch.autocast(grad.device.type, enabled=False):
-            grad = grad.contiguous()
-            g = grad.view(h * b, s, s)
-            grad_q = torch.bmm(g, k.view(h * b, s, d)).view(h, b * s, d)
-            grad_k = torch.bmm(g.transpose(1, 2), q.view(h * b, s, d)).view(h, b * s, d)
+            # A masked pair's bias is a constant: no gradient flows through it.
+            grad = grad.masked_fill(mask, 0) if mask is not None else grad.contiguous()
+            grad_q = q.new_zeros(h, b * s, d)
+            grad_k = k.new_zeros(h, b * s, d)
             grad_k_r = c2p_backward(grad, q, k_r, index, grad_q)  # adds d c2p / dq into grad_q
             grad_q_r = p2c_backward(grad, k, q_r, index_t, grad_k)  # adds d p2c / dk into grad_k
         scale = ctx.scale
@@ -171,14 +174,16 @@ class _DisentangledScores(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def disentangled_scores(q, k, q_r, k_r, index, index_t, scale: float) -> torch.Tensor:
+def relative_bias(q, k, q_r, k_r, index, index_t, scale: float, mask=None) -> torch.Tensor:
     """q, k [h, b, s, d]; q_r, k_r [h, n, d] (relative rows through the query / key
-    projections); index [1, s, s] row of every (i, j) pair, index_t its transpose ->
-    [h, b, s, s] = scale * (q_i.k_j + q_i.K_r[idx(i, j)] + k_j.Q_r[idx(i, j)])."""
-    return _DisentangledScores.apply(q, k, q_r, k_r, index, index_t, scale)
+    projections); index [1, s, s] row of every (i, j) pair, index_t its transpose; mask
+    [1, b, s, s] bool (True = masked) or None -> [h, b, s, s] = scale * (q_i.K_r[idx(i, j)] +
+    k_j.Q_r[idx(i, j)]), the dtype's minimum at masked pairs."""
+    return _RelativeBias.apply(q, k, q_r, k_r, index, index_t, scale, mask)
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,6 +191,11 @@ def disentangled_scores(q, k, q_r, k_r, index, index_t, scale: float) -> torch.T
 
 
 class SasAttention(nn.Module):
+    """Self-attention through torch's scaled_dot_product_attention (flash / memory-efficient
+    kernels on GPU, the fused CPU kernel when nothing needs a gradient through the mask and
+    dropout is off, its math path otherwise, which is exact in float64), with the attention
+    dropout inside it. SAS^DA passes its c2p + p2c terms as the additive bias."""
+
     def __init__(self, config: SasConfig, parallel: ParallelState, rng_tracker=None) -> None:
         super().__init__()
         config.validate_parallel(parallel.tp_size)
@@ -196,6 +206,7 @@ class SasAttention(nn.Module):
         self.disentangled = config.disentangled_attention
         # DeBERTa divides each of its three terms by sqrt(3 d); BERT by sqrt(d).
         self.scale = 1.0 / math.sqrt(self.d * (3 if self.disentangled else 1))
+        self.dropout_p = config.attention_dropout
         std, hidden = config.init_method_std, config.hidden_size
         # Fused per head [q_h; k_h; v_h]: a contiguous split over tp gives whole heads.
         self.qkv = ColumnParallelLinear(
@@ -207,7 +218,6 @@ class SasAttention(nn.Module):
             parallel,
             init_method=init_method_normal(config.output_layer_std),
         )
-        self.attention_dropout = nn.Dropout(config.attention_dropout)
         # DeBERTa drops the relative rows again in every layer (its pos_dropout).
         self.relative_dropout = nn.Dropout(config.hidden_dropout) if self.disentangled else None
 
@@ -224,30 +234,39 @@ class SasAttention(nn.Module):
         return qk_r[0].contiguous(), qk_r[1].contiguous()
 
     def forward(self, x, mask, rel_rows=None, rel_index=None, rel_index_t=None):
-        # x [b, s, H]; mask: True = masked out, [1, b, 1, s] (keys) or [1, b, s, s] (pairs),
-        # None = no padding in the batch.
+        # x [b, s, H]; mask: True = masked out, [b, 1, 1, s] (padding keys, SAS) or
+        # [1, b, s, s] (pairs, SAS^DA); None = no padding in the batch.
         b, s, _ = x.shape
         h, d = self.heads, self.d
-        qkv = self.qkv(x).view(b, s, h, 3 * d).permute(2, 0, 1, 3)  # [h, b, s, 3d]
-        q, k, v = qkv.split(d, dim=-1)  # [h, b, s, d] each
+        qkv = self.qkv(x).view(b, s, h, 3 * d)
         if self.disentangled:
+            # Head-major [h, b, s, d], the layout of relative.py's c2p/p2c products.
+            q, k, v = (t.contiguous() for t in qkv.permute(2, 0, 1, 3).split(d, dim=-1))
             q_r, k_r = self.relative_qk(rel_rows)
-            scores = disentangled_scores(
-                q.contiguous(), k.contiguous(), q_r, k_r, rel_index, rel_index_t, self.scale
-            )
+            bias = relative_bias(q, k, q_r, k_r, rel_index, rel_index_t, self.scale, mask)
         else:
-            # Scale the small [h, b, s, d] side, not the [h, b, s, s] product.
-            scores = torch.matmul(q * self.scale, k.transpose(-1, -2))  # [h, b, s, s]
-        if mask is not None:
-            scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1)
-        # Local heads only: each rank must drop different elements -> tracker RNG.
+            q, k, v = qkv.transpose(1, 2).split(d, dim=-1)  # [b, h, s, d] views
+            # ELECTRA's additive mask (the minimum, not -inf: a row of padding stays finite).
+            bias = None
+            if mask is not None:
+                bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+                bias.masked_fill_(mask, torch.finfo(q.dtype).min)  # [b, 1, 1, s]
+        # Local heads only: each rank must drop different elements -> the tracker's stream,
+        # which SDPA's dropout draws from as the default generator inside the fork.
+        dropout_p = self.dropout_p if self.training else 0.0
         tracker = self.rng_tracker
-        fork = tracker.fork(MODEL_PARALLEL_RNG) if tracker is not None else nullcontext()
+        fork = (
+            tracker.fork(MODEL_PARALLEL_RNG)
+            if tracker is not None and dropout_p > 0
+            else nullcontext()
+        )
         with fork:
-            probs = self.attention_dropout(probs)
-        context = torch.matmul(probs, v)  # [h, b, s, d]
-        return self.dense(context.permute(1, 2, 0, 3).reshape(b, s, h * d))  # [b, s, H]
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=self.scale
+            )
+        # SAS^DA [h, b, s, d], SAS [b, h, s, d] -> [b, s, h * d]
+        context = context.permute(1, 2, 0, 3) if self.disentangled else context.transpose(1, 2)
+        return self.dense(context.reshape(b, s, h * d))  # [b, s, H]
 
 
 class SasLayer(nn.Module):
@@ -293,6 +312,8 @@ class SasModel(nn.Module):
         self.layers = nn.ModuleList(
             SasLayer(config, parallel, rng_tracker) for _ in range(config.num_layers)
         )
+        if config.compile:
+            compile_layers(self.layers, "SAS layers")
         self._index_cache: dict[tuple[int, str], tuple[int, int, torch.Tensor, torch.Tensor]] = {}
 
     def relative_index(self, s: int, device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
@@ -337,7 +358,7 @@ class SasModel(nn.Module):
             return None
         pad = ~attention_mask
         if not self.config.disentangled_attention:
-            return pad[None, :, None, :]  # [1, b, 1, s]: padding keys, as BERT/ELECTRA
+            return pad[:, None, None, :]  # [b, 1, 1, s]: padding keys, as BERT/ELECTRA
         # DeBERTa masks pair (i, j) unless both are real: padding queries attend uniformly.
         return (pad[:, :, None] | pad[:, None, :]).unsqueeze(0)  # [1, b, s, s]
 

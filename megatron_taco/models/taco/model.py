@@ -23,7 +23,9 @@ from torch import nn
 
 from megatron_taco.models.common.config import require_tracker_for_tp_dropout
 from megatron_taco.models.common.layers import (
+    DropoutMask,
     LayerNorm,
+    compile_layers,
     init_from_master_,
     init_method_normal,
     init_partitioned_,
@@ -122,114 +124,249 @@ class TacoEmbeddings(nn.Module):
 # Attention
 
 
-class _AttentionMaps(torch.autograd.Function):
-    """All attention maps of this rank's heads, written straight into one [C_in, b, s, s]
-    buffer (no torch.cat, no transposed copies), with a hand-written backward.
+def _dot_maps(out, q_we, k_we, q_pe, k_pe, scale) -> None:
+    """The content (per WE head) and position (per PE head) maps, scale * Q K^T, into
+    ``out`` [hw + hp, b, s, s]. q_we/k_we [hw, b, s, d]; q_pe/k_pe [hp, b, s, d]."""
+    hw, b, s, d = q_we.shape
+    for maps, q, k in ((out[:hw], q_we, k_we), (out[hw:], q_pe, k_pe)):
+        h = q.shape[0]
+        flat = maps.view(h * b, s, s)  # (heads, b) flattened into one bmm batch
+        torch.baddbmm(
+            flat, q.view(h * b, s, d), k.view(h * b, s, d).transpose(1, 2),
+            beta=0.0, alpha=scale, out=flat,
+        )  # fmt: skip
 
-    Autograd would keep every map alive until the concatenation and then copy them; here the
-    maps exist once, in the buffer the conv GEMM reads. Only q/k (s x d sized) and the index
-    are saved; the buffer itself is saved by the conv GEMM for its weight gradient.
 
-    Channel order = canonical input groups: content, c2p, p2c, position, [prev WE, prev PE].
-    """
+def _relative_maps(out, q_we, k_we, k_r, q_r, index, scale) -> None:
+    """c2p then p2c (per WE head) into ``out`` [2 hw, b, s, s]: c2p[i, j] = q_i . K_R[r_ij],
+    p2c[i, j] = Q_R[r_ji] . k_j (models/common/relative.py); index [b, s, s] holds r_ij,
+    which is also p2c's key-major index."""
+    hw = q_we.shape[0]
+    c2p_scores(q_we, k_r, index, scale, out=out[:hw])
+    p2c_scores(k_we, q_r, index, scale, out=out[hw:])
+
+
+def _dot_maps_backward(grad, q_we, k_we, q_pe, k_pe, scale):
+    """(d q_we, d k_we, d q_pe, d k_pe) of _dot_maps, unscaled, the WE ones [hw, b*s, d]."""
+    hw, b, s, d = q_we.shape
+    grads = []
+    for g, q, k in ((grad[:hw], q_we, k_we), (grad[hw:], q_pe, k_pe)):
+        h = q.shape[0]
+        g = g.view(h * b, s, s)
+        grads.append(torch.bmm(g, k.view(h * b, s, d)).view(h, b * s, d))
+        grads.append(torch.bmm(g.transpose(1, 2), q.view(h * b, s, d)).view(h, b * s, d))
+    return grads
+
+
+# The 1x1 conv is a GEMM with a tiny dimension ([C_out, C_in] ~ [18, 60] against b*s*s
+# columns). On CPU such a product runs ~1.7x faster in column blocks that stay in cache
+# than as one call (measured [42, 18] x [18, 2*512*512] on one core: 105 -> 63 ms);
+# accelerators get one call.
+_CPU_COLUMN_BLOCK = 8192
+
+
+def _conv_gemm(out, weight, x, bias=None, accumulate: bool = False) -> None:
+    """out [M, N] = bias [M, 1] + weight [M, K] @ x [K, N], or out += weight @ x."""
+    step = _CPU_COLUMN_BLOCK if out.device.type == "cpu" else out.shape[1]
+    for i in range(0, out.shape[1], step):
+        o, xi = out[:, i : i + step], x[:, i : i + step]
+        if bias is not None:
+            torch.addmm(bias, weight, xi, out=o)
+        else:
+            o.addmm_(weight, xi, beta=1.0 if accumulate else 0.0)
+
+
+def _weight_parts(w_maps, hw: int):
+    """Columns of the canonical [C_out, content | c2p | p2c | position] conv weight for the
+    dot-product maps (content, position) and for the relative maps (c2p, p2c)."""
+    return torch.cat([w_maps[:, :hw], w_maps[:, 3 * hw :]], 1), w_maps[:, hw : 3 * hw]
+
+
+class _AttentionLogits(torch.autograd.Function):
+    """The 1x1 attention convolution of this rank's maps and previous logits: partial sums
+    [C_out, b*s*s] for ALL output heads (summed over tp by a reduce-scatter after this).
+
+    Its weight gradient is what needs the [b, s, s] maps in backward. The c2p/p2c maps
+    (gathers, ~5x the cost of the others) are saved; the content and position maps are two
+    batched GEMMs of the saved q/k and are recomputed instead (1 of 4.6 saved [b, s, s]
+    planes per head pair, for ~1% of the step). The previous layer's logits enter through
+    their own weight columns: never copied next to the maps, and saved anyway as that
+    layer's output. The backward is hand-written."""
 
     @staticmethod
-    def forward(ctx, q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale):
-        # The maps are written with out= into one buffer of q_we's dtype, so autocast must not
+    def forward(ctx, q_we, k_we, q_pe, k_pe, k_r, q_r, index, prev, w_maps, w_prev, bias, scale):
+        # The maps are written with out= into buffers of q_we's dtype, so autocast must not
         # pick per-op dtypes here (the inputs come from one dtype already).
         with torch.autocast(q_we.device.type, enabled=False):
-            return _AttentionMaps._forward(
-                ctx, q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale
-            )
-
-    @staticmethod
-    def _forward(ctx, q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale):
-        # q_we/k_we [hw, b, s, d]; q_pe/k_pe [hp, b, s, d]; k_r/q_r [hw, n, d];
-        # index/index_t [b, s, s] with index_t[b, i, j] = index[b, j, i]; prev [hw+hp, b, s, s].
-        hw, b, s, d = q_we.shape
-        hp = q_pe.shape[0]
-        c_in = 3 * hw + hp + (prev.shape[0] if prev is not None else 0)
-        maps = q_we.new_empty(c_in, b, s, s)
-        content, c2p, p2c = maps[:hw], maps[hw : 2 * hw], maps[2 * hw : 3 * hw]
-        position = maps[3 * hw : 3 * hw + hp]
-        # Every slice is contiguous: flatten (heads, b) into one bmm batch.
-        q_flat, k_flat = q_we.view(hw * b, s, d), k_we.view(hw * b, s, d)
-        torch.baddbmm(
-            content.view(hw * b, s, s),
-            q_flat,
-            k_flat.transpose(1, 2),
-            beta=0.0,
-            alpha=scale,
-            out=content.view(hw * b, s, s),
-        )
-        torch.baddbmm(
-            position.view(hp * b, s, s),
-            q_pe.view(hp * b, s, d),
-            k_pe.view(hp * b, s, d).transpose(1, 2),
-            beta=0.0,
-            alpha=scale,
-            out=position.view(hp * b, s, s),
-        )
-        # c2p[i, j] = q_i . K_R[r_ij], p2c[i, j] = Q_R[r_ji] . k_j (models/common/relative.py).
-        c2p_scores(q_we, k_r, index, scale, out=c2p)
-        p2c_scores(k_we, q_r, index_t, scale, out=p2c)
-        if prev is not None:
-            maps[3 * hw + hp :].copy_(prev)
-        ctx.save_for_backward(q_we, k_we, q_pe, k_pe, k_r, q_r, index)
+            hw, b, s, _ = q_we.shape
+            w_dot, w_rel = _weight_parts(w_maps, hw)
+            rel = q_we.new_empty(2 * hw, b, s, s)
+            _relative_maps(rel, q_we, k_we, k_r, q_r, index, scale)
+            partial = rel.new_empty(w_maps.shape[0], b * s * s)
+            _conv_gemm(partial, w_rel, rel.view(2 * hw, -1), bias=bias.unsqueeze(1))
+            dot = rel.new_empty(hw + q_pe.shape[0], b, s, s)
+            _dot_maps(dot, q_we, k_we, q_pe, k_pe, scale)
+            _conv_gemm(partial, w_dot, dot.view(dot.shape[0], -1), accumulate=True)
+            del dot
+            if prev is not None:
+                _conv_gemm(partial, w_prev, prev.reshape(prev.shape[0], -1), accumulate=True)
+        ctx.save_for_backward(q_we, k_we, q_pe, k_pe, k_r, q_r, index, rel, prev, w_maps, w_prev)
         ctx.scale = scale
-        ctx.has_prev = prev is not None
-        return maps
+        return partial
 
     @staticmethod
-    def backward(ctx, grad_maps):
-        with torch.autocast(grad_maps.device.type, enabled=False):
-            return _AttentionMaps._backward(ctx, grad_maps)
-
-    @staticmethod
-    def _backward(ctx, grad_maps):
-        q_we, k_we, q_pe, k_pe, k_r, q_r, index = ctx.saved_tensors
+    def backward(ctx, grad):
+        q_we, k_we, q_pe, k_pe, k_r, q_r, index, rel, prev, w_maps, w_prev = ctx.saved_tensors
         scale = ctx.scale
-        hw, b, s, d = q_we.shape
-        hp = q_pe.shape[0]
-        grad_maps = grad_maps.contiguous()
-        g_content = grad_maps[:hw].view(hw * b, s, s)
-        g_c2p = grad_maps[hw : 2 * hw]
-        g_p2c = grad_maps[2 * hw : 3 * hw]
-        g_position = grad_maps[3 * hw : 3 * hw + hp].view(hp * b, s, s)
-        q_flat, k_flat = q_we.view(hw * b, s, d), k_we.view(hw * b, s, d)
-
-        # content = scale * Q K^T
-        grad_q = torch.bmm(g_content, k_flat)  # [hw*b, s, d]
-        grad_k = torch.bmm(g_content.transpose(1, 2), q_flat)
-        grad_q, grad_k = grad_q.view(hw, b * s, d), grad_k.view(hw, b * s, d)
-        grad_k_r = c2p_backward(g_c2p, q_we, k_r, index, grad_q)
-        # p2c's index is index_t, whose transpose is index.
-        grad_q_r = p2c_backward(g_p2c, k_we, q_r, index, grad_k)
-        # position = scale * Q_PE K_PE^T
-        grad_q_pe = torch.bmm(g_position, k_pe.view(hp * b, s, d))
-        grad_k_pe = torch.bmm(g_position.transpose(1, 2), q_pe.view(hp * b, s, d))
-
-        grad_prev = grad_maps[3 * hw + hp :] if ctx.has_prev else None
+        hw = q_we.shape[0]
+        with torch.autocast(grad.device.type, enabled=False):
+            grad = grad.contiguous()  # [C_out, b*s*s]
+            w_dot, w_rel = _weight_parts(w_maps, hw)
+            dot = rel.new_empty(hw + q_pe.shape[0], *rel.shape[1:])
+            _dot_maps(dot, q_we, k_we, q_pe, k_pe, scale)
+            dot, rel = dot.view(dot.shape[0], -1), rel.view(2 * hw, -1)
+            grad_dot_w, grad_rel_w = grad @ dot.t(), grad @ rel.t()
+            grad_w_maps = torch.cat(
+                [grad_dot_w[:, :hw], grad_rel_w, grad_dot_w[:, hw:]], dim=1
+            )  # canonical column order
+            _conv_gemm(dot, w_dot.t(), grad)  # the recomputed maps' buffer takes their grad
+            grad_rel = torch.empty_like(rel)
+            _conv_gemm(grad_rel, w_rel.t(), grad)
+            maps_shape = (-1, q_we.shape[1], q_we.shape[2], q_we.shape[2])  # [., b, s, s]
+            grad_q, grad_k, grad_q_pe, grad_k_pe = _dot_maps_backward(
+                dot.view(maps_shape), q_we, k_we, q_pe, k_pe, scale
+            )
+            del dot
+            grad_rel = grad_rel.view(maps_shape)
+            grad_k_r = c2p_backward(grad_rel[:hw], q_we, k_r, index, grad_q)  # adds into grad_q
+            grad_q_r = p2c_backward(grad_rel[hw:], k_we, q_r, index, grad_k)  # adds into grad_k
+            del grad_rel
+            grad_prev = grad_w_prev = None
+            if prev is not None:
+                flat_prev = prev.reshape(prev.shape[0], -1)
+                grad_w_prev = grad @ flat_prev.t()
+                grad_prev = torch.empty_like(flat_prev)
+                _conv_gemm(grad_prev, w_prev.t(), grad)
+                grad_prev = grad_prev.view(prev.shape)
+        shape_we, shape_pe = q_we.shape, q_pe.shape
         return (
-            grad_q.mul_(scale).view(hw, b, s, d),
-            grad_k.mul_(scale).view(hw, b, s, d),
-            grad_q_pe.mul_(scale).view(hp, b, s, d),
-            grad_k_pe.mul_(scale).view(hp, b, s, d),
+            grad_q.mul_(scale).view(shape_we),
+            grad_k.mul_(scale).view(shape_we),
+            grad_q_pe.mul_(scale).view(shape_pe),
+            grad_k_pe.mul_(scale).view(shape_pe),
             grad_k_r.mul_(scale),
             grad_q_r.mul_(scale),
             None,
-            None,
             grad_prev,
+            grad_w_maps,
+            grad_w_prev,
+            grad.sum(1),
             None,
         )
 
 
-def attention_maps(
-    q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale: float
+def attention_logits(
+    q_we, k_we, q_pe, k_pe, k_r, q_r, index, prev, w_maps, w_prev, bias, scale: float
 ) -> torch.Tensor:
-    """[C_in, b, s, s]: content, c2p, p2c (per WE head), position (per PE head), then the
-    previous layer's fused logits if given; every map already divided by sqrt(d)."""
-    return _AttentionMaps.apply(q_we, k_we, q_pe, k_pe, k_r, q_r, index, index_t, prev, scale)
+    """[C_out, b*s*s]: bias + w_maps @ maps + w_prev @ prev, where maps are the content,
+    c2p, p2c (per WE head) and position (per PE head) maps [3 hw + hp, b, s, s], in that
+    (canonical) order, every map divided by sqrt(d); index [b, s, s] is the bucket r_ij of
+    every pair; prev [hw + hp, b, s, s] is the previous layer's fused logits (None in layer
+    1, then w_prev is None too)."""
+    if torch.compiler.is_compiling():
+        # Plain differentiable ops under torch.compile: the hand-written op writes into
+        # views (out=), which the compiler would split the graph at.
+        content = torch.matmul(q_we, k_we.transpose(-1, -2)) * scale
+        position = torch.matmul(q_pe, k_pe.transpose(-1, -2)) * scale
+        c2p = c2p_scores(q_we, k_r, index, scale)
+        p2c = p2c_scores(k_we, q_r, index, scale)
+        maps = torch.cat([content, c2p, p2c, position]).flatten(1)  # canonical order
+        partial = torch.addmm(bias.unsqueeze(1), w_maps, maps)
+        return partial if prev is None else partial + w_prev @ prev.flatten(1)
+    return _AttentionLogits.apply(
+        q_we, k_we, q_pe, k_pe, k_r, q_r, index, prev, w_maps, w_prev, bias, scale
+    )
+
+
+class _AttentionProbs(torch.autograd.Function):
+    """Softmax over the keys (padding keys masked), inverted dropout with a given keep mask,
+    then each head's values: WE heads weight WE values, PE heads PE values.
+
+    Saved: the probabilities (softmax needs them), the keep mask as bool and the values.
+    The dropped probabilities are rebuilt in backward instead of kept, the 1/(1-p) scale
+    is applied to the small [heads, b, s, d_v] products, and both heads' gradients are
+    written into one buffer (no split/cat)."""
+
+    @staticmethod
+    def forward(ctx, logits, key_padding, keep, v_we, v_pe, keep_scale):
+        # logits [hw+hp, b, s, s]; key_padding [1, b, 1, s] bool or None; keep like logits,
+        # bool or None (no dropout); v_we [hw, b, s, dv_we], v_pe [hp, b, s, dv_pe].
+        with torch.autocast(logits.device.type, enabled=False):
+            scores = logits
+            if key_padding is not None:
+                scores = logits.masked_fill(key_padding, torch.finfo(logits.dtype).min)
+            # Half-precision softmax accumulates in float32 internally; asking for a float32
+            # result would instead keep a float32 copy of [hw+hp, b, s, s] alive for backward.
+            probs = torch.softmax(scores, dim=-1)
+            del scores
+            dropped = probs if keep is None else probs * keep
+            ctx_we, ctx_pe = _values(dropped, v_we, v_pe)
+            del dropped
+            if keep is not None:
+                ctx_we.mul_(keep_scale)
+                ctx_pe.mul_(keep_scale)
+        ctx.save_for_backward(probs, keep, key_padding, v_we, v_pe)
+        ctx.keep_scale = keep_scale
+        return ctx_we, ctx_pe
+
+    @staticmethod
+    def backward(ctx, grad_we, grad_pe):
+        probs, keep, key_padding, v_we, v_pe = ctx.saved_tensors
+        hw, b, s, _ = v_we.shape
+        hp = v_pe.shape[0]
+        with torch.autocast(probs.device.type, enabled=False):
+            if keep is not None:
+                grad_we, grad_pe = grad_we * ctx.keep_scale, grad_pe * ctx.keep_scale
+            grad_we, grad_pe = grad_we.contiguous(), grad_pe.contiguous()
+            dropped = probs if keep is None else probs * keep
+            grad_v_we = torch.matmul(dropped[:hw].transpose(-1, -2), grad_we)
+            grad_v_pe = torch.matmul(dropped[hw:].transpose(-1, -2), grad_pe)
+            del dropped
+            grad = torch.empty_like(probs)  # d loss / d dropped probs, both head kinds
+            for out, g, v, h in ((grad[:hw], grad_we, v_we, hw), (grad[hw:], grad_pe, v_pe, hp)):
+                dv = v.shape[-1]
+                torch.bmm(
+                    g.view(h * b, s, dv),
+                    v.reshape(h * b, s, dv).transpose(1, 2),
+                    out=out.view(h * b, s, s),
+                )
+            if keep is not None:
+                grad.mul_(keep)
+            grad = torch._softmax_backward_data(grad, probs, -1, probs.dtype)
+            if key_padding is not None:
+                grad.masked_fill_(key_padding, 0.0)  # the filled scores are constants
+        return grad, None, None, grad_v_we, grad_v_pe, None
+
+
+def _values(probs, v_we, v_pe):
+    hw = v_we.shape[0]
+    return torch.matmul(probs[:hw], v_we), torch.matmul(probs[hw:], v_pe)
+
+
+def attention_probs(logits, key_padding, keep, v_we, v_pe, keep_scale: float):
+    """-> (context of the WE heads [hw, b, s, dv_we], of the PE heads [hp, b, s, dv_pe]):
+    softmax(logits masked at padding keys) * keep * keep_scale, times the values."""
+    if torch.compiler.is_compiling():
+        # Plain ops under torch.compile: the compiler fuses them with the PReLU before and
+        # picks what to save itself, which a hand-written autograd function would prevent.
+        scores = logits
+        if key_padding is not None:
+            scores = logits.masked_fill(key_padding, torch.finfo(logits.dtype).min)
+        probs = torch.softmax(scores, dim=-1)
+        if keep is not None:
+            probs = probs * keep * keep_scale
+        return _values(probs, v_we, v_pe)
+    return _AttentionProbs.apply(logits, key_padding, keep, v_we, v_pe, keep_scale)
 
 
 class TacoAttention(nn.Module):
@@ -316,7 +453,7 @@ class TacoAttention(nn.Module):
         self.register_buffer(
             "conv_out_perm", torch.tensor(perm, dtype=torch.long), persistent=False
         )
-        self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.attention_dropout = DropoutMask(config.attention_dropout)
 
     def conv_bias_vector(self) -> torch.Tensor:
         """[C_out] in the rank-major row order: this rank's bias in its own chunk, zeros in
@@ -326,8 +463,8 @@ class TacoAttention(nn.Module):
         return F.pad(local, (self.tp_rank * chunk, (self.tp_size - 1 - self.tp_rank) * chunk))
 
     def conv_weight(self) -> torch.Tensor:
-        """This rank's conv weight [C_out (rank-major), C_in local], columns in the order the
-        maps are stacked in ``forward``."""
+        """This rank's conv weight [C_out (rank-major), C_in local], columns in the canonical
+        input order: the maps', then the previous logits'."""
         w = torch.cat([getattr(self, f"conv_{g}") for g in self.conv_groups], dim=1)
         return w.index_select(0, self.conv_out_perm)
 
@@ -337,7 +474,6 @@ class TacoAttention(nn.Module):
         h_pe: torch.Tensor,  # [b, s, d_PE]
         prev_logits: torch.Tensor | None,  # [hw+hp, b, s, s] (local heads), None in layer 1
         rel_index: torch.Tensor,  # [b, s, s] int64: compact bucket of (i, j)
-        rel_index_t: torch.Tensor,  # [b, s, s] int64: its transpose, bucket of (j, i)
         rel_rows: torch.Tensor,  # [n, rel] normalised relative embeddings in use
         key_padding: torch.Tensor | None,  # [1, b, 1, s] bool, True = padding key; None = none
     ):
@@ -357,7 +493,12 @@ class TacoAttention(nn.Module):
         kq_r = self.relative_kq(rel_rows).view(n, 2, hw, d).permute(1, 2, 0, 3)  # [2, hw, n, d]
         k_r, q_r = (t.contiguous() for t in kq_r.unbind(0))
 
-        maps = attention_maps(
+        c_maps = 3 * hw + hp
+        weight = self.conv_weight()  # [C_out, C_in local]
+        w_prev = weight[:, c_maps:] if prev_logits is not None else None
+        # 1x1 conv with this rank's input channels: partial sums for ALL output heads, with
+        # this rank's bias added to its own chunk only, so the sum over ranks adds it once.
+        partial = attention_logits(
             q_we,
             k_we,
             q_pe,
@@ -365,29 +506,17 @@ class TacoAttention(nn.Module):
             k_r,
             q_r,
             rel_index,
-            rel_index_t,
             prev_logits,
+            weight[:, :c_maps],
+            w_prev,
+            self.conv_bias_vector(),
             1.0 / math.sqrt(d),
-        )  # [C_in local, b, s, s]
-        c_in = maps.shape[0]
-        # 1x1 conv with this rank's input channels: partial sums for ALL output heads, with
-        # this rank's bias added to its own chunk only, so the sum over ranks adds it once.
-        partial = torch.addmm(
-            self.conv_bias_vector().unsqueeze(1), self.conv_weight(), maps.view(c_in, b * s * s)
         )  # [C_out, b*s*s]
         fused = reduce_scatter_to_tp_region(partial, self.tp_group, dim=0)  # [hw+hp, b*s*s]
         slope = torch.cat([self.prelu_we, self.prelu_pe]).to(fused.dtype)
         # [1, C, N] puts the channels on dim 1, where F.prelu expects them, without a copy.
         logits = F.prelu(fused.unsqueeze(0), slope).view(hw + hp, b, s, s)
 
-        scores = (
-            logits
-            if key_padding is None
-            else logits.masked_fill(key_padding, torch.finfo(logits.dtype).min)
-        )
-        # Half-precision softmax accumulates in float32 internally; asking for a float32
-        # result would instead keep a float32 copy of [hw+hp, b, s, s] alive for backward.
-        probs = torch.softmax(scores, dim=-1)
         # Local heads only: each rank must drop different elements -> tracker RNG.
         fork = (
             self.rng_tracker.fork(MODEL_PARALLEL_RNG)
@@ -395,14 +524,15 @@ class TacoAttention(nn.Module):
             else nullcontext()
         )
         with fork:
-            probs = self.attention_dropout(probs)
-
-        # WE heads weight WE values (d_v = dv_we), PE heads PE values (dv_pe). split() (not
-        # slicing) so the backward concatenates the two gradients instead of building a
-        # zero-filled [hw+hp, b, s, s] tensor per part.
-        probs_we, probs_pe = probs.split([hw, hp])
-        ctx_we = torch.matmul(probs_we, v_we)  # [hw, b, s, dv_we]
-        ctx_pe = torch.matmul(probs_pe, v_pe)  # [hp, b, s, dv_pe]
+            keep = self.attention_dropout(logits)  # [hw+hp, b, s, s] bool, None = no dropout
+        ctx_we, ctx_pe = attention_probs(
+            logits,
+            key_padding,
+            keep,
+            v_we.contiguous(),
+            v_pe.contiguous(),
+            1.0 / (1.0 - self.attention_dropout.p),
+        )  # [hw, b, s, dv_we], [hp, b, s, dv_pe]
         out_we = self.out_we(ctx_we.permute(1, 2, 0, 3).reshape(b, s, hw * dv_we))  # [b, s, d_WE]
         out_pe = self.out_pe(ctx_pe.permute(1, 2, 0, 3).reshape(b, s, hp * dv_pe))  # [b, s, d_PE]
         return out_we, out_pe, logits
@@ -427,9 +557,9 @@ class TacoLayer(nn.Module):
         self.pe_output_layernorm = LayerNorm(config.pe_hidden_size, eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, h_we, h_pe, prev_logits, rel_index, rel_index_t, rel_rows, key_padding):
+    def forward(self, h_we, h_pe, prev_logits, rel_index, rel_rows, key_padding):
         a_we, a_pe, logits = self.attention(
-            h_we, h_pe, prev_logits, rel_index, rel_index_t, rel_rows, key_padding
+            h_we, h_pe, prev_logits, rel_index, rel_rows, key_padding
         )
         # Row-parallel outputs are all-reduced (replicated): default-RNG dropout.
         h_we = self.we_attention_layernorm(h_we + self.dropout(a_we))
@@ -457,6 +587,8 @@ class TacoModel(nn.Module):
         self.layers = nn.ModuleList(
             TacoLayer(config, parallel, i + 1, rng_tracker) for i in range(config.num_layers)
         )
+        if config.compile:
+            compile_layers(self.layers, "TACO layers")
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -467,7 +599,6 @@ class TacoModel(nn.Module):
         # Computed once per forward, shared by all layers.
         lo, hi, has_padding = batch_layout(position_ids, attention_mask, k)
         rel_index = relative_position_index(position_ids, k, lo, hi)  # [b, s, s]
-        rel_index_t = rel_index.transpose(1, 2).contiguous()
         rows = relative_table_rows(lo, hi, config.mask_bucket, input_ids.device)
         rel_rows = self.embeddings.relative_rows(rows)  # [n, rel]
         # Batches without padding (full-length rows are common) skip the masking pass.
@@ -477,7 +608,7 @@ class TacoModel(nn.Module):
 
         logits = None
         for layer in self.layers:
-            args = (rel_index, rel_index_t, rel_rows, key_padding)
+            args = (rel_index, rel_rows, key_padding)
             if config.recompute_activations and torch.is_grad_enabled():
                 if logits is None:
                     fn, inputs = _first_layer_fn(layer), (h_we, h_pe, *args)
@@ -491,8 +622,8 @@ class TacoModel(nn.Module):
 
 def _first_layer_fn(layer: TacoLayer):
     # Layer 1 has no previous logits; keep None out of the checkpointed argument list.
-    def run(h_we, h_pe, rel_index, rel_index_t, rel_rows, key_padding):
-        return layer(h_we, h_pe, None, rel_index, rel_index_t, rel_rows, key_padding)
+    def run(h_we, h_pe, rel_index, rel_rows, key_padding):
+        return layer(h_we, h_pe, None, rel_index, rel_rows, key_padding)
 
     return run
 
