@@ -1,9 +1,12 @@
 """taco-glue-score / tools/glue_score.py: the score table of a directory of fine-tuning runs
 (a sweep's --output, or any folder holding run directories with results.json) and the GLUE
-score as ELECTRA and the SAS paper compute it (the 8 tasks' dev scores averaged, WNLI
-excluded).
+score in the SAS paper's or ELECTRA's convention (the 8 tasks' dev scores averaged, WNLI
+excluded; they differ in STS-B's and MNLI's number: tasks/metrics.py).
 
-    python tools/glue_score.py runs/sas_small_glue [--aggregate median] [--json out.json]
+    python tools/glue_score.py runs/sas_small_glue [--convention electra] [--json out.json]
+
+A results.json that cannot be read (truncated, or not a fine-tuning run's) is skipped with
+a warning line naming it, so a directory of partly written runs still gets its table.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from megatron_taco.arguments import ConfigError, program_name, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_taco.tasks.metrics import GLUE_SCORE_CONVENTIONS
+
     p = argparse.ArgumentParser(
         prog=program_name("glue_score.py"), description=__doc__.split("\n\n")[0].replace("\n", " ")
     )
@@ -24,27 +29,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--aggregate",
         choices=("mean", "median"),
-        default="mean",
-        help="Over the seeds of a configuration: mean (SAS paper) or median (TACO paper).",
+        default=None,
+        help="Over the seeds of a configuration: mean (SAS paper) or median (TACO paper) "
+        "(default: the sweep's protocol's, from DIR/sweep.json; mean without one).",
+    )
+    p.add_argument(
+        "--convention",
+        choices=GLUE_SCORE_CONVENTIONS,
+        default="sas",
+        help="How STS-B and MNLI become one number each: sas (the mean of Pearson and "
+        "Spearman, of matched and mismatched) or electra (Spearman, matched) (default: sas).",
     )
     p.add_argument("--json", help="Also write the summary as JSON to this file.")
     return p
 
 
 def score(args: argparse.Namespace) -> None:
-    from megatron_taco.recipes.sweep import markdown_table, summarize
+    from megatron_taco.recipes.sweep import GLUE_TASKS, markdown_table, summarize
 
     if not os.path.isdir(args.results):
         raise ConfigError(f"{args.results} is not a directory")
-    summary = summarize(args.results, "taco" if args.aggregate == "median" else None)
+    summary = summarize(args.results, aggregate=args.aggregate, convention=args.convention)
     if not summary["tasks"]:
+        for warning in summary["warnings"]:
+            print(warning, file=sys.stderr)
         raise ConfigError(f"{args.results}: no finished run (results.json with finished: true)")
     print(markdown_table(summary))
-    if "glue_score" not in summary:
-        from megatron_taco.recipes.sweep import GLUE_TASKS
-
+    if "glue_score" in summary:
+        print(f"GLUE score ({args.convention} convention): {summary['glue_score']:.2f}")
+    else:
         missing = [t for t in GLUE_TASKS if t not in summary["tasks"]]
-        print(f"(no GLUE score: no finished run of {', '.join(missing)})")
+        if missing:
+            print(f"(no GLUE score: no finished run of {', '.join(missing)})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)

@@ -11,20 +11,23 @@ the same command again (after a crash, a preemption, a requeue) continues the qu
 ``--sweep-shard K --sweep-shards N`` runs every N-th run from the K-th (one SLURM array
 task each: examples/slurm/finetune_sweep_array.sbatch). After its runs, every process that
 ran a sweep rewrites OUTPUT/summary.{json,md} from all results.json found, so the table
-always shows what has finished.
+always shows what has finished; OUTPUT/sweep.json records the seeds each task's
+configurations should have, so the table tells a complete configuration from one whose
+seeds have not all finished.
 
-SAS (its appendix Table 6): learning rates {1e-4, 7.5e-5} (small) or {7.5e-5, 5e-5}
-(base); 20 epochs with the best epoch for CoLA, MRPC, STS-B, RTE (and WNLI), 4 epochs
-(the last) otherwise; 5 seeds for CoLA/MRPC/STS-B/RTE (and WNLI), 3 for QNLI/SST-2, 1 for
-MNLI/QQP; batch 32, warmup 0.1, linear decay, Adam eps 1e-6, betas (0.9, 0.999), no weight
-decay, dropout 0.1, no layer-wise decay. Reported: the mean over seeds of the learning
-rate whose mean is best.
+SAS (its appendix Table 6), for the GLUE tasks: learning rates {1e-4, 7.5e-5} (small) or
+{7.5e-5, 5e-5} (base); batch sizes {16, 32}; 20 epochs with the best epoch for CoLA, MRPC,
+STS-B, RTE (and WNLI), 4 epochs (the last) otherwise; 5 seeds for CoLA/MRPC/STS-B/RTE (and
+WNLI), 3 for QNLI/SST-2, 1 for MNLI/QQP. Fixed (protocol_settings): warmup 0.1, linear decay
+to 0, Adam eps 1e-6, betas (0.9, 0.999), no weight decay, head dropout 0.1, no layer-wise
+decay. Reported: the mean over seeds of the configuration whose mean is best. Table 6 gives
+epochs and seeds for GLUE only: another task needs --epoch-grid and --num-seeds.
 TACO (its appendix Table 8): GLUE batch {16, 32} x lr {1e-5, 2e-5, 3e-5, 5e-5} x epochs
 {3, 4, 5, 6}, weight decay 0.01; SQuAD batch 32 x lr {1e-5, 2e-5, 3e-5, 5e-5} x epochs
 {2, 3, 4, 5}, weight decay 0.01; RACE batch 16, lr 1e-5, 6 epochs, weight decay 0.1;
 5 seeds; reported: the median over seeds of the best configuration. The paper leaves
-open (our choice, docs/finetuning.md): warmup 0.1 of the steps, linear decay, Adam eps
-1e-6, dropout 0.1, the last epoch's scores.
+open (the command line's, by default our choices, docs/finetuning.md): warmup 0.1 of the
+steps, linear decay, Adam eps 1e-6, dropout, the last epoch's scores.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ class SweepConfig:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run of a sweep: the flags it sets on top of the command line's."""
+    """One run of a sweep: the flags it sets on top of the command line's. ``fixed`` holds
+    the settings its protocol fixes besides the grid (namespace dest, value)."""
 
     task: str
     lr: float
@@ -116,7 +120,7 @@ class RunSpec:
     epochs: int
     seed: int
     selection: str
-    weight_decay: float | None = None
+    fixed: tuple[tuple[str, Any], ...] = ()
 
     @property
     def config_name(self) -> str:
@@ -128,24 +132,55 @@ class RunSpec:
 
 _SAS_SMALL_TASKS = ("cola", "mrpc", "stsb", "rte", "wnli")
 _SAS_SEEDS = {"qnli": 3, "sst2": 3, "mnli": 1, "qqp": 1}
+# Table 6's fixed rows, as the fine-tuning flags' dests. Linear decay means to 0 at the
+# run's end (no --min-lr, no --lr-decay-iters); its "Dropout 0.1" is the head's here: the
+# encoder keeps its checkpoint's dropout (fine-tuning has no flag for it; run_sweep warns
+# when that is not 0.1).
+_SAS_FIXED = {
+    "lr_warmup_fraction": 0.1,
+    "lr_warmup_iters": None,
+    "lr_decay_style": "linear",
+    "min_lr": 0.0,
+    "lr_decay_iters": None,
+    "adam_eps": 1e-6,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "weight_decay": 0.0,
+    "layerwise_lr_decay": None,
+    "classifier_dropout": 0.1,
+}
+_SAS_DROPOUT = 0.1
 
 
 def protocol_grid(protocol: str | None, task: str, model_size: str | None, kind: str):
-    """(lrs, batch sizes, epochs, seeds, selection, weight decay) of a protocol for a task;
-    without a protocol the command line's values make a one-point grid."""
+    """(lrs, batch sizes, epochs, seeds, selection) of a protocol for a task, None where the
+    protocol gives no value for the task; None without a protocol."""
     if protocol == "sas":
         lrs = (7.5e-5, 5e-5) if model_size == "base" else (1e-4, 7.5e-5)
+        if task not in GLUE_FOLDERS:  # Table 6's epochs and seeds are GLUE's
+            return lrs, (16, 32), None, None, None
         small = task in _SAS_SMALL_TASKS
-        return (lrs, (32,), (20 if small else 4,), 5 if small else _SAS_SEEDS.get(task, 3),
-                "best" if small else "last", 0.0)  # fmt: skip
+        return (lrs, (16, 32), (20 if small else 4,), 5 if small else _SAS_SEEDS.get(task, 3),
+                "best" if small else "last")  # fmt: skip
     if protocol == "taco":
         lrs = (1e-5, 2e-5, 3e-5, 5e-5)
         if kind == "span":
-            return lrs, (32,), (2, 3, 4, 5), 5, "last", 0.01
+            return lrs, (32,), (2, 3, 4, 5), 5, "last"
         if kind == "multiple_choice":
-            return (1e-5,), (16,), (6,), 5, "last", 0.1
-        return lrs, (16, 32), (3, 4, 5, 6), 5, "last", 0.01
+            return (1e-5,), (16,), (6,), 5, "last"
+        return lrs, (16, 32), (3, 4, 5, 6), 5, "last"
     return None
+
+
+def protocol_settings(protocol: str | None, kind: str) -> dict[str, Any]:
+    """What a protocol fixes besides its grid (namespace dest -> value): all of Table 6's
+    other rows for SAS; Table 8's weight decay for TACO, whose other settings the paper
+    leaves open (they stay the command line's)."""
+    if protocol == "sas":
+        return dict(_SAS_FIXED)
+    if protocol == "taco":
+        return {"weight_decay": 0.1 if kind == "multiple_choice" else 0.01}
+    return {}
 
 
 def expand_tasks(spec: str) -> list[str]:
@@ -176,16 +211,70 @@ def plan_runs(
 
     runs = []
     for task in tasks:
-        grid = protocol_grid(sweep.protocol, task, model_size, TASKS[task].kind)
+        kind = TASKS[task].kind
+        grid = protocol_grid(sweep.protocol, task, model_size, kind)
         if grid is None:
             gbs = args.global_batch_size or args.micro_batch_size
-            grid = ((args.lr,), (gbs,), (args.train_epochs,), 1, args.epoch_selection, None)
-        lrs, sizes, epochs, seeds, selection, wd = grid
+            grid = ((args.lr,), (gbs,), (args.train_epochs,), 1, args.epoch_selection)
+        lrs, sizes, epochs, seeds, selection = grid
         lrs, sizes = sweep.lrs or lrs, sweep.batch_sizes or sizes
         epochs, seeds = sweep.epoch_grid or epochs, sweep.seeds or seeds
+        if epochs is None or seeds is None:
+            raise ConfigError(
+                f"--protocol {sweep.protocol}: its paper's table gives epochs and seeds for the "
+                f"GLUE tasks only, not for task {task!r}; use --protocol taco, or give "
+                "--epoch-grid and --num-seeds (and --lrs/--batch-sizes to replace the rest)"
+            )
+        fixed = tuple(protocol_settings(sweep.protocol, kind).items())
         for lr, bs, ep, s in itertools.product(lrs, sizes, epochs, range(seeds)):
-            runs.append(RunSpec(task, lr, bs, ep, args.seed + s, selection, wd))
+            runs.append(RunSpec(task, lr, bs, ep, args.seed + s,
+                                selection or args.epoch_selection, fixed))  # fmt: skip
     return runs
+
+
+def _same(dest: str, a: Any, b: Any) -> bool:
+    # Layer-wise decay 1.0 is no layer-wise decay.
+    if dest == "layerwise_lr_decay":
+        a, b = (None if v == 1.0 else v for v in (a, b))
+    return a == b
+
+
+def check_fixed_settings(
+    protocol: str | None, runs: list[RunSpec], args: argparse.Namespace, parser
+) -> str | None:
+    """Refuse a command line that sets a flag its protocol fixes to another value (one line
+    naming every such flag), and describe what the protocol sets. argparse cannot tell a
+    flag given at its default from one left out: a value other than the flag's default was
+    given, and is refused if it conflicts; a value at its default is replaced, as the
+    returned line says."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    fixed: dict[str, Any] = {}
+    conflicts: dict[str, Any] = {}
+    for run in runs:
+        for dest, value in run.fixed:
+            given = getattr(args, dest)
+            if not _same(dest, given, value) and not _same(dest, given, parser.get_default(dest)):
+                conflicts[dest] = given
+            fixed.setdefault(dest, value)
+    if conflicts:
+        table = {"sas": "the SAS paper's Table 6", "taco": "the TACO paper's Table 8"}[protocol]
+        raise ConfigError(
+            f"--protocol {protocol} fixes "
+            + ", ".join(f"{flags[d]} {_show(fixed[d])}" for d in conflicts)
+            + f" ({table}); the command line gives "
+            + ", ".join(f"{flags[d]} {_show(v)}" for d, v in conflicts.items())
+            + ": drop those flags, or drop --protocol and sweep with --lrs/--batch-sizes/"
+            "--epoch-grid/--num-seeds"
+        )
+    if not fixed:
+        return None
+    return f"sweep: --protocol {protocol} fixes " + ", ".join(
+        f"{flags[d]} {_show(v)}" for d, v in fixed.items()
+    )
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def run_namespace(
@@ -209,8 +298,9 @@ def run_namespace(
     ns.epoch_selection = run.selection
     ns.data_dir = task_data_dir(args.data_dir, run.task)
     ns.output = run.directory(root)
-    if run.weight_decay is not None:
-        ns.weight_decay = run.weight_decay
+    for dest, value in run.fixed:
+        if not _same(dest, getattr(ns, dest), value):
+            setattr(ns, dest, value)
     return ns
 
 
@@ -219,7 +309,6 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     group for all of them), then the summary. Stops at the first run that is interrupted
     (an exit signal, a time limit): starting the command again continues from it."""
     from megatron_taco.recipes.finetune import model_size_of
-    from megatron_taco.recipes.finetune_eval import read_results
     from megatron_taco.training.engine import (
         accelerator_name,
         destroy_distributed,
@@ -232,56 +321,184 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
         raise ConfigError("--output: the sweep's directory is required")
     tasks = expand_tasks(args.task or "")
     runs = plan_runs(sweep, tasks, args, model_size_of(args.load, args.ckpt_step))
+    fixed = check_fixed_settings(sweep.protocol, runs, args, spec.build_parser())
     mine = runs[sweep.sweep_shard :: sweep.sweep_shards]
     world, device = launcher_world_size(), accelerator_name()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        write_plan(root, sweep.protocol, runs)
+        if fixed:
+            print(fixed, flush=True)
     features: dict[tuple, Any] = {}  # one tokenisation per task for all its runs
-    status = 0
+    status, dropout_checked = 0, sweep.protocol != "sas"
     try:
         for i, run in enumerate(mine):
-            done = read_results(run.directory(root))
-            if done is not None and done.get("finished"):
+            if _finished(run.directory(root)):
                 continue
             dp = world // args.tensor_model_parallel_size
             cfg = spec.configs_from_args(
                 run_namespace(args, run, root, dp), world_size=world, device_type=device
             )
+            if not dropout_checked and rank0:
+                _warn_encoder_dropout(cfg.model)
+                dropout_checked = True
             key = (cfg.data.task, cfg.data.data_dir, cfg.data.seq_length, cfg.data.tokenizer_model)
             if key not in features:
                 features = {key: spec.load_features(cfg)}  # keep one task's at a time
-            if int(os.environ.get("RANK", "0")) == 0:
+            if rank0:
                 print(f"sweep: run {i + 1}/{len(mine)}: {run.directory(root)}", flush=True)
             status = pretrain(cfg, spec.for_run(cfg, features[key]), monitor=monitor,
                               keep_process_group=True)  # fmt: skip
-            result = read_results(run.directory(root))
-            if status != 0 or result is None or not result.get("finished"):
+            if status != 0 or not _finished(run.directory(root)):
                 print(f"sweep: stopped at {run.directory(root)} (not finished)", flush=True)
                 break
     finally:
         destroy_distributed(None)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0:
         table = write_summary(root, sweep.protocol)
         print(table, flush=True)
     return status
 
 
+def _finished(directory: str) -> bool:
+    """Whether a run's results.json says finished; an unreadable one stops the sweep (it
+    would otherwise rerun, or skip, a run whose state nobody knows)."""
+    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
+
+    path = os.path.join(directory, RESULTS_FILE)
+    if not os.path.isfile(path):
+        return False
+    result, problem = read_result(path)
+    if result is None:
+        raise ConfigError(f"{problem}; fix or remove it to run {directory} again")
+    return bool(result["finished"])
+
+
+def _warn_encoder_dropout(model) -> None:
+    dropouts = (getattr(model, "hidden_dropout", None), getattr(model, "attention_dropout", None))
+    if any(d is not None and d != _SAS_DROPOUT for d in dropouts):
+        print(
+            f"sweep: warning: --protocol sas: the encoder keeps its checkpoint's dropout "
+            f"(hidden {dropouts[0]}, attention {dropouts[1]}), not Table 6's {_SAS_DROPOUT} "
+            "(fine-tuning has no flag for it; the head's dropout is 0.1)",
+            flush=True,
+        )
+
+
 # ---------------------------------------------------------------------------------------
 # The table
 
+PLAN_FILE = "sweep.json"
+_RESULT_KEYS = ("task", "finished", "dev", "main_metric", "hyperparameters")
 
-def _results(root: str) -> list[dict[str, Any]]:
-    found = []
+
+def write_plan(root: str, protocol: str | None, runs: list[RunSpec]) -> None:
+    """OUTPUT/sweep.json: the protocol and the seeds each task's configurations should have
+    (merged with an earlier sweep's tasks in the same directory)."""
+    from megatron_taco.recipes.finetune_eval import write_json_atomic
+
+    plan = read_plan(root)
+    seeds = plan.get("seeds", {})
+    for task in dict.fromkeys(r.task for r in runs):
+        first = next(r for r in runs if r.task == task)
+        seeds[task] = sum(1 for r in runs if r.task == task and r.config_name == first.config_name)
+    os.makedirs(root, exist_ok=True)
+    write_json_atomic(os.path.join(root, PLAN_FILE), {"protocol": protocol, "seeds": seeds})
+
+
+def read_plan(root: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(root, PLAN_FILE), encoding="utf-8") as f:
+            plan = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return plan if isinstance(plan, dict) and isinstance(plan.get("seeds", {}), dict) else {}
+
+
+def read_result(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """A run's results.json, or None and what is wrong with it (one line naming it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{path}: unreadable ({e})"
+    except json.JSONDecodeError as e:
+        return None, f"{path}: not valid JSON (truncated?): {e}"
+    if not isinstance(result, dict):
+        return None, f"{path}: not a JSON object"
+    missing = [k for k in _RESULT_KEYS if k not in result]
+    if missing:
+        return None, f"{path}: no {missing[0]!r}: not a fine-tuning run's results.json"
+    if not isinstance(result["hyperparameters"], dict) or not isinstance(result["dev"], dict):
+        return None, f"{path}: 'hyperparameters' and 'dev' must be objects"
+    return result, None
+
+
+def _results(root: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every readable results.json under root, and a warning line for each unreadable one
+    (skipped: a directory of partly copied or foreign runs still gets its table)."""
+    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
+
+    found, warnings = [], []
     for directory, _dirs, files in sorted(os.walk(root)):
-        if "results.json" in files:
-            with open(os.path.join(directory, "results.json"), encoding="utf-8") as f:
-                result = json.load(f)
+        if RESULTS_FILE in files:
+            result, problem = read_result(os.path.join(directory, RESULTS_FILE))
+            if result is None:
+                warnings.append(f"warning: skipped {problem}")
+                continue
             result["directory"] = os.path.relpath(directory, root)
             found.append(result)
-    return found
+    return found, warnings
 
 
-def _config_of(result: dict[str, Any]) -> str:
-    h = result["hyperparameters"]
-    return f"lr{h['lr']:g}-bs{h['global_batch_size']}-ep{h['epochs']}"
+# Hyperparameters that do not change what a run computes (how it is laid out on devices),
+# and the seed: runs differing only in these are seeds of one configuration.
+_NOT_CONFIG = ("seed", "micro_batch_size", "zero_stage", "tensor_model_parallel_size",
+               "data_parallel_size")  # fmt: skip
+_BASE = ("lr", "global_batch_size", "epochs")
+_SHORT = {"weight_decay": "wd", "layerwise_lr_decay": "lld", "warmup_fraction": "warmup",
+          "lr_decay_style": "decay-", "adam_eps": "eps", "adam_betas": "betas",
+          "clip_grad": "clip", "seq_length": "seq", "classifier_dropout": "headdrop",
+          "hidden_dropout": "drop", "precision": "", "load": "ckpt-", "iteration": "step",
+          "selection": "sel-"}  # fmt: skip
+
+
+def _config_of(result: dict[str, Any]) -> dict[str, Any]:
+    """Everything that makes a run's configuration: its hyperparameters but the seed (and
+    the device layout), the pretrained checkpoint, and how its epoch was chosen."""
+    config = {k: v for k, v in result["hyperparameters"].items() if k not in _NOT_CONFIG}
+    if config.get("layerwise_lr_decay") == 1.0:
+        config["layerwise_lr_decay"] = None
+    pretrained = result.get("pretrained") or {}
+    config["load"] = pretrained.get("load")
+    config["iteration"] = pretrained.get("iteration")
+    config["random_init"] = bool(pretrained.get("random_init"))
+    config["selection"] = result.get("selection")
+    return config
+
+
+def _config_names(configs: list[dict[str, Any]]) -> list[str]:
+    """lr{lr}-bs{batch}-ep{epochs}, plus only what differs between the configurations."""
+    keys = sorted({k for c in configs for k in c} - set(_BASE))
+    differing = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+
+    def part(key: str, value: Any) -> str:
+        if key == "random_init":
+            return "random-init" if value else "pretrained"
+        if key == "load" and value:
+            value = os.path.basename(str(value).rstrip("/"))
+        if isinstance(value, list):
+            value = ",".join(_show(v) for v in value)
+        return f"{_SHORT.get(key, key + '-')}{_show(value)}"
+
+    names = []
+    for c in configs:
+        base = "-".join(f"{n}{_show(c.get(k))}" for n, k in zip(("lr", "bs", "ep"), _BASE))
+        names.append("-".join([base, *(part(k, c.get(k)) for k in differing)]))
+    for i, name in enumerate(names):
+        if names.count(name) > 1:  # e.g. two checkpoints of one basename
+            names[i] = f"{name}-{i}"
+    return names
 
 
 def _main_key(result: dict[str, Any]) -> str:
@@ -290,40 +507,98 @@ def _main_key(result: dict[str, Any]) -> str:
     return main if main in result["dev"] else f"{result.get('main_split')}/{main}"
 
 
-def summarize(root: str, protocol: str | None = None) -> dict[str, Any]:
-    """Per task: every configuration's mean (SAS protocol, and by default) or median (TACO
-    protocol) over its finished seeds of every dev metric, and the best configuration by
-    the task's main metric; plus the GLUE score when all 8 GLUE tasks are there."""
-    from megatron_taco.tasks import glue_score
+def _seed_order(seed: Any) -> tuple:
+    return (seed is None, seed if isinstance(seed, int) else 0, str(seed))
 
-    aggregate = statistics.median if protocol == "taco" else statistics.fmean
-    by_task: dict[str, dict[str, list[dict]]] = {}
-    for result in _results(root):
-        if result.get("finished"):
-            by_task.setdefault(result["task"], {}).setdefault(_config_of(result), []).append(result)
+
+def summarize(
+    root: str,
+    protocol: str | None = None,
+    *,
+    aggregate: str | None = None,
+    convention: str = "sas",
+) -> dict[str, Any]:
+    """Per task: every configuration's mean (SAS protocol, and by default) or median (TACO
+    protocol) over its finished seeds of every dev metric, its seeds found and expected, and
+    the best configuration by the task's main metric, among the complete ones where any is;
+    plus the GLUE score (``convention``: metrics.glue_score's) when all 8 GLUE tasks are
+    there. The expected seeds are the sweep's (sweep.json), or else the most any of the
+    task's configurations has."""
+    plan = read_plan(root)
+    protocol = protocol or plan.get("protocol")
+    aggregate = aggregate or ("median" if protocol == "taco" else "mean")
+    reduce = statistics.median if aggregate == "median" else statistics.fmean
+    found, warnings = _results(root)
+    by_task: dict[str, list[dict]] = {}
+    for result in found:
+        if result["finished"]:
+            by_task.setdefault(result["task"], []).append(result)
     tasks = {}
-    for task, configs in sorted(by_task.items()):
+    for task, results in sorted(by_task.items()):
+        configs: list[dict[str, Any]] = []
+        groups: list[list[dict]] = []
+        for result in results:
+            config = _config_of(result)
+            if config not in configs:
+                configs.append(config)
+                groups.append([])
+            groups[configs.index(config)].append(result)
+        seeds = [
+            sorted({r["hyperparameters"].get("seed") for r in g}, key=_seed_order) for g in groups
+        ]
+        expected = plan.get("seeds", {}).get(task) or max(len(s) for s in seeds)
         rows = {}
-        for config, results in configs.items():
-            metrics = sorted(set.intersection(*(set(r["dev"]) for r in results)))
-            rows[config] = {
-                "seeds": len(results),
-                "dev": {m: aggregate([r["dev"][m] for r in results]) for m in metrics},
-                "main_metric": _main_key(results[0]),
+        for name, group, found_seeds in zip(_config_names(configs), groups, seeds):
+            metrics = sorted(set.intersection(*(set(r["dev"]) for r in group)))
+            rows[name] = {
+                "seeds": len(found_seeds),
+                "seeds_expected": expected,
+                "complete": len(found_seeds) >= expected,
+                "seed_values": found_seeds,
+                "dev": {m: reduce([r["dev"][m] for r in group]) for m in metrics},
+                "main_metric": _main_key(group[0]),
+                "directories": sorted(r["directory"] for r in group),
             }
         main = next(iter(rows.values()))["main_metric"]
-        best = max(rows, key=lambda c: rows[c]["dev"].get(main, float("-inf")))
+        candidates = [c for c in rows if rows[c]["complete"]] or list(rows)
+        best = max(candidates, key=lambda c: rows[c]["dev"].get(main, float("-inf")))
         tasks[task] = {"best": best, **rows[best], "configs": rows}
+        if not rows[best]["complete"]:
+            warnings.append(
+                f"warning: {task}: no configuration has all {expected} seeds; the best of the "
+                f"incomplete ones, {best}, has {rows[best]['seeds']}"
+            )
     summary: dict[str, Any] = {
         "protocol": protocol,
-        "aggregate": "median" if protocol == "taco" else "mean",
+        "aggregate": aggregate,
+        "convention": convention,
         "tasks": tasks,
+        "warnings": warnings,
     }
     if all(t in tasks for t in GLUE_TASKS):
-        summary["glue_score"] = glue_score(
-            {t: nested_scores(t, tasks[t]["dev"]) for t in GLUE_TASKS}
-        )
+        _glue_score(summary, convention)
     return summary
+
+
+def _glue_score(summary: dict[str, Any], convention: str) -> None:
+    from megatron_taco.tasks import glue_score, glue_task_scores
+
+    tasks = summary["tasks"]
+    nested = {t: nested_scores(t, tasks[t]["dev"]) for t in GLUE_TASKS}
+    try:
+        summary["glue_score"] = glue_score(nested, convention)
+    except ValueError as e:
+        summary["warnings"].append(f"warning: no GLUE score: {e}")
+        return
+    summary["glue_task_scores"] = glue_task_scores(nested, convention)
+    incomplete = [t for t in GLUE_TASKS if not tasks[t]["complete"]]
+    if incomplete:
+        summary["warnings"].append(
+            "warning: the GLUE score uses incomplete configurations: "
+            + ", ".join(
+                f"{t} ({tasks[t]['seeds']}/{tasks[t]['seeds_expected']} seeds)" for t in incomplete
+            )  # fmt: skip
+        )
 
 
 def nested_scores(task: str, flat: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -341,18 +616,40 @@ def nested_scores(task: str, flat: dict[str, float]) -> dict[str, dict[str, floa
     return out
 
 
+_CONVENTIONS = {
+    "sas": "SAS paper: STS-B mean of Pearson and Spearman, MNLI mean of m and mm",
+    "electra": "ELECTRA: STS-B Spearman, MNLI matched",
+}
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
+    """The best configuration of every task, then notes: configurations missing seeds, and
+    the summary's warnings (one line each)."""
     lines = [
         f"| task | best configuration | seeds | dev ({summary['aggregate']} over seeds) |",
         "|---|---|---|---|",
     ]
     for task, row in summary["tasks"].items():
         scores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["dev"].items()))
-        lines.append(f"| {task} | {row['best']} | {row['seeds']} | {scores} |")
+        seeds = f"{row['seeds']}/{row['seeds_expected']}"
+        seeds += "" if row["complete"] else " (incomplete)"
+        lines.append(f"| {task} | {row['best']} | {seeds} | {scores} |")
     if "glue_score" in summary:
+        convention = summary["convention"]
         lines.append(
-            f"| **GLUE score** (8 tasks, WNLI excluded) | | | {summary['glue_score']:.2f} |"
+            f"| **GLUE score** (8 tasks, WNLI excluded; {convention} convention: "
+            f"{_CONVENTIONS.get(convention, convention)}) | | | {summary['glue_score']:.2f} |"
         )
+    incomplete = [
+        f"{task} {name} ({row['seeds']}/{row['seeds_expected']})"
+        for task, t in summary["tasks"].items()
+        for name, row in t["configs"].items()
+        if not row["complete"]
+    ]
+    if incomplete:
+        lines += ["", "Incomplete configurations (seeds found/expected): " + ", ".join(incomplete)]
+    if summary["warnings"]:
+        lines += ["", *summary["warnings"]]
     return "\n".join(lines)
 
 
@@ -377,11 +674,15 @@ __all__ = [
     "GLUE_TASKS",
     "RunSpec",
     "SweepConfig",
+    "check_fixed_settings",
     "markdown_table",
     "plan_runs",
     "protocol_grid",
+    "protocol_settings",
+    "read_result",
     "run_sweep",
     "summarize",
     "sweep_from_args",
+    "write_plan",
     "write_summary",
 ]

@@ -182,7 +182,8 @@ def test_sweep_under_torchrun_skips_finished_runs(pretrained, tasks, tmp_path):
     cmd = [
         str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
         *finetune_args(pretrained["sas"], "custom", tasks["marker"], out),
-        "--protocol", "sas", "--lrs", "2e-3", "1e-3", "--epoch-grid", "1", "--num-seeds", "1",
+        "--protocol", "sas", "--lrs", "2e-3", "1e-3", "--batch-sizes", "32",
+        "--epoch-grid", "1", "--num-seeds", "1",
         "--micro-batch-size", "8", "--deepspeed-config", "ds_configs/zero1_fp32.json",
     ]  # fmt: skip
     res = run(cmd, timeout=900)
@@ -191,7 +192,11 @@ def test_sweep_under_torchrun_skips_finished_runs(pretrained, tasks, tmp_path):
     assert res.stdout.count("sweep: run ") == 2
     summary = json.loads((out / "summary.json").read_text())
     best = summary["tasks"]["custom"]
-    assert best["seeds"] == 1 and best["best"] in ("lr0.001-bs32-ep1", "lr0.002-bs32-ep1")
+    # The winner is the run with the higher dev accuracy in its own results.json.
+    acc = {name: results(out / "custom" / f"{name}-seed1234")["dev"] for name in
+           ("lr0.001-bs32-ep1", "lr0.002-bs32-ep1")}  # fmt: skip
+    key = next(k for k in acc["lr0.001-bs32-ep1"] if k.endswith("acc"))
+    assert best["seeds"] == 1 and best["best"] == max(acc, key=lambda n: acc[n][key]), acc
     assert "| custom |" in (out / "summary.md").read_text()
     res = run(cmd, timeout=600)
     assert "sweep: run " not in res.stdout  # both finished: nothing is run again
