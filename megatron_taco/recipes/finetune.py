@@ -300,12 +300,7 @@ class FinetuneSpec(ModelSpec):
             checkpoint = dataclasses.replace(checkpoint, save_retain=1)
         exit_config = dataclass_from_args(ExitConfig, args)
         deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
-        load = prepare_checkpoints(
-            training, checkpoint, tp_size=tp, ds_config=deepspeed.config,
-            zero_stage=deepspeed.zero_stage, models=self.loadable_models,
-            once=verify_once_per_node,
-        )  # fmt: skip
-        return PretrainConfigs(
+        cfg = PretrainConfigs(
             parallel=parallel,
             model=model,
             data=data,
@@ -315,9 +310,18 @@ class FinetuneSpec(ModelSpec):
             world_size=world_size,
             device_type=device_type,
             checkpoint=checkpoint,
-            load=load,
+            load=None,
             exit=exit_config,
         )
+        # Checked before prepare_checkpoints creates OUTPUT/checkpoints in it; run.json is
+        # written by for_run, once the task's files have passed too.
+        claim_output(ft.output, run_record(cfg), write=False)
+        load = prepare_checkpoints(
+            training, checkpoint, tp_size=tp, ds_config=deepspeed.config,
+            zero_stage=deepspeed.zero_stage, models=self.loadable_models,
+            once=verify_once_per_node,
+        )  # fmt: skip
+        return dataclasses.replace(cfg, load=load)
 
     def main(self, argv: list[str] | None = None) -> int:
         import logging
@@ -377,7 +381,7 @@ class FinetuneSpec(ModelSpec):
             )
         # Claimed only now, once the task data has been checked too: a refused command
         # leaves --output as it found it.
-        claim_output(cfg.task["finetune"].output, run_record(cfg))
+        claim_output(cfg.task["finetune"].output, run_record(cfg), write=True)
         return dataclasses.replace(self, build=lambda ctx: build_finetune(ctx, task_data))
 
 
@@ -415,11 +419,13 @@ def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
     return (info.configs.get("model") or {}).get("model_size")
 
 
-def claim_output(output: str, run: dict[str, Any]) -> None:
+def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     """A new --output, or the same run again (it resumes); anything else is refused. Every
     rank checks, rank 0 writes run.json: its half-written file has a hidden name, and the
     listing is taken before run.json is read, so a rank checking while rank 0 renames it
-    into place sees either no run.json or the whole of it."""
+    into place sees either no run.json or the whole of it. An empty checkpoints/ is what a
+    refused command may have left (the save directory is test-written before the task's
+    files are read), so it does not make --output foreign."""
     tmp_prefix = f".{RUN_FILE}.tmp."
     try:
         names = [n for n in os.listdir(output) if not n.startswith(tmp_prefix)]
@@ -427,6 +433,14 @@ def claim_output(output: str, run: dict[str, Any]) -> None:
         names = []
     except OSError as e:
         raise ConfigError(f"--output: {output} cannot be listed ({e.strerror or e})") from None
+    save = os.path.join(output, CHECKPOINTS)
+    # Another rank's write test (check_save_dir) may be in there right now.
+    if (
+        CHECKPOINTS in names
+        and os.path.isdir(save)
+        and all(n.startswith(".write_test.") for n in os.listdir(save))
+    ):
+        names.remove(CHECKPOINTS)
     path = os.path.join(output, RUN_FILE)
     if RUN_FILE in names:
         try:
@@ -443,7 +457,7 @@ def claim_output(output: str, run: dict[str, Any]) -> None:
         return
     if names:
         raise ConfigError(f"--output: {output} exists, is not empty and holds no {RUN_FILE}")
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not write or int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 writes it; the others only check
     os.makedirs(output, exist_ok=True)
     tmp = os.path.join(output, f"{tmp_prefix}{os.getpid()}")
