@@ -47,6 +47,18 @@ def swap_adjacent(sentence: str, rng: np.random.Generator) -> str:
     return " ".join(words)
 
 
+def shuffle_words(sentence: str, rng: np.random.Generator) -> str:
+    words = sentence.split()
+    while True:  # any order but the original one
+        order = rng.permutation(len(words))
+        shuffled = [words[i] for i in order]
+        if shuffled != words:
+            return " ".join(shuffled)
+
+
+CORRUPTIONS = {"swap": (swap_adjacent, "swapped"), "shuffle": (shuffle_words, "shuffled")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-path", required=True)
@@ -54,11 +66,18 @@ def main() -> None:
     p.add_argument("--split", default="90,5,5")
     p.add_argument("--output", required=True)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--corruption",
+        choices=sorted(CORRUPTIONS),
+        default="swap",
+        help="swap: two adjacent words exchanged; shuffle: every word of the sentence reordered.",
+    )
     args = p.parse_args()
     rng = np.random.default_rng(args.seed)
     sentences = held_out_sentences(args.data_path, Tokenizer(args.tokenizer_model), args.split)
+    corrupt, label = CORRUPTIONS[args.corruption]
     rows = [
-        (swap_adjacent(s, rng), "swapped") if i % 2 else (s, "original")
+        (corrupt(s, rng), label) if i % 2 else (s, "original")
         for i, s in enumerate(sentences)
     ]
     order = rng.permutation(len(rows))
