@@ -9,7 +9,7 @@ CORPUS=examples/corpus/demo.jsonl.gz
 TRAIN_ITERS=${DEMO_TRAIN_ITERS:-300}
 SAS_EPOCHS=${DEMO_SAS_EPOCHS:-3}
 FT_EPOCHS=${DEMO_FT_EPOCHS:-3}
-FT_LR=${DEMO_FT_LR:-1e-4}
+FT_LR=${DEMO_FT_LR:-1e-3}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
 mkdir -p "$OUT"
 
@@ -53,9 +53,11 @@ rm -rf "$OUT/sas"
     --save "$OUT/sas/checkpoints" --save-interval 100 \
     --tensorboard-dir "$OUT/sas/tensorboard"
 
-echo "== 6/7 a synthetic downstream task from held-out text: original vs two adjacent words swapped"
+echo "== 6/7 a synthetic downstream task from held-out text: original sentence vs its words shuffled"
+# (--corruption swap, two adjacent words exchanged, stays at chance for every encoder here.)
 $PY examples/make_word_order_task.py --data-path "$OUT/demo_text_sentence" \
-    --tokenizer-model "$OUT/tokenizer.model" --split 90,5,5 --output "$OUT/word_order"
+    --tokenizer-model "$OUT/tokenizer.model" --split 90,5,5 --output "$OUT/word_order" \
+    --corruption shuffle
 
 echo "== 7/7 fine-tune both pretrained encoders on it, and the same heads on random encoders"
 rm -rf "$OUT/finetune"

@@ -76,10 +76,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     sentences = held_out_sentences(args.data_path, Tokenizer(args.tokenizer_model), args.split)
     corrupt, label = CORRUPTIONS[args.corruption]
-    rows = [
-        (corrupt(s, rng), label) if i % 2 else (s, "original")
-        for i, s in enumerate(sentences)
-    ]
+    rows = [(corrupt(s, rng), label) if i % 2 else (s, "original") for i, s in enumerate(sentences)]
     order = rng.permutation(len(rows))
     n_dev = len(rows) // 5
     os.makedirs(args.output, exist_ok=True)

@@ -18,7 +18,7 @@ def main(root: str) -> None:
             r = json.load(f)
         return r["dev"]["acc"], r["chosen_epoch"]
 
-    print("word-order task (synthetic: original vs two adjacent words swapped), dev accuracy %")
+    print("word-order task (synthetic, held-out sentences: original vs reordered), dev accuracy %")
     print("| encoder | pretrained (epoch) | random init (epoch) | difference |")
     print("|---|---|---|---|")
     for model in ("taco", "sas"):
