@@ -42,8 +42,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.tasks.metrics import GLUE_SCORE_TASKS
 
-GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte")  # the score's 8
+# The 8 tasks of the GLUE score (WNLI excluded), as tasks.metrics defines them.
+GLUE_TASKS = GLUE_SCORE_TASKS
 # The folders of the GLUE distribution (download_glue_data.py).
 GLUE_FOLDERS = {
     "cola": "CoLA",
