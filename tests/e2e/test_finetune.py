@@ -104,6 +104,27 @@ def test_classification_is_learnt(pretrained, tasks, tmp_path, model):
     assert [d["epoch"] for d in dev] == [1, 2, 3]
 
 
+def test_zero3_fine_tunes_the_pretrained_weights(pretrained, tasks, tmp_path):
+    """ZeRO-3 partitions the parameters after the pretrained encoder was copied in: its
+    first steps must be ZeRO-0's (the marker task is learnt from a random encoder too, so
+    the dev accuracy alone would not show the pretrained weights were kept)."""
+
+    def losses(out: Path, *extra: str) -> list[float]:
+        res = run([PY, *finetune_args(pretrained["sas"], "custom", tasks["marker"], out,
+                                      "--epochs", "1", "--log-interval", "1", *extra)],
+                  timeout=600)  # fmt: skip
+        assert results(out)["finished"]
+        return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())
+                if r["split"] == "train"][:5], res.stdout  # fmt: skip
+
+    zero3, stdout = losses(tmp_path / "z3", "--deepspeed-config", "ds_configs/zero3_fp32.json")
+    assert "ZeRO stage 3" in stdout
+    zero0, _ = losses(tmp_path / "z0", "--deepspeed-config", "ds_configs/zero0_fp32.json")
+    random, _ = losses(tmp_path / "r0", "--random-init")
+    assert zero3 == pytest.approx(zero0, rel=1e-5)
+    assert zero0[0] != pytest.approx(random[0], rel=1e-3)  # the comparison can tell them apart
+
+
 def test_span_task_is_learnt(pretrained, tasks, tmp_path):
     out = tmp_path / "squad"
     run([PY, *finetune_args(pretrained["sas"], "squad_v1", tasks["squad"], out,
