@@ -33,6 +33,7 @@ from megatron_taco.training.checkpointing import RunError, TrainingState, save_c
 from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.engine import Engine, gradient_norm, to_device
 from megatron_taco.training.logging import TrainingLogger
+from megatron_taco.training.monitor import EvaluationStatistics, LearningMonitor
 from megatron_taco.training.signals import ExitMonitor
 
 COUNT_SUFFIX = "_tokens"
@@ -134,6 +135,7 @@ class Trainer:
         checkpoint_metadata: dict[str, Any] | None = None,
         save_retain: int | None = None,
         exit_monitor: ExitMonitor | None = None,
+        learning_monitor: LearningMonitor | None = None,
     ) -> None:
         self.engine = engine
         self.ds = engine.engine
@@ -147,6 +149,7 @@ class Trainer:
         self.checkpoint_metadata = checkpoint_metadata
         self.save_retain = save_retain
         self.exit_monitor = exit_monitor
+        self.learning_monitor = learning_monitor
         self.global_batch_size = engine.settings.global_batch_size
         self.grad_accum_steps = engine.settings.grad_accum_steps
         self.last_saved_iteration: int | None = None
@@ -264,23 +267,30 @@ class Trainer:
     # -- evaluation ---------------------------------------------------------------------
 
     def evaluate(self, split: str, dataset, iteration: int) -> dict[str, float]:
-        """Loss/accuracy over the first --eval-iters global batches of ``dataset``."""
+        """Loss/accuracy over the first --eval-iters global batches of ``dataset``, with the
+        collapse and baseline figures of monitor.py where the model gives their inputs; the
+        learning monitor reads the validation figures (and may stop the run)."""
         total = min(len(dataset), self.training.eval_samples(self.parallel.dp_size))
         chunk = self.training.micro_batch_size * self.parallel.dp_size
         total -= total % chunk
         if total == 0:
             self.logger.print(f" {split}: fewer samples than one micro-batch per rank; skipped")
             return {}
-        acc = MetricAccumulator()
+        acc, stats = MetricAccumulator(), EvaluationStatistics()
         self.ds.eval()
         try:
             with torch.no_grad():
                 for batch in self._loader(dataset, 0, total):
-                    acc.add(self.ds(to_device(batch, self.ds.device)))
+                    outputs = self.ds(to_device(batch, self.ds.device))
+                    acc.add(outputs)
+                    stats.add(outputs)
         finally:
             self.ds.train()
         metrics = acc.reduce(self.parallel, iterations=max(total // self.global_batch_size, 1))
+        metrics.update(stats.reduce(self.parallel))
         self.logger.log(split, iteration, metrics)
+        if split == "valid" and self.learning_monitor is not None:
+            self.learning_monitor.check(iteration, metrics)
         return metrics
 
     # -- checkpoints --------------------------------------------------------------------
@@ -400,13 +410,15 @@ class Trainer:
                 self.callbacks.on_epoch_start(self, state, epoch)
                 data_iter = self._train_iter(state)
 
-        self.save(state)
+        # Validation before the final save: with --exit-on-collapse a collapsed encoder is
+        # not saved over the last good checkpoint.
         if (
             self.task.valid_dataset is not None
             and t.eval_iters > 0
             and last_evaluated != state.iteration
         ):
             self.evaluate("valid", self.task.valid_dataset, state.iteration)
+        self.save(state)
         if self.task.test_dataset is not None and t.eval_iters > 0:
             self.evaluate("test", self.task.test_dataset, state.iteration)
         return state

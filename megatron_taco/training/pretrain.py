@@ -47,6 +47,7 @@ from megatron_taco.training.config import (
     resolve_deepspeed_config,
 )
 from megatron_taco.training.consolidate import check_resume_layout
+from megatron_taco.training.monitor import LearningMonitorConfig
 from megatron_taco.training.rendezvous import agree_on_load, forget_node_results, once_per_node
 from megatron_taco.training.signals import (
     ExitConfig,
@@ -78,6 +79,7 @@ class PretrainConfigs:
     # The checkpoint --load restores, chosen and verified before any process group existed.
     load: LoadChoice | None = None
     exit: ExitConfig = field(default_factory=ExitConfig)
+    monitor: LearningMonitorConfig = field(default_factory=LearningMonitorConfig)
 
     @property
     def load_iteration(self) -> int | None:
@@ -96,6 +98,7 @@ class PretrainConfigs:
             "training": dataclasses.asdict(self.training),
             "checkpoint": dataclasses.asdict(self.checkpoint),
             "exit": dataclasses.asdict(self.exit),
+            "monitor": dataclasses.asdict(self.monitor),
             "deepspeed": self.deepspeed.config,
         }
 
@@ -161,6 +164,7 @@ class ModelSpec:
         TrainingConfig.add_args(parser)
         add_dataclass_args(parser, CheckpointConfig, "checkpoints")
         add_dataclass_args(parser, ExitConfig, "preemption, time limits and failures")
+        add_dataclass_args(parser, LearningMonitorConfig, "learning monitor")
         add_launcher_compat_args(parser)
         return parser
 
@@ -177,6 +181,7 @@ class ModelSpec:
         training = TrainingConfig.from_args(args)
         checkpoint = dataclass_from_args(CheckpointConfig, args)
         exit_config = dataclass_from_args(ExitConfig, args)
+        monitor = dataclass_from_args(LearningMonitorConfig, args)
         tp = parallel.tensor_model_parallel_size
         check_world_size(world_size, tp)
         model.validate_parallel(tp)
@@ -223,6 +228,7 @@ class ModelSpec:
             checkpoint=checkpoint,
             load=load,
             exit=exit_config,
+            monitor=monitor,
         )
         self.check(configs)
         return configs
@@ -440,6 +446,7 @@ def pretrain(
     )
     from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import PretrainTask, Trainer
+    from megatron_taco.training.monitor import LearningMonitor
     from megatron_taco.training.plots import plot_loss_curves
 
     # DeepSpeed's INFO output (config dumps, per-step notes) drowns the training log.
@@ -520,6 +527,7 @@ def pretrain(
             checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict(), **parts.metadata},
             save_retain=cfg.checkpoint.save_retain,
             exit_monitor=monitor,
+            learning_monitor=LearningMonitor(cfg.monitor, t.warmup_iters, train_logger.print),
         )
         trainer.train(state)
         train_logger.close()

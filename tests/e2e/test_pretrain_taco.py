@@ -73,6 +73,9 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
     assert all(full[i]["tflops_per_rank"] > 0 and full[i]["grad_norm"] > 0 for i in full)
     valid = [r for r in read_metrics(str(full_metrics)) if r["split"] == "valid"]
     assert [r["iteration"] for r in valid] == [3, 6]
+    for r in valid:  # the learning monitor's figures (issue 19)
+        assert 0 < r["collapse_cosine"] < 0.99, r
+        assert 0 < r["mlm_baseline_acc"] < 1 and 0 < r["mpm_baseline_acc"] < 1, r
 
     # Resume from the step-3 checkpoint: steps 4-6 must log exactly the same values.
     res = deepspeed(
@@ -130,3 +133,27 @@ def test_torchrun_data_parallel(dataset, tmp_path):
     assert "global batch 8 = micro-batch 2 x grad accumulation 2 x data parallel 2" in res.stdout
     records = train_records(tmp_path / "m.jsonl")
     assert sorted(records) == [1, 2] and records[2]["consumed_samples"] == 16
+
+
+def test_exit_on_collapse_is_one_line_and_keeps_the_last_checkpoint(dataset, tmp_path):
+    # Any real encoder is "collapsed" against a threshold of 1e-9: the flag's path through
+    # the driver (parsing, the evaluation before the save, the one-line exit) end to end.
+    save = tmp_path / "ckpt"
+    res = run(
+        [
+            sys.executable, "pretrain_taco.py",
+            *common_args(dataset, "--train-iters", "4", "--eval-interval", "2",
+                         "--eval-iters", "1", "--num-workers", "0"),
+            "--deepspeed-config", "ds_configs/zero0_fp32.json", "--save", str(save),
+            "--save-interval", "1", "--exit-on-collapse", "--collapse-threshold", "1e-9",
+        ],
+        timeout=180,
+        check=False,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("pretrain_taco.py: error: iteration 2: the encoder has collapsed"), last
+    assert "the last checkpoint is kept" in last
+    assert "Traceback" not in res.stderr
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (save / "iter_0000002").exists()

@@ -16,10 +16,12 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_taco.models.common.monitoring import monitoring_outputs
 from megatron_taco.training.checkpointing import TRACKER_FILENAME, TrainingState
 from megatron_taco.training.config import TrainingConfig
 from tests.helpers import run_distributed
@@ -47,6 +49,7 @@ class ToyModel(nn.Module):
         self.embed = nn.Embedding(VOCAB, 16)
         self.out = nn.Linear(16, 8)
         self.poison_grad = False
+        self.collapsed = False  # eval-mode vectors: one vector for every token
 
     def forward(self, batch):
         hidden = self.embed(batch["tokens"])
@@ -54,7 +57,10 @@ class ToyModel(nn.Module):
             hidden = _InfGrad.apply(hidden)
         logits = self.out(hidden)
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), (batch["tokens"] % 8).flatten())
-        return {"loss": loss}
+        if self.training:
+            return {"loss": loss}
+        vectors = torch.ones_like(hidden) if self.collapsed else hidden
+        return {"loss": loss, **monitoring_outputs(vectors, torch.ones_like(batch["tokens"]))}
 
 
 class ToyDataset(torch.utils.data.Dataset):
@@ -69,7 +75,8 @@ def _collate(samples):
     return {"tokens": torch.stack([s["tokens"] for s in samples])}
 
 
-def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=None, **kw):
+def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=None,
+             learning_monitor=None, **kw):  # fmt: skip
     from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
     from megatron_taco.training.engine import initialize_engine
     from megatron_taco.training.logging import TrainingLogger
@@ -90,7 +97,8 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
     task = PretrainTask(model=engine.engine.module, collate_fn=_collate,
                         train_dataset=ToyDataset(), valid_dataset=valid,
                         callbacks=list(callbacks))  # fmt: skip
-    trainer = Trainer(engine, parallel, training, task, logger, seed=1, exit_monitor=exit_monitor)
+    trainer = Trainer(engine, parallel, training, task, logger, seed=1, exit_monitor=exit_monitor,
+                      learning_monitor=learning_monitor)  # fmt: skip
     return trainer, logger
 
 
@@ -238,3 +246,57 @@ def _gather_worker(rank, world_size, tmp):
 
 def test_no_future_warning_and_no_op_compiled_by_an_engine(tmp_path):
     assert run_distributed(_gather_worker, 2, str(tmp_path)) == [([], False), ([], False)]
+
+
+# ---------------------------------------------------------------------------------------
+# issue 19 item 2. --exit-on-collapse: the run stops at the evaluation that finds the
+# encoder collapsed, before that iteration is saved; the last checkpoint is kept
+
+
+def _collapse_worker(rank, world_size, tmp):
+    from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.training.callbacks import Callback
+    from megatron_taco.training.monitor import (
+        CollapseError,
+        LearningMonitor,
+        LearningMonitorConfig,
+    )
+
+    parallel = init_parallel(1)
+    lines = []
+    monitor = LearningMonitor(LearningMonitorConfig(exit_on_collapse=True), 0, lines.append)
+
+    class Collapse(Callback):
+        name = "collapse"
+
+        def after_micro_batch(self, trainer, state, batch, outputs):
+            # From iteration 5 on, one vector for every token (on every rank).
+            trainer.ds.module.collapsed = state.iteration >= 4
+
+    trainer, logger = _trainer(parallel, tmp, 1, callbacks=[Collapse()], learning_monitor=monitor,
+                               train_iters=8, eval_iters=4, eval_interval=2, save_interval=2,
+                               valid=ToyDataset())  # fmt: skip
+    seen = []
+    real_log = logger.log
+    logger.log = lambda split, it, m: (seen.append((split, it, m.get("collapse_cosine"))),
+                                       real_log(split, it, m))  # fmt: skip
+    error = None
+    try:
+        trainer.train(TrainingState())
+    except CollapseError as e:
+        error = str(e)
+    finally:
+        logger.close()
+    return error, _listing(trainer.training.save), [s for s in seen if s[0] == "valid"]
+
+
+def test_exit_on_collapse_stops_before_the_collapsed_iteration_is_saved(tmp_path):
+    results = run_distributed(_collapse_worker, 2, str(tmp_path))
+    (error, listing, valid), (error1, _, valid1) = results
+    assert error == error1 and error.startswith("iteration 6: the encoder has collapsed"), error
+    # Saved at 2 and 4; iteration 6's evaluation stopped the run before its save.
+    assert listing == ["iter_0000002", "iter_0000004", TRACKER_FILENAME]
+    assert [it for _, it, _ in valid] == [2, 4, 6]
+    cosines = [c for _, _, c in valid]
+    assert cosines == [c for _, _, c in valid1]  # reduced: the same figure on every rank
+    assert cosines[0] < 0.5 and cosines[2] == pytest.approx(1.0), cosines

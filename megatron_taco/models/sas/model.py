@@ -41,6 +41,7 @@ from megatron_taco.models.common.lm_head import (
     vocab_parallel_bias,
 )
 from megatron_taco.models.common.mlp import ParallelMLP
+from megatron_taco.models.common.monitoring import monitoring_outputs
 from megatron_taco.models.common.relative import (
     c2p_backward,
     c2p_scores,
@@ -447,7 +448,15 @@ class SasForPretraining(nn.Module):
         mlm_loss = masked_mean(mlm_tok)
         rtd = self._rtd(at_least_float32(self.heads.rtd_logits(hidden)), batch)
         device = mlm_loss.device
+        monitoring = {}
+        if not self.training:  # the learning monitor's inputs
+            monitoring = monitoring_outputs(
+                hidden,
+                batch["attention_mask"],
+                mlm=(batch["mlm_labels"], self.config.vocab_size),
+            )
         return {
+            **monitoring,
             "loss": mlm_loss + self.rtd_weight * rtd["rtd_loss"],
             "mlm_loss": mlm_loss,
             **rtd,

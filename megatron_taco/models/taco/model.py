@@ -34,6 +34,7 @@ from megatron_taco.models.common.layers import (
 )
 from megatron_taco.models.common.lm_head import gather_labelled, masked_mean
 from megatron_taco.models.common.mlp import ParallelMLP
+from megatron_taco.models.common.monitoring import monitoring_outputs
 from megatron_taco.models.common.relative import (
     batch_layout,
     c2p_backward,
@@ -662,7 +663,17 @@ class TacoForPretraining(nn.Module):
 
         mean = masked_mean
         mlm_loss, mpm_loss = mean(mlm_loss_tok), mean(mpm_loss_tok)
+        monitoring = {}
+        if not self.training:  # the learning monitor's inputs: the MLM rows' [h_WE; h_PE]
+            rows = h_we.shape[0] // 2
+            monitoring = monitoring_outputs(
+                torch.cat([h_we[:rows], h_pe[:rows]], dim=-1),
+                batch["attention_mask"][:rows],
+                mlm=(batch["mlm_labels"], self.config.vocab_size),
+                mpm=(batch["mpm_labels"], self.config.max_position_embeddings),
+            )
         return {
+            **monitoring,
             "loss": mlm_loss + mpm_loss,
             "mlm_loss": mlm_loss,
             "mpm_loss": mpm_loss,

@@ -1,0 +1,169 @@
+"""Is the encoder learning? Collapse and plateau figures at every evaluation, for any model.
+
+A pretraining run can end in an encoder that gives the same vector for every input, or
+whose MLM head predicts the corpus's most frequent token everywhere, while its loss still
+falls (it learns the unigram distribution). Neither shows in a loss curve, so every
+evaluation measures both, from two optional eval-mode outputs of the model
+(models/common/monitoring.py):
+
+- ``representation`` [rows, s, H] with ``representation_mask`` [rows, s] (real tokens):
+  the last-layer vectors. ``collapse_cosine`` is the mean pairwise cosine similarity of
+  every real token's vector with every other's, over the whole evaluation (all
+  micro-batches and data-parallel ranks): (|sum u_i|^2 - N) / (N (N - 1)) for the unit
+  vectors u_i, so one [H] sum per rank is all that is reduced. 1 means one vector for every
+  token of every input; a randomly initialised encoder gives well below it (its vectors
+  still carry the input tokens).
+- ``<name>_label_counts`` [C]: how often each class is a target among the labelled tokens
+  (MLM: the vocabulary). ``<name>_baseline_acc`` is max / sum over the evaluation: the
+  accuracy of always predicting the evaluation's most frequent target, the level a head
+  that learned only the unigram distribution sits at. Compared with ``<name>_acc``.
+
+``LearningMonitor`` turns the figures into one warning line each (outputs near-constant
+across inputs; an accuracy still at its baseline after warm-up) and, with
+``--exit-on-collapse``, stops the run before the evaluation's iteration is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_taco.arguments import option, require
+from megatron_taco.models.common.monitoring import (
+    LABEL_COUNTS_SUFFIX,
+    REPRESENTATION,
+    REPRESENTATION_MASK,
+)
+from megatron_taco.training.checkpointing import RunError
+
+COLLAPSE = "collapse_cosine"
+
+
+class CollapseError(RunError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningMonitorConfig:
+    collapse_threshold: float = option(
+        0.99,
+        "An evaluation whose collapse_cosine (mean pairwise cosine of the last-layer vectors of "
+        "all evaluated tokens) is at or above this warns that the encoder's outputs are "
+        "near-constant across inputs.",
+        flag="--collapse-threshold",
+    )
+    plateau_margin: float = option(
+        1.1,
+        "After warm-up, an evaluation whose MLM accuracy is below this multiple of the "
+        "most-frequent-token baseline warns that the model is still at the unigram level.",
+        flag="--plateau-margin",
+    )
+    exit_on_collapse: bool = option(
+        False,
+        "Stop the run (exit 1, one line) at an evaluation that finds the encoder collapsed; "
+        "that iteration is not saved, so the last checkpoint stays the last good one.",
+        flag="--exit-on-collapse",
+    )
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        t = self.collapse_threshold
+        require(isinstance(t, (int, float)) and 0 < t <= 1, cls, "collapse_threshold",
+                f"must be in (0, 1], got {t!r}")  # fmt: skip
+        m = self.plateau_margin
+        require(isinstance(m, (int, float)) and math.isfinite(m) and m >= 1, cls,
+                "plateau_margin", f"must be >= 1, got {m!r}")  # fmt: skip
+
+
+class EvaluationStatistics:
+    """Accumulates the non-scalar evaluation outputs above on the device (no host sync per
+    micro-batch); ``reduce`` sums them over the data-parallel group in one all-reduce."""
+
+    def __init__(self) -> None:
+        self.unit_sum: torch.Tensor | None = None  # [H] float64
+        self.tokens: torch.Tensor | None = None  # 0-d float64
+        self.counts: dict[str, torch.Tensor] = {}  # name -> [C] float64
+
+    def add(self, outputs: dict[str, Any]) -> None:
+        rep = outputs.get(REPRESENTATION)
+        if rep is not None:
+            mask = outputs[REPRESENTATION_MASK].bool()
+            unit = torch.nn.functional.normalize(rep.detach().to(torch.float64), dim=-1)
+            unit = unit * mask.unsqueeze(-1)  # [rows, s, H], padding zeroed
+            s, n = unit.sum(dim=(0, 1)), mask.sum().to(torch.float64)
+            self.unit_sum = s if self.unit_sum is None else self.unit_sum + s
+            self.tokens = n if self.tokens is None else self.tokens + n
+        for key, value in outputs.items():
+            if key.endswith(LABEL_COUNTS_SUFFIX):
+                name = key[: -len(LABEL_COUNTS_SUFFIX)]
+                v = value.detach().to(torch.float64)
+                self.counts[name] = self.counts[name] + v if name in self.counts else v
+
+    def reduce(self, parallel=None) -> dict[str, float]:
+        """The figures over every data-parallel rank (tensor-parallel ranks hold the same
+        vectors and labels, so they are not summed over); ``parallel`` None: this process's."""
+        parts = [self.counts[k] for k in sorted(self.counts)]
+        if self.unit_sum is not None:
+            parts += [self.unit_sum, self.tokens.reshape(1)]
+        if not parts:
+            return {}
+        flat = torch.cat(parts)
+        if parallel is not None and parallel.dp_size > 1:
+            dist.all_reduce(flat, group=parallel.get_data_parallel_group())
+        out: dict[str, float] = {}
+        offset = 0
+        for name in sorted(self.counts):
+            c = flat[offset : offset + self.counts[name].numel()]
+            offset += c.numel()
+            total = float(c.sum())
+            if total > 0:
+                out[f"{name}_baseline_acc"] = float(c.max()) / total
+        if self.unit_sum is not None:
+            unit_sum, n = flat[offset:-1], float(flat[-1])
+            if n > 1:
+                out[COLLAPSE] = (float(unit_sum.dot(unit_sum)) - n) / (n * (n - 1))
+        return out
+
+
+class LearningMonitor:
+    """Reads each evaluation's metrics; warns (one line each) and may stop the run."""
+
+    def __init__(self, config: LearningMonitorConfig, warmup_iters: int, emit) -> None:
+        self.config = config
+        self.warmup_iters = warmup_iters
+        self.emit = emit  # one line to the run's log (rank 0)
+
+    def check(self, iteration: int, metrics: dict[str, float]) -> None:
+        cfg = self.config
+        cosine = metrics.get(COLLAPSE)
+        collapsed = cosine is not None and cosine >= cfg.collapse_threshold
+        if collapsed:
+            message = (
+                f"iteration {iteration}: the encoder has collapsed: its last-layer vectors are "
+                f"near-constant across inputs (mean pairwise cosine {cosine:.4f} >= "
+                f"--collapse-threshold {cfg.collapse_threshold:g})"
+            )
+            if cfg.exit_on_collapse:
+                raise CollapseError(
+                    f"{message}; stopped without saving this iteration (--exit-on-collapse), "
+                    "the last checkpoint is kept: lower --lr or lengthen the warm-up"
+                )
+            self.emit(f" WARNING: {message}; lower --lr or lengthen the warm-up")
+        if iteration <= self.warmup_iters:
+            return
+        for key in sorted(metrics):
+            if not key.endswith("_baseline_acc"):
+                continue
+            name = key[: -len("_baseline_acc")]
+            acc, base = metrics.get(f"{name}_acc"), metrics[key]
+            if acc is not None and acc < cfg.plateau_margin * base:
+                self.emit(
+                    f" WARNING: iteration {iteration}: {name}_acc {acc:.4f} is still at the "
+                    f"most-frequent-target baseline {base:.4f} (below {cfg.plateau_margin:g}x) "
+                    f"after the {self.warmup_iters}-iteration warm-up: the model predicts the "
+                    "unigram distribution, not from context"
+                )

@@ -1,0 +1,135 @@
+"""The learning monitor's figures (training/monitor.py) against hand-computed values, its
+warnings and its stop, and the eval-mode outputs TACO and SAS give it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.models.common.monitoring import label_counts, monitoring_outputs
+from megatron_taco.training.monitor import (
+    CollapseError,
+    EvaluationStatistics,
+    LearningMonitor,
+    LearningMonitorConfig,
+)
+from tests.helpers import build, build_sas, make_batch, make_sas_batch, tiny_config, tiny_sas_config
+
+
+def _brute_force_cosine(vectors: torch.Tensor, mask: torch.Tensor) -> float:
+    real = vectors[mask].double()
+    total, pairs = 0.0, 0
+    for i, j in itertools.permutations(range(real.shape[0]), 2):
+        total += float(torch.nn.functional.cosine_similarity(real[i], real[j], dim=0))
+        pairs += 1
+    return total / pairs
+
+
+def _statistics(batches) -> dict[str, float]:
+    stats = EvaluationStatistics()
+    for vectors, mask, labels in batches:
+        stats.add(monitoring_outputs(vectors, mask, mlm=(labels, 11)))
+    return stats.reduce()
+
+
+def test_collapse_cosine_is_the_mean_over_pairs_of_real_tokens_of_all_batches():
+    g = torch.Generator().manual_seed(0)
+    # A shared direction plus noise: pairwise cosines well away from 0 and 1.
+    common = torch.randn(6, generator=g)
+    batches, all_vectors, all_masks = [], [], []
+    for lengths in ([5, 3], [2, 4]):
+        vectors = common + 0.8 * torch.randn(2, 5, 6, generator=g)
+        mask = torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]
+        labels = torch.randint(0, 11, (2, 5), generator=g).masked_fill(~mask, -100)
+        batches.append((vectors, mask, labels))
+        all_vectors.append(vectors.flatten(0, 1))
+        all_masks.append(mask.flatten())
+    want = _brute_force_cosine(torch.cat(all_vectors), torch.cat(all_masks))
+    got = _statistics(batches)["collapse_cosine"]
+    assert 0.2 < want < 0.9
+    assert got == pytest.approx(want, rel=1e-12)
+    # Padding does not count: garbage at padded positions changes nothing.
+    poisoned = [(v.masked_fill(~m[..., None], 1e6), m, lab) for v, m, lab in batches]
+    assert _statistics(poisoned)["collapse_cosine"] == pytest.approx(want, rel=1e-12)
+
+
+def test_one_vector_for_every_token_is_collapse_one_and_baseline_is_the_top_share():
+    vectors = torch.tensor([0.3, -1.0, 2.0]).expand(3, 4, 3) * torch.rand(3, 4, 1) + 0.0
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    labels = torch.tensor([[7, 7, -100, 2], [7, 1, -100, -100], [2, 7, 9, -100]])
+    out = _statistics([(vectors, mask, labels)])
+    assert out["collapse_cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert out["mlm_baseline_acc"] == pytest.approx(4 / 8)  # token 7: 4 of 8 labels
+
+
+def test_label_counts_match_bincount_and_ignore_padding():
+    labels = torch.tensor([[3, -100, 3, 0], [9, 9, 9, -100]])
+    counts = label_counts(labels, 10)
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == torch.bincount(labels[labels >= 0], minlength=10).tolist()
+
+
+def test_monitor_warns_on_collapse_and_plateau_after_warmup_and_can_stop():
+    lines = []
+    monitor = LearningMonitor(LearningMonitorConfig(), warmup_iters=10, emit=lines.append)
+    healthy = {"collapse_cosine": 0.3, "mlm_acc": 0.2, "mlm_baseline_acc": 0.06}
+    plateau = {"collapse_cosine": 0.3, "mlm_acc": 0.06, "mlm_baseline_acc": 0.06}
+    monitor.check(20, healthy)
+    monitor.check(10, plateau)  # still in warm-up: at the baseline is expected
+    assert lines == []
+    monitor.check(20, plateau)
+    assert len(lines) == 1 and "mlm_acc 0.0600 is still at the most-frequent" in lines[0]
+    lines.clear()
+    monitor.check(5, {"collapse_cosine": 0.995})
+    assert len(lines) == 1 and "collapsed" in lines[0] and "0.9950" in lines[0]
+    stopper = LearningMonitor(
+        LearningMonitorConfig(exit_on_collapse=True), warmup_iters=0, emit=lines.append
+    )
+    stopper.check(30, healthy)
+    with pytest.raises(CollapseError, match=r"^iteration 40: the encoder has collapsed.*kept"):
+        stopper.check(40, {"collapse_cosine": 0.9999})
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(collapse_threshold=0.0), dict(collapse_threshold=1.5), dict(plateau_margin=0.5)]
+)
+def test_bad_thresholds_name_their_flag(kw):
+    flag = "--collapse-threshold" if "collapse_threshold" in kw else "--plateau-margin"
+    with pytest.raises(ConfigError, match=f"^{flag}: "):
+        LearningMonitorConfig(**kw)
+
+
+def test_taco_and_sas_give_the_monitor_their_vectors_and_labels_in_eval_mode_only():
+    taco = build(tiny_config(hidden_dropout=0.0, attention_dropout=0.0))
+    batch = make_batch(b=3, s=16)
+    assert "representation" not in taco(batch)  # training: nothing extra
+    taco.eval()
+    with torch.no_grad():
+        out = taco(batch)
+        h_we, h_pe = taco.taco(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+    rows = batch["input_ids"].shape[0] // 2  # the MLM rows
+    assert torch.equal(out["representation"], torch.cat([h_we, h_pe], -1)[:rows])
+    assert torch.equal(out["representation_mask"], batch["attention_mask"][:rows].bool())
+    mlm = batch["mlm_labels"]
+    assert torch.equal(
+        out["mlm_label_counts"], torch.bincount(mlm[mlm >= 0], minlength=taco.config.vocab_size)
+    )
+    mpm = batch["mpm_labels"]
+    positions = taco.config.max_position_embeddings
+    assert torch.equal(out["mpm_label_counts"], torch.bincount(mpm[mpm >= 0], minlength=positions))
+
+    sas = build_sas(tiny_sas_config(hidden_dropout=0.0, attention_dropout=0.0))
+    batch = make_sas_batch(b=3, s=16)
+    assert "representation" not in sas(batch)
+    sas.eval()
+    with torch.no_grad():
+        out = sas(batch)
+        hidden = sas.sas(batch["input_ids"], batch["attention_mask"])
+    assert torch.equal(out["representation"], hidden)
+    mlm = batch["mlm_labels"]
+    assert torch.equal(
+        out["mlm_label_counts"], torch.bincount(mlm[mlm >= 0], minlength=sas.config.vocab_size)
+    )
