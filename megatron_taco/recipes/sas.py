@@ -146,6 +146,29 @@ class Instances:
 
 
 def build_instances(ctx: BuildContext) -> Instances:
+    cfg = ctx.configs
+    t = cfg.training
+    return make_instances(
+        cfg.data,
+        ctx.tokenizer,
+        cfg.deepspeed.global_batch_size,
+        t.eval_samples(ctx.parallel.dp_size),
+        train_epochs=t.train_epochs,
+        train_samples=None if t.train_epochs is not None else t.train_samples(ctx.parallel.dp_size),
+    )
+
+
+def make_instances(
+    data,
+    tokenizer,
+    global_batch_size: int,
+    eval_samples: int,
+    *,
+    train_epochs: int | None = None,
+    train_samples: int | None = None,
+) -> Instances:
+    """The fixed instances of a SAS run and its train/valid/test streams (one of
+    ``train_epochs``, ``train_samples`` gives its length)."""
     from megatron_taco.data.bert_dataset import (
         build_train_valid_test_datasets,
         train_samples_per_dataset,
@@ -153,8 +176,7 @@ def build_instances(ctx: BuildContext) -> Instances:
     from megatron_taco.data.blending import dataset_passes
     from megatron_taco.data.epochs import InstanceEpochDataset
 
-    cfg = ctx.configs
-    data, t, gbs = cfg.data, cfg.training, cfg.deepspeed.global_batch_size
+    gbs = global_batch_size
     per_dataset = train_samples_per_dataset(data)
     per_pass = sum(per_dataset)
     # Whole global batches per epoch, so that no batch straddles two epochs (epoch t+1 reads
@@ -165,14 +187,13 @@ def build_instances(ctx: BuildContext) -> Instances:
             f"--global-batch-size {gbs}: the train split has only {per_pass} samples per pass, "
             "fewer than one global batch"
         )
-    eval_samples = t.eval_samples(ctx.parallel.dp_size)
     train, valid, test = build_train_valid_test_datasets(
-        data, ctx.tokenizer, (per_pass, eval_samples, eval_samples)
+        data, tokenizer, (per_pass, eval_samples, eval_samples)
     )
-    if t.train_epochs is not None:
-        epochs = Fraction(t.train_epochs)
+    if train_epochs is not None:
+        epochs = Fraction(train_epochs)
     else:
-        epochs = Fraction(t.train_samples(ctx.parallel.dp_size), instances)
+        epochs = Fraction(train_samples, instances)
     # An epoch is the first N samples of the blend: each dataset in proportion to its weight,
     # its own samples in order (whole passes first).
     shares = dataset_passes(getattr(train, "dataset_index", None), instances, per_dataset)

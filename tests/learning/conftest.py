@@ -1,0 +1,39 @@
+"""The learning tier's data: the bundled corpus (examples/corpus), tokenized by a tokenizer
+trained on it and preprocessed by the real tools, once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "examples" / "corpus" / "demo.jsonl.gz"
+
+
+@pytest.fixture(scope="session")
+def demo_dataset(tmp_path_factory) -> dict:
+    from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
+    from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
+
+    tmp = tmp_path_factory.mktemp("demo_corpus")
+    tokenizer = train_tokenizer(
+        TrainTokenizerConfig(
+            input=(str(CORPUS),),
+            model_prefix=str(tmp / "tok"),
+            vocab_size=4000,
+            split_sentences=True,
+            num_threads=1,
+            quiet=True,
+        )
+    )
+    summary = preprocess(
+        PreprocessConfig(
+            input=(str(CORPUS),),
+            output_prefix=str(tmp / "demo"),
+            tokenizer_model=tokenizer,
+            split_sentences=True,
+        ),
+        progress=False,
+    )
+    return {"prefix": summary["datasets"]["text"]["prefix"], "tokenizer": tokenizer, "dir": tmp}
