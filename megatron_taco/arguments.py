@@ -78,6 +78,21 @@ def require(cond: bool, cls: type, name: str, message: str) -> None:
         raise ConfigError(f"{flag_of(cls, name)}: {message}")
 
 
+def set_parser_defaults(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any], shown: dict[str, str] | None = None
+) -> None:
+    """parser.set_defaults that also corrects the "(default: ...)" of each flag's help
+    (``shown``: what the help says instead of the value, e.g. for a default resolved later)."""
+    shown = shown or {}
+    for action in parser._actions:
+        if action.dest in defaults:
+            action.default = defaults[action.dest]
+            if action.help and "(default:" in action.help:
+                action.help = action.help[: action.help.rindex("(default:")].rstrip()
+            if action.help is not None:
+                action.help += f" (default: {shown.get(action.dest, defaults[action.dest])})"
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):

@@ -214,25 +214,17 @@ def our_encoder(path: str, config: ProbeConfig) -> Encoder:
     import sentencepiece as spm
     import torch
 
-    from megatron_taco.parallel.state import single_process_state
-    from megatron_taco.recipes.registry import checkpoint_tokenizer, read_checkpoint
-    from megatron_taco.training.consolidate import ModelLayout
+    from megatron_taco.recipes.registry import checkpoint_tokenizer, load_pretraining_model
 
-    # The default optimizer=True matters: under ZeRO 1-2 with bf16 the fp32 master weights
-    # live in the optimizer's shards, the model files hold only bf16 copies.
     try:
-        states, model_config, build = read_checkpoint(path, tokenizer_model=config.tokenizer_model)
+        model, info = load_pretraining_model(path, config.tokenizer_model)
     except CheckpointError as e:
         raise CheckpointError(
             f"--load: {path} is neither a transformers model directory (no config.json) nor a "
             f"checkpoint we can read ({e})"
         ) from None
-    info = states.info
+    model_config = model.config
     sp = spm.SentencePieceProcessor(model_file=checkpoint_tokenizer(info, config.tokenizer_model))
-    (state_dict,) = ModelLayout(build, 1, model_config.vocab_size).split(states.full_state_dict())
-    model = build(single_process_state(), model_config.vocab_size)
-    model.load_state_dict(state_dict, strict=True)
-    model.eval()
     taco = info.model == "TACO"
     limit = model_config.max_position_embeddings
 

@@ -28,6 +28,7 @@ from megatron_taco.arguments import (
     dataclass_from_args,
     option,
     require,
+    set_parser_defaults,
 )
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.training.checkpointing import CheckpointConfig, prepare_checkpoints
@@ -194,17 +195,6 @@ _DEFAULTS = {
 }
 
 
-def _set_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
-    """parser.set_defaults that also corrects the "(default: ...)" of each flag's help."""
-    for action in parser._actions:
-        if action.dest in defaults:
-            action.default = defaults[action.dest]
-            if action.help and "(default:" in action.help:
-                action.help = action.help[: action.help.rindex("(default:")].rstrip()
-            if action.help is not None:
-                action.help += f" (default: {defaults[action.dest]})"
-
-
 def output_paths(output: str) -> dict[str, str]:
     return {
         "save": os.path.join(output, CHECKPOINTS),
@@ -242,7 +232,7 @@ class FinetuneSpec(ModelSpec):
         from megatron_taco.recipes.sweep import SweepConfig
 
         add_dataclass_args(parser, SweepConfig, "protocols and sweeps")
-        _set_defaults(parser, _DEFAULTS)
+        set_parser_defaults(parser, _DEFAULTS)
         return parser
 
     def configs_from_args(

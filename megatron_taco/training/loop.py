@@ -100,6 +100,21 @@ class MetricAccumulator:
         return out
 
 
+def evaluate_batches(model, batches, parallel: ParallelState, iterations: int) -> dict[str, float]:
+    """A model's evaluation over ``batches`` (it must be in eval mode): its scalar outputs
+    averaged as training logs them, and monitor.py's collapse and baseline figures, over
+    every data-parallel rank. ``iterations``: global batches evaluated (for the counts)."""
+    acc, stats = MetricAccumulator(), EvaluationStatistics()
+    with torch.no_grad():
+        for batch in batches:
+            outputs = model(batch)
+            acc.add(outputs)
+            stats.add(outputs)
+    metrics = acc.reduce(parallel, iterations=iterations)
+    metrics.update(stats.reduce(parallel))
+    return metrics
+
+
 class _Interval:
     """What the loop accumulates between two log lines."""
 
@@ -276,18 +291,13 @@ class Trainer:
         if total == 0:
             self.logger.print(f" {split}: fewer samples than one micro-batch per rank; skipped")
             return {}
-        acc, stats = MetricAccumulator(), EvaluationStatistics()
         self.ds.eval()
         try:
-            with torch.no_grad():
-                for batch in self._loader(dataset, 0, total):
-                    outputs = self.ds(to_device(batch, self.ds.device))
-                    acc.add(outputs)
-                    stats.add(outputs)
+            batches = (to_device(b, self.ds.device) for b in self._loader(dataset, 0, total))
+            iterations = max(total // self.global_batch_size, 1)
+            metrics = evaluate_batches(self.ds, batches, self.parallel, iterations)
         finally:
             self.ds.train()
-        metrics = acc.reduce(self.parallel, iterations=max(total // self.global_batch_size, 1))
-        metrics.update(stats.reduce(self.parallel))
         self.logger.log(split, iteration, metrics)
         if split == "valid" and self.learning_monitor is not None:
             self.learning_monitor.check(iteration, metrics)

@@ -30,6 +30,7 @@ from megatron_taco.arguments import (
     add_dataclass_args,
     dataclass_from_args,
     program_name,
+    set_parser_defaults,
 )
 from megatron_taco.data.config import DataConfig
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
@@ -166,6 +167,8 @@ class ModelSpec:
         add_dataclass_args(parser, ExitConfig, "preemption, time limits and failures")
         add_dataclass_args(parser, LearningMonitorConfig, "learning monitor")
         add_launcher_compat_args(parser)
+        # --lr: the model size's (models/*/config.py DEFAULT_LR), resolved in configs_from_args.
+        set_parser_defaults(parser, {"lr": None}, {"lr": self.model_config.default_lr_help()})
         return parser
 
     def configs_from_args(
@@ -176,6 +179,8 @@ class ModelSpec:
         --save, and verifies the checkpoint --load restores. No process-group work."""
         parallel = dataclass_from_args(ParallelConfig, args)
         model = self.model_config.from_args(args)
+        if getattr(args, "lr", None) is None:
+            args = argparse.Namespace(**{**vars(args), "lr": model.default_lr()})
         data = dataclass_from_args(DataConfig, args)
         task = {name: dataclass_from_args(cls, args) for name, cls, _ in self.task_configs}
         training = TrainingConfig.from_args(args)

@@ -42,7 +42,9 @@ def test_defaults_follow_megatron():
     assert (c.lr, c.min_lr, c.weight_decay, c.clip_grad) == (1e-4, 0.0, 0.01, 1.0)
     assert (c.adam_beta1, c.adam_beta2, c.adam_eps) == (0.9, 0.999, 1e-6)
     assert c.lr_decay_style == "linear"
-    assert c.warmup_iters == DEFAULT_WARMUP_ITERS and c.decay_iters == 20000
+    # The default warm-up: 10% of the decay iterations, at most DEFAULT_WARMUP_ITERS.
+    assert c.warmup_iters == 2000 and c.decay_iters == 20000
+    assert TrainingConfig(train_iters=500_000).warmup_iters == DEFAULT_WARMUP_ITERS
 
 
 def test_batch_layout_and_errors_name_the_flags():
@@ -88,11 +90,12 @@ def test_invalid_values_name_their_flag(kw, flag):
     assert str(e.value).startswith(flag + ":"), str(e.value)
 
 
-def test_default_warmup_longer_than_a_short_run_is_explained():
-    with pytest.raises(ConfigError, match=r"--lr-warmup-iters \(default 10000\)"):
-        TrainingConfig(train_iters=50)
-    # A constant schedule has nothing to decay, any warmup is fine.
-    assert TrainingConfig(train_iters=50, lr_decay_style="constant").warmup_iters == 10000
+def test_default_warmup_is_a_tenth_of_a_short_run():
+    assert TrainingConfig(train_iters=50).warmup_iters == 5
+    assert TrainingConfig(train_iters=300, lr_decay_iters=200).warmup_iters == 20
+    # Given explicitly, a warm-up as long as the decay is refused with both flags named.
+    with pytest.raises(ConfigError, match=r"^--lr-warmup-iters: 50 warmup iterations"):
+        TrainingConfig(train_iters=50, lr_warmup_iters=50)
 
 
 def test_warmup_fraction_is_of_the_decay_iters():
@@ -321,11 +324,12 @@ def test_cli_accepts_deepspeed_launcher_flags(tmp_path):
 
 def test_cli_checkpoint_switches(tmp_path):
     args = SPEC.build_parser().parse_args(
-        cli_args(tmp_path, "--load", "ck", "--no-load-optim", "--no-load-rng", "--finetune")
-    )
+        cli_args(tmp_path, "--lr", "1e-4", "--load", "ck", "--no-load-optim", "--no-load-rng",
+                 "--finetune")
+    )  # fmt: skip
     t = TrainingConfig.from_args(args)
     assert (t.load, t.no_load_optim, t.no_load_rng, t.finetune) == ("ck", True, True, True)
-    t = TrainingConfig.from_args(SPEC.build_parser().parse_args(cli_args(tmp_path)))
+    t = TrainingConfig.from_args(SPEC.build_parser().parse_args(cli_args(tmp_path, "--lr", "1")))
     assert (t.no_load_optim, t.no_load_rng, t.finetune) == (False, False, False)
     with pytest.raises(SystemExit):
         SPEC.build_parser().parse_args(cli_args(tmp_path, "--no-no-load-optim"))
@@ -354,3 +358,32 @@ def test_taco_refuses_train_epochs_before_process_groups(tmp_path):
             world_size=1,
             device_type="cpu",
         )
+
+
+@pytest.mark.parametrize(
+    ("spec_module", "size", "want"),
+    [("pretrain_taco", "small", 5e-4), ("pretrain_taco", "base", 1e-4),
+     ("pretrain_sas", "small", 1e-3), ("pretrain_sas", "base", 2e-4)],
+)  # fmt: skip
+def test_lr_defaults_to_the_model_sizes_and_a_given_lr_wins(
+    botchan_dataset, tmp_path, spec_module, size, want
+):
+    import importlib
+
+    spec = importlib.import_module(f"megatron_taco.cli.{spec_module}").SPEC
+    base = [
+        "--data-path", botchan_dataset["prefix"], "--tokenizer-model", botchan_dataset["tokenizer"],
+        "--data-cache-path", str(tmp_path / "cache"), "--model-size", size, "--seq-length", "32",
+        "--train-iters", "40", "--micro-batch-size", "2",
+    ]  # fmt: skip
+    if spec_module == "pretrain_sas":
+        base.append("--no-self-augmentation")
+
+    def resolved(*extra):
+        args = spec.build_parser().parse_args([*base, *extra])
+        return spec.configs_from_args(args, world_size=1, device_type="cpu").training
+
+    t = resolved()
+    assert (t.lr, t.warmup_iters) == (want, 4)  # and the warm-up: 10% of a 40-iteration run
+    assert resolved("--lr", "3e-5").lr == 3e-5
+    assert f"small {spec.model_config.DEFAULT_LR['small']:g}" in spec.build_parser().format_help()

@@ -17,6 +17,17 @@ class PresetConfig:
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
     ARGS_TITLE: ClassVar[str] = "model"
+    # Pretraining's peak learning rate when --lr is not given, by preset ("base" also for a
+    # config without one); each model's table says where its values come from.
+    DEFAULT_LR: ClassVar[dict[str, float]] = {}
+
+    def default_lr(self) -> float:
+        return self.DEFAULT_LR[self.model_size or "base"]
+
+    @classmethod
+    def default_lr_help(cls) -> str:
+        sizes = ", ".join(f"{name} {lr:g}" for name, lr in cls.DEFAULT_LR.items())
+        return f"by --model-size: {sizes} (base also without a preset)"
 
     @classmethod
     def preset(cls, name: str, **overrides: Any):

@@ -61,6 +61,8 @@ def _opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
 class SasConfig(EncoderConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     ARGS_TITLE: ClassVar[str] = "SAS model"
+    # The SAS paper's Table 5 (small: batch 512, base: 256); tiny as small.
+    DEFAULT_LR: ClassVar[dict[str, float]] = {"tiny": 1e-3, "small": 1e-3, "base": 2e-4}
 
     num_layers: int = _opt(12, "Number of encoder layers.", "--num-layers")
     hidden_size: int = _opt(768, "Hidden size of the encoder.", "--hidden-size")

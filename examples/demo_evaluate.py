@@ -1,0 +1,302 @@
+"""What the demo's pretraining bought: each pretrained encoder beside randomly initialised
+twins of the same architecture, on held-out text (the documents --split keeps out of
+training), with evaluations a random encoder cannot win from a labelled set:
+
+1. held-out MLM accuracy against the most frequent target's share, and the collapse figure
+   (mean pairwise cosine of last-layer token vectors), as the training run's validation
+   measures them (the same collators, the same metric code);
+2. zero-shot word order: for each held-out sentence and a shuffle of its words, does the
+   model's own pretraining head prefer the original? TACO: the pseudo-log-likelihood of the
+   words under its MLM head (every 5th word [MASK]ed per pass, 5 passes); SAS: its RTD head
+   (mean "replaced" logit over the words: a shuffled sentence should look more replaced).
+   No labels at all, so nothing to learn from: a random encoder is at 50% by construction,
+   and so is a model that learned only which words are frequent (the shuffle keeps them);
+3. a frozen-feature probe: logistic regression on mean-pooled last-layer vectors, trained on
+   64, 256 and 1024 labelled sentences (original or shuffled), tested on other sentences.
+
+Seeds: the shuffles, the probe's sample and the random twins' initialisations; every row
+gives the mean and standard deviation over them.
+
+    python examples/demo_evaluate.py --load demo_output/taco/checkpoints \\
+        --load demo_output/sas/checkpoints --data-path demo_output/demo_text_sentence \\
+        --split 90,5,5 --output demo_output/evaluation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_word_order_task import held_out_sentences, shuffle_words
+
+from megatron_taco.data.tokenizer import Tokenizer
+
+MASK_EVERY = 5  # zero-shot pseudo-log-likelihood: every 5th word [MASK]ed per pass
+PROBE_SIZES = (64, 256, 1024)
+
+
+# ---------------------------------------------------------------------------------------
+# models
+
+
+def twins(path: str, tokenizer_model: str | None, count: int):
+    """The pretrained model of a checkpoint, and ``count`` random initialisations of it."""
+    from megatron_taco.parallel.state import single_process_state
+    from megatron_taco.recipes.registry import load_pretraining_model, model_builder
+
+    model, info = load_pretraining_model(path, tokenizer_model)
+    _, build = model_builder(info, tokenizer_model)
+    randoms = []
+    for seed in range(count):
+        torch.manual_seed(1000 + seed)
+        randoms.append(build(single_process_state(), model.config.vocab_size).eval())
+    return info, model, randoms
+
+
+# ---------------------------------------------------------------------------------------
+# 1. held-out MLM accuracy and collapse, as the run's validation computes them
+
+
+def held_out_metrics(model, info, tokenizer: Tokenizer, batches: int = 8) -> dict:
+    from megatron_taco.data.bert_dataset import build_train_valid_test_datasets
+    from megatron_taco.data.config import DataConfig
+    from megatron_taco.parallel.state import single_process_state
+    from megatron_taco.training.loop import evaluate_batches
+
+    cfg = info.configs
+    data = DataConfig(**{**cfg["data"], "data_path": tuple(cfg["data"]["data_path"])})
+    micro = cfg["training"]["micro_batch_size"]
+    n = batches * micro
+    _, valid, _ = build_train_valid_test_datasets(data, tokenizer, (1, n, 0))
+    collate = _collator(info, data, tokenizer, model.config)
+    stream = (collate([valid[i] for i in range(k, k + micro)]) for k in range(0, n, micro))
+    return evaluate_batches(model, stream, single_process_state(), batches)
+
+
+def _collator(info, data, tokenizer, model_config):
+    cfg = info.configs
+    if info.model == "TACO":
+        from megatron_taco.data.masking import TokenMaskingConfig
+        from megatron_taco.data.position_masking import PositionMaskingConfig
+        from megatron_taco.data.taco_collator import TacoMaskingCollator
+
+        return TacoMaskingCollator.from_tokenizer(
+            tokenizer,
+            seq_length=data.seq_length,
+            seed=data.seed,
+            masking=TokenMaskingConfig(**cfg["masking"]),
+            position_masking=PositionMaskingConfig(**cfg["position_masking"]),
+            num_positions=model_config.max_position_embeddings,
+        )
+    from megatron_taco.data.sas_collator import (
+        ColdStart,
+        ReplacementConfig,
+        SasCollator,
+        cold_start_probs,
+    )
+
+    replacement = ReplacementConfig(**cfg["replacement"])
+    probs = cold_start_probs(replacement, data.prefixes, data.weights, tokenizer.is_special_mask())
+    return SasCollator(pad_id=tokenizer.pad_id, seq_length=data.seq_length, seed=data.seed,
+                       config=replacement, source=ColdStart(probs, data.seed))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# 2. zero-shot word order and 3. frozen features
+
+
+def _encode(tokenizer: Tokenizer, sentences: list[str], limit: int) -> list[list[int]]:
+    out = []
+    for s in sentences:
+        ids = [tokenizer.cls_id, *tokenizer.encode(s), tokenizer.sep_id]
+        out.append(ids[: limit - 1] + [tokenizer.sep_id] if len(ids) > limit else ids)
+    return out
+
+
+def _pad(rows: list[list[int]], pad: int):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    mask = ids != pad
+    mask[:, 0] = True
+    return ids, mask, torch.arange(width).expand(len(rows), width) * mask
+
+
+@torch.no_grad()
+def encode_vectors(model, kind: str, rows: list[list[int]], pad: int, batch: int = 64):
+    """[len(rows), H] mean-pooled last-layer vectors (TACO: [h_WE; h_PE])."""
+    out = []
+    for k in range(0, len(rows), batch):
+        ids, mask, pos = _pad(rows[k : k + batch], pad)
+        if kind == "TACO":
+            we, pe = model.taco(ids, pos, mask)
+            hidden = torch.cat([we, pe], -1)
+        else:
+            hidden = model.sas(ids, mask)
+        m = mask[..., None].to(hidden.dtype)
+        out.append((hidden * m).sum(1) / m.sum(1))
+    return torch.cat(out).double().numpy()
+
+
+@torch.no_grad()
+def originality_scores(model, kind: str, rows: list[list[int]], tok: Tokenizer, batch: int = 64):
+    """Higher = the model finds the sentence more like real text. TACO: pseudo-log-likelihood
+    per word from its MLM head; SAS: minus the mean RTD ("replaced") logit."""
+    scores = np.zeros(len(rows))
+    if kind == "TACO":
+        word = model.taco.embeddings.word_embeddings.weight
+        passes = [(i, j) for i in range(len(rows)) for j in range(MASK_EVERY)]
+        for k in range(0, len(passes), batch):
+            chunk = passes[k : k + batch]
+            ids, mask, pos = _pad([rows[i] for i, _ in chunk], tok.pad_id)
+            labels = torch.full_like(ids, -100)
+            for r, (i, j) in enumerate(chunk):
+                at = torch.arange(1 + j, len(rows[i]) - 1, MASK_EVERY)
+                labels[r, at] = ids[r, at]
+                ids[r, at] = tok.mask_id
+            we, pe = model.taco(ids, pos, mask)
+            at = labels != -100
+            x = torch.cat([we, pe], -1)[at]
+            nll, _ = model.heads.mlm(x, labels[at], word)
+            owner = torch.tensor([i for i, _ in chunk]).unsqueeze(1).expand_as(labels)[at]
+            np.add.at(scores, owner.numpy(), -nll.double().numpy())
+        return scores / np.array([max(len(r) - 2, 1) for r in rows])
+    for k in range(0, len(rows), batch):
+        ids, mask, _ = _pad(rows[k : k + batch], tok.pad_id)
+        logits = model.heads.rtd_logits(model.sas(ids, mask)).double()
+        words = mask.clone()
+        words[:, 0] = False
+        words &= ids != tok.sep_id
+        scores[k : k + batch] = -((logits * words).sum(1) / words.sum(1).clamp(min=1)).numpy()
+    return scores
+
+
+def zero_shot(model, kind, originals, shuffled, tok) -> float:
+    a = originality_scores(model, kind, originals, tok)
+    b = originality_scores(model, kind, shuffled, tok)
+    return float(np.mean((a > b) + 0.5 * (a == b)))
+
+
+def probe(features_orig, features_shuf, size: int, seed: int) -> float:
+    """Train on ``size`` labelled sentences (each sentence in one form only), test on the
+    other half of the sentences (both forms)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(features_orig))
+    half = len(order) // 2
+    train_idx, test_idx = order[:half][:size], order[half:]
+    form = rng.integers(0, 2, len(train_idx))  # 1 = original
+    x = np.where(form[:, None] == 1, features_orig[train_idx], features_shuf[train_idx])
+    clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=3000, C=0.1))
+    clf.fit(x, form)
+    x_test = np.concatenate([features_orig[test_idx], features_shuf[test_idx]])
+    y_test = np.concatenate([np.ones(len(test_idx)), np.zeros(len(test_idx))])
+    return float(clf.score(x_test, y_test))
+
+
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    init: str  # "pretrained" or "random (N)"
+    mlm_acc: float
+    baseline: float
+    collapse: float
+    zero_shot: list[float]
+    probe: dict[int, list[float]]
+
+
+def _ms(values: list[float]) -> str:
+    return f"{100 * np.mean(values):5.1f} ± {100 * np.std(values):4.1f}"
+
+
+def evaluate_checkpoint(path: str, args, sentences: list[str]) -> list[Row]:
+    info, pretrained, randoms = twins(path, args.tokenizer_model, args.random_twins)
+    tok = Tokenizer(info.configs["data"]["tokenizer_model"])
+    kind = info.model
+    limit = pretrained.config.max_position_embeddings
+    originals = _encode(tok, sentences, limit)
+    shuffles = []
+    for seed in range(args.seeds):
+        rng = np.random.default_rng(seed)
+        shuffles.append(_encode(tok, [shuffle_words(s, rng) for s in sentences], limit))
+    rows = []
+    for name, models in (("pretrained", [pretrained]), (f"random x{len(randoms)}", randoms)):
+        held = [held_out_metrics(m, info, tok) for m in models]
+        zs, probes = [], {n: [] for n in PROBE_SIZES}
+        for m in models:
+            f_orig = encode_vectors(m, kind, originals, tok.pad_id)
+            for seed, shuffled in enumerate(shuffles):
+                zs.append(zero_shot(m, kind, originals, shuffled, tok))
+                f_shuf = encode_vectors(m, kind, shuffled, tok.pad_id)
+                for n in PROBE_SIZES:
+                    if n <= len(sentences) // 2:
+                        probes[n].append(probe(f_orig, f_shuf, n, seed))
+        rows.append(Row(kind, name, float(np.mean([h["mlm_acc"] for h in held])),
+                        float(np.mean([h["mlm_baseline_acc"] for h in held])),
+                        float(np.mean([h["collapse_cosine"] for h in held])), zs,
+                        {n: v for n, v in probes.items() if v}))  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", action="append", required=True, help="A pretraining checkpoint.")
+    p.add_argument("--data-path", required=True, help="The dataset prefix (held-out documents).")
+    p.add_argument("--split", default="90,5,5")
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--sentences", type=int, default=600, help="Held-out sentences used.")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--random-twins", type=int, default=3)
+    p.add_argument("--output", default=None, help="Write the rows as JSON here.")
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    first_tok = Tokenizer(args.tokenizer_model or _tokenizer_of(args.load[0]))
+    sentences = held_out_sentences(args.data_path, first_tok, args.split)
+    rng = np.random.default_rng(0)
+    if len(sentences) > args.sentences:
+        sentences = [
+            sentences[i] for i in sorted(rng.choice(len(sentences), args.sentences, replace=False))
+        ]
+    print(
+        f"{len(sentences)} held-out sentences; {args.seeds} seeds; {args.random_twins} random twins"
+    )
+    rows = [row for path in args.load for row in evaluate_checkpoint(path, args, sentences)]
+    sizes = [n for n in PROBE_SIZES if any(n in r.probe for r in rows)]
+    print(f"\n{'model':<6} {'init':<12} {'MLM acc':>8} {'baseline':>8} {'collapse':>8} "
+          f"{'zero-shot order %':>18} " + " ".join(f"{f'probe n={n} %':>15}" for n in sizes))  # fmt: skip
+    for r in rows:
+        print(f"{r.model:<6} {r.init:<12} {100 * r.mlm_acc:8.2f} {100 * r.baseline:8.2f} "
+              f"{r.collapse:8.3f} {_ms(r.zero_shot):>18} "
+              + " ".join(f"{_ms(r.probe[n]) if n in r.probe else '-':>15}" for n in sizes))  # fmt: skip
+    print("\n(MLM acc and baseline in %: the held-out accuracy of the pretraining head and the "
+          "most frequent target's share; zero-shot: a random encoder is at 50 by construction)")  # fmt: skip
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
+def _tokenizer_of(path: str) -> str:
+    from megatron_taco.recipes.registry import checkpoint_tokenizer
+    from megatron_taco.training.consolidate import find_checkpoint
+
+    return checkpoint_tokenizer(find_checkpoint(path), None)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
