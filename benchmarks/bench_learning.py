@@ -251,22 +251,14 @@ def _peer_data(model: str, s: Setting, tokenizer):
 
 
 def evaluate(model, valid, collator, s: Setting) -> dict:
-    import torch
-
     from megatron_taco.parallel.state import single_process_state
-    from megatron_taco.training.loop import MetricAccumulator
-    from megatron_taco.training.monitor import EvaluationStatistics
+    from megatron_taco.training.loop import evaluate_batches
 
-    acc, stats = MetricAccumulator(), EvaluationStatistics()
+    batches = (collator([valid[i] for i in range(k, k + s.batch)])
+               for k in range(0, s.eval_iters * s.batch, s.batch))  # fmt: skip
     model.eval()
-    with torch.no_grad():
-        for start in range(0, s.eval_iters * s.batch, s.batch):
-            out = model(collator([valid[i] for i in range(start, start + s.batch)]))
-            acc.add(out)
-            stats.add(out)
+    metrics = evaluate_batches(model, batches, single_process_state(), s.eval_iters)
     model.train()
-    metrics = acc.reduce(single_process_state(), iterations=s.eval_iters)
-    metrics.update(stats.reduce())
     return metrics
 
 
@@ -508,6 +500,15 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-fraction", type=float, default=0.1)
     p.add_argument("--seeds", type=int, default=1, help="Seeds per model (spread = seed noise).")
     p.add_argument("--corpus", choices=("bundled", "registry"), default="registry")
+    p.add_argument("--data-path", help="Use this dataset prefix instead of building the corpus.")
+    p.add_argument("--tokenizer-model", help="The tokenizer of --data-path.")
+    p.add_argument("--data-cache-path", help="Sample-index cache for --data-path.")
+    p.add_argument("--split", default="949,50,1")
+    p.add_argument("--seed", type=int, default=1234, help="The first seed.")
+    p.add_argument("--with", dest="existing", nargs="*", default=[], metavar="MODEL=METRICS",
+                   help="Curves of runs made elsewhere with the same settings (e.g. the "
+                   "demo's taco=demo_output/taco/tensorboard/metrics.jsonl): reported and "
+                   "plotted beside the runs made here.")  # fmt: skip
     p.add_argument("--corpus-mb", type=float, default=6.0)
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--left-plateau", type=float, default=1.5,
@@ -526,23 +527,33 @@ def main(argv=None) -> int:
         return 0
     from results import write_results
 
-    data = prepare_data(args.corpus, args.corpus_mb, args.vocab_size)
-    log(f"text: {data['mb']:.1f} MB, {data['prefix']}")
+    if args.data_path:
+        data = {"prefix": args.data_path, "tokenizer": args.tokenizer_model,
+                "cache": args.data_cache_path or os.path.join(args.out, "cache")}  # fmt: skip
+    else:
+        data = prepare_data(args.corpus, args.corpus_mb, args.vocab_size)
+        log(f"text: {data['mb']:.1f} MB, {data['prefix']}")
     s = Setting(prefix=data["prefix"], tokenizer=data["tokenizer"], cache=data["cache"],
                 seq_length=args.seq_length, batch=args.batch, iters=args.iters, lr=args.lr,
                 warmup_fraction=args.warmup_fraction, eval_interval=args.eval_interval,
-                eval_iters=args.eval_iters, split="949,50,1", seed=1234)  # fmt: skip
+                eval_iters=args.eval_iters, split=args.split, seed=args.seed)  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     # The slowest first, so that the two workers finish together.
     order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert"]
-    jobs = [(m, 1234 + k) for m in order if m in args.models for k in range(args.seeds)]
+    existing = dict(item.split("=", 1) for item in args.existing)
+    for model in existing:
+        if model not in MODELS:
+            p.error(f"--with {model}=...: not one of {', '.join(MODELS)}")
+    jobs = [(m, args.seed + k) for m in order if m in args.models and m not in existing
+            for k in range(args.seeds)]  # fmt: skip
     start = time.time()
     flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
     done = run_jobs(jobs, s, args.out, args.jobs, flags)
     log(f"all runs: {(time.time() - start) / 60:.1f} min")
+    done.update({(model, args.seed): path for model, path in existing.items()})
     results = report(load_curves(done), s, args, args.out)
     write_results(args.results_json, results)
-    return 0 if len(done) == len(jobs) else 1
+    return 0 if len(done) == len(jobs) + len(existing) else 1
 
 
 if __name__ == "__main__":
