@@ -142,6 +142,18 @@ class TaskDataConfig:
         "Sentencepiece model (default: the one --load's metadata.json names).",
         flag="--tokenizer-model",
     )
+    pad_to_seq_length: bool = option(
+        False,
+        "Pad every batch to --seq-length, as before dynamic padding (default: to the batch's "
+        "longest example, rounded up to a multiple of 8).",
+        flag="--pad-to-seq-length",
+    )
+    group_by_length: bool = option(
+        False,
+        "Training batches of examples of similar length (runs of 50 global batches sorted by "
+        "length, the batches then shuffled), so that dynamic padding pads little.",
+        flag="--group-by-length",
+    )
     seed: int = option(1234, "Seed of the head's init, shuffling and dropout.", flag="--seed")
     num_workers: int = option(1, "DataLoader worker processes per rank.", flag="--num-workers")
 
@@ -248,7 +260,7 @@ class FinetuneSpec(ModelSpec):
     def configs_from_args(
         self, args: argparse.Namespace, *, world_size: int, device_type: str
     ) -> PretrainConfigs:
-        from megatron_taco.recipes.registry import checkpoint_model_config
+        from megatron_taco.recipes.registry import checkpoint_model_config, load_error
         from megatron_taco.training.consolidate import CheckpointError, find_checkpoint
         from megatron_taco.training.rendezvous import once_per_node
 
@@ -263,14 +275,14 @@ class FinetuneSpec(ModelSpec):
             try:
                 return find_checkpoint(ft.load, ft.ckpt_step).iteration
             except CheckpointError as e:
-                raise _load_error(e) from None
+                raise load_error(e) from None
 
         iteration = once_per_node(PRETRAINED, verify)
         try:
             info = find_checkpoint(ft.load, iteration, verify=False)
             kind, model = checkpoint_model_config(info, data.tokenizer_model)
         except CheckpointError as e:
-            raise _load_error(e) from None
+            raise load_error(e) from None
         pretrained = PretrainedCheckpoint(
             load=os.path.abspath(ft.load),
             iteration=info.iteration,
@@ -400,25 +412,6 @@ def run_record(cfg: PretrainConfigs) -> dict[str, Any]:
     }
 
 
-def _load_error(e: Exception) -> ConfigError:
-    message = str(e)
-    return ConfigError(message if message.startswith("--load") else f"--load: {message}")
-
-
-def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
-    """The preset size ("small", "base", ...) a checkpoint's metadata records (for the
-    protocols' size-dependent grids); verified later, when its run starts."""
-    from megatron_taco.training.consolidate import CheckpointError, find_checkpoint
-
-    if not load:
-        raise ConfigError("--load: the pretrained checkpoint directory is required")
-    try:
-        info = find_checkpoint(load, ckpt_step, verify=False)
-    except (CheckpointError, ConfigError) as e:
-        raise _load_error(e) from None
-    return (info.configs.get("model") or {}).get("model_size")
-
-
 def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     """A new --output, or the same run again (it resumes); anything else is refused. Every
     rank checks, rank 0 writes run.json: its half-written file has a hidden name, and the
@@ -493,31 +486,75 @@ def load_task_data(data: TaskDataConfig):
         raise ConfigError(f"--data-dir: {e}") from None
 
 
+# --group-by-length sorts the examples of each run of this many global batches by length
+# (transformers' LengthGroupedSampler sorts "megabatches" of 50 batches).
+LENGTH_GROUP_BATCHES = 50
+
+
 class EpochShuffled:
     """The training stream of a fine-tuning run: epoch e visits ``per_epoch`` examples of
     ``base`` in its own seeded order (a permutation of ALL examples, so the remainder that
-    does not fill a global batch differs from epoch to epoch)."""
+    does not fill a global batch differs from epoch to epoch).
 
-    def __init__(self, base, per_epoch: int, epochs: int, seed: int) -> None:
+    With ``lengths`` (--group-by-length), the epoch's examples are taken in runs of
+    LENGTH_GROUP_BATCHES global batches, each run sorted by length (longest first) and cut
+    into global batches, and the epoch's global batches are then shuffled: a batch (and each
+    micro-batch in it) holds examples of similar length, so dynamic padding pads little,
+    while which examples meet and in what order still changes every epoch. Like the plain
+    order it is a function of (seed, epoch, position) only, so a resumed run reads what the
+    uninterrupted one read."""
+
+    def __init__(
+        self,
+        base,
+        per_epoch: int,
+        epochs: int,
+        seed: int,
+        *,
+        lengths=None,
+        global_batch_size: int | None = None,
+    ) -> None:
         from megatron_taco.data.epochs import EpochPermutation
 
         if not 1 <= per_epoch <= len(base):
             raise ValueError(f"per_epoch {per_epoch} must be in [1, {len(base)}]")
-        self.base, self.per_epoch, self.epochs = base, per_epoch, epochs
+        if lengths is not None and (not global_batch_size or per_epoch % global_batch_size):
+            raise ValueError(
+                f"per_epoch {per_epoch} must be a multiple of the global batch size "
+                f"{global_batch_size} to group by length"
+            )
+        self.base, self.per_epoch, self.epochs, self.seed = base, per_epoch, epochs, seed
         self.permutation = EpochPermutation(len(base), seed)
+        self.lengths, self.batch = lengths, global_batch_size
+        self._order: tuple[int, Any] | None = None  # (epoch, its example order), per worker
 
     def __len__(self) -> int:
         return self.per_epoch * self.epochs
 
+    def epoch_order(self, epoch: int):
+        """int64 [per_epoch]: the examples of ``epoch`` in the order they are read."""
+        import numpy as np
+
+        if self._order is not None and self._order[0] == epoch:
+            return self._order[1]
+        order = self.permutation(epoch, np.arange(self.per_epoch))
+        if self.lengths is not None:
+            group = LENGTH_GROUP_BATCHES * self.batch
+            runs = [order[i : i + group] for i in range(0, self.per_epoch, group)]
+            # Stable: examples of one length keep their shuffled order.
+            order = np.concatenate(
+                [r[np.argsort(-self.lengths[r], kind="stable")] for r in runs]
+            ).reshape(-1, self.batch)
+            shuffle = np.random.default_rng([self.seed, epoch, 0x1E6]).permutation(len(order))
+            order = order[shuffle].reshape(-1)
+        self._order = (epoch, order)
+        return order
+
     def __getitem__(self, g: int) -> dict[str, Any]:
         epoch, j = divmod(int(g), self.per_epoch)
-        return self.base[int(self.permutation(epoch, j))]
-
-
-def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    import torch
-
-    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+        if self.lengths is None:
+            return self.base[int(self.permutation(epoch, j))]
+        return self.base[int(self.epoch_order(epoch)[j])]
 
 
 def load_pretrained_encoder(model, cfg: PretrainConfigs, parallel) -> str:
@@ -563,6 +600,7 @@ def load_encoder_state(model, kind: str, config, full: dict, parallel, where: st
 def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
     from megatron_taco.models.finetune import TaskModel
     from megatron_taco.recipes.finetune_eval import DevEvaluation
+    from megatron_taco.tasks.base import Collate, row_lengths
     from megatron_taco.training.rendezvous import forget_node_results
 
     # Every rank of this node read the verification's result before the rendezvous.
@@ -589,6 +627,7 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         if ft.random_init
         else load_pretrained_encoder(model, cfg, ctx.parallel)
     )
+    collate = Collate(dynamic=not data.pad_to_seq_length)
     evaluation = DevEvaluation(
         task_data,
         output=ft.output,
@@ -596,12 +635,16 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         save_every_epoch=ft.save_every_epoch,
         micro_batch_size=cfg.training.micro_batch_size,
         summary=_run_summary(cfg, task_data),
+        collate_fn=collate,
     )
     stats = task_data.stats
+    lengths = row_lengths(task_data.train) if data.group_by_length else None
+    train = EpochShuffled(task_data.train, per_epoch, epochs, data.seed, lengths=lengths,
+                          global_batch_size=gbs)  # fmt: skip
     return ModelParts(
         model=model,
         collate_fn=collate,
-        train_dataset=EpochShuffled(task_data.train, per_epoch, epochs, data.seed),
+        train_dataset=train,
         tokens_per_sample=data.seq_length
         * (info.num_labels if info.kind == "multiple_choice" else 1),
         samples_per_epoch=per_epoch,
@@ -645,6 +688,8 @@ def _run_summary(cfg: PretrainConfigs, task_data) -> dict[str, Any]:
             "clip_grad": t.clip_grad,
             "seed": data.seed,
             "seq_length": data.seq_length,
+            "group_by_length": data.group_by_length,
+            "pad_to_seq_length": data.pad_to_seq_length,
             "classifier_dropout": ft.classifier_dropout,
             "hidden_dropout": cfg.model.hidden_dropout,
             "zero_stage": cfg.deepspeed.zero_stage,

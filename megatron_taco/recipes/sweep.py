@@ -310,7 +310,7 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     """Every run of this shard that has not finished, in one set of processes (one process
     group for all of them), then the summary. Stops at the first run that is interrupted
     (an exit signal, a time limit): starting the command again continues from it."""
-    from megatron_taco.recipes.finetune import model_size_of
+    from megatron_taco.recipes.registry import model_size_of
     from megatron_taco.training.engine import (
         accelerator_name,
         destroy_distributed,
@@ -456,7 +456,7 @@ def _results(root: str) -> tuple[list[dict[str, Any]], list[str]]:
 # Hyperparameters that do not change what a run computes (how it is laid out on devices),
 # and the seed: runs differing only in these are seeds of one configuration.
 _NOT_CONFIG = ("seed", "micro_batch_size", "zero_stage", "tensor_model_parallel_size",
-               "data_parallel_size")  # fmt: skip
+               "data_parallel_size", "pad_to_seq_length")  # fmt: skip
 _BASE = ("lr", "global_batch_size", "epochs")
 _SHORT = {"weight_decay": "wd", "layerwise_lr_decay": "lld", "warmup_fraction": "warmup",
           "lr_decay_style": "decay-", "adam_eps": "eps", "adam_betas": "betas",
@@ -471,6 +471,7 @@ def _config_of(result: dict[str, Any]) -> dict[str, Any]:
     config = {k: v for k, v in result["hyperparameters"].items() if k not in _NOT_CONFIG}
     if config.get("layerwise_lr_decay") == 1.0:
         config["layerwise_lr_decay"] = None
+    config.setdefault("group_by_length", False)  # runs from before the flag
     pretrained = result.get("pretrained") or {}
     config["load"] = pretrained.get("load")
     config["iteration"] = pretrained.get("iteration")

@@ -86,6 +86,41 @@ class FeatureDataset(Dataset):
         return item
 
 
+# Feature tensors whose last dimension is the sequence: a batch cuts them to its longest row.
+SEQUENCE_KEYS = ("input_ids", "attention_mask")
+PAD_MULTIPLE = 8
+
+
+def row_lengths(dataset) -> np.ndarray:
+    """int64 [N]: each feature's real tokens (a multiple-choice feature's longest option)."""
+    lengths = np.asarray(dataset.lengths, dtype=np.int64)
+    return lengths.reshape(len(lengths), -1).max(axis=1)
+
+
+@dataclass(frozen=True)
+class Collate:
+    """Features -> one batch. ``dynamic``: the sequence tensors are cut to the batch's longest
+    row rounded up to a multiple of ``multiple`` (transformers' DataCollatorWithPadding with
+    pad_to_multiple_of=8), never past the features' own length; otherwise every batch keeps
+    the features' full --seq-length. Cutting is exact: the columns dropped are padding in
+    every row, which attention never reads. A batch depends only on its features, so the
+    tensor-parallel ranks of a group, which read the same features, get the same shapes."""
+
+    dynamic: bool = True
+    multiple: int = PAD_MULTIPLE
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+        if self.dynamic and "attention_mask" in batch:
+            full = batch["attention_mask"].shape[-1]
+            longest = int(batch["attention_mask"].sum(-1).max())  # CPU tensor: no device sync
+            width = min(full, -(-max(longest, 1) // self.multiple) * self.multiple)
+            for key in SEQUENCE_KEYS:
+                if key in batch:
+                    batch[key] = batch[key][..., :width].contiguous()
+        return batch
+
+
 @dataclass
 class TaskData:
     info: TaskInfo
