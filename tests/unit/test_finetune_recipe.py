@@ -104,8 +104,11 @@ def test_dynamic_padding_gives_the_logits_of_padding_to_seq_length(encoder, task
         a, b = _outputs(model, full), _outputs(model, cut)
         for key in a:
             if key == "start_logits":  # [b, s]: the real tokens' logits, padding at the floor
-                _close(b[key], a[key][:, :width], f"{encoder} {task_kind} {key}")
-                assert (a[key][:, width:] == torch.finfo(a[key].dtype).min).all()
+                real = cut["attention_mask"]
+                _close(b[key][real], a[key][:, :width][real], f"{encoder} {task_kind} {key}")
+                lowest = torch.finfo(a[key].dtype).min
+                assert (a[key][~full["attention_mask"]] == lowest).all()
+                assert (b[key][~real] == lowest).all()
             else:
                 _close(b[key], a[key], f"{encoder} {task_kind} {key}")
 
