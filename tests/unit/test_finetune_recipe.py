@@ -268,8 +268,22 @@ LABELS = ("entailment", "neutral", "contradiction")
 
 def _write_mnli_dev(folder, split: str, pairs) -> None:
     lines = [MNLI_DEV_HEADER] + [
-        "\t".join([str(i), "1", f"{i}e", "fiction", "( a )", "( b )", "(ROOT a)", "(ROOT b)",
-                   a, b, *[label] * 5, label])  # fmt: skip
+        "\t".join(
+            [
+                str(i),
+                "1",
+                f"{i}e",
+                "fiction",
+                "( a )",
+                "( b )",
+                "(ROOT a)",
+                "(ROOT b)",
+                a,
+                b,
+                *[label] * 5,
+                label,
+            ]
+        )  # fmt: skip
         for i, (a, b, label) in enumerate(pairs)
     ]
     (folder / f"{split}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
