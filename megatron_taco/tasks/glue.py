@@ -49,11 +49,11 @@ class GlueFormat:
     # CoLA's train/dev files have no header: their four columns are named here
     headerless: tuple[str, ...] = ()
     # QQP's released train.tsv has rows broken by stray newlines inside questions; the hub's
-    # loader drops them too (its "corrupted rows" filter). They are counted as skipped.
+    # loader drops them too (its "corrupted rows" filter). They are counted as skipped, in
+    # the training split only: a dev or test split is never silently subset.
     skip_malformed: bool = False
-    # STS-B: read sentence1, sentence2, score as the last three columns, as ELECTRA's reader
-    # does (columns -3, -2, -1), so that rows whose leading metadata holds a stray tab still read
-    from_end: bool = False
+    # regression: the range of the score (STS-B's similarity is 0-5)
+    score_range: tuple[float, float] | None = None
 
 
 FORMATS = {
@@ -67,7 +67,11 @@ FORMATS = {
     "sst2": GlueFormat(("sentence",), "label", ("sentence",), "ids"),
     "mrpc": GlueFormat(("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"), "ids"),
     "stsb": GlueFormat(
-        ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), "float", from_end=True
+        ("sentence1", "sentence2"),
+        "score",
+        ("sentence1", "sentence2"),
+        "float",
+        score_range=(0.0, 5.0),
     ),
     "qqp": GlueFormat(
         ("question1", "question2"),
@@ -147,7 +151,7 @@ def _label_map(info: TaskInfo, kind: str) -> dict[str, int]:
     return {str(i): i for i in range(len(info.labels))}
 
 
-def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
+def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str = "train") -> Examples:
     rows = read_tsv(path)
     if fmt.headerless:
         header = list(fmt.headerless)
@@ -165,7 +169,7 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
             f"(found {header})"
         )
     ncol = len(header)
-    cols = [header.index(c) - ncol if fmt.from_end else header.index(c) for c in wanted]
+    cols = [header.index(c) for c in wanted]
     label_map = None if fmt.tsv_label_kind == "float" else _label_map(info, fmt.tsv_label_kind)
     texts: list[list[str]] = [[] for _ in fmt.tsv_text]
     labels: list = []
@@ -174,22 +178,24 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
         if row == [""]:
             skipped["blank_line"] += 1
             continue
-        if len(row) != ncol and not (fmt.from_end and len(row) > ncol):
-            if fmt.skip_malformed:
+        if len(row) != ncol:
+            if fmt.skip_malformed and split == "train":
                 skipped["malformed_row"] += 1
                 continue
             raise TaskDataError(
                 f"{path}:{lineno}: {len(row)} tab-separated columns, the {info.name} layout has "
                 f"{ncol} ({', '.join(header)})"
+                + ("; a tab inside a field?" if len(row) > ncol else "")
+                + ("" if split == "train" else f"; rows of the {split} split are never skipped")
             )
         values = [row[c] for c in cols]
-        labels.append(_parse_label(values[-1], label_map, f"{path}:{lineno}", info))
+        labels.append(_parse_label(values[-1], label_map, f"{path}:{lineno}", info, fmt))
         for t, v in zip(texts, values):
             t.append(v)
     return _examples(texts, labels, label_map is None, [path], skipped)
 
 
-def _parse_label(value, label_map, where: str, info: TaskInfo):
+def _parse_label(value, label_map, where: str, info: TaskInfo, fmt: GlueFormat | None = None):
     if label_map is None:
         if isinstance(value, bool):  # float(True) is 1.0: a bool column is not a score
             raise TaskDataError(f"{where}: score {value!r} is a boolean, not a number")
@@ -199,6 +205,11 @@ def _parse_label(value, label_map, where: str, info: TaskInfo):
             score = math.nan
         if not math.isfinite(score):
             raise TaskDataError(f"{where}: score {value!r} is not a number")
+        low, high = (fmt.score_range if fmt else None) or (-math.inf, math.inf)
+        if not low <= score <= high:
+            raise TaskDataError(
+                f"{where}: score {value!r} is outside {info.name}'s range {low:g}-{high:g}"
+            )
         return score
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if 0 <= value < len(info.labels):
@@ -288,7 +299,7 @@ def read_hf(paths: list[str], info: TaskInfo, fmt: GlueFormat) -> Examples:
             for c in fmt.hf_text:
                 if not isinstance(record[c], str):
                     raise TaskDataError(f"{where}: {c} is {record[c]!r}, not text")
-            labels.append(_parse_label(record["label"], label_map, where, info))
+            labels.append(_parse_label(record["label"], label_map, where, info, fmt))
             for t, c in zip(texts, fmt.hf_text):
                 t.append(record[c])
     return _examples(texts, labels, regression, list(paths), Counter())
@@ -298,7 +309,7 @@ def read_split(data_dir: str, info: TaskInfo, split: str) -> Examples:
     fmt = FORMATS[info.name]
     tsv = os.path.join(data_dir, _TSV_SPLIT[split] + ".tsv")
     if os.path.isfile(tsv):
-        return read_glue_tsv(tsv, info, fmt)
+        return read_glue_tsv(tsv, info, fmt, split)
     paths = hf_files(data_dir, info.name, _HF_SPLIT[split])
     if paths:
         return read_hf(paths, info, fmt)

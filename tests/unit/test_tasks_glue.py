@@ -348,6 +348,43 @@ def test_qqp_malformed_rows_are_counted_and_skipped(tmp_path, tokenizer):
     data = load_task("qqp", folder, tokenizer, seq_length=32)
     assert data.stats["skipped"]["train"] == {"malformed_row": 2}
     assert len(data.train) == len(EXAMPLES["qqp"])
+    # The same damage in the dev split is an error: its score would be on a subset.
+    dev = folder / "dev.tsv"
+    lines = dev.read_text().splitlines()
+    lines.insert(3, "77\t154\t155\tHow do I")
+    dev.write_text("\n".join(lines) + "\n")
+    with pytest.raises(
+        TaskDataError,
+        match=r"dev\.tsv:4: 4 tab-separated columns, the qqp layout has 6 .*"
+        r"rows of the dev split are never skipped$",
+    ):
+        load_task("qqp", folder, tokenizer, seq_length=32)
+
+
+def test_stsb_tab_inside_a_sentence_and_score_out_of_range_name_the_line(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "stsb")
+    path = folder / "dev.tsv"
+    good = path.read_text()
+    lines = good.splitlines()
+    # a tab inside sentence2: reading columns from the end would keep a fragment of it
+    lines[2] = lines[2].replace("bamboo", "bam\tboo")
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(
+        TaskDataError,
+        match=r"dev\.tsv:3: 11 tab-separated columns, the stsb layout has 10 \(index, .*\); "
+        "a tab inside a field",
+    ):
+        load_task("stsb", folder, tokenizer, seq_length=32)
+    lines = good.splitlines()
+    lines[3] = lines[3].rsplit("\t", 1)[0] + "\t17"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TaskDataError, match=r"dev\.tsv:4: score '17' is outside stsb's range 0-5$"):
+        load_task("stsb", folder, tokenizer, seq_length=32)
+    folder = write_hf(tmp_path / "hf", "stsb", "jsonl")
+    with open(folder / "validation.jsonl", "a") as f:
+        f.write('{"sentence1": "x", "sentence2": "y", "label": -0.5, "idx": 9}\n')
+    with pytest.raises(TaskDataError, match=r"validation\.jsonl:4: score -0\.5 is outside"):
+        load_task("stsb", folder, tokenizer, seq_length=32)
 
 
 @pytest.mark.parametrize(
