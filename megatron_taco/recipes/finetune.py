@@ -154,6 +154,13 @@ class TaskDataConfig:
         "length, the batches then shuffled), so that dynamic padding pads little.",
         flag="--group-by-length",
     )
+    predict_test: bool = option(
+        False,
+        "GLUE: also predict the task's test split(s) with the chosen epoch's model and write "
+        "the GLUE server's files to OUTPUT/submission/ (CoLA.tsv, ..., MNLI-m.tsv, "
+        "MNLI-mm.tsv and AX.tsv from the diagnostic set, which MNLI's model predicts).",
+        flag="--predict-test",
+    )
     seed: int = option(1234, "Seed of the head's init, shuffling and dropout.", flag="--seed")
     num_workers: int = option(1, "DataLoader worker processes per rank.", flag="--num-workers")
 
@@ -170,6 +177,14 @@ class TaskDataConfig:
         for name in ("doc_stride", "max_query_length", "max_answer_length", "n_best_size"):
             require(getattr(self, name) >= 1, cls, name, f"must be >= 1, got {getattr(self, name)}")
         require(self.num_workers >= 0, cls, "num_workers", "must be >= 0")
+        if self.predict_test:
+            require(
+                bool(TASKS[self.task].test_splits),
+                cls,
+                "predict_test",
+                f"task {self.task} has no test split to submit (GLUE tasks only; SQuAD's dev "
+                "predictions and v2.0 null odds are written by every run)",
+            )
 
     @property
     def info(self):
@@ -403,9 +418,14 @@ def run_record(cfg: PretrainConfigs) -> dict[str, Any]:
     ft = cfg.task["finetune"]
     return {
         "pretrained": dataclasses.asdict(cfg.task["pretrained"]),
-        # Where the run lives and how many workers read its data do not change the run.
+        # Where the run lives, how many workers read its data and whether it also predicts
+        # the test split do not change the run.
         "finetune": {k: v for k, v in dataclasses.asdict(ft).items() if k != "output"},
-        "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "num_workers"},
+        "data": {
+            k: v
+            for k, v in dataclasses.asdict(cfg.data).items()
+            if k not in ("num_workers", "predict_test")
+        },
         "training": dataclasses.asdict(cfg.training),
         "deepspeed": {"zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision},
         "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
@@ -471,6 +491,8 @@ def load_task_data(data: TaskDataConfig):
     from megatron_taco.data.tokenizer import Tokenizer
     from megatron_taco.tasks import TaskDataError, load_task
 
+    info = data.info
+    test = info.test_splits if data.predict_test else ()
     try:
         return load_task(
             data.task,
@@ -481,6 +503,7 @@ def load_task_data(data: TaskDataConfig):
             max_query_length=data.max_query_length,
             max_answer_length=data.max_answer_length,
             n_best_size=data.n_best_size,
+            splits=("train", *info.dev_splits, *test),
         )
     except TaskDataError as e:
         raise ConfigError(f"--data-dir: {e}") from None
@@ -661,6 +684,14 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
                 if count
             ),
             f"selection: {ft.epoch_selection} epoch by {info.main_metric}",
+            *(
+                [
+                    f"test: {', '.join(f'{s} {len(d):,}' for s, d in task_data.test.items())} "
+                    f"-> {ft.output}/submission/ (the chosen epoch's)"
+                ]
+                if task_data.test
+                else []
+            ),  # fmt: skip
         ],
         metadata={"task": info.name, "pretrained": dataclasses.asdict(cfg.task["pretrained"])},
     )

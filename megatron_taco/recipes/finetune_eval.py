@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_taco.training.callbacks import Callback
 
 RESULTS_FILE = "results.json"
+SUBMISSION_DIR = "submission"  # the benchmark server's files of the chosen epoch
 # What TaskModel returns for the evaluation to score (models/finetune.py).
 OUTPUT_KEYS = ("logits", "predictions", "start_logits", "end_logits")
 # Outputs with one value per token [b, s_batch]: padded back to the features' length with
@@ -103,7 +104,10 @@ def flat_scores(scores: dict[str, dict[str, float]]) -> dict[str, float]:
 class DevEvaluation(Callback):
     """Scores every dev split at the end of each epoch, logs the scores (split name =
     the dev split's), keeps their history in the checkpoint, writes OUTPUT/results.json,
-    and (``save_every_epoch``) saves a checkpoint so a restart resumes at this epoch."""
+    and (``save_every_epoch``) saves a checkpoint so a restart resumes at this epoch. With
+    test splits loaded (--predict-test), an epoch that becomes the chosen one also predicts
+    them and writes the benchmark server's files to OUTPUT/submission/, so they are always
+    the chosen epoch's (ELECTRA's write_test_outputs, for the epoch the run reports)."""
 
     name = "dev_evaluation"
 
@@ -128,12 +132,14 @@ class DevEvaluation(Callback):
         self.summary = summary
         self.collate_fn = collate_fn or Collate()
         self.history: list[dict[str, Any]] = []
+        self.submission: dict[str, Any] | None = None  # {"epoch", "files"} once written
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history}
+        return {"history": self.history, "submission": self.submission}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = list(state.get("history", []))
+        self.submission = state.get("submission")
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
         scores = {}
@@ -144,6 +150,8 @@ class DevEvaluation(Callback):
                 self.write_predictions(split, epoch + 1, outputs)
             trainer.logger.log(split, state.iteration, {"epoch": epoch + 1, **scores[split]})
         self.history.append({"epoch": epoch + 1, "iteration": state.iteration, "scores": scores})
+        if self.task.test and self.chosen() is self.history[-1]:
+            self.write_submission(trainer, epoch + 1)
         if trainer.parallel.rank == 0:
             self.write_results(finished=epoch + 1 == trainer.num_epochs())
         if self.save_every_epoch:
@@ -156,6 +164,20 @@ class DevEvaluation(Callback):
 
         folder = os.path.join(self.output, "predictions", split, f"epoch{epoch}")
         write_squad_predictions(folder, self.task.predict(split, outputs))
+
+    def write_submission(self, trainer, epoch: int) -> None:
+        """The test splits' predictions in the server's files (every rank predicts: the
+        outputs are gathered over the data-parallel group; rank 0 writes)."""
+        files = []
+        for split, dataset in self.task.test.items():
+            outputs = predict(trainer, dataset, self.micro_batch_size, self.collate_fn)
+            name, text = self.task.submission(split, outputs)
+            if trainer.parallel.rank == 0:
+                folder = os.path.join(self.output, SUBMISSION_DIR)
+                os.makedirs(folder, exist_ok=True)
+                write_text_atomic(os.path.join(folder, name), text)
+            files.append(name)
+        self.submission = {"epoch": epoch, "files": files}
 
     def chosen(self) -> dict[str, Any] | None:
         if not self.history:
@@ -188,6 +210,8 @@ class DevEvaluation(Callback):
             "chosen_epoch": chosen["epoch"] if chosen else None,
             "dev": flat_scores(chosen["scores"]) if chosen else {},
         }
+        if self.submission is not None:
+            results["submission"] = {"directory": SUBMISSION_DIR, **self.submission}
         write_json_atomic(os.path.join(self.output, RESULTS_FILE), results)
 
 

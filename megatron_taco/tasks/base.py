@@ -35,6 +35,9 @@ class TaskInfo:
     metrics: tuple[str, ...]  # names score() returns
     main_metric: str  # the metric (of dev_splits[0]) that chooses the best epoch / lr
     description: str = ""
+    # unlabelled splits whose predictions go to the benchmark's server (GLUE's test sets;
+    # MNLI's also the diagnostic set AX, predicted by the MNLI model)
+    test_splits: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -133,6 +136,12 @@ class TaskData:
     predictor: Callable[[str, dict[str, np.ndarray]], dict[str, Any]] | None = field(
         default=None, repr=False
     )
+    # unlabelled test splits (TaskInfo.test_splits) when loaded, by split name
+    test: dict[str, FeatureDataset] = field(default_factory=dict)
+    # (test split, outputs) -> (file name, text) of the benchmark server's file
+    submitter: Callable[[str, dict[str, np.ndarray]], tuple[str, str]] | None = field(
+        default=None, repr=False
+    )
 
     def score(self, split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         """outputs: the model's outputs for every feature of ``split`` in feature order
@@ -143,6 +152,13 @@ class TaskData:
             raise KeyError(f"{self.info.name}: no loaded split {split!r} (have {list(self.dev)})")
         return self.scorer(split, outputs)
 
+    def submission(self, split: str, outputs: dict[str, np.ndarray]) -> tuple[str, str]:
+        """(file name, text) of the benchmark server's predictions file for a test split,
+        from the model's outputs for every feature of ``self.test[split]`` in order."""
+        if self.submitter is None or split not in self.test:
+            raise KeyError(f"{self.info.name}: no loaded test split {split!r}")
+        return self.submitter(split, outputs)
+
     def predict(self, split: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
         """Span tasks: the decoded answers per question id (see squad.py)."""
         if self.predictor is None:
@@ -152,9 +168,10 @@ class TaskData:
         return self.predictor(split, outputs)
 
 
-def _glue(name, labels, metrics, main, dev=("dev",), description=""):
+def _glue(name, labels, metrics, main, dev=("dev",), description="", test=("test",)):
     kind = "regression" if not labels else "classification"
-    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, description)
+    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, description,
+                    test)  # fmt: skip
 
 
 _ACC = ("acc",)
@@ -178,6 +195,7 @@ TASKS: dict[str, TaskInfo] = {
             _ACC,
             "acc",
             dev=("dev_matched", "dev_mismatched"),
+            test=("test_matched", "test_mismatched", "diagnostic"),
         ),
         _glue("qnli", ("entailment", "not_entailment"), _ACC, "acc"),
         _glue("rte", ("entailment", "not_entailment"), _ACC, "acc"),
@@ -271,8 +289,9 @@ def load_task(
 ) -> TaskData:
     """Read task ``name`` from its released layout in ``data_dir`` and build its features.
 
-    splits: which of "train" and the task's dev splits to load (default: all of them).
-    Bad data raises TaskDataError naming the file and line or record."""
+    splits: which of "train", the task's dev splits and its test splits to load (default:
+    train and the dev splits). Bad data raises TaskDataError naming the file and line or
+    record."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     info = TASKS[name]
@@ -284,7 +303,7 @@ def load_task(
         n_best_size=n_best_size,
         null_score_diff_threshold=null_score_diff_threshold,
     )
-    allowed = ("train", *info.dev_splits, *_EXTRA_SPLITS.get(name, ()))
+    allowed = ("train", *info.dev_splits, *info.test_splits, *_EXTRA_SPLITS.get(name, ()))
     splits = tuple(splits) if splits is not None else ("train", *info.dev_splits)
     unknown = [s for s in splits if s not in allowed]
     if unknown or not splits:

@@ -27,6 +27,7 @@ from megatron_taco.models.finetune import TaskModel, encoder_state_from_pretrain
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.recipes.finetune import EpochShuffled
 from megatron_taco.recipes.finetune_eval import DevEvaluation, predict
+from megatron_taco.tasks import TASKS
 from megatron_taco.tasks.base import Collate, FeatureDataset
 from tests.helpers import VOCAB, tiny_config, tiny_sas_config
 
@@ -303,19 +304,37 @@ class _TableModel(torch.nn.Module):
         return {"logits": torch.stack([self.table[self.epoch][r] for r in rows])}
 
 
+def _write_mnli_test(path, texts) -> None:
+    header = MNLI_DEV_HEADER.rsplit("\tlabel1", 1)[0]  # no labels
+    rows = ["\t".join([str(i), "1", f"{i}e", "fiction", "( a )", "( b )", "(ROOT a)",
+                       "(ROOT b)", a, b]) for i, (a, b) in enumerate(texts)]  # fmt: skip
+    path.write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
+
+
 def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
     """Matched accuracy peaks at epoch 2, mismatched at epoch 3: the run reports epoch 2 with
-    both of its splits' scores (choosing on mismatched would report epoch 3)."""
+    both of its splits' scores (choosing on mismatched would report epoch 3), and its GLUE
+    server files (MNLI-m, MNLI-mm, AX) are epoch 2's predictions, although epoch 3 ran after."""
     from megatron_taco.tasks import load_task
 
     words = ("red", "green", "blue", "small", "large", "old", "new", "warm")
     matched = [(f"the {w} house", f"a {w} door", LABELS[i % 3]) for i, w in enumerate(words)]
     mismatched = [(f"my {w} car is here", f"your {w} boat", LABELS[(i + 1) % 3])
                   for i, w in enumerate(words)]  # fmt: skip
-    _write_mnli_dev(tmp_path, "dev_matched", matched)
-    _write_mnli_dev(tmp_path, "dev_mismatched", mismatched)
-    data = load_task("mnli", tmp_path, tokenizer, seq_length=32,
-                     splits=("dev_matched", "dev_mismatched"))  # fmt: skip
+    folder = tmp_path / "MNLI"
+    folder.mkdir()
+    _write_mnli_dev(folder, "dev_matched", matched)
+    _write_mnli_dev(folder, "dev_mismatched", mismatched)
+    tests = {"test_matched": [("one pear", "a pear")], "test_mismatched": [("two figs", "figs")],
+             "diagnostic": [("three plums ripen", "plums"), ("no limes", "limes")]}  # fmt: skip
+    _write_mnli_test(folder / "test_matched.tsv", tests["test_matched"])
+    _write_mnli_test(folder / "test_mismatched.tsv", tests["test_mismatched"])
+    (tmp_path / "diagnostic").mkdir()
+    (tmp_path / "diagnostic" / "diagnostic.tsv").write_text(
+        "index\tsentence1\tsentence2\n0\tthree plums ripen\tplums\n1\tno limes\tlimes\n"
+    )
+    data = load_task("mnli", folder, tokenizer, seq_length=32,
+                     splits=("dev_matched", "dev_mismatched", *TASKS["mnli"].test_splits))  # fmt: skip
     right = {"dev_matched": (2, 6, 4), "dev_mismatched": (5, 3, 8)}  # correct rows per epoch
     table = [{}, {}, {}]
     for split, dataset in data.dev.items():
@@ -326,6 +345,12 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
             for epoch in range(3):
                 label = gold if i < right[split][epoch] else (gold + 1) % 3
                 table[epoch][key] = torch.nn.functional.one_hot(torch.tensor(label), 3).float()
+    for dataset in data.test.values():  # the test sets: label LABELS[epoch] at every epoch
+        for i in range(len(dataset)):
+            item = dataset[i]
+            key = tuple(item["input_ids"][item["attention_mask"]].tolist())
+            for epoch in range(3):
+                table[epoch][key] = torch.nn.functional.one_hot(torch.tensor(epoch), 3).float()
     model = _TableModel(table)
     logged = []
     trainer = SimpleNamespace(
@@ -334,16 +359,24 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
         logger=SimpleNamespace(log=lambda split, it, values: logged.append((split, values))),
         num_epochs=lambda: 3,
     )
-    evaluation = DevEvaluation(data, output=str(tmp_path), selection="best",
+    evaluation = DevEvaluation(data, output=str(folder), selection="best",
                                save_every_epoch=False, micro_batch_size=3,
                                summary={"task": "mnli"})  # fmt: skip
     for epoch in range(3):
         model.epoch = epoch
         evaluation.on_epoch_end(trainer, SimpleNamespace(iteration=10 * (epoch + 1)), epoch)
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((folder / "results.json").read_text())
     assert [e["dev_matched/acc"] for e in results["epochs"]] == [25.0, 75.0, 50.0]
     assert [e["dev_mismatched/acc"] for e in results["epochs"]] == [62.5, 37.5, 100.0]
     assert results["finished"] and results["chosen_epoch"] == 2
     assert results["dev"] == {"dev_matched/acc": 75.0, "dev_mismatched/acc": 37.5}
     assert results["main_split"] == "dev_matched"
     assert [s for s, _ in logged] == ["dev_matched", "dev_mismatched"] * 3
+    files = {"test_matched": "MNLI-m.tsv", "test_mismatched": "MNLI-mm.tsv",
+             "diagnostic": "AX.tsv"}  # fmt: skip
+    assert results["submission"] == {"directory": "submission", "epoch": 2,
+                                     "files": list(files.values())}  # fmt: skip
+    for split, name in files.items():
+        rows = [f"{i}\tneutral" for i in range(len(tests[split]))]  # epoch 2's label
+        text = (folder / "submission" / name).read_text()
+        assert text == "\n".join(["index\tprediction", *rows]) + "\n"
