@@ -28,17 +28,15 @@ from megatron_taco.parallel.state import single_process_state
 from megatron_taco.recipes.finetune import EpochShuffled
 from megatron_taco.recipes.finetune_eval import DevEvaluation, predict
 from megatron_taco.tasks import TASKS
-from megatron_taco.tasks.base import Collate, FeatureDataset
-from tests.helpers import VOCAB, tiny_config, tiny_sas_config
+from megatron_taco.tasks.base import Collate
+from tests.helpers import FINETUNE_ENCODERS as ENCODERS
+from tests.helpers import FINETUNE_HEADS as HEADS
+from tests.helpers import FINETUNE_SEQ as SEQ
+from tests.helpers import VOCAB, EngineLike, tiny_config
+from tests.helpers import finetune_features as _features
+from tests.helpers import finetune_model as _model
 
-SEQ = 48
 RTOL = 1e-10
-ENCODERS = {
-    "TACO": ("TACO", tiny_config),
-    "SAS": ("SAS", tiny_sas_config),
-    "SAS^DA": ("SAS", lambda: tiny_sas_config(disentangled_attention=True)),
-}
-HEADS = {"classification": 3, "regression": 1, "span": 2, "multiple_choice": 4}
 
 
 def _close(ours, theirs, what, rtol=RTOL):
@@ -46,37 +44,6 @@ def _close(ours, theirs, what, rtol=RTOL):
     scale = theirs.abs().max().item()
     err = (ours - theirs).abs().max().item()
     assert err <= rtol * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
-
-
-def _features(task_kind: str, n: int = 11, seed: int = 0) -> FeatureDataset:
-    """[CLS] tokens [SEP] [PAD]... of lengths 5..40, padded to SEQ as the task modules do."""
-    rng = np.random.default_rng(seed)
-    shape = (n, 4) if task_kind == "multiple_choice" else (n,)
-    lengths = rng.integers(5, 41, size=shape).astype(np.int32)
-    ids = rng.integers(5, VOCAB, size=(*shape, SEQ)).astype(np.uint16)
-    ids[..., 0] = 2
-    cols = np.arange(SEQ)
-    ids[cols >= lengths[..., None]] = 0
-    np.put_along_axis(ids, (lengths - 1)[..., None].astype(np.int64), 3, axis=-1)
-    if task_kind == "span":
-        targets = {"start_positions": rng.integers(0, 4, n), "end_positions": rng.integers(0, 4, n)}
-    elif task_kind == "regression":
-        targets = {"labels": rng.uniform(0, 5, n).astype(np.float32)}
-    else:
-        targets = {"labels": rng.integers(0, HEADS[task_kind], n)}
-    return FeatureDataset(ids, lengths, targets)
-
-
-def _model(encoder: str, task_kind: str, seed: int = 0) -> TaskModel:
-    kind, make = ENCODERS[encoder]
-    torch.manual_seed(seed)
-    model = TaskModel(kind, make(), single_process_state(), task_kind=task_kind,
-                      num_labels=HEADS[task_kind]).double().eval()  # fmt: skip
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # every parameter far from its init, 1-D ones too
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return model
 
 
 def _outputs(model, batch) -> dict[str, torch.Tensor]:
@@ -121,21 +88,8 @@ def test_collate_keeps_full_length_when_every_row_fills_it():
     assert batch["input_ids"].shape == (3, SEQ) and batch["labels"].shape == (3,)
 
 
-class _Engine(torch.nn.Module):
-    """What predict() needs of a DeepSpeed engine: forward, eval/train and .device."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, model):
-        super().__init__()
-        self.module = model
-
-    def forward(self, batch):
-        return self.module(batch)
-
-
 def _trainer(model) -> SimpleNamespace:
-    return SimpleNamespace(parallel=single_process_state(), ds=_Engine(model))
+    return SimpleNamespace(parallel=single_process_state(), ds=EngineLike(model))
 
 
 @pytest.mark.parametrize("task_kind", ["classification", "span", "multiple_choice"])
@@ -355,7 +309,7 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
     logged = []
     trainer = SimpleNamespace(
         parallel=single_process_state(),
-        ds=_Engine(model),
+        ds=EngineLike(model),
         logger=SimpleNamespace(log=lambda split, it, values: logged.append((split, values))),
         num_epochs=lambda: 3,
     )
