@@ -150,8 +150,9 @@ class TaskDataConfig:
     )
     group_by_length: bool = option(
         False,
-        "Training batches of examples of similar length (runs of 50 global batches sorted by "
-        "length, the batches then shuffled), so that dynamic padding pads little.",
+        "Training batches of examples of similar length (runs of 50 global batches, or a "
+        "quarter of the epoch's if fewer, sorted by length; the batches then shuffled), so "
+        "that dynamic padding pads little.",
         flag="--group-by-length",
     )
     predict_test: bool = option(
@@ -509,8 +510,9 @@ def load_task_data(data: TaskDataConfig):
         raise ConfigError(f"--data-dir: {e}") from None
 
 
-# --group-by-length sorts the examples of each run of this many global batches by length
-# (transformers' LengthGroupedSampler sorts "megabatches" of 50 batches).
+# --group-by-length sorts the examples of each run of this many global batches by length,
+# or of a quarter of the epoch's batches when that is fewer (transformers'
+# get_length_grouped_indices: "50 or the number to get 4 megabatches, whichever is smaller").
 LENGTH_GROUP_BATCHES = 50
 
 
@@ -520,8 +522,9 @@ class EpochShuffled:
     does not fill a global batch differs from epoch to epoch).
 
     With ``lengths`` (--group-by-length), the epoch's examples are taken in runs of
-    LENGTH_GROUP_BATCHES global batches, each run sorted by length (longest first) and cut
-    into global batches, and the epoch's global batches are then shuffled: a batch (and each
+    LENGTH_GROUP_BATCHES global batches (a quarter of the epoch's, if fewer), each run sorted
+    by length (longest first) and cut into global batches, and the epoch's global batches
+    are then shuffled: a batch (and each
     micro-batch in it) holds examples of similar length, so dynamic padding pads little,
     while which examples meet and in what order still changes every epoch. Like the plain
     order it is a function of (seed, epoch, position) only, so a resumed run reads what the
@@ -562,7 +565,8 @@ class EpochShuffled:
             return self._order[1]
         order = self.permutation(epoch, np.arange(self.per_epoch))
         if self.lengths is not None:
-            group = LENGTH_GROUP_BATCHES * self.batch
+            batches = self.per_epoch // self.batch
+            group = max(1, min(LENGTH_GROUP_BATCHES, batches // 4)) * self.batch
             runs = [order[i : i + group] for i in range(0, self.per_epoch, group)]
             # Stable: examples of one length keep their shuffled order.
             order = np.concatenate(
