@@ -627,8 +627,10 @@ def test_empty_split_and_bad_arguments(tmp_path, tokenizer):
         load_task("qnli", folder, tokenizer, seq_length=32)
     with pytest.raises(ValueError, match="unknown task 'glue'"):
         load_task("glue", folder, tokenizer, seq_length=32)
-    with pytest.raises(ValueError, match=r"splits \['test'\] must be among \['train', 'dev'\]"):
-        load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))
+    with pytest.raises(
+        ValueError, match=r"splits \['validation'\] must be among \['train', 'dev', 'test'\]"
+    ):
+        load_task("qnli", folder, tokenizer, seq_length=32, splits=("validation",))
     with pytest.raises(TaskDataError, match="no such directory"):
         load_task("qnli", tmp_path / "nowhere", tokenizer, seq_length=32)
     with pytest.raises(ValueError, match="seq_length must be at least 4"):
