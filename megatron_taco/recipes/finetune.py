@@ -672,8 +672,11 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         model=model,
         collate_fn=collate,
         train_dataset=train,
-        tokens_per_sample=data.seq_length
-        * (info.num_labels if info.kind == "multiple_choice" else 1),
+        # Padded positions per sample; with dynamic padding a batch has fewer, and a
+        # tokens/s from --seq-length would overstate it: only samples/s is logged then.
+        tokens_per_sample=0
+        if not data.pad_to_seq_length
+        else data.seq_length * (info.num_labels if info.kind == "multiple_choice" else 1),
         samples_per_epoch=per_epoch,
         callbacks=[evaluation],
         title=f"fine-tuning {cfg.task['pretrained'].model} on {info.name}",
