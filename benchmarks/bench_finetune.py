@@ -16,11 +16,16 @@ loading in between (one process, no workers). The examples: single sentences and
 consecutive sentences drawn from the bundled corpora (examples/corpus/demo.jsonl.gz and
 tests/fixtures/text), split by the preprocessing's sentence splitter and tokenised by a
 sentencepiece model trained on them (8000 pieces, cached in build/bench/), cut to 128
-tokens. The two dynamic paths are timed over whole epochs of the --examples examples (what
-a step costs depends on the lengths its batch drew, and both samplers put the longest batch
-first); the padded path, whose every step has the same shape, over --steps steps. Goals:
-ours >= 2.5x our padded path on single sentences, >= 1.0x the Trainer. The paths run
-alternately (A B C A B C ...); the median of the per-repeat ratios is reported.
+tokens. Each task has 200 batches of examples, so that both samplers sort runs of 50
+batches by length (transformers sorts "50 or the number to get 4 megabatches, whichever is
+smaller"; so does --group-by-length), as on GLUE's training sets. What a step costs depends
+on the lengths its batch drew, so the two dynamic paths are timed over 50 steps each: the
+Trainer over its first run of 50 batches (its steps 1-50; step 0, the longest batch by
+construction, and the optimizer's first step are left out), ours over 50 consecutive steps
+of its stream, whose batches are shuffled across the epoch (any 50 are a fair sample); the
+padded path, whose every step has the same shape, over --steps steps. Goals: ours >= 2.5x
+our padded path on single sentences, >= 1.0x the Trainer. The paths run alternately
+(A B C A B C ...); the median of the per-repeat ratios is reported.
 
     python benchmarks/bench_finetune.py [--threads 1 --clock cpu] [--repeats 3 --steps 6]
     python benchmarks/bench_finetune.py --vs-pretraining   # also fine-tuning / pretraining
@@ -43,6 +48,7 @@ from timing import add_common_args, ratio_row, report, setup, sync, time_steps
 from megatron_taco.models.finetune import TaskModel
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.parallel.state import single_process_state
+from megatron_taco.recipes.finetune import LENGTH_GROUP_BATCHES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPORA = (
@@ -129,16 +135,13 @@ class OurPath:
         self.consumed += self.batch
         return next(self._iter)
 
-    def epoch_seconds(self, clock: str) -> float:
-        """Seconds per example over the next whole epoch (the loader made for it included)."""
+    def seconds_per_example(self, steps: int, clock: str) -> float:
+        """Over the next ``steps`` steps of the stream."""
         now = time.process_time if clock == "cpu" else time.perf_counter
-        per_epoch = self.stream.per_epoch
-        self.consumed = -(-self.consumed // per_epoch) * per_epoch  # to the next epoch start
-        self._iter = None
         start = now()
-        for _ in range(per_epoch // self.batch):
+        for _ in range(steps):
             self.step()
-        return (now() - start) / per_epoch
+        return (now() - start) / (steps * self.batch)
 
     def step(self) -> None:
         batch = self._next()
@@ -151,8 +154,8 @@ class OurPath:
 
 
 class TrainerPath:
-    """transformers' Trainer: each ``epoch_seconds(clock)`` call trains one epoch and returns
-    its seconds per example (from the epoch's start to its end)."""
+    """transformers' Trainer: each ``seconds_per_example(steps, clock)`` call trains
+    steps + 1 steps from the start of an epoch and times steps 1..steps."""
 
     def __init__(self, features, batch: int, vocab_size: int, tokenizer_path: str, out: str):
         import transformers
@@ -184,20 +187,22 @@ class TrainerPath:
         self.collator = DataCollatorWithPadding(tok, pad_to_multiple_of=8)
         self.transformers = transformers
 
-    def epoch_seconds(self, clock: str) -> float:
+    def seconds_per_example(self, steps: int, clock: str) -> float:
         now = time.process_time if clock == "cpu" else time.perf_counter
         marks = {}
 
         class Timer(self.transformers.TrainerCallback):
-            def on_epoch_begin(self, args, state, control, **kw):
-                marks["start"] = now()
+            def on_step_begin(self, args, state, control, **kw):
+                if state.global_step == 1:
+                    marks["start"] = now()
 
-            def on_epoch_end(self, args, state, control, **kw):
-                marks["end"] = now()
+            def on_step_end(self, args, state, control, **kw):
+                if state.global_step == steps + 1:
+                    marks["end"] = now()
 
         args = self.transformers.TrainingArguments(
             output_dir=self.out, per_device_train_batch_size=self.batch,
-            num_train_epochs=1, dataloader_drop_last=True, learning_rate=1e-5,
+            max_steps=steps + 1, dataloader_drop_last=True, learning_rate=1e-5,
             train_sampling_strategy="group_by_length",  # transformers 5: was group_by_length=True
             max_grad_norm=1.0, optim="adamw_torch", report_to=[], save_strategy="no",
             logging_strategy="no", disable_tqdm=True, use_cpu=True,
@@ -208,8 +213,7 @@ class TrainerPath:
             data_collator=self.collator, callbacks=[Timer()],
         )  # fmt: skip
         trainer.train()
-        examples = len(self.dataset) - len(self.dataset) % self.batch
-        return (marks["end"] - marks["start"]) / examples
+        return (marks["end"] - marks["start"]) / (steps * self.batch)
 
 
 def dynamic_padding_rows(args, device) -> list[dict]:
@@ -220,8 +224,10 @@ def dynamic_padding_rows(args, device) -> list[dict]:
     spm = tokenizer_model(sentences, out_dir)
     tokenizer = Tokenizer(spm)
     rows = []
+    examples = 4 * LENGTH_GROUP_BATCHES * args.batch  # 50-batch runs in both samplers
+    window = LENGTH_GROUP_BATCHES
     for task, pairs in (("single sentences", False), ("sentence pairs", True)):
-        features = task_features(sentences, tokenizer, args.examples, pairs, args.seq_length, 0)
+        features = task_features(sentences, tokenizer, examples, pairs, args.seq_length, 0)
         lengths = features.lengths
         print(f"{task}: {len(features)} examples, tokens per example mean {lengths.mean():.1f}, "
               f"median {np.median(lengths):.0f}, max {lengths.max()} (of {args.seq_length})")  # fmt: skip
@@ -240,10 +246,11 @@ def dynamic_padding_rows(args, device) -> list[dict]:
             times = {name: [] for name in (*paths, "Trainer")}  # seconds per example
             for _ in range(args.repeats):  # interleaved: A B C A B C ...
                 sync(device)
-                times["ours dynamic"].append(paths["ours dynamic"].epoch_seconds(args.clock))
+                ours = paths["ours dynamic"].seconds_per_example(window, args.clock)
+                times["ours dynamic"].append(ours)
                 step = time_steps(paths["ours padded"].step, args.steps, device, args.clock)
                 times["ours padded"].append(step / args.batch)
-                times["Trainer"].append(trainer.epoch_seconds(args.clock))
+                times["Trainer"].append(trainer.seconds_per_example(window, args.clock))
         for name, t in times.items():
             print(f"  {name:13s} {1 / statistics.median(t):8.1f} examples/s")
         dyn, pad = paths["ours dynamic"], paths["ours padded"]
@@ -319,13 +326,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch", type=int, default=32, help="Examples per step.")
+    parser.add_argument("--batch", type=int, default=16, help="Examples per step.")
     parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--examples", type=int, default=256,
-                        help="Examples per task (an epoch of the dynamic paths).")  # fmt: skip
     parser.add_argument("--vs-pretraining", action="store_true",
                         help="Also fine-tuning against pretraining step throughput.")  # fmt: skip
-    add_common_args(parser, repeats=3, steps=4, warmup=1)
+    add_common_args(parser, repeats=3, steps=3, warmup=1)
     args = parser.parse_args(argv)
     device = setup(args)
     rows = dynamic_padding_rows(args, device)
