@@ -27,7 +27,7 @@ padded path, whose every step has the same shape, over --steps steps. Goals: our
 our padded path on single sentences, >= 1.0x the Trainer. The paths run alternately
 (A B C A B C ...); the median of the per-repeat ratios is reported.
 
-    python benchmarks/bench_finetune.py [--threads 1 --clock cpu] [--repeats 3 --steps 6]
+    python benchmarks/bench_finetune.py [--threads 1 --clock cpu] [--repeats 3]   # ~2.5 CPU-min a repeat
     python benchmarks/bench_finetune.py --vs-pretraining   # also fine-tuning / pretraining
 """
 
@@ -330,7 +330,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--vs-pretraining", action="store_true",
                         help="Also fine-tuning against pretraining step throughput.")  # fmt: skip
-    add_common_args(parser, repeats=3, steps=3, warmup=1)
+    add_common_args(parser, repeats=2, steps=3, warmup=1)
     args = parser.parse_args(argv)
     device = setup(args)
     rows = dynamic_padding_rows(args, device)
