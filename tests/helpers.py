@@ -458,3 +458,64 @@ def normal_std_pvalue(values: torch.Tensor, std: float) -> float:
     statistic = float((x * x).sum() / std**2)
     upper = chi2_pvalue(statistic, x.numel())
     return 2 * min(upper, 1 - upper)
+
+
+# ---------------------------------------------------------------------------------------
+# Fine-tuning
+
+FINETUNE_SEQ = 48
+FINETUNE_ENCODERS = {
+    "TACO": ("TACO", tiny_config),
+    "SAS": ("SAS", tiny_sas_config),
+    "SAS^DA": ("SAS", lambda: tiny_sas_config(disentangled_attention=True)),
+}
+FINETUNE_HEADS = {"classification": 3, "regression": 1, "span": 2, "multiple_choice": 4}
+
+
+def finetune_features(task_kind: str, n: int = 11, seed: int = 0):
+    """[CLS] tokens [SEP] [PAD]... of lengths 5..40, padded to FINETUNE_SEQ as the task
+    modules pad them."""
+    from megatron_taco.tasks.base import FeatureDataset
+
+    rng = np.random.default_rng(seed)
+    shape = (n, 4) if task_kind == "multiple_choice" else (n,)
+    lengths = rng.integers(5, 41, size=shape).astype(np.int32)
+    ids = rng.integers(5, VOCAB, size=(*shape, FINETUNE_SEQ)).astype(np.uint16)
+    ids[..., 0] = 2
+    cols = np.arange(FINETUNE_SEQ)
+    ids[cols >= lengths[..., None]] = 0
+    np.put_along_axis(ids, (lengths - 1)[..., None].astype(np.int64), 3, axis=-1)
+    if task_kind == "span":
+        targets = {"start_positions": rng.integers(0, 4, n), "end_positions": rng.integers(0, 4, n)}
+    elif task_kind == "regression":
+        targets = {"labels": rng.uniform(0, 5, n).astype(np.float32)}
+    else:
+        targets = {"labels": rng.integers(0, FINETUNE_HEADS[task_kind], n)}
+    return FeatureDataset(ids, lengths, targets)
+
+
+def finetune_model(encoder: str, task_kind: str, seed: int = 0):
+    from megatron_taco.models.finetune import TaskModel
+
+    kind, make = FINETUNE_ENCODERS[encoder]
+    torch.manual_seed(seed)
+    model = TaskModel(kind, make(), single_process_state(), task_kind=task_kind,
+                      num_labels=FINETUNE_HEADS[task_kind]).double().eval()  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # every parameter far from its init, 1-D ones too
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+class EngineLike(torch.nn.Module):
+    """What predict() needs of a DeepSpeed engine: forward, eval/train and .device."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, model):
+        super().__init__()
+        self.module = model
+
+    def forward(self, batch):
+        return self.module(batch)

@@ -1,7 +1,9 @@
 """taco-glue-score / tools/glue_score.py: the score table of a directory of fine-tuning runs
 (a sweep's --output, or any folder holding run directories with results.json) and the GLUE
 score in the SAS paper's or ELECTRA's convention (the 8 tasks' dev scores averaged, WNLI
-excluded; they differ in STS-B's and MNLI's number: tasks/metrics.py).
+excluded; they differ in STS-B's and MNLI's number: tasks/metrics.py). Beside the
+protocol's aggregate over seeds (SAS: mean, TACO: median), every score also gets its mean
+± standard deviation over the seeds found (DeBERTa's convention), and the seeds found.
 
     python tools/glue_score.py runs/sas_small_glue [--convention electra] [--json out.json]
 
@@ -56,7 +58,11 @@ def score(args: argparse.Namespace) -> None:
         raise ConfigError(f"{args.results}: no finished run (results.json with finished: true)")
     print(markdown_table(summary))
     if "glue_score" in summary:
-        print(f"GLUE score ({args.convention} convention): {summary['glue_score']:.2f}")
+        print(
+            f"GLUE score ({args.convention} convention): {summary['glue_score']:.2f} "
+            f"({summary['aggregate']} over seeds); mean ± std over seeds "
+            f"{summary['glue_score_mean']:.2f} ± {summary['glue_score_std']:.2f}"
+        )
     else:
         missing = [t for t in GLUE_TASKS if t not in summary["tasks"]]
         if missing:

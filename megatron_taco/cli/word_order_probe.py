@@ -25,15 +25,21 @@ Words and shared words: a word is a run of letters/digits or one punctuation cha
 BERT's basic tokenizer splits); its vector is the mean (--subword mean, default) or the
 first (--subword first) of the last-layer vectors of the subword pieces that overlap its
 characters (a piece spanning two words counts for both; specials count for none). Two
-sentences share a word when it occurs in both, compared case-insensitively ("Once" matches
-"once"); the k-th occurrence in one sentence is paired with the k-th in the other, and
-occurrences beyond the smaller count are left out.
+sentences share a word when it occurs in both, spelt the same (--case-insensitive: up to
+case, "Once" matches "once"); the k-th occurrence in one sentence is paired with the k-th
+in the other, and occurrences beyond the smaller count are left out. A shared word is
+compared only when the tokenizer gives it the same pieces in both sentences, as the paper's
+Figure 1 compares the same token: otherwise ("once" is "▁once" in one sentence and "▁On",
+"ce" in the other with a cased tokenizer) the row would mix a change of token with the
+change of order, and it is listed as skipped with both tokenisations (so is a word that
+matches only up to case without --case-insensitive).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import logging
 import math
@@ -92,6 +98,11 @@ class ProbeConfig:
     tokenizer_model: str | None = option(
         None, "Sentencepiece model of our checkpoints (default: the one each metadata names)."
     )
+    case_insensitive: bool = option(
+        False,
+        'Match words up to case ("Once" with "once"); they are still compared only when '
+        "the tokenizer gives them the same pieces in both sentences.",
+    )
     trust_remote_code: bool = option(
         False, "Run the modeling code of transformers directories that ship their own."
     )
@@ -136,26 +147,32 @@ Span = tuple[int, int]  # [start, end) in characters
 @dataclass(frozen=True)
 class Word:
     text: str  # as written
-    key: str  # case-folded
+    key: str  # what matches it with another sentence's word: the text, or case-folded
     occurrence: int  # 0 for the first time ``key`` occurs in the sentence, 1 next, ...
     span: Span
+    pieces: tuple[str, ...] = ()  # the subword pieces that cover it (set by word_vectors)
 
 
-def words_of(text: str) -> list[Word]:
+def words_of(text: str, case_insensitive: bool = False) -> list[Word]:
     seen: dict[str, int] = defaultdict(int)
     words = []
     for m in _WORD.finditer(text):
-        key = m.group().casefold()
+        key = m.group().casefold() if case_insensitive else m.group()
         words.append(Word(m.group(), key, seen[key], m.span()))
         seen[key] += 1
     return words
 
 
 def word_vectors(
-    words: Sequence[Word], pieces: Sequence[Span], hidden: np.ndarray, rule: str
+    words: Sequence[Word],
+    pieces: Sequence[Span],
+    hidden: np.ndarray,
+    rule: str,
+    names: Sequence[str] | None = None,
 ) -> tuple[list[Word], np.ndarray]:
-    """(the words some piece covers, their vectors [n, H]). ``pieces[i]`` is the character
-    span of row i of ``hidden``; empty spans (specials) cover nothing."""
+    """(the words some piece covers, with the pieces ``names`` (row i's piece) that cover
+    them; their vectors [n, H]). ``pieces[i]`` is the character span of row i of
+    ``hidden``; empty spans (specials) cover nothing."""
     kept, vectors = [], []
     for word in words:
         start, end = word.span
@@ -163,7 +180,8 @@ def word_vectors(
         if not rows:
             log.warning("no subword piece covers %r; left out", word.text)
             continue
-        kept.append(word)
+        covering = tuple(names[i] for i in rows) if names is not None else ()
+        kept.append(dataclasses.replace(word, pieces=covering))
         vectors.append(hidden[rows[0]] if rule == "first" else hidden[rows].mean(axis=0))
     width = hidden.shape[-1]
     return kept, np.stack(vectors) if vectors else np.zeros((0, width))
@@ -175,6 +193,46 @@ def shared_words(a: Sequence[Word], b: Sequence[Word]) -> list[tuple[int, int]]:
     return [
         (i, in_b[w.key, w.occurrence]) for i, w in enumerate(a) if (w.key, w.occurrence) in in_b
     ]
+
+
+def compared_words(
+    a: Sequence[Word], b: Sequence[Word], case_insensitive: bool = False
+) -> tuple[list[tuple[int, int]], list[dict]]:
+    """(the shared words whose pieces are the same in both sentences, as index pairs in a's
+    order; the others as skipped rows saying why). Without ``case_insensitive``, words
+    that match only up to case are listed as skipped too."""
+    compared, skipped = [], []
+    for i, j in shared_words(a, b):
+        if a[i].pieces == b[j].pieces:
+            compared.append((i, j))
+        else:
+            skipped.append(_skip(a[i], b[j], "tokenised differently"))
+    if not case_insensitive:
+        for i, j in shared_words(_case_folded(a), _case_folded(b)):
+            if a[i].text != b[j].text:
+                skipped.append(_skip(a[i], b[j], "differs in case (see --case-insensitive)"))
+    return compared, skipped
+
+
+def _case_folded(words: Sequence[Word]) -> list[Word]:
+    """The words keyed case-insensitively, their occurrences counted again."""
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for w in words:
+        key = w.text.casefold()
+        out.append(dataclasses.replace(w, key=key, occurrence=seen[key]))
+        seen[key] += 1
+    return out
+
+
+def _skip(a: Word, b: Word, reason: str) -> dict:
+    return {
+        "word": a.text,
+        "other": b.text,
+        "occurrence": a.occurrence,
+        "reason": reason,
+        "pieces": [list(a.pieces), list(b.pieces)],
+    }
 
 
 def char_spans_from_bytes(text: str, spans: Sequence[Span]) -> list[Span]:
@@ -190,9 +248,10 @@ def char_spans_from_bytes(text: str, spans: Sequence[Span]) -> list[Span]:
 
 
 # ---------------------------------------------------------------------------------------
-# Encoders: text -> (piece spans, last-layer vectors [n, H] float64, [CLS] vector [H])
+# Encoders: text -> (piece spans, last-layer vectors [n, H] float64, [CLS] vector [H],
+# the pieces' names [n])
 
-Encoded = tuple[list[Span], np.ndarray, np.ndarray]
+Encoded = tuple[list[Span], np.ndarray, np.ndarray, list[str]]
 
 
 @dataclass
@@ -246,7 +305,8 @@ def our_encoder(path: str, config: ProbeConfig) -> Encoder:
             else:
                 hidden = model.sas(x, mask)
         hidden = hidden[0].double().numpy()
-        return [(0, 0), *spans, (0, 0)], hidden, hidden[0]
+        names = ["[CLS]", *(p.piece for p in proto.pieces), "[SEP]"]
+        return [(0, 0), *spans, (0, 0)], hidden, hidden[0], names
 
     kind = f"TACO ({config.taco_stream})" if taco else "SAS"
     return Encoder(f"{kind}: {_name(path)} iter {info.iteration}", encode)
@@ -282,7 +342,8 @@ def transformers_encoder(path: str, config: ProbeConfig) -> Encoder:
         if taco:
             hidden = _stream(hidden, model.config.we_hidden_size, config.taco_stream)
         hidden = hidden.double().numpy()
-        return spans, hidden, hidden[0]
+        names = tok.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+        return spans, hidden, hidden[0], names
 
     kind = meta.get("model_type", "transformers")
     if taco:
@@ -315,24 +376,31 @@ def _measures(v1, v2) -> dict[str, float]:
     return {"distance": distance(v1, v2), "angle_rad": a, "angle_deg": math.degrees(a)}
 
 
-def probe(encoder: Encoder, sentences: Sequence[str], rule: str) -> dict:
-    """{"label", "tokens": [per pair and shared word], "cls": [per pair]}."""
+def probe(
+    encoder: Encoder, sentences: Sequence[str], rule: str, case_insensitive: bool = False
+) -> dict:
+    """{"label", "tokens": [per pair and compared word], "cls": [per pair], "skipped": [per
+    pair and shared word not compared, with why]}."""
     per_sentence = []
     for text in sentences:
-        spans, hidden, cls = encoder.encode(text)
-        words, vectors = word_vectors(words_of(text), spans, hidden, rule)
+        spans, hidden, cls, names = encoder.encode(text)
+        words = words_of(text, case_insensitive)
+        words, vectors = word_vectors(words, spans, hidden, rule, names)
         per_sentence.append((words, vectors, cls))
-    tokens, cls_rows = [], []
+    tokens, cls_rows, skipped = [], [], []
     for i in range(len(sentences)):
         for j in range(i + 1, len(sentences)):
             (wa, va, ca), (wb, vb, cb) = per_sentence[i], per_sentence[j]
             pair = [i + 1, j + 1]
-            for a, b in shared_words(wa, wb):
+            compared, left_out = compared_words(wa, wb, case_insensitive)
+            for a, b in compared:
                 word = wa[a]
-                row = {"pair": pair, "word": word.text, "occurrence": word.occurrence}
+                row = {"pair": pair, "word": word.text, "occurrence": word.occurrence,
+                       "pieces": list(word.pieces)}  # fmt: skip
                 tokens.append({**row, **_measures(va[a], vb[b])})
+            skipped += [{"pair": pair, **row} for row in left_out]
             cls_rows.append({"pair": pair, **_measures(ca, cb)})
-    return {"label": encoder.label, "tokens": tokens, "cls": cls_rows}
+    return {"label": encoder.label, "tokens": tokens, "cls": cls_rows, "skipped": skipped}
 
 
 def read_sentences(path: str | None) -> list[str]:
@@ -369,6 +437,12 @@ def format_table(results: Sequence[dict], sentences: Sequence[str]) -> str:
             pair = "{}-{}".format(*row["pair"])
             token = row["word"] if "occurrence" not in row else _token_label(row)
             lines.append(f"{pair:<6}{token:<16}{row['distance']:>10.4f}{row['angle_deg']:>9.2f}°")
+        for row in model.get("skipped", ()):
+            pieces = " | ".join(" ".join(p) or "-" for p in row["pieces"])
+            lines.append(
+                "{}-{}".format(*row["pair"]).ljust(6)
+                + f"{row['word']}/{row['other']}: skipped, {row['reason']} ({pieces})"
+            )
     return "\n".join(lines)
 
 
@@ -426,7 +500,7 @@ def run(config: ProbeConfig) -> dict:
             f"--plot-pair: {list(config.plot_pair)} but there are {len(sentences)} sentences"
         )
     encoders = [load_encoder(path, config) for path in config.load]
-    results = [probe(e, sentences, config.subword) for e in encoders]
+    results = [probe(e, sentences, config.subword, config.case_insensitive) for e in encoders]
     labels = [r["label"] for r in results]
     for i, r in enumerate(results):  # two --load of the same name stay apart
         if labels.count(r["label"]) > 1:
@@ -439,6 +513,8 @@ def run(config: ProbeConfig) -> dict:
             "layer": "last",
             "taco_stream": config.taco_stream,
             "subword": config.subword,
+            "case_insensitive": config.case_insensitive,
+            "words": "shared words tokenised to the same pieces in both sentences",
         },
         "models": [{"source": p, **r} for p, r in zip(config.load, results)],
     }

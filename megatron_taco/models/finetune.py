@@ -7,8 +7,8 @@ layer on it (the SAS paper's "linear classifier on the encoder"; BERT's span hea
 
 * classification: dropout + linear(H -> C) on the [CLS] token, cross entropy;
 * regression (STS-B): dropout + linear(H -> 1) on [CLS], mean squared error;
-* span (SQuAD): linear(H -> 2) at every token -> start/end logits, padding excluded, the
-  mean of the start and end cross entropies (BERT);
+* span (SQuAD): linear(H -> 2) at every token, no dropout before it -> start/end logits,
+  padding excluded, the mean of the start and end cross entropies (BERT);
 * multiple choice (RACE): every option is its own row; dropout + linear(H -> 1) on each
   row's [CLS], cross entropy over the options.
 
@@ -130,7 +130,10 @@ class TaskModel(nn.Module):
         return {"loss": loss, "acc": acc, "logits": logits.detach()}
 
     def _span(self, hidden, mask, batch) -> dict[str, torch.Tensor]:
-        logits = at_least_float32(self.head(self.dropout(hidden)))  # [b, s, 2]
+        # BERT's span head: a plain linear layer, no dropout before it (run_squad's
+        # create_model; transformers' BertForQuestionAnswering and our exported
+        # TacoForQuestionAnswering alike).
+        logits = at_least_float32(self.head(hidden))  # [b, s, 2]
         # Padding can never be an answer boundary.
         logits = logits.masked_fill(~mask.unsqueeze(-1), torch.finfo(logits.dtype).min)
         start, end = logits.unbind(-1)  # [b, s] each

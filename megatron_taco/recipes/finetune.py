@@ -143,6 +143,26 @@ class TaskDataConfig:
         "Sentencepiece model (default: the one --load's metadata.json names).",
         flag="--tokenizer-model",
     )
+    pad_to_seq_length: bool = option(
+        False,
+        "Pad every batch to --seq-length, as before dynamic padding (default: to the batch's "
+        "longest example, rounded up to a multiple of 8).",
+        flag="--pad-to-seq-length",
+    )
+    group_by_length: bool = option(
+        False,
+        "Training batches of examples of similar length (runs of 50 global batches, or a "
+        "quarter of the epoch's if fewer, sorted by length; the batches then shuffled), so "
+        "that dynamic padding pads little.",
+        flag="--group-by-length",
+    )
+    predict_test: bool = option(
+        False,
+        "GLUE: also predict the task's test split(s) with the chosen epoch's model and write "
+        "the GLUE server's files to OUTPUT/submission/ (CoLA.tsv, ..., MNLI-m.tsv, "
+        "MNLI-mm.tsv and AX.tsv from the diagnostic set, which MNLI's model predicts).",
+        flag="--predict-test",
+    )
     seed: int = option(1234, "Seed of the head's init, shuffling and dropout.", flag="--seed")
     num_workers: int = option(1, "DataLoader worker processes per rank.", flag="--num-workers")
 
@@ -159,6 +179,14 @@ class TaskDataConfig:
         for name in ("doc_stride", "max_query_length", "max_answer_length", "n_best_size"):
             require(getattr(self, name) >= 1, cls, name, f"must be >= 1, got {getattr(self, name)}")
         require(self.num_workers >= 0, cls, "num_workers", "must be >= 0")
+        if self.predict_test:
+            require(
+                bool(TASKS[self.task].test_splits),
+                cls,
+                "predict_test",
+                f"task {self.task} has no test split to submit (GLUE tasks only; SQuAD's dev "
+                "predictions and v2.0 null odds are written by every run)",
+            )
 
     @property
     def info(self):
@@ -238,7 +266,7 @@ class FinetuneSpec(ModelSpec):
     def configs_from_args(
         self, args: argparse.Namespace, *, world_size: int, device_type: str
     ) -> PretrainConfigs:
-        from megatron_taco.recipes.registry import checkpoint_model_config
+        from megatron_taco.recipes.registry import checkpoint_model_config, load_error
         from megatron_taco.training.consolidate import CheckpointError, find_checkpoint
         from megatron_taco.training.rendezvous import once_per_node
 
@@ -253,14 +281,14 @@ class FinetuneSpec(ModelSpec):
             try:
                 return find_checkpoint(ft.load, ft.ckpt_step).iteration
             except CheckpointError as e:
-                raise _load_error(e) from None
+                raise load_error(e) from None
 
         iteration = once_per_node(PRETRAINED, verify)
         try:
             info = find_checkpoint(ft.load, iteration, verify=False)
             kind, model = checkpoint_model_config(info, data.tokenizer_model)
         except CheckpointError as e:
-            raise _load_error(e) from None
+            raise load_error(e) from None
         pretrained = PretrainedCheckpoint(
             load=os.path.abspath(ft.load),
             iteration=info.iteration,
@@ -381,32 +409,18 @@ def run_record(cfg: PretrainConfigs) -> dict[str, Any]:
     ft = cfg.task["finetune"]
     return {
         "pretrained": dataclasses.asdict(cfg.task["pretrained"]),
-        # Where the run lives and how many workers read its data do not change the run.
+        # Where the run lives, how many workers read its data and whether it also predicts
+        # the test split do not change the run.
         "finetune": {k: v for k, v in dataclasses.asdict(ft).items() if k != "output"},
-        "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "num_workers"},
+        "data": {
+            k: v
+            for k, v in dataclasses.asdict(cfg.data).items()
+            if k not in ("num_workers", "predict_test")
+        },
         "training": dataclasses.asdict(cfg.training),
         "deepspeed": {"zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision},
         "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
     }
-
-
-def _load_error(e: Exception) -> ConfigError:
-    message = str(e)
-    return ConfigError(message if message.startswith("--load") else f"--load: {message}")
-
-
-def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
-    """The preset size ("small", "base", ...) a checkpoint's metadata records (for the
-    protocols' size-dependent grids); verified later, when its run starts."""
-    from megatron_taco.training.consolidate import CheckpointError, find_checkpoint
-
-    if not load:
-        raise ConfigError("--load: the pretrained checkpoint directory is required")
-    try:
-        info = find_checkpoint(load, ckpt_step, verify=False)
-    except (CheckpointError, ConfigError) as e:
-        raise _load_error(e) from None
-    return (info.configs.get("model") or {}).get("model_size")
 
 
 def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
@@ -468,6 +482,8 @@ def load_task_data(data: TaskDataConfig):
     from megatron_taco.data.tokenizer import Tokenizer
     from megatron_taco.tasks import TaskDataError, load_task
 
+    info = data.info
+    test = info.test_splits if data.predict_test else ()
     try:
         return load_task(
             data.task,
@@ -478,36 +494,84 @@ def load_task_data(data: TaskDataConfig):
             max_query_length=data.max_query_length,
             max_answer_length=data.max_answer_length,
             n_best_size=data.n_best_size,
+            splits=("train", *info.dev_splits, *test),
         )
     except TaskDataError as e:
         raise ConfigError(f"--data-dir: {e}") from None
 
 
+# --group-by-length sorts the examples of each run of this many global batches by length,
+# or of a quarter of the epoch's batches when that is fewer (transformers'
+# get_length_grouped_indices: "50 or the number to get 4 megabatches, whichever is smaller").
+LENGTH_GROUP_BATCHES = 50
+
+
 class EpochShuffled:
     """The training stream of a fine-tuning run: epoch e visits ``per_epoch`` examples of
     ``base`` in its own seeded order (a permutation of ALL examples, so the remainder that
-    does not fill a global batch differs from epoch to epoch)."""
+    does not fill a global batch differs from epoch to epoch).
 
-    def __init__(self, base, per_epoch: int, epochs: int, seed: int) -> None:
+    With ``lengths`` (--group-by-length), the epoch's examples are taken in runs of
+    LENGTH_GROUP_BATCHES global batches (a quarter of the epoch's, if fewer), each run sorted
+    by length (longest first) and cut into global batches, and the epoch's global batches
+    are then shuffled: a batch (and each
+    micro-batch in it) holds examples of similar length, so dynamic padding pads little,
+    while which examples meet and in what order still changes every epoch. Like the plain
+    order it is a function of (seed, epoch, position) only, so a resumed run reads what the
+    uninterrupted one read."""
+
+    def __init__(
+        self,
+        base,
+        per_epoch: int,
+        epochs: int,
+        seed: int,
+        *,
+        lengths=None,
+        global_batch_size: int | None = None,
+    ) -> None:
         from megatron_taco.data.epochs import EpochPermutation
 
         if not 1 <= per_epoch <= len(base):
             raise ValueError(f"per_epoch {per_epoch} must be in [1, {len(base)}]")
-        self.base, self.per_epoch, self.epochs = base, per_epoch, epochs
+        if lengths is not None and (not global_batch_size or per_epoch % global_batch_size):
+            raise ValueError(
+                f"per_epoch {per_epoch} must be a multiple of the global batch size "
+                f"{global_batch_size} to group by length"
+            )
+        self.base, self.per_epoch, self.epochs, self.seed = base, per_epoch, epochs, seed
         self.permutation = EpochPermutation(len(base), seed)
+        self.lengths, self.batch = lengths, global_batch_size
+        self._order: tuple[int, Any] | None = None  # (epoch, its example order), per worker
 
     def __len__(self) -> int:
         return self.per_epoch * self.epochs
 
+    def epoch_order(self, epoch: int):
+        """int64 [per_epoch]: the examples of ``epoch`` in the order they are read."""
+        import numpy as np
+
+        if self._order is not None and self._order[0] == epoch:
+            return self._order[1]
+        order = self.permutation(epoch, np.arange(self.per_epoch))
+        if self.lengths is not None:
+            batches = self.per_epoch // self.batch
+            group = max(1, min(LENGTH_GROUP_BATCHES, batches // 4)) * self.batch
+            runs = [order[i : i + group] for i in range(0, self.per_epoch, group)]
+            # Stable: examples of one length keep their shuffled order.
+            order = np.concatenate(
+                [r[np.argsort(-self.lengths[r], kind="stable")] for r in runs]
+            ).reshape(-1, self.batch)
+            shuffle = np.random.default_rng([self.seed, epoch, 0x1E6]).permutation(len(order))
+            order = order[shuffle].reshape(-1)
+        self._order = (epoch, order)
+        return order
+
     def __getitem__(self, g: int) -> dict[str, Any]:
         epoch, j = divmod(int(g), self.per_epoch)
-        return self.base[int(self.permutation(epoch, j))]
-
-
-def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    import torch
-
-    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+        if self.lengths is None:
+            return self.base[int(self.permutation(epoch, j))]
+        return self.base[int(self.epoch_order(epoch)[j])]
 
 
 def load_pretrained_encoder(model, cfg: PretrainConfigs, parallel) -> str:
@@ -553,6 +617,7 @@ def load_encoder_state(model, kind: str, config, full: dict, parallel, where: st
 def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
     from megatron_taco.models.finetune import TaskModel
     from megatron_taco.recipes.finetune_eval import DevEvaluation
+    from megatron_taco.tasks.base import Collate, row_lengths
     from megatron_taco.training.rendezvous import forget_node_results
 
     # Every rank of this node read the verification's result before the rendezvous.
@@ -579,6 +644,7 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         if ft.random_init
         else load_pretrained_encoder(model, cfg, ctx.parallel)
     )
+    collate = Collate(dynamic=not data.pad_to_seq_length)
     evaluation = DevEvaluation(
         task_data,
         output=ft.output,
@@ -586,14 +652,21 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         save_every_epoch=ft.save_every_epoch,
         micro_batch_size=cfg.training.micro_batch_size,
         summary=_run_summary(cfg, task_data),
+        collate_fn=collate,
     )
     stats = task_data.stats
+    lengths = row_lengths(task_data.train) if data.group_by_length else None
+    train = EpochShuffled(task_data.train, per_epoch, epochs, data.seed, lengths=lengths,
+                          global_batch_size=gbs)  # fmt: skip
     return ModelParts(
         model=model,
         collate_fn=collate,
-        train_dataset=EpochShuffled(task_data.train, per_epoch, epochs, data.seed),
-        tokens_per_sample=data.seq_length
-        * (info.num_labels if info.kind == "multiple_choice" else 1),
+        train_dataset=train,
+        # Padded positions per sample; with dynamic padding a batch has fewer, and a
+        # tokens/s from --seq-length would overstate it: only samples/s is logged then.
+        tokens_per_sample=0
+        if not data.pad_to_seq_length
+        else data.seq_length * (info.num_labels if info.kind == "multiple_choice" else 1),
         samples_per_epoch=per_epoch,
         callbacks=[evaluation],
         title=f"fine-tuning {cfg.task['pretrained'].model} on {info.name}",
@@ -608,6 +681,14 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
                 if count
             ),
             f"selection: {ft.epoch_selection} epoch by {info.main_metric}",
+            *(
+                [
+                    f"test: {', '.join(f'{s} {len(d):,}' for s, d in task_data.test.items())} "
+                    f"-> {ft.output}/submission/ (the chosen epoch's)"
+                ]
+                if task_data.test
+                else []
+            ),  # fmt: skip
         ],
         metadata={"task": info.name, "pretrained": dataclasses.asdict(cfg.task["pretrained"])},
     )
@@ -635,6 +716,8 @@ def _run_summary(cfg: PretrainConfigs, task_data) -> dict[str, Any]:
             "clip_grad": t.clip_grad,
             "seed": data.seed,
             "seq_length": data.seq_length,
+            "group_by_length": data.group_by_length,
+            "pad_to_seq_length": data.pad_to_seq_length,
             "classifier_dropout": ft.classifier_dropout,
             "hidden_dropout": cfg.model.hidden_dropout,
             "zero_stage": cfg.deepspeed.zero_stage,

@@ -1,11 +1,14 @@
 """Dev-set evaluation of a fine-tuning run after every epoch, and its results.json.
 
-Every dev split is scored on all of its features (nothing dropped): data-parallel rank r
-runs the contiguous block r of the features (the last block padded by repeating its last
-feature), in micro-batches under torch.no_grad(), and one all-gather over the data-parallel
-group brings every rank the model's outputs of all features in order; each rank then
-scores them with the task's own metric (tasks/: GLUE's, the official SQuAD scripts',
-RACE's). Tensor-parallel ranks compute identical outputs and are not gathered over.
+Every dev split is scored on all of its features (nothing dropped). The features are taken
+in order of length, so that each micro-batch, padded to its longest feature, pads little:
+data-parallel rank r runs the r-th, (r + dp)-th, ... feature of that order (the order
+padded by repeating its last feature to a multiple of dp), in micro-batches under
+torch.no_grad(); one all-gather over the data-parallel group brings every rank the model's
+outputs of all features, which are put back in feature order, and each rank then scores
+them with the task's own metric (tasks/: GLUE's, the official SQuAD scripts', RACE's).
+Tensor-parallel ranks read the same features, so they compute identical outputs and are
+not gathered over.
 """
 
 from __future__ import annotations
@@ -23,8 +26,27 @@ import torch.distributed as dist
 from megatron_taco.training.callbacks import Callback
 
 RESULTS_FILE = "results.json"
+SUBMISSION_DIR = "submission"  # the benchmark server's files of the chosen epoch
 # What TaskModel returns for the evaluation to score (models/finetune.py).
 OUTPUT_KEYS = ("logits", "predictions", "start_logits", "end_logits")
+# Outputs with one value per token [b, s_batch]: padded back to the features' length with
+# the value the model gives padding (never an answer boundary).
+TOKEN_OUTPUT_KEYS = ("start_logits", "end_logits")
+
+
+def evaluation_order(dataset, dp: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the features this rank runs, in order; the features in the order of the gathered
+    outputs), both int64. The features sorted by length (stably) are dealt to the ranks
+    round-robin, so every rank's micro-batches hold similar lengths and the ranks similar
+    work; the gathered [dp, per_rank] outputs, transposed, are in that sorted order."""
+    from megatron_taco.tasks.base import row_lengths
+
+    n = len(dataset)
+    lengths = row_lengths(dataset) if hasattr(dataset, "lengths") else np.zeros(n, np.int64)
+    order = np.argsort(lengths, kind="stable")
+    per_rank = math.ceil(n / dp)
+    padded = np.concatenate([order, np.full(per_rank * dp - n, order[-1], dtype=np.int64)])
+    return padded[rank::dp], padded[:n]
 
 
 def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np.ndarray]:
@@ -32,11 +54,11 @@ def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np
     from megatron_taco.training.engine import to_device
 
     parallel, engine = trainer.parallel, trainer.ds
-    n, dp, rank = len(dataset), parallel.dp_size, parallel.dp_rank
-    per_rank = math.ceil(n / dp)
-    block = [min(i, n - 1) for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    n, dp = len(dataset), parallel.dp_size
+    mine, gathered_order = evaluation_order(dataset, dp, parallel.dp_rank)
+    seq_length = getattr(dataset, "seq_length", None)
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.Subset(dataset, block),
+        torch.utils.data.Subset(dataset, mine.tolist()),
         batch_size=micro_batch_size,
         collate_fn=collate_fn,
         num_workers=0,
@@ -50,17 +72,25 @@ def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np
                 outputs = engine(to_device(batch, engine.device))
                 for key in OUTPUT_KEYS:
                     if key in outputs:
-                        chunks.setdefault(key, []).append(outputs[key].float())
+                        value = outputs[key].float()
+                        if key in TOKEN_OUTPUT_KEYS and value.shape[-1] != seq_length:
+                            lowest = torch.finfo(value.dtype).min
+                            value = torch.nn.functional.pad(
+                                value, (0, seq_length - value.shape[-1]), value=lowest
+                            )  # [b, s_batch] -> [b, seq_length]
+                        chunks.setdefault(key, []).append(value)
     finally:
         engine.train()
+    back = np.argsort(gathered_order)  # feature f is at position back[f] of the sorted order
     result = {}
     for key, parts in chunks.items():
         local = torch.cat(parts)  # [per_rank, ...]
         if dist.is_initialized() and dp > 1:
             gathered = [torch.empty_like(local) for _ in range(dp)]
             dist.all_gather(gathered, local, group=parallel.get_data_parallel_group())
-            local = torch.cat(gathered)
-        result[key] = local[:n].cpu().numpy()
+            # [dp, per_rank, ...] -> [per_rank, dp, ...]: round-robin back to sorted order
+            local = torch.stack(gathered).transpose(0, 1).reshape(-1, *local.shape[1:])
+        result[key] = local[:n].cpu().numpy()[back]
     return result
 
 
@@ -74,7 +104,10 @@ def flat_scores(scores: dict[str, dict[str, float]]) -> dict[str, float]:
 class DevEvaluation(Callback):
     """Scores every dev split at the end of each epoch, logs the scores (split name =
     the dev split's), keeps their history in the checkpoint, writes OUTPUT/results.json,
-    and (``save_every_epoch``) saves a checkpoint so a restart resumes at this epoch."""
+    and (``save_every_epoch``) saves a checkpoint so a restart resumes at this epoch. With
+    test splits loaded (--predict-test), an epoch that becomes the chosen one also predicts
+    them and writes the benchmark server's files to OUTPUT/submission/, so they are always
+    the chosen epoch's (ELECTRA's write_test_outputs, for the epoch the run reports)."""
 
     name = "dev_evaluation"
 
@@ -89,7 +122,7 @@ class DevEvaluation(Callback):
         summary: dict[str, Any],
         collate_fn=None,
     ) -> None:
-        from megatron_taco.recipes.finetune import collate
+        from megatron_taco.tasks.base import Collate
 
         self.task = task_data
         self.output = output
@@ -97,14 +130,16 @@ class DevEvaluation(Callback):
         self.save_every_epoch = save_every_epoch
         self.micro_batch_size = micro_batch_size
         self.summary = summary
-        self.collate_fn = collate_fn or collate
+        self.collate_fn = collate_fn or Collate()
         self.history: list[dict[str, Any]] = []
+        self.submission: dict[str, Any] | None = None  # {"epoch", "files"} once written
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history}
+        return {"history": self.history, "submission": self.submission}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = list(state.get("history", []))
+        self.submission = state.get("submission")
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
         scores = {}
@@ -115,6 +150,8 @@ class DevEvaluation(Callback):
                 self.write_predictions(split, epoch + 1, outputs)
             trainer.logger.log(split, state.iteration, {"epoch": epoch + 1, **scores[split]})
         self.history.append({"epoch": epoch + 1, "iteration": state.iteration, "scores": scores})
+        if self.task.test and self.chosen() is self.history[-1]:
+            self.write_submission(trainer, epoch + 1)
         if trainer.parallel.rank == 0:
             self.write_results(finished=epoch + 1 == trainer.num_epochs())
         if self.save_every_epoch:
@@ -127,6 +164,20 @@ class DevEvaluation(Callback):
 
         folder = os.path.join(self.output, "predictions", split, f"epoch{epoch}")
         write_squad_predictions(folder, self.task.predict(split, outputs))
+
+    def write_submission(self, trainer, epoch: int) -> None:
+        """The test splits' predictions in the server's files (every rank predicts: the
+        outputs are gathered over the data-parallel group; rank 0 writes)."""
+        files = []
+        for split, dataset in self.task.test.items():
+            outputs = predict(trainer, dataset, self.micro_batch_size, self.collate_fn)
+            name, text = self.task.submission(split, outputs)
+            if trainer.parallel.rank == 0:
+                folder = os.path.join(self.output, SUBMISSION_DIR)
+                os.makedirs(folder, exist_ok=True)
+                write_text_atomic(os.path.join(folder, name), text)
+            files.append(name)
+        self.submission = {"epoch": epoch, "files": files}
 
     def chosen(self) -> dict[str, Any] | None:
         if not self.history:
@@ -159,6 +210,8 @@ class DevEvaluation(Callback):
             "chosen_epoch": chosen["epoch"] if chosen else None,
             "dev": flat_scores(chosen["scores"]) if chosen else {},
         }
+        if self.submission is not None:
+            results["submission"] = {"directory": SUBMISSION_DIR, **self.submission}
         write_json_atomic(os.path.join(self.output, RESULTS_FILE), results)
 
 

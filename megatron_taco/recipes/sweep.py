@@ -36,6 +36,7 @@ import argparse
 import copy
 import itertools
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -310,7 +311,7 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     """Every run of this shard that has not finished, in one set of processes (one process
     group for all of them), then the summary. Stops at the first run that is interrupted
     (an exit signal, a time limit): starting the command again continues from it."""
-    from megatron_taco.recipes.finetune import model_size_of
+    from megatron_taco.recipes.registry import model_size_of
     from megatron_taco.training.engine import (
         accelerator_name,
         destroy_distributed,
@@ -456,7 +457,7 @@ def _results(root: str) -> tuple[list[dict[str, Any]], list[str]]:
 # Hyperparameters that do not change what a run computes (how it is laid out on devices),
 # and the seed: runs differing only in these are seeds of one configuration.
 _NOT_CONFIG = ("seed", "micro_batch_size", "zero_stage", "tensor_model_parallel_size",
-               "data_parallel_size")  # fmt: skip
+               "data_parallel_size", "pad_to_seq_length")  # fmt: skip
 _BASE = ("lr", "global_batch_size", "epochs")
 _SHORT = {"weight_decay": "wd", "layerwise_lr_decay": "lld", "warmup_fraction": "warmup",
           "lr_decay_style": "decay-", "adam_eps": "eps", "adam_betas": "betas",
@@ -471,6 +472,7 @@ def _config_of(result: dict[str, Any]) -> dict[str, Any]:
     config = {k: v for k, v in result["hyperparameters"].items() if k not in _NOT_CONFIG}
     if config.get("layerwise_lr_decay") == 1.0:
         config["layerwise_lr_decay"] = None
+    config.setdefault("group_by_length", False)  # runs from before the flag
     pretrained = result.get("pretrained") or {}
     config["load"] = pretrained.get("load")
     config["iteration"] = pretrained.get("iteration")
@@ -552,14 +554,22 @@ def summarize(
         rows = {}
         for name, group, found_seeds in zip(_config_names(configs), groups, seeds):
             metrics = sorted(set.intersection(*(set(r["dev"]) for r in group)))
+            main_key = _main_key(group[0])
             rows[name] = {
                 "seeds": len(found_seeds),
                 "seeds_expected": expected,
                 "complete": len(found_seeds) >= expected,
                 "seed_values": found_seeds,
                 "dev": {m: reduce([r["dev"][m] for r in group]) for m in metrics},
-                "main_metric": _main_key(group[0]),
+                # DeBERTa's convention beside the protocol's aggregate: mean and sample
+                # standard deviation over the seeds (no deviation from one seed)
+                "dev_mean": {m: statistics.fmean([r["dev"][m] for r in group]) for m in metrics},
+                "dev_std": {m: _stdev([r["dev"][m] for r in group]) for m in metrics},
+                "main_metric": main_key,
                 "directories": sorted(r["directory"] for r in group),
+                # the seed with the best main metric (the run whose test files a sweep submits)
+                "best_run": max(group, key=lambda r: _finite(r["dev"].get(main_key)))["directory"],
+                "dev_by_run": {r["directory"]: r["dev"] for r in group},
             }
         main = next(iter(rows.values()))["main_metric"]
         candidates = [c for c in rows if rows[c]["complete"]] or list(rows)
@@ -582,6 +592,14 @@ def summarize(
     return summary
 
 
+def _stdev(values: list[float]) -> float | None:
+    return statistics.stdev(values) if len(values) > 1 else None
+
+
+def _finite(value: Any) -> float:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else -math.inf
+
+
 def _glue_score(summary: dict[str, Any], convention: str) -> None:
     from megatron_taco.tasks import glue_score, glue_task_scores
 
@@ -593,6 +611,17 @@ def _glue_score(summary: dict[str, Any], convention: str) -> None:
         summary["warnings"].append(f"warning: no GLUE score: {e}")
         return
     summary["glue_task_scores"] = glue_task_scores(nested, convention)
+    # The mean over seeds: the score of the tasks' seed means (it is linear in them). Its
+    # standard deviation is that of the score of one seed per task, the tasks' seeds drawn
+    # independently: sqrt(sum of the tasks' variances) / 8.
+    means = {t: nested_scores(t, tasks[t]["dev_mean"]) for t in GLUE_TASKS}
+    summary["glue_score_mean"] = glue_score(means, convention)
+    variances = []
+    for t in GLUE_TASKS:
+        per_seed = [glue_task_scores({t: nested_scores(t, dev)}, convention)[t]
+                    for dev in tasks[t]["dev_by_run"].values()]  # fmt: skip
+        variances.append(statistics.variance(per_seed) if len(per_seed) > 1 else 0.0)
+    summary["glue_score_std"] = math.sqrt(sum(variances)) / len(GLUE_TASKS)
     incomplete = [t for t in GLUE_TASKS if not tasks[t]["complete"]]
     if incomplete:
         summary["warnings"].append(
@@ -628,19 +657,28 @@ def markdown_table(summary: dict[str, Any]) -> str:
     """The best configuration of every task, then notes: configurations missing seeds, and
     the summary's warnings (one line each)."""
     lines = [
-        f"| task | best configuration | seeds | dev ({summary['aggregate']} over seeds) |",
-        "|---|---|---|---|",
+        f"| task | best configuration | seeds | dev ({summary['aggregate']} over seeds) "
+        "| mean ± std over seeds |",
+        "|---|---|---|---|---|",
     ]
     for task, row in summary["tasks"].items():
         scores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["dev"].items()))
+        spread = ", ".join(
+            f"{k} {v:.2f} ± {_show_std(row.get('dev_std', {}).get(k))}"
+            for k, v in sorted(row.get("dev_mean", {}).items())
+        )
         seeds = f"{row['seeds']}/{row['seeds_expected']}"
         seeds += "" if row["complete"] else " (incomplete)"
-        lines.append(f"| {task} | {row['best']} | {seeds} | {scores} |")
+        lines.append(f"| {task} | {row['best']} | {seeds} | {scores} | {spread} |")
     if "glue_score" in summary:
         convention = summary["convention"]
+        spread = ""
+        if "glue_score_mean" in summary:
+            spread = f"{summary['glue_score_mean']:.2f} ± {summary['glue_score_std']:.2f}"
         lines.append(
             f"| **GLUE score** (8 tasks, WNLI excluded; {convention} convention: "
-            f"{_CONVENTIONS.get(convention, convention)}) | | | {summary['glue_score']:.2f} |"
+            f"{_CONVENTIONS.get(convention, convention)}) | | | {summary['glue_score']:.2f} "
+            f"| {spread} |"
         )
     incomplete = [
         f"{task} {name} ({row['seeds']}/{row['seeds_expected']})"
@@ -655,10 +693,36 @@ def markdown_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def collect_submission(root: str, summary: dict[str, Any]) -> None:
+    """OUTPUT/submission/: each task's GLUE server files (--predict-test) from the run of its
+    best configuration with the best main dev score; summary["submission"] says which."""
+    from megatron_taco.recipes.finetune_eval import SUBMISSION_DIR, write_text_atomic
+
+    chosen = {}
+    for task, row in summary["tasks"].items():
+        source = os.path.join(root, row["best_run"], SUBMISSION_DIR)
+        if not os.path.isdir(source):
+            continue
+        target = os.path.join(root, SUBMISSION_DIR)
+        os.makedirs(target, exist_ok=True)
+        for name in sorted(os.listdir(source)):
+            if name.endswith(".tsv"):
+                with open(os.path.join(source, name), encoding="utf-8") as f:
+                    write_text_atomic(os.path.join(target, name), f.read())
+        chosen[task] = row["best_run"]
+    if chosen:
+        summary["submission"] = chosen
+
+
+def _show_std(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def write_summary(root: str, protocol: str | None) -> str:
     from megatron_taco.recipes.finetune_eval import write_json_atomic, write_text_atomic
 
     summary = summarize(root, protocol)
+    collect_submission(root, summary)
     table = markdown_table(summary)
     os.makedirs(root, exist_ok=True)
     write_json_atomic(os.path.join(root, f"{SUMMARY}.json"), summary)

@@ -35,6 +35,9 @@ class TaskInfo:
     metrics: tuple[str, ...]  # names score() returns
     main_metric: str  # the metric (of dev_splits[0]) that chooses the best epoch / lr
     description: str = ""
+    # unlabelled splits whose predictions go to the benchmark's server (GLUE's test sets;
+    # MNLI's also the diagnostic set AX, predicted by the MNLI model)
+    test_splits: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -86,6 +89,41 @@ class FeatureDataset(Dataset):
         return item
 
 
+# Feature tensors whose last dimension is the sequence: a batch cuts them to its longest row.
+SEQUENCE_KEYS = ("input_ids", "attention_mask")
+PAD_MULTIPLE = 8
+
+
+def row_lengths(dataset) -> np.ndarray:
+    """int64 [N]: each feature's real tokens (a multiple-choice feature's longest option)."""
+    lengths = np.asarray(dataset.lengths, dtype=np.int64)
+    return lengths.reshape(len(lengths), -1).max(axis=1)
+
+
+@dataclass(frozen=True)
+class Collate:
+    """Features -> one batch. ``dynamic``: the sequence tensors are cut to the batch's longest
+    row rounded up to a multiple of ``multiple`` (transformers' DataCollatorWithPadding with
+    pad_to_multiple_of=8), never past the features' own length; otherwise every batch keeps
+    the features' full --seq-length. Cutting is exact: the columns dropped are padding in
+    every row, which attention never reads. A batch depends only on its features, so the
+    tensor-parallel ranks of a group, which read the same features, get the same shapes."""
+
+    dynamic: bool = True
+    multiple: int = PAD_MULTIPLE
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+        if self.dynamic and "attention_mask" in batch:
+            full = batch["attention_mask"].shape[-1]
+            longest = int(batch["attention_mask"].sum(-1).max())  # CPU tensor: no device sync
+            width = min(full, -(-max(longest, 1) // self.multiple) * self.multiple)
+            for key in SEQUENCE_KEYS:
+                if key in batch:
+                    batch[key] = batch[key][..., :width].contiguous()
+        return batch
+
+
 @dataclass
 class TaskData:
     info: TaskInfo
@@ -98,6 +136,12 @@ class TaskData:
     predictor: Callable[[str, dict[str, np.ndarray]], dict[str, Any]] | None = field(
         default=None, repr=False
     )
+    # unlabelled test splits (TaskInfo.test_splits) when loaded, by split name
+    test: dict[str, FeatureDataset] = field(default_factory=dict)
+    # (test split, outputs) -> (file name, text) of the benchmark server's file
+    submitter: Callable[[str, dict[str, np.ndarray]], tuple[str, str]] | None = field(
+        default=None, repr=False
+    )
 
     def score(self, split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         """outputs: the model's outputs for every feature of ``split`` in feature order
@@ -108,6 +152,13 @@ class TaskData:
             raise KeyError(f"{self.info.name}: no loaded split {split!r} (have {list(self.dev)})")
         return self.scorer(split, outputs)
 
+    def submission(self, split: str, outputs: dict[str, np.ndarray]) -> tuple[str, str]:
+        """(file name, text) of the benchmark server's predictions file for a test split,
+        from the model's outputs for every feature of ``self.test[split]`` in order."""
+        if self.submitter is None or split not in self.test:
+            raise KeyError(f"{self.info.name}: no loaded test split {split!r}")
+        return self.submitter(split, outputs)
+
     def predict(self, split: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
         """Span tasks: the decoded answers per question id (see squad.py)."""
         if self.predictor is None:
@@ -117,9 +168,10 @@ class TaskData:
         return self.predictor(split, outputs)
 
 
-def _glue(name, labels, metrics, main, dev=("dev",), description=""):
+def _glue(name, labels, metrics, main, dev=("dev",), description="", test=("test",)):
     kind = "regression" if not labels else "classification"
-    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, description)
+    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, description,
+                    test)  # fmt: skip
 
 
 _ACC = ("acc",)
@@ -143,6 +195,7 @@ TASKS: dict[str, TaskInfo] = {
             _ACC,
             "acc",
             dev=("dev_matched", "dev_mismatched"),
+            test=("test_matched", "test_mismatched", "diagnostic"),
         ),
         _glue("qnli", ("entailment", "not_entailment"), _ACC, "acc"),
         _glue("rte", ("entailment", "not_entailment"), _ACC, "acc"),
@@ -236,8 +289,9 @@ def load_task(
 ) -> TaskData:
     """Read task ``name`` from its released layout in ``data_dir`` and build its features.
 
-    splits: which of "train" and the task's dev splits to load (default: all of them).
-    Bad data raises TaskDataError naming the file and line or record."""
+    splits: which of "train", the task's dev splits and its test splits to load (default:
+    train and the dev splits). Bad data raises TaskDataError naming the file and line or
+    record."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     info = TASKS[name]
@@ -249,7 +303,7 @@ def load_task(
         n_best_size=n_best_size,
         null_score_diff_threshold=null_score_diff_threshold,
     )
-    allowed = ("train", *info.dev_splits, *_EXTRA_SPLITS.get(name, ()))
+    allowed = ("train", *info.dev_splits, *info.test_splits, *_EXTRA_SPLITS.get(name, ()))
     splits = tuple(splits) if splits is not None else ("train", *info.dev_splits)
     unknown = [s for s in splits if s not in allowed]
     if unknown or not splits:

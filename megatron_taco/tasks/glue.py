@@ -49,11 +49,11 @@ class GlueFormat:
     # CoLA's train/dev files have no header: their four columns are named here
     headerless: tuple[str, ...] = ()
     # QQP's released train.tsv has rows broken by stray newlines inside questions; the hub's
-    # loader drops them too (its "corrupted rows" filter). They are counted as skipped.
+    # loader drops them too (its "corrupted rows" filter). They are counted as skipped, in
+    # the training split only: a dev or test split is never silently subset.
     skip_malformed: bool = False
-    # STS-B: read sentence1, sentence2, score as the last three columns, as ELECTRA's reader
-    # does (columns -3, -2, -1), so that rows whose leading metadata holds a stray tab still read
-    from_end: bool = False
+    # regression: the range of the score (STS-B's similarity is 0-5)
+    score_range: tuple[float, float] | None = None
 
 
 FORMATS = {
@@ -67,7 +67,11 @@ FORMATS = {
     "sst2": GlueFormat(("sentence",), "label", ("sentence",), "ids"),
     "mrpc": GlueFormat(("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"), "ids"),
     "stsb": GlueFormat(
-        ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), "float", from_end=True
+        ("sentence1", "sentence2"),
+        "score",
+        ("sentence1", "sentence2"),
+        "float",
+        score_range=(0.0, 5.0),
     ),
     "qqp": GlueFormat(
         ("question1", "question2"),
@@ -94,16 +98,42 @@ _HF_SPLIT = {
     "dev": "validation",
     "dev_matched": "validation_matched",
     "dev_mismatched": "validation_mismatched",
+    "test": "test",
+    "test_matched": "test_matched",
+    "test_mismatched": "test_mismatched",
 }
+# The GLUE server's file of each test split (the leaderboard's names, as its sample
+# submission has them). MNLI's model also predicts the diagnostic set AX.
+SUBMISSION_FILES = {
+    "cola": {"test": "CoLA.tsv"},
+    "sst2": {"test": "SST-2.tsv"},
+    "mrpc": {"test": "MRPC.tsv"},
+    "stsb": {"test": "STS-B.tsv"},
+    "qqp": {"test": "QQP.tsv"},
+    "mnli": {
+        "test_matched": "MNLI-m.tsv",
+        "test_mismatched": "MNLI-mm.tsv",
+        "diagnostic": "AX.tsv",
+    },
+    "qnli": {"test": "QNLI.tsv"},
+    "rte": {"test": "RTE.tsv"},
+    "wnli": {"test": "WNLI.tsv"},
+}
+# The index column of the test files: "index", QQP's "id"; the hub's "idx".
+_INDEX_COLUMNS = ("index", "id")
 
 
 @dataclass
 class Examples:
     text_a: list[str]
     text_b: list[str] | None
-    labels: np.ndarray  # int64 [n] class ids, float32 [n] for regression
+    labels: np.ndarray | None  # int64 [n] class ids, float32 [n] for regression; None: test
     sources: list[str]
     skipped: Counter = field(default_factory=Counter)
+    index: list[str] | None = None  # test splits: each row's index, as the file writes it
+
+    def __len__(self) -> int:
+        return len(self.text_a)
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,7 +177,7 @@ def _label_map(info: TaskInfo, kind: str) -> dict[str, int]:
     return {str(i): i for i in range(len(info.labels))}
 
 
-def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
+def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str = "train") -> Examples:
     rows = read_tsv(path)
     if fmt.headerless:
         header = list(fmt.headerless)
@@ -165,7 +195,7 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
             f"(found {header})"
         )
     ncol = len(header)
-    cols = [header.index(c) - ncol if fmt.from_end else header.index(c) for c in wanted]
+    cols = [header.index(c) for c in wanted]
     label_map = None if fmt.tsv_label_kind == "float" else _label_map(info, fmt.tsv_label_kind)
     texts: list[list[str]] = [[] for _ in fmt.tsv_text]
     labels: list = []
@@ -174,22 +204,119 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat) -> Examples:
         if row == [""]:
             skipped["blank_line"] += 1
             continue
-        if len(row) != ncol and not (fmt.from_end and len(row) > ncol):
-            if fmt.skip_malformed:
+        if len(row) != ncol:
+            if fmt.skip_malformed and split == "train":
                 skipped["malformed_row"] += 1
                 continue
             raise TaskDataError(
                 f"{path}:{lineno}: {len(row)} tab-separated columns, the {info.name} layout has "
                 f"{ncol} ({', '.join(header)})"
+                + ("; a tab inside a field?" if len(row) > ncol else "")
+                + ("" if split == "train" else f"; rows of the {split} split are never skipped")
             )
         values = [row[c] for c in cols]
-        labels.append(_parse_label(values[-1], label_map, f"{path}:{lineno}", info))
+        labels.append(_parse_label(values[-1], label_map, f"{path}:{lineno}", info, fmt))
         for t, v in zip(texts, values):
             t.append(v)
     return _examples(texts, labels, label_map is None, [path], skipped)
 
 
-def _parse_label(value, label_map, where: str, info: TaskInfo):
+def read_test_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str) -> Examples:
+    """A GLUE test file: a header (CoLA's too) naming an index column ("index"; QQP "id")
+    and the text columns; no labels. Every row must have the header's columns."""
+    rows = read_tsv(path)
+    first = next(rows, None)
+    if first is None:
+        raise TaskDataError(f"{path}: empty file (expected a header line)")
+    header = first[1]
+    index = next((c for c in _INDEX_COLUMNS if c in header), None)
+    wanted = (*fmt.tsv_text,) if split != "diagnostic" else ("sentence1", "sentence2")
+    check_unique(path, header, (*wanted, index))
+    missing = [c for c in wanted if c not in header] + ([] if index else ["index"])
+    if missing:
+        raise TaskDataError(
+            f"{path}:1: header lacks column(s) {missing} of the GLUE {info.name} {split} layout "
+            f"(found {header})"
+        )
+    cols = [header.index(c) for c in (index, *wanted)]
+    columns: list[list[str]] = [[] for _ in cols]
+    for lineno, row in rows:
+        if row == [""]:
+            continue
+        if len(row) != len(header):
+            raise TaskDataError(
+                f"{path}:{lineno}: {len(row)} tab-separated columns, the {info.name} {split} "
+                f"layout has {len(header)} ({', '.join(header)}); rows of the {split} split "
+                "are never skipped"
+            )
+        for values, c in zip(columns, cols):
+            values.append(row[c])
+    return Examples(columns[1], columns[2] if len(columns) > 2 else None, None, [path],
+                    index=columns[0])  # fmt: skip
+
+
+def read_hf_test(paths: list[str], info: TaskInfo, text: tuple[str, ...]) -> Examples:
+    columns: list[list[str]] = [[] for _ in text]
+    index: list[str] = []
+    for path in paths:
+        for where, record in _hf_records(path, (*text, "idx")):
+            for c in text:
+                if not isinstance(record[c], str):
+                    raise TaskDataError(f"{where}: {c} is {record[c]!r}, not text")
+            index.append(str(record["idx"]))
+            for values, c in zip(columns, text):
+                values.append(record[c])
+    return Examples(columns[0], columns[1] if len(columns) > 1 else None, None, list(paths),
+                    index=index)  # fmt: skip
+
+
+def read_test_split(data_dir: str, info: TaskInfo, split: str) -> Examples:
+    """A test split in the GLUE layout (test.tsv, MNLI test_matched.tsv / test_mismatched.tsv,
+    the diagnostic set's diagnostic.tsv, beside the task's folder or in it) or the hub's."""
+    fmt = FORMATS[info.name]
+    parent = os.path.dirname(os.path.normpath(data_dir))
+    if split == "diagnostic":
+        tsvs = [os.path.join(data_dir, "diagnostic.tsv"),
+                os.path.join(parent, "diagnostic", "diagnostic.tsv")]  # fmt: skip
+        hubs = [(os.path.join(d, "ax"), "test") for d in (data_dir, parent)]
+        text = ("premise", "hypothesis")
+    else:
+        tsvs = [os.path.join(data_dir, f"{split}.tsv")]
+        hubs = [(data_dir, _HF_SPLIT[split]), (os.path.join(data_dir, info.name), _HF_SPLIT[split])]
+        text = fmt.hf_text
+    for tsv in tsvs:
+        if os.path.isfile(tsv):
+            return read_test_tsv(tsv, info, fmt, split)
+    for base, hub_split in hubs:
+        paths = hf_files(base, "", hub_split)
+        if paths:
+            return read_hf_test(paths, info, text)
+    raise TaskDataError(
+        f"{data_dir}: no {split} split of {info.name} (--predict-test): looked for "
+        + ", ".join(tsvs)
+        + f" (GLUE layout) and {_HF_SPLIT.get(split, 'ax/test')}.parquet/.jsonl (Hugging Face "
+        "layout)"
+    )
+
+
+def submission_text(info: TaskInfo, split: str, index: list[str], outputs) -> tuple[str, str]:
+    """(file name, text) of the GLUE server's file: a header "index\tprediction", then one
+    row per test example in the file's order, the prediction as the server reads it: the
+    label id for tasks whose files give ids (CoLA, SST-2, MRPC, QQP, WNLI), the label name
+    for the others (MNLI, AX, QNLI, RTE), STS-B's score with 3 decimals."""
+    fmt = FORMATS[info.name]
+    n = len(index)
+    if info.kind == "regression":
+        pred = check_outputs(info, split, outputs, "predictions", (n,))
+        values = [f"{v:.3f}" for v in pred]
+    else:
+        ids = check_outputs(info, split, outputs, "logits", (n, info.num_labels)).argmax(-1)
+        values = [str(i) if fmt.tsv_label_kind == "ids" else info.labels[i] for i in ids]
+    lines = ["index\tprediction", *(f"{i}\t{v}" for i, v in zip(index, values))]
+    return SUBMISSION_FILES[info.name][split], "\n".join(lines) + "\n"
+
+
+def _parse_label(value, label_map, where: str, info: TaskInfo, fmt: GlueFormat | None = None):
     if label_map is None:
         if isinstance(value, bool):  # float(True) is 1.0: a bool column is not a score
             raise TaskDataError(f"{where}: score {value!r} is a boolean, not a number")
@@ -199,6 +326,11 @@ def _parse_label(value, label_map, where: str, info: TaskInfo):
             score = math.nan
         if not math.isfinite(score):
             raise TaskDataError(f"{where}: score {value!r} is not a number")
+        low, high = (fmt.score_range if fmt else None) or (-math.inf, math.inf)
+        if not low <= score <= high:
+            raise TaskDataError(
+                f"{where}: score {value!r} is outside {info.name}'s range {low:g}-{high:g}"
+            )
         return score
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if 0 <= value < len(info.labels):
@@ -288,7 +420,7 @@ def read_hf(paths: list[str], info: TaskInfo, fmt: GlueFormat) -> Examples:
             for c in fmt.hf_text:
                 if not isinstance(record[c], str):
                     raise TaskDataError(f"{where}: {c} is {record[c]!r}, not text")
-            labels.append(_parse_label(record["label"], label_map, where, info))
+            labels.append(_parse_label(record["label"], label_map, where, info, fmt))
             for t, c in zip(texts, fmt.hf_text):
                 t.append(record[c])
     return _examples(texts, labels, regression, list(paths), Counter())
@@ -298,7 +430,7 @@ def read_split(data_dir: str, info: TaskInfo, split: str) -> Examples:
     fmt = FORMATS[info.name]
     tsv = os.path.join(data_dir, _TSV_SPLIT[split] + ".tsv")
     if os.path.isfile(tsv):
-        return read_glue_tsv(tsv, info, fmt)
+        return read_glue_tsv(tsv, info, fmt, split)
     paths = hf_files(data_dir, info.name, _HF_SPLIT[split])
     if paths:
         return read_hf(paths, info, fmt)
@@ -327,7 +459,8 @@ def featurize(examples: Examples, tokenizer, seq_length: int) -> tuple[FeatureDa
         truncated = int(np.sum((la < a.length) | (lb < b.length)))
         segments = [Segment(a.flat, a.start, la), Segment(b.flat, b.start, lb)]
     ids, lengths = assemble(segments, seq_length, tokenizer, ids_dtype(tokenizer.vocab_size))
-    return FeatureDataset(ids, lengths.astype(np.int32), {"labels": examples.labels}), truncated
+    targets = {} if examples.labels is None else {"labels": examples.labels}
+    return FeatureDataset(ids, lengths.astype(np.int32), targets), truncated
 
 
 def _scorer(info: TaskInfo, gold: dict[str, np.ndarray]):
@@ -342,21 +475,28 @@ def _scorer(info: TaskInfo, gold: dict[str, np.ndarray]):
     return score
 
 
-def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> TaskData:
-    """read(split) -> Examples; shared by GLUE and custom."""
+def build(
+    info: TaskInfo, read, tokenizer, options: FeatureOptions, splits, read_test=None
+) -> TaskData:
+    """read(split) -> Examples of a labelled split, read_test(split) of a test split; shared
+    by GLUE and custom."""
     start = time.perf_counter()
     stats: dict = {k: {} for k in ("sources", "examples", "features", "truncated", "skipped")}
     datasets: dict[str, FeatureDataset] = {}
     gold: dict[str, np.ndarray] = {}
+    index: dict[str, list[str]] = {}
     for split in splits:
-        examples = read(split)
-        if not len(examples.labels):
+        examples = read_test(split) if split in info.test_splits else read(split)
+        if not len(examples):
             raise TaskDataError(f"{', '.join(examples.sources)}: no examples in the {split} split")
         features, truncated = featurize(examples, tokenizer, options.seq_length)
         datasets[split] = features
-        gold[split] = examples.labels
+        if examples.labels is None:
+            index[split] = examples.index
+        else:
+            gold[split] = examples.labels
         stats["sources"][split] = examples.sources
-        stats["examples"][split] = len(examples.labels)
+        stats["examples"][split] = len(examples)
         stats["features"][split] = len(features)
         stats["truncated"][split] = truncated
         stats["skipped"][split] = dict(examples.skipped)
@@ -364,26 +504,39 @@ def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> T
             "%s %s: %d examples from %s, %d truncated to %d tokens, skipped %s",
             info.name,
             split,
-            len(examples.labels),
+            len(examples),
             ", ".join(examples.sources),
             truncated,
             options.seq_length,
             dict(examples.skipped) or "none",
         )
     stats["seconds"] = time.perf_counter() - start
+
+    def submit(split: str, outputs: dict[str, np.ndarray]) -> tuple[str, str]:
+        return submission_text(info, split, index[split], outputs)
+
     return TaskData(
         info=info,
         train=datasets.pop("train", None),
-        dev=datasets,
+        dev={s: d for s, d in datasets.items() if s not in index},
         stats=stats,
         scorer=_scorer(info, gold),
+        test={s: d for s, d in datasets.items() if s in index},
+        submitter=submit if index else None,
     )
 
 
 def load(info: TaskInfo, data_dir: str, tokenizer, options: FeatureOptions, splits) -> TaskData:
     if info.name == "custom":
         return load_custom(info, data_dir, tokenizer, options, splits)
-    return build(info, lambda split: read_split(data_dir, info, split), tokenizer, options, splits)
+    return build(
+        info,
+        lambda split: read_split(data_dir, info, split),
+        tokenizer,
+        options,
+        splits,
+        lambda split: read_test_split(data_dir, info, split),
+    )
 
 
 # ---------------------------------------------------------------------------------------

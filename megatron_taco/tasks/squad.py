@@ -205,8 +205,12 @@ def _need(obj, key, kind, where):
     if not isinstance(obj, dict) or key not in obj:
         raise TaskDataError(f"{where}: missing {key!r}")
     value = obj[key]
-    if not isinstance(value, kind):
-        raise TaskDataError(f"{where}: {key!r} is {type(value).__name__}, expected {kind.__name__}")
+    # bool is an int to Python: a JSON true would read as 1
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TaskDataError(
+            f"{where}: {key!r} is {json.dumps(value)} ({type(value).__name__}), "
+            f"expected {kind.__name__}"
+        )
     return value
 
 

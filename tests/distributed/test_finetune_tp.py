@@ -152,3 +152,42 @@ def test_the_comparison_catches_a_wrong_slice(tp1):
                     assert_tensors_match(wrong, grads, rtol=RTOL)
                 checked += 1
     assert checked >= 10, checked  # every split weight of the encoder and head, not none
+
+
+# ---------------------------------------------------------------------------------------
+# The dev evaluation over data-parallel ranks
+
+
+def _predict(rank, world_size):
+    """Every rank evaluates its share of 7 features (sorted by length, dealt round-robin,
+    the last padded): the gathered outputs, back in feature order, on every rank."""
+    from types import SimpleNamespace
+
+    from megatron_taco.recipes.finetune_eval import predict
+    from megatron_taco.tasks.base import Collate
+    from tests.helpers import EngineLike, finetune_features, finetune_model
+
+    parallel = init_parallel(1)
+    out = {}
+    for task in ("classification", "span"):
+        model = finetune_model("TACO", task, seed=4)
+        trainer = SimpleNamespace(parallel=parallel, ds=EngineLike(model))
+        out[task] = predict(trainer, finetune_features(task, n=7, seed=9), 2, Collate())
+    return out
+
+
+def test_evaluation_over_data_parallel_ranks_returns_every_feature_in_order():
+    from tests.helpers import finetune_features, finetune_model
+
+    ranks = run_distributed(_predict, 2)
+    for task, key in (("classification", "logits"), ("span", "start_logits")):
+        features = finetune_features(task, n=7, seed=9)
+        model = finetune_model("TACO", task, seed=4)
+        for i in range(len(features)):
+            item = {k: v[None] for k, v in features[i].items() if not k.endswith("positions")}
+            with torch.no_grad():
+                want = model(item)[key][0].float().numpy()
+            n = int(features.lengths[i]) if task == "span" else len(want)
+            for got in ranks:
+                assert got[task][key].shape[0] == len(features)
+                np.testing.assert_allclose(got[task][key][i, :n], want[:n], rtol=1e-5)

@@ -140,13 +140,39 @@ def test_span_task_is_learnt(pretrained, tasks, tmp_path):
 
 
 def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
+    """The official v2.0 script's fields, and their values: the evaluation (our transcription
+    of evaluate-v2.0.py, tested against it in tests/unit) run again here on the files the
+    run wrote (predictions.json and null_odds.json, the script's inputs) gives the reported
+    scores; the question counts are the dev file's."""
+    from megatron_taco.tasks import squad_v2_evaluate
+
     out = tmp_path / "squad2"
     run([PY, *finetune_args(pretrained["taco"], "squad_v2", tasks["squad2"], out,
                             "--doc-stride", "24", "--epochs", "1")], timeout=600)  # fmt: skip
-    dev = results(out)["dev"]
+    r = results(out)
+    dev = r["dev"]
     for key in ("exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
                 "best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"):  # fmt: skip
         assert key in dev, key
+    data = json.loads((tasks["squad2"] / "dev-v2.0.json").read_text())["data"]
+    qas = [qa for a in data for p in a["paragraphs"] for qa in p["qas"]]
+    unanswerable = sum(1 for qa in qas if qa["is_impossible"])
+    assert 0 < unanswerable < len(qas)
+    assert (dev["total"], dev["HasAns_total"], dev["NoAns_total"]) == (
+        len(qas),
+        len(qas) - unanswerable,
+        unanswerable,
+    )
+    folder = out / "predictions" / "dev" / f"epoch{r['chosen_epoch']}"
+    predictions = json.loads((folder / "predictions.json").read_text())
+    odds = json.loads((folder / "null_odds.json").read_text())
+    assert set(predictions) == set(odds) == {qa["id"] for qa in qas}
+    assert squad_v2_evaluate(data, predictions, odds) == pytest.approx(dev, rel=1e-12)
+    # best_* can only match or beat answering with the fixed threshold
+    assert dev["best_f1"] >= dev["f1"] - 1e-9 and dev["best_exact"] >= dev["exact"] - 1e-9
+    # the answers are spans of their contexts (or "" for no answer)
+    contexts = {qa["id"]: p["context"] for a in data for p in a["paragraphs"] for qa in p["qas"]}
+    assert all(text in contexts[qid] for qid, text in predictions.items())
 
 
 def test_multiple_choice_is_learnt(pretrained, tasks, tmp_path):
@@ -178,12 +204,16 @@ def _kill_after(cmd: list[str], metrics: Path, iteration: int, timeout: float = 
 
 def test_killed_run_resumes_to_the_same_dev_metrics_at_tp2(pretrained, tasks, tmp_path):
     """deepspeed launcher, 2 ranks at tensor parallel 2 (the checkpoint was saved at 1),
-    ZeRO-1: killed in epoch 2, the same command resumes from the epoch-1 checkpoint."""
+    ZeRO-1, length-grouped batches: killed in epoch 2, the same command resumes from the
+    epoch-1 checkpoint."""
 
     def command(output: Path) -> list[str]:
+        # --group-by-length: the length-grouped order (and the dynamic padding it meets) is
+        # a function of the seed and the position, so the resumed run reads the same batches
         args = finetune_args(pretrained["taco"], "custom", tasks["marker"], output,
                              "--epochs", "3", "--tensor-model-parallel-size", "2",
-                             "--deepspeed-config", "ds_configs/zero1_fp32.json")  # fmt: skip
+                             "--deepspeed-config", "ds_configs/zero1_fp32.json",
+                             "--group-by-length")  # fmt: skip
         return deepspeed_command(args[0], *args[1:])
 
     full, crashed = tmp_path / "full", tmp_path / "crashed"
@@ -196,6 +226,46 @@ def test_killed_run_resumes_to_the_same_dev_metrics_at_tp2(pretrained, tasks, tm
     assert "resumed from" in res.stdout and "at iteration 41" in res.stdout
     a, b = results(full), results(crashed)
     assert b["finished"] and a["epochs"] == b["epochs"] and a["dev"] == b["dev"]
+    assert a["hyperparameters"]["group_by_length"] is True
+    train = [[r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())
+              if r["split"] == "train" and r["iteration"] > 41] for out in (full, crashed)]  # fmt: skip
+    assert train[0] == train[1][-len(train[0]) :]  # epochs 2 and 3: the same losses
+
+
+def test_predict_test_writes_the_glue_servers_file_of_the_chosen_epoch(pretrained, tasks, tmp_path):
+    """The marker task in SST-2's layout, its dev sentences again as test.tsv (an index
+    column, no labels): SST-2.tsv in OUTPUT/submission/ has every index with a 0/1
+    prediction, and those predictions score the chosen epoch's dev accuracy exactly."""
+    sst2 = tmp_path / "SST-2"
+    sst2.mkdir()
+    gold = []
+    for split in ("train", "dev"):
+        lines = (tasks["marker"] / f"{split}.tsv").read_text().splitlines()[1:]
+        rows = [line.rsplit("\t", 1) for line in lines]
+        rows = [(text, "1" if label == "pos" else "0") for text, label in rows]
+        (sst2 / f"{split}.tsv").write_text(
+            "sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in rows)
+        )
+        if split == "dev":
+            gold = [y for _, y in rows]
+            (sst2 / "test.tsv").write_text(
+                "index\tsentence\n" + "".join(f"{10 + i}\t{t}\n" for i, (t, _) in enumerate(rows))
+            )
+    out = tmp_path / "run"
+    res = run([PY, *finetune_args(pretrained["sas"], "sst2", sst2, out, "--epochs", "2",
+                                  "--predict-test", "--group-by-length")], timeout=600)  # fmt: skip
+    assert "submission/" in res.stdout
+    r = results(out)
+    assert r["submission"]["epoch"] == r["chosen_epoch"] and r["submission"]["files"] == [
+        "SST-2.tsv"
+    ]
+    lines = (out / "submission" / "SST-2.tsv").read_text().splitlines()
+    assert lines[0] == "index\tprediction"
+    rows = [line.split("\t") for line in lines[1:]]
+    assert [int(i) for i, _ in rows] == [10 + i for i in range(len(gold))]
+    assert {p for _, p in rows} <= {"0", "1"}
+    acc = 100.0 * sum(p == y for (_, p), y in zip(rows, gold)) / len(gold)
+    assert acc == pytest.approx(r["dev"]["acc"], abs=1e-9)
 
 
 def test_sweep_under_torchrun_skips_finished_runs(pretrained, tasks, tmp_path):
@@ -240,6 +310,7 @@ def test_bad_input_is_one_line(pretrained, tasks, tmp_path):
     (broken / "dev.tsv").unlink()
     assert "dev.tsv" in fails(data=broken)
     assert "--task" in fails(task="sst-5")
+    assert "--predict-test" in fails("--predict-test")  # the custom task has no test split
     assert "--global-batch-size" in fails("--global-batch-size", "4096", "--micro-batch-size", "16")
     assert "--seq-length" in fails("--seq-length", "4096")
     (broken / "dev.tsv").write_text("sentence\tlabel\nfine\tpos\n")

@@ -137,6 +137,30 @@ def test_span_loss_is_the_mean_of_start_and_end_cross_entropies():
     _close(out["loss"], by_hand, "span loss")
 
 
+def test_span_head_is_a_plain_linear_layer_without_dropout():
+    """BERT's span head (and the exported TacoForQuestionAnswering): in training mode, with
+    the encoder's dropout off and the head's dropout high, the logits are still exactly the
+    linear layer on the encoder's output; the classification head keeps its dropout."""
+    import dataclasses
+
+    config = dataclasses.replace(tiny_sas_config(), hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    span = TaskModel("SAS", config, single_process_state(), task_kind="span", num_labels=2,
+                     classifier_dropout=0.9).double().train()  # fmt: skip
+    ids, mask = _ids_and_mask()
+    with torch.no_grad():
+        out = span({"input_ids": ids, "attention_mask": mask})
+        start, end = span.head(span.encode(ids, mask)).unbind(-1)
+    _close(out["start_logits"][mask], start[mask], "start logits")
+    _close(out["end_logits"][mask], end[mask], "end logits")
+    classifier = TaskModel("SAS", config, single_process_state(), task_kind="classification",
+                           num_labels=2, classifier_dropout=0.9).double().train()  # fmt: skip
+    with torch.no_grad():
+        logits = classifier({"input_ids": ids, "attention_mask": mask})["logits"]
+        plain = classifier.head(classifier.encode(ids, mask)[:, 0])
+    assert not torch.allclose(logits, plain)  # the comparison can see a dropout
+
+
 def test_multiple_choice_scores_every_option_as_its_own_row():
     config = tiny_config()
     mc = _task_model("TACO", config, "multiple_choice", num_labels=4)

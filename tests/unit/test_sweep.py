@@ -24,6 +24,7 @@ from megatron_taco.recipes.sweep import (
     run_namespace,
     summarize,
     write_plan,
+    write_summary,
 )
 
 
@@ -213,6 +214,11 @@ _SEEDS = {
 # By hand from the comments above: CoLA 61, SST-2 93, QNLI 92, RTE 80, MRPC acc 82, QQP acc
 # 89; SAS: STS-B (89 + 86) / 2, MNLI (85 + 84) / 2; ELECTRA: STS-B Spearman 86, MNLI m 85.
 _SAS_GLUE = (61 + 93 + 92 + 80 + 82 + 89 + (89 + 86) / 2 + (85 + 84) / 2) / 8
+# The GLUE score of one seed per task, the tasks' seeds independent: the best
+# configurations' per-seed task numbers have sample variances cola (60, 62) 2, sst2 2, qnli
+# (91, 93) 2, rte (60, 100) 800, mrpc (80, 84) 8, qqp 2, stsb (87, 88) 0.5, mnli (83.5,
+# 85.5) 2: standard deviation sqrt(818.5) / 8.
+_SAS_GLUE_STD = 818.5**0.5 / 8
 _ELECTRA_GLUE = (61 + 93 + 92 + 80 + 82 + 89 + 86 + 85) / 8
 
 
@@ -236,12 +242,23 @@ def test_summary_means_over_seeds_picks_by_the_main_metric_and_scores_glue(tmp_p
     assert tasks["qqp"]["dev"]["acc"] == 89 and tasks["stsb"]["dev"]["spearman"] == 86
     assert tasks["mnli"]["dev"] == {"dev_matched/acc": 85, "dev_mismatched/acc": 84}
     assert summary["glue_task_scores"]["stsb"] == 87.5 and summary["warnings"] == []
+    # Mean ± standard deviation over seeds beside the aggregate (here both means).
+    assert tasks["cola"]["dev_mean"] == {"mcc": 61} and tasks["cola"]["dev_std"]["mcc"] == (
+        pytest.approx(2**0.5)
+    )
+    assert summary["glue_score_mean"] == pytest.approx(_SAS_GLUE)
+    assert summary["glue_score_std"] == pytest.approx(_SAS_GLUE_STD)
+    table = markdown_table(summary)
+    assert "| mean ± std over seeds |" in table.splitlines()[0]
+    assert "| cola | lr0.0001-bs32-ep3 | 2/2 | mcc 61.00 | mcc 61.00 ± 1.41 |" in table
+    assert f"| 83.62 | 83.62 ± {_SAS_GLUE_STD:.2f} |" in table
     electra = summarize(str(tmp_path), "sas", convention="electra")
     assert electra["glue_score"] == pytest.approx(_ELECTRA_GLUE) == 83.5
     # The tool: the convention is chosen, passed through, and named in the output.
     assert glue_score_main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "sas convention" in out and "GLUE score (sas convention): 83.62" in out
+    assert f"mean ± std over seeds 83.62 ± {_SAS_GLUE_STD:.2f}" in out
     assert glue_score_main([str(tmp_path), "--convention", "electra"]) == 0
     out = capsys.readouterr().out
     assert "electra convention" in out and "GLUE score (electra convention): 83.50" in out
@@ -253,6 +270,26 @@ def test_summary_means_over_seeds_picks_by_the_main_metric_and_scores_glue(tmp_p
         rte = summarize(str(tmp_path), protocol)["tasks"]["rte"]
         assert rte["configs"]["lr5e-05-bs32-ep3"]["dev"]["acc"] == pytest.approx(value)
         assert rte["best"] == "lr0.0001-bs32-ep3" and rte["dev"]["acc"] == 75
+        # the mean and spread are the seeds', whatever the protocol's aggregate
+        assert rte["configs"]["lr5e-05-bs32-ep3"]["dev_mean"]["acc"] == pytest.approx(221 / 3)
+        assert rte["dev_std"]["acc"] == pytest.approx(5.0)  # 70, 80, 75
+    table = markdown_table(summarize(str(tmp_path), "taco"))
+    assert "| rte | lr0.0001-bs32-ep3 | 3/3 | acc 75.00 | acc 75.00 ± 5.00 |" in table
+
+
+def test_sweep_submits_the_best_runs_test_files(tmp_path):
+    """OUTPUT/submission/ gets each task's server files from its best configuration's best
+    seed (by the main dev metric)."""
+    for seed, acc in ((0, 70), (1, 90), (2, 80)):
+        folder = _write(tmp_path, "rte", {"acc": acc}, seed=seed).parent
+        (folder / "submission").mkdir()
+        (folder / "submission" / "RTE.tsv").write_text(f"index\tprediction\n0\tseed{seed}\n")
+    _write(tmp_path, "cola", {"mcc": 50})  # no --predict-test: nothing of it is submitted
+    write_summary(str(tmp_path), "sas")
+    assert (tmp_path / "submission" / "RTE.tsv").read_text().endswith("seed1\n")
+    assert sorted(p.name for p in (tmp_path / "submission").iterdir()) == ["RTE.tsv"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["submission"] == {"rte": "rte/lr5e-05-seed1"}
 
 
 def test_incomplete_configurations_are_marked_and_lose_to_complete_ones(tmp_path, capsys):

@@ -348,6 +348,43 @@ def test_qqp_malformed_rows_are_counted_and_skipped(tmp_path, tokenizer):
     data = load_task("qqp", folder, tokenizer, seq_length=32)
     assert data.stats["skipped"]["train"] == {"malformed_row": 2}
     assert len(data.train) == len(EXAMPLES["qqp"])
+    # The same damage in the dev split is an error: its score would be on a subset.
+    dev = folder / "dev.tsv"
+    lines = dev.read_text().splitlines()
+    lines.insert(3, "77\t154\t155\tHow do I")
+    dev.write_text("\n".join(lines) + "\n")
+    with pytest.raises(
+        TaskDataError,
+        match=r"dev\.tsv:4: 4 tab-separated columns, the qqp layout has 6 .*"
+        r"rows of the dev split are never skipped$",
+    ):
+        load_task("qqp", folder, tokenizer, seq_length=32)
+
+
+def test_stsb_tab_inside_a_sentence_and_score_out_of_range_name_the_line(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "stsb")
+    path = folder / "dev.tsv"
+    good = path.read_text()
+    lines = good.splitlines()
+    # a tab inside sentence2: reading columns from the end would keep a fragment of it
+    lines[2] = lines[2].replace("bamboo", "bam\tboo")
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(
+        TaskDataError,
+        match=r"dev\.tsv:3: 11 tab-separated columns, the stsb layout has 10 \(index, .*\); "
+        "a tab inside a field",
+    ):
+        load_task("stsb", folder, tokenizer, seq_length=32)
+    lines = good.splitlines()
+    lines[3] = lines[3].rsplit("\t", 1)[0] + "\t17"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TaskDataError, match=r"dev\.tsv:4: score '17' is outside stsb's range 0-5$"):
+        load_task("stsb", folder, tokenizer, seq_length=32)
+    folder = write_hf(tmp_path / "hf", "stsb", "jsonl")
+    with open(folder / "validation.jsonl", "a") as f:
+        f.write('{"sentence1": "x", "sentence2": "y", "label": -0.5, "idx": 9}\n')
+    with pytest.raises(TaskDataError, match=r"validation\.jsonl:4: score -0\.5 is outside"):
+        load_task("stsb", folder, tokenizer, seq_length=32)
 
 
 @pytest.mark.parametrize(
@@ -590,9 +627,134 @@ def test_empty_split_and_bad_arguments(tmp_path, tokenizer):
         load_task("qnli", folder, tokenizer, seq_length=32)
     with pytest.raises(ValueError, match="unknown task 'glue'"):
         load_task("glue", folder, tokenizer, seq_length=32)
-    with pytest.raises(ValueError, match=r"splits \['test'\] must be among \['train', 'dev'\]"):
-        load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))
+    with pytest.raises(
+        ValueError, match=r"splits \['validation'\] must be among \['train', 'dev', 'test'\]"
+    ):
+        load_task("qnli", folder, tokenizer, seq_length=32, splits=("validation",))
     with pytest.raises(TaskDataError, match="no such directory"):
         load_task("qnli", tmp_path / "nowhere", tokenizer, seq_length=32)
     with pytest.raises(ValueError, match="seq_length must be at least 4"):
         load_task("qnli", folder, tokenizer, seq_length=3)
+
+
+# ---------------------------------------------------------------------------------------
+# Test splits and the GLUE server's files
+
+# The test files' headers as the GLUE distribution has them (download_glue_data.py): an
+# index column ("index", QQP's "id") and the text columns, no label; CoLA's test file has a
+# header although its train and dev files do not.
+TEST_HEADERS = {
+    "cola": ["index", "sentence"],
+    "sst2": ["index", "sentence"],
+    "mrpc": ["index", "#1 ID", "#2 ID", "#1 String", "#2 String"],
+    "stsb": ["index", "genre", "filename", "year", "old_index", "source1", "source2",
+             "sentence1", "sentence2"],
+    "qqp": ["id", "question1", "question2"],
+    "mnli": ["index", "promptID", "pairID", "genre", "sentence1_binary_parse",
+             "sentence2_binary_parse", "sentence1_parse", "sentence2_parse", "sentence1",
+             "sentence2"],
+    "qnli": ["index", "question", "sentence"],
+    "rte": ["index", "sentence1", "sentence2"],
+    "wnli": ["index", "sentence1", "sentence2"],
+}  # fmt: skip
+TEXT_COLUMNS = {
+    "cola": ("sentence",), "sst2": ("sentence",), "mrpc": ("#1 String", "#2 String"),
+    "stsb": ("sentence1", "sentence2"), "qqp": ("question1", "question2"),
+    "mnli": ("sentence1", "sentence2"), "qnli": ("question", "sentence"),
+    "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2"),
+}  # fmt: skip
+# What the server reads (the GLUE sample submission): ids for CoLA, SST-2, MRPC, QQP, WNLI;
+# names for MNLI (and AX), QNLI, RTE; STS-B a score.
+SERVER_LABELS = {
+    "cola": ["0", "1"], "sst2": ["0", "1"], "mrpc": ["0", "1"], "qqp": ["0", "1"],
+    "wnli": ["0", "1"], "mnli": ["entailment", "neutral", "contradiction"],
+    "qnli": ["entailment", "not_entailment"], "rte": ["entailment", "not_entailment"],
+}  # fmt: skip
+FILES = {"cola": "CoLA.tsv", "sst2": "SST-2.tsv", "mrpc": "MRPC.tsv", "stsb": "STS-B.tsv",
+         "qqp": "QQP.tsv", "qnli": "QNLI.tsv", "rte": "RTE.tsv", "wnli": "WNLI.tsv"}  # fmt: skip
+
+
+def write_test_tsv(path, header, text_columns, examples, first_index=100):
+    rows = []
+    for k, (a, b, _, _) in enumerate(examples):
+        values = {c: f"x{k}" for c in header}
+        values[header[0]] = str(first_index + 3 * k)  # indices as written, not row numbers
+        values[text_columns[0]] = a
+        if len(text_columns) > 1:
+            values[text_columns[1]] = b
+        rows.append("\t".join(values[c] for c in header))
+    path.write_text("\n".join(["\t".join(header), *rows]) + "\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("task", list(EXAMPLES))
+def test_test_split_gives_the_glue_servers_file(tmp_path, tokenizer, task):
+    folder = write_glue(tmp_path, task)
+    examples = EXAMPLES[task]
+    info = TASKS[task]
+    splits = info.test_splits
+    files = {"test": FILES.get(task)}
+    if task == "mnli":
+        write_test_tsv(folder / "test_matched.tsv", TEST_HEADERS[task], TEXT_COLUMNS[task],
+                       examples)  # fmt: skip
+        write_test_tsv(folder / "test_mismatched.tsv", TEST_HEADERS[task], TEXT_COLUMNS[task],
+                       examples[::-1], first_index=0)  # fmt: skip
+        (tmp_path / "diagnostic").mkdir()
+        write_test_tsv(tmp_path / "diagnostic" / "diagnostic.tsv",
+                       ["index", "sentence1", "sentence2"], ("sentence1", "sentence2"),
+                       examples[:2], first_index=0)  # fmt: skip
+        files = {"test_matched": "MNLI-m.tsv", "test_mismatched": "MNLI-mm.tsv",
+                 "diagnostic": "AX.tsv"}  # fmt: skip
+    else:
+        write_test_tsv(folder / "test.tsv", TEST_HEADERS[task], TEXT_COLUMNS[task], examples)
+    data = load_task(task, folder, tokenizer, seq_length=32, splits=("train", *splits))
+    assert set(data.test) == set(splits) and set(data.dev) == set()
+    rng = np.random.default_rng(0)
+    for split in splits:
+        rows = {"test_mismatched": examples[::-1], "diagnostic": examples[:2]}.get(split, examples)
+        first = 0 if split in ("test_mismatched", "diagnostic") else 100
+        features = data.test[split]
+        assert len(features) == len(rows) and "labels" not in features[0]
+        # the features are the labelled layout's for the same texts
+        train = {tuple(data.train[i]["input_ids"].tolist()) for i in range(len(data.train))}
+        assert {tuple(features[i]["input_ids"].tolist()) for i in range(len(features))} <= train
+        if task == "stsb":
+            outputs = {"predictions": rng.uniform(0, 5, len(rows))}
+            want = [f"{v:.3f}" for v in outputs["predictions"]]
+        else:
+            outputs = {"logits": rng.normal(size=(len(rows), info.num_labels))}
+            want = [SERVER_LABELS[task][i] for i in outputs["logits"].argmax(-1)]
+        name, text = data.submission(split, outputs)
+        assert name == files[split]
+        lines = text.splitlines()
+        assert lines[0] == "index\tprediction" and text.endswith("\n")
+        assert lines[1:] == [f"{first + 3 * k}\t{v}" for k, v in enumerate(want)]
+
+
+def test_test_splits_are_read_whole_or_refused(tmp_path, tokenizer):
+    folder = write_glue(tmp_path, "rte")
+    path = folder / "test.tsv"
+    write_test_tsv(path, TEST_HEADERS["rte"], TEXT_COLUMNS["rte"], EXAMPLES["rte"])
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([*lines, "9\tonly one"]) + "\n")
+    with pytest.raises(TaskDataError, match=r"test\.tsv:5: 2 tab-separated columns.*never skipped"):
+        load_task("rte", folder, tokenizer, seq_length=32, splits=("test",))
+    path.write_text("\n".join(["sentence1\tsentence2", *(x.split("\t", 1)[1] for x in lines[1:])]))
+    with pytest.raises(TaskDataError, match=r"test\.tsv:1: header lacks column\(s\) \['index'\]"):
+        load_task("rte", folder, tokenizer, seq_length=32, splits=("test",))
+    path.unlink()
+    with pytest.raises(TaskDataError, match=r"no test split of rte \(--predict-test\)"):
+        load_task("rte", folder, tokenizer, seq_length=32, splits=("test",))
+    mnli = write_glue(tmp_path, "mnli")
+    with pytest.raises(TaskDataError, match=r"no diagnostic split of mnli.*diagnostic\.tsv"):
+        load_task("mnli", mnli, tokenizer, seq_length=32, splits=("diagnostic",))
+
+
+def test_hf_test_splits_use_the_hubs_idx(tmp_path, tokenizer):
+    folder = write_hf(tmp_path, "qnli", "parquet")
+    table = hf_table("qnli", EXAMPLES["qnli"]).to_pydict()
+    table["label"] = [-1] * len(EXAMPLES["qnli"])
+    table["idx"] = [7, 8]
+    pq.write_table(pa.table(table), folder / "test.parquet")
+    data = load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))
+    _, text = data.submission("test", {"logits": np.array([[0.0, 1.0], [1.0, 0.0]])})
+    assert text == "index\tprediction\n7\tnot_entailment\n8\tentailment\n"

@@ -730,6 +730,22 @@ def test_bad_squad_files_name_file_and_record(tmp_path, tokenizer):
     assert len(data.train) == 1
 
 
+@pytest.mark.parametrize("value", [True, False, "12", 1.0, None])
+def test_answer_start_must_be_a_json_integer(tmp_path, tokenizer, value):
+    """A JSON true is an int to Python (it would read as 1); strings, floats and null are
+    no offsets either: one line naming the file and the answer."""
+    doc = squad_json([("alpha beta", [("a", "b?", [("beta", 6)], False)])])
+    doc["data"][0]["paragraphs"][0]["qas"][0]["answers"][0]["answer_start"] = value
+    _write(tmp_path, "dev-v1.1.json", doc)
+    with pytest.raises(
+        TaskDataError,
+        match=rf"dev-v1\.1\.json: data\[0\]\.paragraphs\[0\]\.qas\[0\] \(id a\)\.answers\[0\]: "
+        rf"'answer_start' is {re.escape(json.dumps(value))} \({type(value).__name__}\), "
+        "expected int$",
+    ):
+        load_task("squad_v1", tmp_path, tokenizer, seq_length=32, splits=("dev",))
+
+
 def test_question_too_long_for_seq_length_names_the_question_and_the_fix(tmp_path, tokenizer):
     long_q = "why did the red kite fly over the park on sunday morning?"
     doc = squad_json(

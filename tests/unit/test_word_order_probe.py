@@ -16,6 +16,7 @@ from megatron_taco.cli.word_order_probe import (
     ProbeConfig,
     angle,
     char_spans_from_bytes,
+    compared_words,
     distance,
     main,
     read_sentences,
@@ -49,7 +50,7 @@ def test_distance_and_angle_by_hand():
 
 
 def test_words_keep_case_folded_keys_and_occurrences():
-    words = words_of("Once, Bob asked the  dog; the Dog ran.")
+    words = words_of("Once, Bob asked the  dog; the Dog ran.", case_insensitive=True)
     assert [w.text for w in words] == [
         "Once", ",", "Bob", "asked", "the", "dog", ";", "the", "Dog", "ran", "."
     ]  # fmt: skip
@@ -58,11 +59,16 @@ def test_words_keep_case_folded_keys_and_occurrences():
     ]  # fmt: skip
     text = "Once, Bob asked the  dog; the Dog ran."
     assert all(text[slice(*w.span)] == w.text for w in words)
+    # By default the keys are the words as written: "dog" and "Dog" are two words.
+    words = words_of(text)
+    assert [(w.key, w.occurrence) for w in words if w.key.casefold() == "dog"] == [
+        ("dog", 0), ("Dog", 0)
+    ]  # fmt: skip
 
 
 def test_shared_words_pair_kth_occurrence_with_kth():
-    a = words_of("the cat saw the dog and the bird.")
-    b = words_of("The dog saw the cat.")
+    a = words_of("the cat saw the dog and the bird.", case_insensitive=True)
+    b = words_of("The dog saw the cat.", case_insensitive=True)
     pairs = shared_words(a, b)
     got = [(a[i].text, a[i].occurrence, b[j].text, b[j].occurrence) for i, j in pairs]
     assert got == [
@@ -78,11 +84,56 @@ def test_shared_words_pair_kth_occurrence_with_kth():
 
 
 def test_paper_sentences_share_their_words():
-    s1, s2, s3 = (words_of(s) for s in PAPER_SENTENCES)
+    s1, s2, s3 = (words_of(s, case_insensitive=True) for s in PAPER_SENTENCES)
     words = ["Bob", "once", "asked", "Alice", "to", "borrow", "a", "book", "."]
     assert [s1[i].text for i, _ in shared_words(s1, s2)] == words
     assert [s1[i].text for i, _ in shared_words(s1, s3)] == words
     assert [s2[j].text for _, j in shared_words(s1, s2)][1] == "Once"
+    s1, s2 = (words_of(s) for s in PAPER_SENTENCES[:2])  # as written: "Once" is not "once"
+    assert [s1[i].text for i, _ in shared_words(s1, s2)] == [w for w in words if w != "once"]
+
+
+def _pieced(sp, text: str, case_insensitive: bool):
+    """The words of ``text`` with the pieces of a real sentencepiece model that cover them."""
+    proto = sp.encode(text, return_type="proto")
+    spans = char_spans_from_bytes(text, [(p.begin, p.end) for p in proto.pieces])
+    hidden = np.zeros((len(spans), 1))
+    words, _ = word_vectors(words_of(text, case_insensitive), spans, hidden, "mean",
+                            [p.piece for p in proto.pieces])  # fmt: skip
+    return words
+
+
+def test_only_words_with_the_same_pieces_are_compared(tokenizer_model):
+    """A cased tokenizer cuts "once" and "Once" differently: matched up to case, the pair is
+    skipped (its row would mix a change of token with the change of order), with both
+    tokenisations; by default it is listed as differing in case. Every compared word has
+    the same pieces in both sentences."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+    s1, s2 = PAPER_SENTENCES[:2]
+    a, b = _pieced(sp, s1, True), _pieced(sp, s2, True)
+    once_a = next(w for w in a if w.text == "once").pieces
+    once_b = next(w for w in b if w.text == "Once").pieces
+    assert once_a != once_b, (once_a, once_b)  # this tokenizer's pieces differ
+    compared, skipped = compared_words(a, b, case_insensitive=True)
+    assert all(a[i].pieces == b[j].pieces for i, j in compared)
+    assert "once" not in {a[i].text for i, _ in compared}
+    assert [(r["word"], r["other"], r["reason"]) for r in skipped] == [
+        ("once", "Once", "tokenised differently")
+    ]
+    assert skipped[0]["pieces"] == [list(once_a), list(once_b)]
+    a, b = _pieced(sp, s1, False), _pieced(sp, s2, False)
+    compared_cs, skipped = compared_words(a, b)
+    assert [a[i].text for i, _ in compared_cs] == [a[i].text for i, _ in compared]
+    assert [(r["word"], r["other"], r["reason"]) for r in skipped] == [
+        ("once", "Once", "differs in case (see --case-insensitive)")
+    ]
+    # A word tokenised alike in both is compared: same text, same pieces.
+    c = _pieced(sp, "Once upon a time.", True)
+    d = _pieced(sp, "A time, once upon.", True)
+    pairs, _ = compared_words(c, d, case_insensitive=True)
+    assert {c[i].text for i, _ in pairs} >= {"upon", "time", "."}
 
 
 def test_word_vectors_from_split_words():
