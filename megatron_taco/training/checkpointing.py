@@ -36,9 +36,7 @@ import random
 import re
 import secrets
 import shutil
-import signal
 import stat
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +56,7 @@ from megatron_taco.training.safe_files import (
     read_regular,
     regular_files,
 )
+from megatron_taco.training.signals import KILL_ENV, PAUSE_ENV, hook_point  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +64,10 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
 FORMAT = "megatron_taco/2"  # 2: manifest + metadata checksum, RNG states as tensors
 RNG_FORMAT = 2
-# The crash tests' hook: SIGKILL at a named point of a save, e.g. "after_metadata@4" (the
-# save of iteration 4 only). Every rank passes after_model_files and after_rng_files; rank 0
-# alone after_metadata (complete, not yet renamed), after_rename (before the tracker) and
-# after_tracker (before replaced or retired checkpoints are deleted).
-KILL_ENV = "MEGATRON_TACO_TEST_KILL_AT"
-# The same points, to sleep at instead ("after_model_files@4:6", "after_model_files:6"): a
-# save that takes that much longer, for the tests of signals arriving during a save.
-PAUSE_ENV = "MEGATRON_TACO_TEST_PAUSE_AT"
+# The crash tests' hooks (signals.KILL_ENV, PAUSE_ENV) at the named points of a save, e.g.
+# "after_metadata@4" (the save of iteration 4 only). Every rank passes after_model_files
+# and after_rng_files; rank 0 alone after_metadata (complete, not yet renamed), after_rename
+# (before the tracker) and after_tracker (before replaced or retired checkpoints are deleted).
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 # A save in progress or crashed (.tmp-), or a replaced/retired checkpoint being deleted (.del-).
 _LEFTOVER = re.compile(
@@ -153,11 +148,7 @@ def _barrier() -> None:
 
 
 def _kill_point(point: str, iteration: int) -> None:
-    if os.environ.get(KILL_ENV) in (point, f"{point}@{iteration}"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    where, _, seconds = os.environ.get(PAUSE_ENV, "").rpartition(":")
-    if where in (point, f"{point}@{iteration}"):
-        time.sleep(float(seconds))
+    hook_point(point, iteration)
 
 
 # -- files ------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from megatron_taco.training.config import (
 )
 from megatron_taco.training.consolidate import check_resume_layout
 from megatron_taco.training.rendezvous import agree_on_load, forget_node_results, once_per_node
+from megatron_taco.training.save_lock import save_lock
 from megatron_taco.training.signals import (
     ExitConfig,
     ExitMonitor,
@@ -56,7 +57,9 @@ from megatron_taco.training.signals import (
     abort_process_groups,
     describe_peer_failure,
     gather_peers,
+    hook_point,
     is_peer_failure,
+    launcher_rank,
 )
 
 logger = logging.getLogger("megatron_taco.pretrain")
@@ -238,7 +241,7 @@ class ModelSpec:
     def main(self, argv: list[str] | None = None) -> int:
         # First thing: parsing the flags and verifying the checkpoint behind --load can take
         # minutes, and a rank whose launcher dies meanwhile must not be left behind.
-        monitor = ExitMonitor()
+        monitor = ExitMonitor(program=program_name(self.prog))
         monitor.tie_to_launcher()
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -422,10 +425,29 @@ def pretrain(
     """One run, from process groups to teardown. ``keep_process_group`` leaves the default
     group up for the next run of a sweep in the same processes (only this run's tensor/data
     parallel groups are destroyed)."""
-    # Before the heavy imports: a signal during start-up stops the run after its first iteration.
+    # Before the heavy imports: a signal or a dead launcher during start-up ends the rank.
     own_monitor = monitor is None
     monitor = monitor or ExitMonitor()
     monitor.install(cfg.exit)
+    monitor.phase = "start-up"
+    try:
+        # Rank 0 holds --save for the run; a second run on it stops before its rendezvous.
+        with save_lock(cfg.training.save, launcher_rank(), monitor.exit_actions):
+            return _pretrain(cfg, spec, monitor, keep_process_group)
+    except ConfigError:
+        raise
+    except BaseException:
+        # A dead launcher's closed store connection: its line, not a traceback.
+        monitor.answer_pending()
+        raise
+    finally:
+        if own_monitor:
+            monitor.uninstall()
+
+
+def _pretrain(
+    cfg: PretrainConfigs, spec: ModelSpec, monitor: ExitMonitor, keep_process_group: bool
+) -> int:
     # Heavy imports after validation: --help and config errors stay fast.
     import deepspeed  # noqa: F401  (creates DeepSpeed's logger, tuned below)
     import torch
@@ -448,6 +470,8 @@ def pretrain(
     parallel = train_logger = peer_watch = None
     peers = []
     try:
+        hook_point("before_rendezvous", launcher_rank())
+        monitor.phase = "the rendezvous"
         parallel = init_distributed(
             cfg.parallel.tensor_model_parallel_size, timeout=cfg.exit.distributed_timeout
         )
@@ -469,6 +493,8 @@ def pretrain(
             tokenizer=tokenizer,
             seed=seed,
         )
+        monitor.phase = "data and model set-up"
+        hook_point("before_build", parallel.rank)
         parts = spec.build(ctx)
         if t.train_iters is None:  # --train-epochs: now that an epoch's size is known
             steps = parts.samples_per_epoch // cfg.deepspeed.global_batch_size
@@ -522,6 +548,7 @@ def pretrain(
             exit_monitor=monitor,
         )
         trainer.train(state)
+        monitor.phase = "teardown"
         train_logger.close()
         metrics_file = t.resolved_metrics_file
         if parallel.rank == 0 and metrics_file is not None and os.path.isfile(metrics_file):
@@ -537,8 +564,6 @@ def pretrain(
         timeout = cfg.exit.distributed_timeout_minutes
         raise PeerFailure(describe_peer_failure(error, parallel.rank, peers, timeout)) from None
     finally:
-        if own_monitor:
-            monitor.uninstall()
         if peer_watch is not None:
             peer_watch.stop()
         if train_logger is not None:
