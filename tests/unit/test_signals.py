@@ -170,6 +170,38 @@ def test_later_signals_are_absorbed_until_the_save_is_done(first):
         child.wait()
 
 
+# A save in the loop that nothing answers (the signal came after the iteration's flags were
+# read): it completes, then the rank ends with one line.
+_SAVING_CHILD = """
+    import sys, time
+    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    monitor = ExitMonitor(ExitConfig(), program="rank.py")
+    monitor.install()
+    with monitor.deferred():
+        print("saving", flush=True)
+        time.sleep(1.5)
+        open(sys.argv[1], "w").write("complete")
+    print("not reached", flush=True)
+"""
+
+
+def test_a_signal_during_a_save_waits_for_it_then_ends_the_rank(tmp_path):
+    saved = tmp_path / "checkpoint"
+    child = python(_SAVING_CHILD, str(saved))
+    try:
+        assert child.stdout.readline() == "saving\n"
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    assert saved.read_text() == "complete"
+    assert code == 128 + signal.SIGTERM and child.stdout.read() == ""
+    assert (
+        child.stderr.read() == "rank.py: error: rank 0: SIGTERM received during training; exiting\n"
+    )
+
+
 _WORKER_CHILD = """
     import os, sys, time, torch
     from megatron_taco.training.signals import ExitConfig, ExitMonitor, get_pdeathsig
@@ -302,7 +334,7 @@ _STORE_RANK = """
     monitor.install()
     monitor.phase = "the rendezvous"
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
-                          timeout=timedelta(seconds=120))
+                          timeout=timedelta(seconds=600))
     print(os.getpid(), flush=True)
     try:
         store.wait(["never set"])
@@ -323,10 +355,12 @@ def test_a_rank_blocked_in_the_rendezvous_ends_with_one_line(tmp_path, event):
         time.sleep(0.5)  # inside store.wait()
         if event == "SIGTERM":
             os.kill(rank, signal.SIGTERM)
-            assert launcher.stdout.readline() == f"code {128 + signal.SIGTERM}\n"
         else:
             launcher.kill()
-            wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z")
+        # Long before the store's own timeout (600 s) would give the main thread back.
+        wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z", timeout=30)
+        if event == "SIGTERM":
+            assert launcher.stdout.readline() == f"code {128 + signal.SIGTERM}\n"
     finally:
         launcher.kill()
         launcher.wait()
