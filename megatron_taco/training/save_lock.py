@@ -73,7 +73,7 @@ def _alive(record: dict[str, Any]) -> bool:
 
 def _holder(record: dict[str, Any] | None) -> str:
     if record is None:
-        return "another process (its record is unreadable)"
+        return "another process (its record is missing or unreadable)"
     since = f", since {record['since']}" if record.get("since") else ""
     return f"pid {record['pid']} on host {record['host']}{since}"
 

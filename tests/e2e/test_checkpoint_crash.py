@@ -9,7 +9,9 @@ fp32, tp 1 x dp 2, a checkpoint every 2 iterations):
   --no-load-rng), a garbage tracker, a truncated .bin and an unusable --save are one line
   and exit 2 before any process group;
 * a full disk (a small tmpfs, else a file-size limit) fails the save with the path and the
-  free space, removes the partial directory and keeps the previous checkpoint as latest.
+  free space, removes the partial directory and keeps the previous checkpoint as latest;
+* a second run on a --save in use is one line naming the first; a killed run's lock is taken
+  over by the next run.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from __future__ import annotations
 import json
 import resource
 import shutil
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -258,3 +263,47 @@ def test_full_disk_fails_the_save_cleanly(botchan_dataset, base, tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_second_run_on_one_save_is_refused_and_a_killed_ones_lock_taken_over(
+    botchan_dataset, tmp_path
+):
+    # Plain python (rank 0 alone): the lock is rank 0's whatever the launcher.
+    save, log = tmp_path / "ckpt", tmp_path / "first.log"
+
+    def command(*extra: str) -> list[str]:
+        return [sys.executable, "pretrain_taco.py", *taco_args(botchan_dataset, save, *extra)]
+
+    with open(log, "w") as out:
+        first = subprocess.Popen(command("--train-iters", "2000"), cwd=REPO, env=ENV, stdout=out,
+                                 stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / TRACKER_FILENAME).exists():  # its first save, at iteration 2
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        second = subprocess.run(command("--train-iters", "2000"), cwd=REPO, env=ENV,
+                                capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert second.returncode == 2, show(second)
+        assert errors(second) == {
+            f"pretrain_taco.py: error: --save: {save} is in use by another run (pid {first.pid} "
+            f"on host {socket.gethostname()}, since {lock_record(save)['since']}; "
+            f"{save / 'run.lock'}): wait for it to end, or give another --save"
+        }, show(second)
+        assert "Traceback" not in second.stderr and first.poll() is None
+    finally:
+        first.kill()  # kill -9: its lock's record stays behind
+        first.wait()
+    assert lock_record(save)["pid"] == first.pid
+    stopped = tracker(save)
+    res = subprocess.run(command("--load", str(save), "--train-iters", str(stopped + 1)),
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert res.returncode == 0, show(res)
+    assert f"was held by pid {first.pid} on host {socket.gethostname()}" in res.stderr
+    assert "which is no longer running; taking it over" in res.stderr
+    assert f"resumed from {save} at iteration {stopped}" in res.stdout
+    assert not (save / "run.lock").exists()
+
+
+def lock_record(save: Path) -> dict:
+    return json.loads((save / "run.lock").read_text())
