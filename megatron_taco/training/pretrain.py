@@ -381,8 +381,8 @@ def _keep_lr_schedule(engine) -> None:
     engine.scheduler.apply()
 
 
-def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
-    from megatron_taco.training.checkpointing import TrainingState, load_checkpoint
+def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parallel, rng_tracker):
+    from megatron_taco.training.checkpointing import TrainingState, load_fitting_checkpoint
 
     t = cfg.training
     if t.load is None or cfg.load is None:
@@ -393,12 +393,22 @@ def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
                 "--load %s: no %s found, training from scratch", t.load, TRACKER_FILENAME
             )
         return TrainingState(), "starting from scratch"
-    loaded = load_checkpoint(
+
+    def check_layout(iteration: int) -> None:  # of a fallback chosen now
+        check_resume_layout(t, world_size=cfg.world_size, iteration=iteration,
+                            tp_size=cfg.parallel.tensor_model_parallel_size,
+                            zero_stage=cfg.deepspeed.zero_stage,
+                            precision=cfg.deepspeed.precision)  # fmt: skip
+
+    loaded = load_fitting_checkpoint(
         engine.engine,
         t.load,
         parallel,
         rng_tracker,
         ckpt_step=cfg.load.iteration,
+        fallback=cfg.checkpoint.load_fallback,
+        models=spec.loadable_models,
+        check=check_layout,
         load_optim=not t.no_load_optim,
         load_rng=not t.no_load_rng,
         finetune=t.finetune,
@@ -503,7 +513,7 @@ def _pretrain(
         parameters = count_parameters(parts.model, parallel)
         norms = norm_implementations(parts.model)
         engine = initialize_engine(parts.model, t, cfg.deepspeed, parallel)
-        state, resumed = _load(engine, cfg, parallel, rng_tracker)
+        state, resumed = _load(engine, cfg, spec, parallel, rng_tracker)
         train_logger = TrainingLogger(
             rank=parallel.rank,
             train_iters=t.train_iters,

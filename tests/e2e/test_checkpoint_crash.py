@@ -4,7 +4,8 @@ fp32, tp 1 x dp 2, a checkpoint every 2 iterations):
 * kill -9 at several points of a save (MEGATRON_TACO_TEST_KILL_AT), including while an
   iteration the tracker names is saved again after a --ckpt-step rollback: "latest" always
   names a checkpoint that verifies, and the next run resumes from it;
-* --load-fallback resumes from the last complete checkpoint when the tracker's is corrupt;
+* --load-fallback resumes from the last complete checkpoint when the tracker's is corrupt,
+  or verifies but does not fit the model (one line without it);
 * a corrupt, truncated or missing file, a malicious pickle (also with --finetune
   --no-load-rng), a garbage tracker, a truncated .bin and an unusable --save are one line
   and exit 2 before any process group;
@@ -36,6 +37,7 @@ from megatron_taco.training.checkpointing import (
     TRACKER_FILENAME,
     _manifest_entry,
     _write_metadata,
+    safe_torch_load,
     verify_checkpoint,
 )
 from tests.helpers import ENV, REPO, deepspeed_command, train_records
@@ -162,17 +164,46 @@ def test_corrupt_model_file_is_refused_before_rendezvous_or_fallen_back_from(
     verify_checkpoint(str(save), 4)  # the corrupt 4 was replaced by a good one
 
 
+def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_or_fallen_back_from(
+    botchan_dataset, base, tmp_path
+):
+    # The issue's fault: a loadable model file with other keys, its manifest re-signed.
+    save = copy_of(base, tmp_path)
+    model = save / "iter_0000004" / "mp_rank_00_model_states.pt"
+    states = safe_torch_load(str(model))
+    key = next(iter(states["module"]))
+    states["module"][f"{key}_renamed"] = states["module"].pop(key)
+    torch.save(states, model)
+    _resign(model.parent)
+    verify_checkpoint(str(save), 4)
+    res = launch(botchan_dataset, save, "--load", str(save), "--train-iters", "4")
+    assert res.returncode == 2, show(res)
+    (line,) = errors(res)  # the same one line from both ranks
+    assert f"--load: {model} does not fit this model: it lacks {key}; it has {key}_renamed" in line
+    assert "the last complete checkpoint there is iteration 2: pass --ckpt-step 2" in line
+    assert "Traceback" not in res.stderr
+    res = launch(botchan_dataset, save, "--load", str(save), "--train-iters", "4",
+                 "--load-fallback", "--metrics-file", str(tmp_path / "m.jsonl"))  # fmt: skip
+    assert res.returncode == 0, show(res)
+    assert "--load-fallback: loading iteration 2 instead" in res.stderr
+    assert f"resumed from {save} at iteration 2" in res.stdout
+
+
+def _resign(iter_dir: Path) -> None:
+    """A manifest that matches the files, as a tool (or an attacker) would write it."""
+    meta = json.loads((iter_dir / METADATA_FILENAME).read_text())
+    files = {name: _manifest_entry(str(iter_dir / name)) for name in meta.pop("files")}
+    meta.pop("checksum")
+    _write_metadata(str(iter_dir), meta, files)
+
+
 def _plant(path: Path, marker: Path) -> None:
     class Marker:
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
     torch.save({"module": Marker()}, path)
-    iter_dir = path.parent  # with a manifest that matches, as an attacker would write it
-    meta = json.loads((iter_dir / METADATA_FILENAME).read_text())
-    files = {name: _manifest_entry(str(iter_dir / name)) for name in meta.pop("files")}
-    meta.pop("checksum")
-    _write_metadata(str(iter_dir), meta, files)
+    _resign(path.parent)
 
 
 def test_damaged_files_are_one_line_before_any_process_group(
