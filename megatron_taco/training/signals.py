@@ -537,7 +537,7 @@ class ExitMonitor:
         so the error may be the first sign of its death. Waits that moment, and ends the
         rank with the launcher's line if that is what happened (or a signal came)."""
         deadline = time.monotonic() + _DEATH_GRACE_S
-        while self._links and time.monotonic() < deadline:
+        while self._links and not self._answered and time.monotonic() < deadline:
             self._check_links()
             time.sleep(0.02)
         self.exit_unless_deferred()
@@ -560,8 +560,10 @@ class ExitMonitor:
                     action()
             who = f"{self.program}: error: rank {launcher_rank()}"
             line = f"{who}: {what} during {self._seen_in or self.phase}; exiting\n"
+            # A write blocked by a stalled reader must not keep the rank alive (stderr's mode
+            # is shared with the launcher and the shell: not made non-blocking).
+            signal.alarm(5)
             with contextlib.suppress(OSError):
-                os.set_blocking(2, False)  # a stalled reader must not keep the rank alive
                 os.write(2, line.encode())
             os._exit(code)
 
