@@ -5,13 +5,15 @@ those tokens are what the model reads at the same slots in epoch t+1. Instead of
 [N, W] array in RAM on every rank, the tokens of epoch t go to ``ROOT/gen_{t:05d}/``::
 
     layout.json          the StoreLayout, written by the first writer (guards resumes)
-    shard_{k:05d}.bin    rows of instances [k*R, min((k+1)*R, N)), W little-endian values each
+    shard_{k:05d}.bin    rows of instances [k*R, min((k+1)*R, N)): W little-endian values
+                         each, then the row's 32-bit checksum (row_checksums)
     manifest.json        written last by commit_generation: sizes and crc32 of every shard
 
 A shard is written by exactly one GenerationWriter (ownership is the caller's decision),
 with positioned writes at fixed row offsets, so replaying a batch rewrites identical bytes.
 A generation is readable only once its manifest exists, and the manifest is written only
-after every row was written. Nothing here is O(N) in memory: files are created, scanned and
+after every row was written and found to match the checksum written with it (a row changed
+on disk before the commit is refused, not sealed into the manifest); reads check it too. Nothing here is O(N) in memory: files are created, scanned and
 read in bounded chunks, and reads go through ``pread`` rather than a memory map so that an
 epoch of random reads does not grow the process's resident set to the size of the store.
 See docs/replacement_store.md for the protocol and the crash-consistency argument.
@@ -20,6 +22,7 @@ See docs/replacement_store.md for the protocol and the crash-consistency argumen
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -36,11 +39,12 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "megatron_taco.replacement_store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a checksum after every row
 MANIFEST_NAME = "manifest.json"
 LAYOUT_NAME = "layout.json"
 MAX_VOCAB_SIZE = 2**32 - 1  # uint32's max is the sentinel, so ids go up to 2**32 - 2
 _UINT16_VOCAB_LIMIT = 65535
+CHECK_BYTES = 4
 # Bounds the memory of creation and scanning; large enough that syscalls do not dominate.
 _CHUNK_BYTES = 1 << 20
 _GENERATION_DIR = re.compile(r"gen_(\d{5,})")
@@ -96,7 +100,17 @@ class StoreLayout:
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of a row's token ids."""
         return self.width * self.dtype.itemsize
+
+    @property
+    def record_dtype(self) -> np.dtype:
+        """A row as stored: its W token ids, then their checksum (packed, little-endian)."""
+        return np.dtype([("tokens", self.dtype, (self.width,)), ("check", "<u4")])
+
+    @property
+    def record_bytes(self) -> int:
+        return self.row_bytes + CHECK_BYTES
 
     @property
     def rows_per_shard(self) -> int:
@@ -113,7 +127,7 @@ class StoreLayout:
 
     def shard_bytes(self, shard: int) -> int:
         first, stop = self.shard_range(shard)
-        return (stop - first) * self.row_bytes
+        return (stop - first) * self.record_bytes
 
     def shard_file(self, shard: int) -> str:
         self.shard_range(shard)  # validates
@@ -130,6 +144,7 @@ class StoreLayout:
             "vocab_size": self.vocab_size,
             "num_shards": self.num_shards,
             "dtype": self.dtype.name,
+            "version": FORMAT_VERSION,
         }
 
     @classmethod
@@ -140,6 +155,11 @@ class StoreLayout:
         missing = [k for k in (*keys, "dtype") if k not in obj]
         if missing:
             raise ReplacementStoreError(f"layout: missing field(s) {', '.join(missing)}")
+        if obj.get("version") != FORMAT_VERSION:
+            raise ReplacementStoreError(
+                f"layout: format version {obj.get('version', 1)!r}, this version reads "
+                f"{FORMAT_VERSION} (rows with checksums); delete the generation to write it anew"
+            )
         layout = cls(**{k: obj[k] for k in keys})
         if obj["dtype"] != layout.dtype.name:
             raise ReplacementStoreError(
@@ -163,6 +183,26 @@ def _instance_ids(instance_ids: Any, layout: StoreLayout, where: str) -> np.ndar
             f"{where}: instance id {bad} out of range [0, {layout.num_instances})"
         )
     return ids
+
+
+@functools.cache
+def _multipliers(width: int) -> np.ndarray:
+    """Odd 32-bit multipliers of the instance id and of each of the W slots (fixed forever:
+    they are part of the format)."""
+    k = np.arange(width + 1, dtype=np.uint64)
+    m = ((k * np.uint64(2654435761) + np.uint64(40503)) & np.uint64(0xFFFFFFFF)) | np.uint64(1)
+    m.flags.writeable = False  # cached
+    return m
+
+
+def row_checksums(instance_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """[B] uint32 checksums of rows [B, W] of instances [B]: (c + id * m_0 + sum_j x_j m_j+1)
+    mod 2^32 with odd m, vectorised (a commit checks millions of rows). Any change of one
+    token id, or a row written at another instance's place, changes it: delta * m is not 0
+    mod 2^32 for an odd m and 0 < |delta| < 2^32."""
+    m = _multipliers(tokens.shape[1])
+    h = instance_ids.astype(np.uint64) * m[0] + tokens.astype(np.uint64) @ m[1:]
+    return ((h + np.uint64(0x5BD1E995)) & np.uint64(0xFFFFFFFF)).astype("<u4")
 
 
 def _runs(sorted_ids: np.ndarray, rows_per_shard: int) -> Iterator[tuple[int, int]]:
@@ -290,6 +330,8 @@ class ShardScan:
     crc32: int
     unwritten: int  # rows whose slot 0 is still the sentinel
     first_unwritten: int | None  # instance id of the first such row
+    corrupt: int = 0  # written rows that do not match their checksum
+    first_corrupt: int | None = None  # instance id of the first such row
 
 
 def _readinto_exact(f: BinaryIO, view: memoryview, path: str) -> None:
@@ -302,28 +344,50 @@ def _readinto_exact(f: BinaryIO, view: memoryview, path: str) -> None:
 
 
 def scan_shard(path: str, layout: StoreLayout, shard: int) -> ShardScan:
-    """crc32 of the whole file and its never-written rows, streamed in bounded chunks."""
+    """crc32 of the whole file, its never-written rows and its written rows that do not
+    match their checksum, streamed in bounded chunks."""
     first, stop = layout.shard_range(shard)
-    chunk_rows = max(1, _CHUNK_BYTES // layout.row_bytes)
-    buf = bytearray(chunk_rows * layout.row_bytes)
-    crc, unwritten, first_unwritten = 0, 0, None
+    chunk_rows = max(1, _CHUNK_BYTES // layout.record_bytes)
+    buf = bytearray(chunk_rows * layout.record_bytes)
+    crc, unwritten, first_unwritten, corrupt, first_corrupt = 0, 0, None, 0, None
     try:
         with open(path, "rb", buffering=0) as f:
             for row in range(0, stop - first, chunk_rows):
                 n = min(chunk_rows, stop - first - row)
-                view = memoryview(buf)[: n * layout.row_bytes]
+                view = memoryview(buf)[: n * layout.record_bytes]
                 _readinto_exact(f, view, path)
                 crc = zlib.crc32(view, crc)
-                slot0 = np.frombuffer(view, dtype=layout.dtype).reshape(n, layout.width)[:, 0]
-                missing = np.flatnonzero(slot0 == layout.sentinel)
+                ids = np.arange(first + row, first + row + n, dtype=np.int64)
+                missing, bad = _check_records(np.frombuffer(view, layout.record_dtype), ids, layout)
                 if missing.size and first_unwritten is None:
-                    first_unwritten = first + row + int(missing[0])
+                    first_unwritten = int(ids[missing[0]])
+                if bad.size and first_corrupt is None:
+                    first_corrupt = int(ids[bad[0]])
                 unwritten += int(missing.size)
+                corrupt += int(bad.size)
     except FileNotFoundError:
         raise ReplacementStoreError(f"{path}: missing") from None
     except OSError as e:
         raise ReplacementStoreError(f"{path}: cannot read: {e.strerror}") from None
-    return ShardScan(crc, unwritten, first_unwritten)
+    return ShardScan(crc, unwritten, first_unwritten, corrupt, first_corrupt)
+
+
+def _check_records(
+    records: np.ndarray, ids: np.ndarray, layout: StoreLayout
+) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the never-written rows, indices of written rows whose checksum is not the
+    one written with them) of records [B] of instances [B]."""
+    missing = records["tokens"][:, 0] == layout.sentinel
+    bad = ~missing & (records["check"] != row_checksums(ids, records["tokens"]))
+    return np.flatnonzero(missing), np.flatnonzero(bad)
+
+
+def corrupt_row_message(path: str, layout: StoreLayout, instance: int) -> str:
+    row = instance % layout.rows_per_shard
+    return (
+        f"{path}: row {row} (instance {instance}) does not match the checksum written with it "
+        "(the shard changed on disk after the row was written)"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -595,12 +659,16 @@ class GenerationWriter:
                 f"(owns {list(self.owned_shards)}); route rows to their owner first"
             )
         order = np.argsort(ids, kind="stable")
-        ids, rows = ids[order], rows[order]
+        ids = ids[order]
+        records = np.empty(len(ids), dtype=self.layout.record_dtype)
+        records["tokens"] = rows[order]
+        # Computed from the rows in memory: what reaches the disk is checked against it.
+        records["check"] = row_checksums(ids, records["tokens"])
         r = self.layout.rows_per_shard
         for start, stop in _runs(ids, r):
             k = int(ids[start]) // r
-            offset = (int(ids[start]) - k * r) * self.layout.row_bytes
-            _pwrite_all(self._files[k].fileno(), _as_bytes(rows[start:stop]), offset)
+            offset = (int(ids[start]) - k * r) * self.layout.record_bytes
+            _pwrite_all(self._files[k].fileno(), _as_bytes(records[start:stop]), offset)
 
     def flush(self) -> None:
         """Makes every row written so far durable (call before recording a checkpoint)."""
@@ -651,6 +719,11 @@ def commit_generation(root: str | os.PathLike, generation: int, layout: StoreLay
                 f"{path}: {scan.unwritten} of {stop - first} rows never written (first: "
                 f"instance {scan.first_unwritten}); refusing to commit generation {generation}"
             )
+        if scan.corrupt:
+            raise ReplacementStoreError(
+                f"{corrupt_row_message(path, layout, scan.first_corrupt)}; {scan.corrupt} such "
+                f"row(s); refusing to commit generation {generation}"
+            )
         size = layout.shard_bytes(k)
         records.append(ShardRecord(layout.shard_file(k), first, stop - first, size, scan.crc32))
     manifest = Manifest(_check_generation(generation), layout, tuple(records))
@@ -697,11 +770,15 @@ class GenerationReader:
             path = os.path.join(self.directory, record.file)
             _check_size(path, record.bytes)
             if verify:
-                crc = scan_shard(path, self.layout, k).crc32
-                if crc != record.crc32:
+                scan = scan_shard(path, self.layout, k)
+                if scan.crc32 != record.crc32:
                     raise ReplacementStoreError(
-                        f"{path}: checksum mismatch (crc32 {crc:08x}, manifest records "
+                        f"{path}: checksum mismatch (crc32 {scan.crc32:08x}, manifest records "
                         f"{record.crc32:08x})"
+                    )
+                if scan.corrupt:  # not after a commit of this version, which checks them
+                    raise ReplacementStoreError(
+                        corrupt_row_message(path, self.layout, scan.first_corrupt)
                     )
 
     def __len__(self) -> int:
@@ -717,30 +794,34 @@ class GenerationReader:
     def read(self, instance_ids: np.ndarray) -> np.ndarray:
         """Rows [B, W] of ``instance_ids`` (any order, repeats allowed) in the layout's dtype."""
         ids = _instance_ids(instance_ids, self.layout, f"{self.directory}: read")
-        out = np.empty((len(ids), self.layout.width), dtype=self.layout.dtype)
+        records = np.empty(len(ids), dtype=self.layout.record_dtype)
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]
-        r, row_bytes = self.layout.rows_per_shard, self.layout.row_bytes
+        r, record_bytes = self.layout.rows_per_shard, self.layout.record_bytes
         for start, stop in _runs(sorted_ids, r):
             k = int(sorted_ids[start]) // r
             f, path = self._file(k)
-            offset = (int(sorted_ids[start]) - k * r) * row_bytes
-            data = _pread_exact(f.fileno(), (stop - start) * row_bytes, offset, path)
-            out[order[start:stop]] = np.frombuffer(data, self.layout.dtype).reshape(
-                -1, self.layout.width
-            )
-        self._check_written(ids, out)
-        return out
+            offset = (int(sorted_ids[start]) - k * r) * record_bytes
+            data = _pread_exact(f.fileno(), (stop - start) * record_bytes, offset, path)
+            records[order[start:stop]] = np.frombuffer(data, self.layout.record_dtype)
+        self._check_records(ids, records)
+        return records["tokens"].copy()
 
-    def _check_written(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        unwritten = np.flatnonzero(rows[:, 0] == self.layout.sentinel)
+    def _check_records(self, ids: np.ndarray, records: np.ndarray) -> None:
+        unwritten, corrupt = _check_records(records, ids, self.layout)
         if unwritten.size:
             i = int(ids[unwritten[0]])
-            k = i // self.layout.rows_per_shard
-            path = os.path.join(self.directory, self.layout.shard_file(k))
+            k, row = divmod(i, self.layout.rows_per_shard)
             raise ReplacementStoreError(
-                f"{path}: instance {i} (row {i - k * self.layout.rows_per_shard}) was never written"
+                f"{self._path(k)}: instance {i} (row {row}) was never written"
             )
+        if corrupt.size:
+            i = int(ids[corrupt[0]])
+            path = self._path(i // self.layout.rows_per_shard)
+            raise ReplacementStoreError(corrupt_row_message(path, self.layout, i))
+
+    def _path(self, shard: int) -> str:
+        return os.path.join(self.directory, self.layout.shard_file(shard))
 
     def close(self) -> None:
         files, self._files = self._files, {}

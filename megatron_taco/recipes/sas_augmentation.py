@@ -50,6 +50,7 @@ from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_samp
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
     CheckpointInvalid,
+    RunError,
     checkpoint_tag,
     complete_iterations,
     read_metadata,
@@ -182,16 +183,17 @@ class SelfAugmentation(Callback):
     def _verify(self, rank: int, generation: int) -> None:
         """Epoch t reads generation t-1: refuse a missing, truncated or corrupt one before any
         batch is built, on every rank, naming the file (rank 0 reads it once)."""
-        problem = [None]
-        if rank == 0:
-            try:
-                GenerationReader(self.root, generation, verify=True).close()
-            except ReplacementStoreError as e:
-                problem[0] = str(e)
-        if dist.is_initialized():
-            dist.broadcast_object_list(problem, src=0)
-        if problem[0] is not None:
-            raise ConfigError(f"--replacement-store: {problem[0]}")
+
+        def verify() -> None:
+            GenerationReader(self.root, generation, verify=True).close()
+
+        _on_rank0(rank, verify, ConfigError)
+
+    def _commit(self, trainer, epoch: int) -> None:
+        commit_generation(self.root, epoch, self.layout)
+        # Epoch t+1 reads generation t; the checkpoints in --save need theirs.
+        needed = generations_needed(trainer.training.save, self.layout.num_instances)
+        delete_generations(self.root, keep={epoch} | needed)
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -283,12 +285,9 @@ class SelfAugmentation(Callback):
             self.writer.close()
             self.writer = None
         self._barrier()  # every owner flushed
-        if trainer.parallel.rank == 0:
-            commit_generation(self.root, epoch, self.layout)
-            # Epoch t+1 reads generation t; the checkpoints in --save need theirs.
-            needed = generations_needed(trainer.training.save, self.layout.num_instances)
-            delete_generations(self.root, keep={epoch} | needed)
-        self._barrier()
+        # A row that changed on disk since it was written (or was never written) stops every
+        # rank with one line naming it.
+        _on_rank0(trainer.parallel.rank, lambda: self._commit(trainer, epoch), RunError)
 
     def metrics(self) -> dict[str, float]:
         out = {"store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1)}
@@ -304,6 +303,21 @@ class SelfAugmentation(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"generation_being_written": self.epoch, "root": self.root}
+
+
+def _on_rank0(rank: int, work, error: type[Exception]) -> None:
+    """``work()`` on rank 0; a store error it raises is raised on every rank as ``error``,
+    one line naming the file. The broadcast keeps the ranks in step, as a barrier would."""
+    problem = [None]
+    if rank == 0:
+        try:
+            work()
+        except ReplacementStoreError as e:
+            problem[0] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise error(f"--replacement-store: {problem[0]}")
 
 
 def generations_needed(save_dir: str | None, samples_per_epoch: int) -> set[int]:

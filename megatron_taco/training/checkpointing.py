@@ -36,9 +36,7 @@ import random
 import re
 import secrets
 import shutil
-import signal
 import stat
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +56,7 @@ from megatron_taco.training.safe_files import (
     read_regular,
     regular_files,
 )
+from megatron_taco.training.signals import KILL_ENV, PAUSE_ENV, hook_point  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +64,10 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
 FORMAT = "megatron_taco/2"  # 2: manifest + metadata checksum, RNG states as tensors
 RNG_FORMAT = 2
-# The crash tests' hook: SIGKILL at a named point of a save, e.g. "after_metadata@4" (the
-# save of iteration 4 only). Every rank passes after_model_files and after_rng_files; rank 0
-# alone after_metadata (complete, not yet renamed), after_rename (before the tracker) and
-# after_tracker (before replaced or retired checkpoints are deleted).
-KILL_ENV = "MEGATRON_TACO_TEST_KILL_AT"
-# The same points, to sleep at instead ("after_model_files@4:6", "after_model_files:6"): a
-# save that takes that much longer, for the tests of signals arriving during a save.
-PAUSE_ENV = "MEGATRON_TACO_TEST_PAUSE_AT"
+# The crash tests' hooks (signals.KILL_ENV, PAUSE_ENV) at the named points of a save, e.g.
+# "after_metadata@4" (the save of iteration 4 only). Every rank passes after_model_files
+# and after_rng_files; rank 0 alone after_metadata (complete, not yet renamed), after_rename
+# (before the tracker) and after_tracker (before replaced or retired checkpoints are deleted).
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 # A save in progress or crashed (.tmp-), or a replaced/retired checkpoint being deleted (.del-).
 _LEFTOVER = re.compile(
@@ -91,6 +86,11 @@ class CheckpointSaveError(RunError):
 
 class CheckpointInvalid(ConfigError):
     """The checkpoint to load is incomplete or corrupt (an older one may still verify)."""
+
+
+class CheckpointMisfit(CheckpointInvalid):
+    """A checkpoint that verifies but whose tensors do not fit the model (found after the
+    engine exists; --load-fallback falls back from it as from one that does not verify)."""
 
 
 @dataclass(frozen=True)
@@ -153,11 +153,7 @@ def _barrier() -> None:
 
 
 def _kill_point(point: str, iteration: int) -> None:
-    if os.environ.get(KILL_ENV) in (point, f"{point}@{iteration}"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    where, _, seconds = os.environ.get(PAUSE_ENV, "").rpartition(":")
-    if where in (point, f"{point}@{iteration}"):
-        time.sleep(float(seconds))
+    hook_point(point, iteration)
 
 
 # -- files ------------------------------------------------------------------------------
@@ -325,13 +321,15 @@ def require_safe_torch() -> None:
         )
 
 
-def safe_torch_load(path: str, map_location: Any = "cpu", *, hint: str = "") -> Any:
+def safe_torch_load(
+    path: str, map_location: Any = "cpu", *, hint: str = "", mmap: bool = False
+) -> Any:
     """torch.load with weights_only=True; any failure is one ConfigError naming the file
     (a crafted pickle can make the unpickler raise KeyError, IndexError, struct.error...)."""
     require_safe_torch()
     try:
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise ConfigError(
             f"--load: {path} holds pickled objects other than tensors, numbers and strings "
@@ -1081,27 +1079,69 @@ def _save_failure(save_dir: str, iteration: int, error: str) -> str:
 
 # -- loading ----------------------------------------------------------------------------
 
-_SIZE_MISMATCH = re.compile(
-    r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) from "
-    r"checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))"
-)
+
+def _few(names: list[str]) -> str:
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
 
 
-def _shape_mismatch_error(error: RuntimeError, iter_dir: str) -> Exception:
-    """A checkpoint of another architecture: one line naming the first mismatched parameter
-    (DeepSpeed re-raises torch's multi-line load_state_dict error) instead of a traceback."""
-    found = _SIZE_MISMATCH.findall(str(error))
-    if not found:
-        return error
-    name, saved, current = found[0]
-    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    return ConfigError(
+def _shapes_differ_hint(iter_dir: str, wrong: list[tuple[str, Any, Any]]) -> str:
+    name, saved, current = wrong[0]
+    more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+    return (
         f"--load: {iter_dir} was saved by a model of another shape: {name} is {saved} there "
         f"and {current} here{more}. Model flags must match the checkpoint's (its "
         "metadata.json lists them); TACO checkpoints written before the value heads became "
         "d_WE/h_WE and d_PE/h_PE wide load with --we-value-channels and --pe-value-channels "
         "set to their --kv-channels"
     )
+
+
+def checkpoint_misfit(engine, path: str, iter_dir: str) -> str | None:
+    """None when the model states file ``path`` (this rank's) holds a tensor of the right
+    shape for every entry of the model's state dict and nothing else; else one line naming
+    the first few keys that are missing, unexpected or of another shape."""
+    try:
+        states = safe_torch_load(path, mmap=True)
+    except ConfigError as e:
+        return str(e)
+    module = states.get("module") if isinstance(states, dict) else None
+    if not isinstance(module, dict):
+        found = sorted(map(str, states))[:5] if isinstance(states, dict) else []
+        return (
+            f"--load: {path} holds no 'module' state dict (found {type(states).__name__} "
+            f"{', '.join(found)}): not a model states file"
+        )
+    # ZeRO-3 partitions parameters (and saves them empty): their names are compared only.
+    own = {k: None if hasattr(v, "ds_shape") else v.shape
+           for k, v in engine.module.state_dict(keep_vars=True).items()}  # fmt: skip
+    missing = [k for k in own if k not in module]
+    unexpected = [k for k in module if k not in own]
+    wrong = [
+        (k, module[k].shape if torch.is_tensor(module[k]) else type(module[k]).__name__, own[k])
+        for k in own
+        if k in module and own[k] is not None
+        and not (torch.is_tensor(module[k]) and module[k].shape == own[k])
+    ]  # fmt: skip
+    if not (missing or unexpected):
+        return _shapes_differ_hint(iter_dir, wrong) if wrong else None
+    parts = [f"it lacks {_few(missing)}"] if missing else []
+    if unexpected:
+        parts.append(f"it has {_few(unexpected)}, which this model does not")
+    if wrong:
+        verb = "has another shape" if len(wrong) == 1 else "have other shapes"
+        parts.append(f"{_few([k for k, _, _ in wrong])} {verb} there")
+    return f"--load: {path} does not fit this model: {'; '.join(parts)}"
+
+
+def _agree_on_fit(engine, load_dir: str, tag: str) -> None:
+    """Collective: every rank checks its own model states file before DeepSpeed loads any;
+    a misfit on one rank stops every rank with the first rank's line."""
+    iter_dir = os.path.join(load_dir, tag)
+    problem = checkpoint_misfit(engine, engine._get_ckpt_name(load_dir, tag), iter_dir)
+    first = next((p for p in _gather(problem) if p is not None), None)
+    if first is not None:
+        raise CheckpointMisfit(first)
 
 
 def read_tracker(load_dir: str) -> int | None:
@@ -1178,16 +1218,14 @@ def load_checkpoint(
             "stage 0-2 config"
         )
     _safe_engine(engine)
-    try:
-        load_path, client_state = engine.load_checkpoint(
-            load_dir,
-            tag=tag,
-            load_optimizer_states=restore_optim,
-            load_lr_scheduler_states=restore_optim,
-            load_module_only=finetune,
-        )
-    except RuntimeError as e:
-        raise _shape_mismatch_error(e, iter_dir) from None
+    _agree_on_fit(engine, load_dir, tag)
+    load_path, client_state = engine.load_checkpoint(
+        load_dir,
+        tag=tag,
+        load_optimizer_states=restore_optim,
+        load_lr_scheduler_states=restore_optim,
+        load_module_only=finetune,
+    )
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {iter_dir}")
     scheduler = getattr(engine, "lr_scheduler", None)
@@ -1214,3 +1252,44 @@ def load_checkpoint(
         set_rng_states(_load_rng_file(path), rng_tracker)
     _barrier()
     return state
+
+
+def load_fitting_checkpoint(
+    engine,
+    load_dir: str,
+    parallel: ParallelState,
+    rng_tracker: RNGTracker | None = None,
+    *,
+    ckpt_step: int,
+    fallback: bool = False,
+    models: tuple[str, ...] | None = None,
+    check: Callable[[int], None] = lambda iteration: None,
+    **kw: Any,
+) -> TrainingState | None:
+    """load_checkpoint of ``ckpt_step``; one whose tensors do not fit the model is one line
+    naming the last complete checkpoint before it, or with ``fallback`` (--load-fallback) that
+    one is loaded instead (after ``check(iteration)``, the driver's layout check), as for a
+    checkpoint that does not verify. Every rank takes the same path: the misfit is agreed on,
+    and the ranks see the same files (agree_on_load)."""
+    iteration = ckpt_step
+    while True:
+        try:
+            return load_checkpoint(
+                engine, load_dir, parallel, rng_tracker, ckpt_step=iteration, **kw
+            )
+        except CheckpointMisfit as e:
+            problem = str(e)
+        older = newest_verified(load_dir, iteration, tp_size=parallel.tp_size, models=models)
+        if older is None:
+            raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
+        if not fallback:
+            raise CheckpointInvalid(
+                f"{problem}; the last complete checkpoint there is iteration {older.iteration}: "
+                f"pass --ckpt-step {older.iteration}, or --load-fallback to fall back "
+                "automatically"
+            )
+        if parallel.rank == 0:
+            logger.warning("%s; --load-fallback: loading iteration %d instead", problem,
+                           older.iteration)  # fmt: skip
+        check(older.iteration)
+        iteration = older.iteration

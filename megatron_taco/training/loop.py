@@ -355,6 +355,13 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------
 
     def train(self, state: TrainingState) -> TrainingState:
+        if self.exit_monitor is None:
+            return self._train(state)
+        # Exit requests become the flags each iteration ends with; outside, they end the rank.
+        with self.exit_monitor.deferred("training"):
+            return self._train(state)
+
+    def _train(self, state: TrainingState) -> TrainingState:
         t = self.training
         if state.iteration >= t.train_iters:
             self.logger.print(

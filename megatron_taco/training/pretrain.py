@@ -50,6 +50,7 @@ from megatron_taco.training.config import (
 from megatron_taco.training.consolidate import check_resume_layout
 from megatron_taco.training.monitor import LearningMonitorConfig
 from megatron_taco.training.rendezvous import agree_on_load, forget_node_results, once_per_node
+from megatron_taco.training.save_lock import save_lock
 from megatron_taco.training.signals import (
     ExitConfig,
     ExitMonitor,
@@ -58,7 +59,9 @@ from megatron_taco.training.signals import (
     abort_process_groups,
     describe_peer_failure,
     gather_peers,
+    hook_point,
     is_peer_failure,
+    launcher_rank,
 )
 
 logger = logging.getLogger("megatron_taco.pretrain")
@@ -249,7 +252,7 @@ class ModelSpec:
     def main(self, argv: list[str] | None = None) -> int:
         # First thing: parsing the flags and verifying the checkpoint behind --load can take
         # minutes, and a rank whose launcher dies meanwhile must not be left behind.
-        monitor = ExitMonitor()
+        monitor = ExitMonitor(program=program_name(self.prog))
         monitor.tie_to_launcher()
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -389,8 +392,8 @@ def _keep_lr_schedule(engine) -> None:
     engine.scheduler.apply()
 
 
-def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
-    from megatron_taco.training.checkpointing import TrainingState, load_checkpoint
+def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parallel, rng_tracker):
+    from megatron_taco.training.checkpointing import TrainingState, load_fitting_checkpoint
 
     t = cfg.training
     if t.load is None or cfg.load is None:
@@ -401,12 +404,22 @@ def _load(engine, cfg: PretrainConfigs, parallel, rng_tracker):
                 "--load %s: no %s found, training from scratch", t.load, TRACKER_FILENAME
             )
         return TrainingState(), "starting from scratch"
-    loaded = load_checkpoint(
+
+    def check_layout(iteration: int) -> None:  # of a fallback chosen now
+        check_resume_layout(t, world_size=cfg.world_size, iteration=iteration,
+                            tp_size=cfg.parallel.tensor_model_parallel_size,
+                            zero_stage=cfg.deepspeed.zero_stage,
+                            precision=cfg.deepspeed.precision)  # fmt: skip
+
+    loaded = load_fitting_checkpoint(
         engine.engine,
         t.load,
         parallel,
         rng_tracker,
         ckpt_step=cfg.load.iteration,
+        fallback=cfg.checkpoint.load_fallback,
+        models=spec.loadable_models,
+        check=check_layout,
         load_optim=not t.no_load_optim,
         load_rng=not t.no_load_rng,
         finetune=t.finetune,
@@ -433,10 +446,29 @@ def pretrain(
     """One run, from process groups to teardown. ``keep_process_group`` leaves the default
     group up for the next run of a sweep in the same processes (only this run's tensor/data
     parallel groups are destroyed)."""
-    # Before the heavy imports: a signal during start-up stops the run after its first iteration.
+    # Before the heavy imports: a signal or a dead launcher during start-up ends the rank.
     own_monitor = monitor is None
     monitor = monitor or ExitMonitor()
     monitor.install(cfg.exit)
+    monitor.phase = "start-up"
+    try:
+        # Rank 0 holds --save for the run; a second run on it stops before its rendezvous.
+        with save_lock(cfg.training.save, launcher_rank(), monitor.exit_actions):
+            return _pretrain(cfg, spec, monitor, keep_process_group)
+    except ConfigError:
+        raise
+    except BaseException:
+        # A dead launcher's closed store connection: its line, not a traceback.
+        monitor.answer_pending()
+        raise
+    finally:
+        if own_monitor:
+            monitor.uninstall()
+
+
+def _pretrain(
+    cfg: PretrainConfigs, spec: ModelSpec, monitor: ExitMonitor, keep_process_group: bool
+) -> int:
     # Heavy imports after validation: --help and config errors stay fast.
     import deepspeed  # noqa: F401  (creates DeepSpeed's logger, tuned below)
     import torch
@@ -460,6 +492,8 @@ def pretrain(
     parallel = train_logger = peer_watch = None
     peers = []
     try:
+        hook_point("before_rendezvous", launcher_rank())
+        monitor.phase = "the rendezvous"
         parallel = init_distributed(
             cfg.parallel.tensor_model_parallel_size, timeout=cfg.exit.distributed_timeout
         )
@@ -481,6 +515,8 @@ def pretrain(
             tokenizer=tokenizer,
             seed=seed,
         )
+        monitor.phase = "data and model set-up"
+        hook_point("before_build", parallel.rank)
         parts = spec.build(ctx)
         if t.train_iters is None:  # --train-epochs: now that an epoch's size is known
             steps = parts.samples_per_epoch // cfg.deepspeed.global_batch_size
@@ -489,7 +525,7 @@ def pretrain(
         parameters = count_parameters(parts.model, parallel)
         norms = norm_implementations(parts.model)
         engine = initialize_engine(parts.model, t, cfg.deepspeed, parallel)
-        state, resumed = _load(engine, cfg, parallel, rng_tracker)
+        state, resumed = _load(engine, cfg, spec, parallel, rng_tracker)
         train_logger = TrainingLogger(
             rank=parallel.rank,
             train_iters=t.train_iters,
@@ -535,6 +571,7 @@ def pretrain(
             learning_monitor=LearningMonitor(cfg.monitor, t.warmup_iters, train_logger.print),
         )
         trainer.train(state)
+        monitor.phase = "teardown"
         train_logger.close()
         metrics_file = t.resolved_metrics_file
         if parallel.rank == 0 and metrics_file is not None and os.path.isfile(metrics_file):
@@ -550,8 +587,6 @@ def pretrain(
         timeout = cfg.exit.distributed_timeout_minutes
         raise PeerFailure(describe_peer_failure(error, parallel.rank, peers, timeout)) from None
     finally:
-        if own_monitor:
-            monitor.uninstall()
         if peer_watch is not None:
             peer_watch.stop()
         if train_logger is not None:

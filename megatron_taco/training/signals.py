@@ -1,22 +1,28 @@
 """Preemption, time limits, launcher death and peer failures.
 
-* Exit signals (``--exit-signal-handler``, on by default): SIGTERM, SIGINT or SIGUSR1 on any
-  rank only sets a flag. At the end of every iteration the ranks agree on the flags, in the
-  loop's one all-reduce (MAX) over the world; when one is set, every rank saves a checkpoint
-  (with ``--save``) and exits 0. Every later exit signal is absorbed until the save is done
-  (SLURM's time-limit warning, then a TERM forwarded as USR1, must not kill the save), except
-  a second SIGINT ``REPEAT_WINDOW_S`` or more after the first: an interactive user's second
-  Ctrl-C still kills at once.
+* Exit signals (``--exit-signal-handler``, on by default) inside the training loop: SIGTERM,
+  SIGINT or SIGUSR1 on any rank only sets a flag. At the end of every iteration the ranks
+  agree on the flags, in the loop's one all-reduce (MAX) over the world; when one is set,
+  every rank saves a checkpoint (with ``--save``) and exits 0. Every later exit signal is
+  absorbed until the save is done (SLURM's time-limit warning, then a TERM forwarded as
+  USR1, must not kill the save), except a second SIGINT ``REPEAT_WINDOW_S`` or more after
+  the first: an interactive user's second Ctrl-C still kills at once.
+* Outside the loop (start-up, rendezvous, data and model set-up, teardown) nothing reads the
+  flags, and a rank may be blocked in C++ (a TCPStore connect, a collective) where no Python
+  signal handler runs. There the monitor's watchdog thread ends the process at once: it
+  learns of a signal through ``signal.set_wakeup_fd`` (written by the C-level handler even
+  while the main thread is blocked), prints one line naming what happened and where, and
+  calls ``os._exit``. It holds ``_lock`` while it decides, and the loop takes the same lock
+  to start deferring, so a rank never dies inside a save.
 * ``--exit-duration-in-mins``: the same exit once that long has passed since the process
   started (ranks agree through the same all-reduce).
 * Ranks never outlive their launcher: the kernel sends SIGTERM when the parent dies
-  (PR_SET_PDEATHSIG), and a watchdog thread notices when the parent, or the ``deepspeed``
+  (PR_SET_PDEATHSIG), and the watchdog notices when the parent, or the ``deepspeed``
   runner above DeepSpeed's per-node launcher, exits. DeepSpeed's runner forwards nothing on a
   single node, and its per-node launcher keeps running when the runner dies. The tie is made
   first thing in ``main()`` (``ExitMonitor.tie_to_launcher``), before the flags are parsed and
-  the checkpoint verified, which can take minutes; until the handlers are installed the
-  watchdog ends the rank with SIGTERM. Ranks of mpirun (MPI's variables, no LOCAL_RANK yet)
-  are tied to their launcher too.
+  the checkpoint verified, which can take minutes. Ranks of mpirun (MPI's variables, no
+  LOCAL_RANK yet) are tied to their launcher too.
 * A peer that dies makes a collective raise (gloo: "Connection closed by peer"; a hung peer:
   a timeout after ``--distributed-timeout-minutes``). ``describe_peer_failure`` turns that
   into one line naming the dead rank (found by PID on this node) and the collective.
@@ -29,18 +35,21 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import logging
 import math
 import os
 import re
+import select
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,6 +59,7 @@ logger = logging.getLogger("megatron_taco.signals")
 
 REPEAT_WINDOW_S = 2.0
 WATCHDOG_INTERVAL_S = 1.0
+_DEATH_GRACE_S = 0.5
 DEFAULT_EXIT_SIGNALS = "SIGTERM,SIGINT,SIGUSR1"
 # Uncatchable, used by torch's DataLoader (SIGCHLD), or faults that must stay fatal.
 _UNUSABLE = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"}
@@ -213,6 +223,65 @@ def launched_by_launcher() -> bool:
     return "LOCAL_RANK" in os.environ or any(k in os.environ for k in _MPI_RANK_ENV)
 
 
+# The global rank each launcher gives its processes (torchrun, deepspeed, launch.sh; Open
+# MPI, Hydra, MVAPICH2 before MPI discovery sets RANK).
+_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def launcher_rank() -> int:
+    """This process's global rank as its launcher announced it (0 for plain python): known
+    before any process group exists."""
+    for key in _RANK_ENV:
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def process_name(pid: int) -> str:
+    """'torchrun', 'deepspeed', 'python': the program a process runs (its script's name when
+    an interpreter runs one), for messages."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = [w.decode(errors="replace") for w in f.read().split(b"\0") if w]
+    except OSError:
+        return "?"
+    if not words or not os.path.basename(words[0]).startswith("python"):
+        return os.path.basename(words[0]) if words else "?"
+    for i, word in enumerate(words[1:], 1):
+        if word == "-m" and i + 1 < len(words):
+            return words[i + 1]
+        if word == "-c":
+            break
+        if not word.startswith("-"):
+            return os.path.basename(word)
+    return os.path.basename(words[0])
+
+
+# -- the tests' hooks --------------------------------------------------------------------
+
+# SIGKILL at a named point (crash tests), e.g. "after_metadata@4". A save's points
+# (checkpointing.py) are qualified by the iteration, the start-up points (pretrain.py:
+# before_rendezvous, before_build) by the global rank.
+KILL_ENV = "MEGATRON_TACO_TEST_KILL_AT"
+# A sleep at named points instead, comma-separated "point[@N]:seconds" (e.g.
+# "before_rendezvous@1:600,before_rendezvous@0:0"): a slower save, or a rank held at a point
+# while a test kills its launcher. Each match is announced on stderr first.
+PAUSE_ENV = "MEGATRON_TACO_TEST_PAUSE_AT"
+
+
+def hook_point(point: str, qualifier: int) -> None:
+    names = (point, f"{point}@{qualifier}")
+    if os.environ.get(KILL_ENV) in names:
+        os.kill(os.getpid(), signal.SIGKILL)
+    for spec in filter(None, os.environ.get(PAUSE_ENV, "").split(",")):
+        where, _, seconds = spec.strip().rpartition(":")
+        if where in names:
+            print(f"{PAUSE_ENV}: {where}: pid {os.getpid()} sleeps {seconds} s", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            time.sleep(float(seconds))
+
+
 def ignore_in_worker(signums: tuple[int, ...], _worker_id: int = 0) -> None:
     """DataLoader worker_init_fn. The rank decides when to stop: a worker killed by the
     group's (or the launcher's) SIGTERM would make the rank raise before it could save. The
@@ -220,6 +289,8 @@ def ignore_in_worker(signums: tuple[int, ...], _worker_id: int = 0) -> None:
     peers notice a dead rank only when those close."""
     for signum in signums:
         signal.signal(signum, signal.SIG_IGN)
+    # The fork inherited the rank's wakeup pipe: this process's signals are not the rank's.
+    signal.set_wakeup_fd(-1)
     set_pdeathsig(signal.SIGKILL)
 
 
@@ -251,18 +322,35 @@ class ExitMonitor:
         *,
         repeat_window: float = REPEAT_WINDOW_S,
         watchdog_interval: float = WATCHDOG_INTERVAL_S,
+        program: str | None = None,
     ) -> None:
         self.config = config or ExitConfig()
         self.repeat_window = repeat_window
         self.watchdog_interval = watchdog_interval
+        self.program = program or os.path.basename(sys.argv[0] if sys.argv else "") or "rank"
         self.start_time = process_start_time()
         self.received: int = 0  # the first exit signal's number
         self.absorbed: int = 0  # exit signals after the first, absorbed
         self.launcher_gone: str | None = None  # why, once the launcher died
+        # What the rank is doing, for the line of an exit outside the loop, and what it was
+        # doing when the first request came.
+        self.phase = "start-up"
+        self._seen_in: str | None = None
+        # Run (by the watchdog, with _lock held) before such an exit, e.g. releasing --save.
+        self.exit_actions: list[Callable[[], None]] = []
         self._first_seen: float | None = None
         self._previous: dict[int, object] = {}
         self._pid = os.getpid()
         self._pdeathsig_before: int | None = None
+        self._links: list[tuple[int, int]] = []  # (child, parent) pairs that must hold
+        self._names: dict[int, str] = {}
+        self._tied = self._installed = False
+        self._signalled = 0  # an exit signal seen through the wakeup pipe
+        self._wakeup: tuple[int, int] | None = None  # the pipe (read, write)
+        self._wakeup_before: int | None = None
+        self._lock = threading.Lock()
+        self._deferred = 0  # > 0 while the training loop reads the flags
+        self._answered = False  # the loop decided to stop: later requests are its
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -270,10 +358,26 @@ class ExitMonitor:
 
     def tie_to_launcher(self) -> None:
         """Die with the launcher from now on (idempotent); first thing in main(), before
-        the configs (and the checkpoint behind --load) are checked."""
+        the configs (and the checkpoint behind --load) are checked. Until install() the
+        kernel's SIGTERM at the launcher's death ends the rank with one line."""
         self._pid = os.getpid()
-        if self._watchdog is None and launched_by_launcher():
-            self._tie_to_launcher()
+        if self._tied or not launched_by_launcher():
+            return
+        self._tied = True
+        parent = os.getppid()
+        self._links = [(self._pid, parent)]
+        stat = proc_stat(parent)
+        if stat is not None and _DEEPSPEED_NODE_LAUNCHER in _cmdline(parent):
+            # DeepSpeed's per-node launcher outlives the `deepspeed` runner above it (the
+            # runner has no signal handler on a single node): watch the runner as well.
+            self._links.append((parent, stat.ppid))
+        self._names = {pid: process_name(pid) for _, pid in self._links}
+        before = get_pdeathsig()
+        if set_pdeathsig(signal.SIGTERM):
+            self._pdeathsig_before = before
+        if not self._installed:
+            self._catch((signal.SIGTERM,))
+        self._start_watchdog()
 
     def install(self, config: ExitConfig | None = None) -> None:
         """The exit-signal handlers of ``config`` (default: the constructor's), and the tie
@@ -281,22 +385,43 @@ class ExitMonitor:
         if config is not None:
             self.config = config
         self._pid = os.getpid()
-        if self.config.exit_signal_handler:
-            self._install_handlers()
+        self._installed = True
+        self._catch(self.config.signals if self.config.exit_signal_handler else ())
         self.tie_to_launcher()
+        self._start_watchdog()
 
-    def _install_handlers(self) -> None:
+    def _catch(self, signums: tuple[int, ...]) -> None:
+        """Handle exactly ``signums`` (restoring the others this monitor took), through the
+        wakeup pipe as well."""
         if threading.current_thread() is not threading.main_thread():
             # Python lets only the main thread set handlers (e.g. pretrain() run in a thread).
             logger.warning("not in the main thread: --exit-signal-handler is not installed")
             return
-        for signum in self.config.signals:
+        for signum in [s for s in self._previous if s not in signums]:
+            signal.signal(signum, self._previous.pop(signum))
+        for signum in signums:
             # Installed again for each run of a sweep: keep the handler from before the first.
             self._previous.setdefault(signum, signal.signal(signum, self._handle))
+        if self._previous and self._wakeup is None:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wakeup = (read, write)
+            self._wakeup_before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog is None and (self._links or self._wakeup is not None):
+            self._stop.clear()
+            self._watchdog = threading.Thread(target=self._watch, name="exit-watchdog",
+                                              daemon=True)  # fmt: skip
+            self._watchdog.start()
 
     def uninstall(self) -> None:
         self._stop.set()
         if self._watchdog is not None:
+            if self._wakeup is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._wakeup[1], b"\0")  # wakes it; 0 is no signal
             self._watchdog.join(timeout=5)
             self._watchdog = None
         if self._pdeathsig_before is not None:
@@ -305,6 +430,12 @@ class ExitMonitor:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._wakeup_before if self._wakeup_before is not None else -1)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = self._wakeup_before = None
+        self._links, self._tied, self._installed = [], False, False
 
     def _handle(self, signum: int, frame) -> None:
         # Only flags: this runs between two bytecodes of whatever the main thread was doing.
@@ -313,6 +444,7 @@ class ExitMonitor:
         now = time.monotonic()
         if not self.received:
             self.received, self._first_seen = signum, now
+            self._seen_in = self._seen_in or self.phase
             return
         if (
             signum == signal.SIGINT == self.received
@@ -337,37 +469,103 @@ class ExitMonitor:
             _LEFTOVER_HOOK = True
         return functools.partial(ignore_in_worker, tuple(int(s) for s in self._previous))
 
-    # -- the launcher ---------------------------------------------------------------------
+    # -- the watchdog ---------------------------------------------------------------------
 
-    def _tie_to_launcher(self) -> None:
-        parent = os.getppid()
-        links = [(self._pid, parent)]
-        stat = proc_stat(parent)
-        if stat is not None and _DEEPSPEED_NODE_LAUNCHER in _cmdline(parent):
-            # DeepSpeed's per-node launcher outlives the `deepspeed` runner above it (the
-            # runner has no signal handler on a single node): watch the runner as well.
-            links.append((parent, stat.ppid))
-        before = get_pdeathsig()
-        if set_pdeathsig(signal.SIGTERM):
-            self._pdeathsig_before = before
-        self._stop.clear()
-        self._watchdog = threading.Thread(
-            target=self._watch, args=(links,), name="launcher-watchdog", daemon=True
-        )
-        self._watchdog.start()
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._wait_for_signal()
+            if self._stop.is_set():
+                return
+            self._check_links()
+            if self._signalled == signal.SIGTERM and self._links and not self._deferred:
+                # The launcher's death signal comes when the thread that started us exits,
+                # which may be a moment before the rest of the launcher (the re-parenting
+                # that shows it): wait for that, to name the launcher rather than a SIGTERM.
+                deadline = time.monotonic() + _DEATH_GRACE_S
+                while self._links and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    self._check_links()
+            self.exit_unless_deferred()
 
-    def _watch(self, links: list[tuple[int, int]]) -> None:
-        while not self._stop.wait(self.watchdog_interval):
-            for child, parent in links:
-                stat = proc_stat(child)
-                if stat is None or stat.ppid != parent:
-                    # A process's children are re-parented the moment it exits.
-                    self.launcher_gone = f"launcher process {parent} exited"
-                    if not self._previous:
-                        # Nothing will read the flag (start-up, or no exit handler): end the
-                        # rank as the launcher's own death signal would.
-                        os.kill(self._pid, signal.SIGTERM)
-                    return
+    def _check_links(self) -> None:
+        for child, parent in self._links:
+            stat = proc_stat(child)
+            if stat is None or stat.ppid != parent:
+                # A process's children are re-parented the moment it exits.
+                name = self._names[parent]
+                self.launcher_gone = f"launcher process {parent} ({name}) exited"
+                self._seen_in = self._seen_in or self.phase
+                self._links = []
+
+    def _wait_for_signal(self) -> None:
+        if self._wakeup is None:
+            self._stop.wait(self.watchdog_interval)
+            return
+        ready, _, _ = select.select([self._wakeup[0]], [], [], self.watchdog_interval)
+        if not ready:
+            return
+        with contextlib.suppress(BlockingIOError):
+            for signum in os.read(self._wakeup[0], 64):
+                # Other signals with a Python handler (torch's SIGCHLD) come through too.
+                if signum in self._previous and not self._signalled:
+                    self._signalled = signum
+                    self._seen_in = self._seen_in or self.phase
+
+    @contextlib.contextmanager
+    def deferred(self, phase: str = "training"):
+        """While the training loop runs: exit requests are flags that the loop reads at the
+        end of every iteration (save, then exit 0); a request the loop did not answer is
+        acted on when it ends. An exception leaving the loop is the run's end, reported by
+        the driver in its own line."""
+        with self._lock:
+            self._deferred += 1
+            before, self.phase = self.phase, phase
+        try:
+            yield
+        except BaseException:
+            self._answered = True
+            raise
+        finally:
+            with self._lock:
+                self._deferred -= 1
+                self.phase = before
+        self.exit_unless_deferred()
+
+    def answer_pending(self) -> None:
+        """For an error that ends the rank outside the loop: a launcher killed outright closes
+        its sockets (the rendezvous store's) a moment before its children are re-parented,
+        so the error may be the first sign of its death. Waits that moment, and ends the
+        rank with the launcher's line if that is what happened (or a signal came)."""
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        while self._links and not self._answered and time.monotonic() < deadline:
+            self._check_links()
+            time.sleep(0.02)
+        self.exit_unless_deferred()
+
+    def exit_unless_deferred(self) -> None:
+        """Outside the training loop, a launcher that died or an exit signal ends the process
+        now, with one line (watchdog thread, or the loop's end)."""
+        with self._lock:  # held until os._exit: the loop cannot start a save meanwhile
+            if self._deferred or self._answered:
+                return
+            signum = self.received or self._signalled
+            if self.launcher_gone is not None:
+                what, code = self.launcher_gone, 1
+            elif signum:
+                what, code = f"{signal.Signals(signum).name} received", 128 + signum
+            else:
+                return
+            for action in self.exit_actions:
+                with contextlib.suppress(Exception):
+                    action()
+            who = f"{self.program}: error: rank {launcher_rank()}"
+            line = f"{who}: {what} during {self._seen_in or self.phase}; exiting\n"
+            # A write blocked by a stalled reader must not keep the rank alive (stderr's mode
+            # is shared with the launcher and the shell: not made non-blocking).
+            signal.alarm(5)
+            with contextlib.suppress(OSError):
+                os.write(2, line.encode())
+            os._exit(code)
 
     # -- the decision -----------------------------------------------------------------------
 
@@ -379,7 +577,8 @@ class ExitMonitor:
         return [int(self.received), int(self.launcher_gone is not None), int(over)]
 
     def reason(self, flags: list[int]) -> str | None:
-        """The reason to stop for flags reduced over every rank, or None."""
+        """The reason to stop for flags reduced over every rank, or None. Not None is the
+        loop's decision to save and stop: requests after it are answered by that."""
         signum, gone, over = (int(f) for f in flags)
         reasons = []
         if signum:
@@ -388,6 +587,8 @@ class ExitMonitor:
             reasons.append("a rank's launcher exited (ranks never outlive their launcher)")
         if over:
             reasons.append(f"--exit-duration-in-mins {self.config.exit_duration_in_mins:g} reached")
+        if reasons:
+            self._answered = True
         return "; ".join(reasons) or None
 
     def should_exit(self, device) -> str | None:

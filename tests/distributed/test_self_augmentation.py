@@ -288,3 +288,70 @@ def test_generations_kept_for_the_checkpoints_in_save(tmp_path):
     no_save = run_distributed(_run_epochs, 1, str(tmp_path / "store2"), None, 3)
     assert no_save == [[2]]
     assert os.path.isfile(tmp_path / "store" / "gen_00004" / "manifest.json")
+
+
+def _resumed_epoch(rank, world_size, root, change):
+    """Epoch 0 up to a checkpoint halfway (its rows flushed), then the processes die; maybe
+    a token of a row written before the checkpoint changes on disk (to another valid id);
+    the resumed run replays the steps after the checkpoint and ends the epoch."""
+    from megatron_taco.training.checkpointing import RunError
+
+    parallel = init_parallel(1)
+    order = np.random.default_rng(5).permutation(N).tolist()
+    chunk = MICRO * parallel.dp_size
+    steps = [order[s + parallel.dp_rank * MICRO : s + (parallel.dp_rank + 1) * MICRO]
+             for s in range(0, N, chunk)]  # fmt: skip
+    half = len(steps) // 2
+    trainer, state = _trainer(parallel), TrainingState()
+    for resumed, run in enumerate((steps[:half], steps[half:])):
+        callback = _callback(root, N)
+        callback.on_train_start(trainer, state)
+        callback.on_epoch_start(trainer, state, 0)
+        for mine in run:
+            callback.after_micro_batch(trainer, state, *micro_batch(mine, 0, 1))
+        if not resumed:
+            callback.on_save(trainer, state)  # the checkpoint
+            callback.writer.close()  # the crash: the kernel closes its files
+            torch.distributed.barrier()
+            if change and rank == 0:
+                _change_token(root, callback.layout, order[0])
+            torch.distributed.barrier()
+    try:
+        callback.on_epoch_end(trainer, state, 0)
+    except RunError as e:
+        return str(e)
+    return committed_generations(root)
+
+
+def _change_token(root: str, layout: StoreLayout, instance: int) -> None:
+    k, row = divmod(instance, layout.rows_per_shard)
+    path = Path(root) / "gen_00000" / layout.shard_file(k)
+    with open(path, "r+b") as f:
+        f.seek(row * layout.record_bytes)
+        token = int(np.frombuffer(f.read(2), dtype=layout.dtype)[0])
+        f.seek(row * layout.record_bytes)
+        f.write(np.array([(token + 1) % VOCAB], dtype=layout.dtype).tobytes())
+
+
+def test_a_row_changed_between_its_write_and_the_commit_stops_every_rank(tmp_path):
+    """The issue's fault: in-range bytes changed in the generation being written, then a
+    resume. Without the change, the resumed generation is the uninterrupted one."""
+    run_distributed(_write_generation, 2, 1, str(tmp_path / "reference"))
+    clean = run_distributed(_resumed_epoch, 2, str(tmp_path / "clean"), False)
+    assert clean == [[0], [0]]
+    assert _store_files(tmp_path / "clean") == _store_files(tmp_path / "reference")
+    messages = run_distributed(_resumed_epoch, 2, str(tmp_path / "changed"), True)
+    first = int(np.random.default_rng(5).permutation(N)[0])
+    layout = _callback(str(tmp_path), N).layout
+    k, row = divmod(first, layout.rows_per_shard)
+    shard = tmp_path / "changed" / "gen_00000" / layout.shard_file(k)
+    assert (
+        messages
+        == [
+            f"--replacement-store: {shard}: row {row} (instance {first}) does not match the "
+            "checksum written with it (the shard changed on disk after the row was written); 1 "
+            "such row(s); refusing to commit generation 0"
+        ]
+        * 2
+    )
+    assert not (tmp_path / "changed" / "gen_00000" / "manifest.json").exists()

@@ -4,12 +4,15 @@ fp32, tp 1 x dp 2, a checkpoint every 2 iterations):
 * kill -9 at several points of a save (MEGATRON_TACO_TEST_KILL_AT), including while an
   iteration the tracker names is saved again after a --ckpt-step rollback: "latest" always
   names a checkpoint that verifies, and the next run resumes from it;
-* --load-fallback resumes from the last complete checkpoint when the tracker's is corrupt;
+* --load-fallback resumes from the last complete checkpoint when the tracker's is corrupt,
+  or verifies but does not fit the model (one line without it);
 * a corrupt, truncated or missing file, a malicious pickle (also with --finetune
   --no-load-rng), a garbage tracker, a truncated .bin and an unusable --save are one line
   and exit 2 before any process group;
 * a full disk (a small tmpfs, else a file-size limit) fails the save with the path and the
-  free space, removes the partial directory and keeps the previous checkpoint as latest.
+  free space, removes the partial directory and keeps the previous checkpoint as latest;
+* a second run on a --save in use is one line naming the first; a killed run's lock is taken
+  over by the next run.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from __future__ import annotations
 import json
 import resource
 import shutil
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +37,7 @@ from megatron_taco.training.checkpointing import (
     TRACKER_FILENAME,
     _manifest_entry,
     _write_metadata,
+    safe_torch_load,
     verify_checkpoint,
 )
 from tests.helpers import ENV, REPO, deepspeed_command, train_records
@@ -157,17 +164,46 @@ def test_corrupt_model_file_is_refused_before_rendezvous_or_fallen_back_from(
     verify_checkpoint(str(save), 4)  # the corrupt 4 was replaced by a good one
 
 
+def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_or_fallen_back_from(
+    botchan_dataset, base, tmp_path
+):
+    # The issue's fault: a loadable model file with other keys, its manifest re-signed.
+    save = copy_of(base, tmp_path)
+    model = save / "iter_0000004" / "mp_rank_00_model_states.pt"
+    states = safe_torch_load(str(model))
+    key = next(iter(states["module"]))
+    states["module"][f"{key}_renamed"] = states["module"].pop(key)
+    torch.save(states, model)
+    _resign(model.parent)
+    verify_checkpoint(str(save), 4)
+    res = launch(botchan_dataset, save, "--load", str(save), "--train-iters", "4")
+    assert res.returncode == 2, show(res)
+    (line,) = errors(res)  # the same one line from both ranks
+    assert f"--load: {model} does not fit this model: it lacks {key}; it has {key}_renamed" in line
+    assert "the last complete checkpoint there is iteration 2: pass --ckpt-step 2" in line
+    assert "Traceback" not in res.stderr
+    res = launch(botchan_dataset, save, "--load", str(save), "--train-iters", "4",
+                 "--load-fallback", "--metrics-file", str(tmp_path / "m.jsonl"))  # fmt: skip
+    assert res.returncode == 0, show(res)
+    assert "--load-fallback: loading iteration 2 instead" in res.stderr
+    assert f"resumed from {save} at iteration 2" in res.stdout
+
+
+def _resign(iter_dir: Path) -> None:
+    """A manifest that matches the files, as a tool (or an attacker) would write it."""
+    meta = json.loads((iter_dir / METADATA_FILENAME).read_text())
+    files = {name: _manifest_entry(str(iter_dir / name)) for name in meta.pop("files")}
+    meta.pop("checksum")
+    _write_metadata(str(iter_dir), meta, files)
+
+
 def _plant(path: Path, marker: Path) -> None:
     class Marker:
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
     torch.save({"module": Marker()}, path)
-    iter_dir = path.parent  # with a manifest that matches, as an attacker would write it
-    meta = json.loads((iter_dir / METADATA_FILENAME).read_text())
-    files = {name: _manifest_entry(str(iter_dir / name)) for name in meta.pop("files")}
-    meta.pop("checksum")
-    _write_metadata(str(iter_dir), meta, files)
+    _resign(path.parent)
 
 
 def test_damaged_files_are_one_line_before_any_process_group(
@@ -258,3 +294,47 @@ def test_full_disk_fails_the_save_cleanly(botchan_dataset, base, tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_second_run_on_one_save_is_refused_and_a_killed_ones_lock_taken_over(
+    botchan_dataset, tmp_path
+):
+    # Plain python (rank 0 alone): the lock is rank 0's whatever the launcher.
+    save, log = tmp_path / "ckpt", tmp_path / "first.log"
+
+    def command(*extra: str) -> list[str]:
+        return [sys.executable, "pretrain_taco.py", *taco_args(botchan_dataset, save, *extra)]
+
+    with open(log, "w") as out:
+        first = subprocess.Popen(command("--train-iters", "2000"), cwd=REPO, env=ENV, stdout=out,
+                                 stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / TRACKER_FILENAME).exists():  # its first save, at iteration 2
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        second = subprocess.run(command("--train-iters", "2000"), cwd=REPO, env=ENV,
+                                capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert second.returncode == 2, show(second)
+        assert errors(second) == {
+            f"pretrain_taco.py: error: --save: {save} is in use by another run (pid {first.pid} "
+            f"on host {socket.gethostname()}, since {lock_record(save)['since']}; "
+            f"{save / 'run.lock'}): wait for it to end, or give another --save"
+        }, show(second)
+        assert "Traceback" not in second.stderr and first.poll() is None
+    finally:
+        first.kill()  # kill -9: its lock's record stays behind
+        first.wait()
+    assert lock_record(save)["pid"] == first.pid
+    stopped = tracker(save)
+    res = subprocess.run(command("--load", str(save), "--train-iters", str(stopped + 1)),
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert res.returncode == 0, show(res)
+    assert f"was held by pid {first.pid} on host {socket.gethostname()}" in res.stderr
+    assert "which is no longer running; taking it over" in res.stderr
+    assert f"resumed from {save} at iteration {stopped}" in res.stdout
+    assert not (save / "run.lock").exists()
+
+
+def lock_record(save: Path) -> dict:
+    return json.loads((save / "run.lock").read_text())

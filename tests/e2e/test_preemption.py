@@ -34,6 +34,8 @@ from tests.helpers import (
     TACO_METRIC_KEYS,
     deepspeed,
     deepspeed_command,
+    free_port,
+    run,
     train_records,
 )
 
@@ -303,3 +305,80 @@ def test_taco_launch_returns_only_after_the_ranks_saved(botchan_dataset, tmp_pat
     assert f" exiting at iteration {stopped}: SIGTERM received" in out
     assert "taco-launch: SIGTERM passed to 2 rank(s) on this node" in out
     assert "Traceback" not in out
+
+
+# -- the torchrun agent killed at any point (issue 22 item 1) ------------------------------
+
+
+def torchrun_command(*args: str) -> list[str]:
+    return [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+            "pretrain_taco.py", *args]  # fmt: skip
+
+
+def pausing_at(log: Path, count: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while log.read_text().count(f"{PAUSE_ENV}: ") < count:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def kill_agent(proc: subprocess.Popen, log: Path) -> tuple[str, float]:
+    """SIGKILL to torchrun's agent (what a node's OOM killer or a crashed agent does); its
+    output and how long its ranks outlived it."""
+    ranks = psutil.Process(proc.pid).children()
+    assert len(ranks) == 2, ranks
+    proc.kill()
+    took = seconds_until_gone(ranks, timeout=120)
+    out = log.read_text()
+    assert not any(alive(r) for r in ranks), out[-3000:]
+    return out, took
+
+
+def test_killing_the_torchrun_agent_at_any_point_leaves_no_rank(botchan_dataset, tmp_path):
+    from megatron_taco.training.checkpointing import verify_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    args = taco_args(botchan_dataset, "--train-iters", LONG_RUN, "--save", str(ckpt))
+    took = {}
+    # Mid-training: the kernel's death signal is an exit request; the ranks save and stop.
+    log = tmp_path / "training.log"
+    proc = start_with(torchrun_command(*args), log, {})
+    try:
+        wait_for_iteration(proc, ckpt / "metrics.jsonl", 3)
+        out, took["training"] = kill_agent(proc, log)
+    finally:
+        kill_session(proc)
+    stopped = latest(ckpt)
+    assert f" exiting at iteration {stopped}: SIGTERM received" in out, out[-3000:]
+    assert f"saved checkpoint {ckpt}/iter_{stopped:07d}" in out and "Traceback" not in out
+    # Outside the loop nothing reads the flags: each rank ends at once, one line each. Rank 1
+    # is held before its rendezvous while rank 0 waits in it (its store connection in C++),
+    # then rank 0 is held in its data set-up while rank 1 waits for it in a collective.
+    holds = {
+        "rendezvous": ("before_rendezvous@1:600,before_rendezvous@0:0", 2,
+                       ["the rendezvous", "start-up"]),
+        "set-up": ("before_build@0:600", 1, ["data and model set-up"] * 2),
+    }  # fmt: skip
+    for name, (pause, announced, phases) in holds.items():
+        log = tmp_path / f"{name}.log"
+        proc = start_with(torchrun_command(*args, "--load", str(ckpt)), log, {PAUSE_ENV: pause})
+        try:
+            pausing_at(log, announced)
+            time.sleep(3)  # the rank that is not held reaches its blocking call
+            out, took[name] = kill_agent(proc, log)
+        finally:
+            kill_session(proc)
+        ours = sorted(line for line in out.splitlines() if line.startswith("pretrain_taco.py: "))
+        gone = f"launcher process {proc.pid} (torchrun) exited"
+        assert ours == [
+            f"pretrain_taco.py: error: rank {rank}: {gone} during {phase}; exiting"
+            for rank, phase in enumerate(phases)
+        ], out[-3000:]
+        assert "Traceback" not in out
+        assert latest(ckpt) == stopped and not (ckpt / "run.lock").exists()
+        verify_checkpoint(str(ckpt), stopped)
+    print(f"ranks gone after the agent's SIGKILL (s): {took}")
+    # The last checkpoint loads, and --save is free again.
+    resumed = run(torchrun_command(*taco_args(botchan_dataset, "--train-iters", str(stopped + 1),
+                                              "--save", str(ckpt), "--load", str(ckpt))))  # fmt: skip
+    assert f"resumed from {ckpt} at iteration {stopped}" in resumed.stdout

@@ -508,3 +508,61 @@ def test_checkpoint_flags_are_cross_checked(tmp_path):
         prepare(_training(str(tmp_path)), ds={"checkpoint": {"load_universal": True}})
     # A --load without a tracker is a fresh start, as in Megatron.
     assert prepare(_training(str(tmp_path), load=load)) is None
+
+
+# ---------------------------------------------------------------------------------------
+# A checkpoint that verifies but does not fit the model (issue 22 item 4)
+
+
+def _misfit_worker(rank, world_size, load, fallback):
+    from megatron_taco.parallel.state import init_parallel
+
+    parallel = init_parallel(1)
+    engine = _engine(_training(load), parallel).engine
+    try:
+        return ckpt.load_fitting_checkpoint(engine, load, parallel, ckpt_step=8, fallback=fallback)
+    except ConfigError as e:
+        return str(e)
+
+
+def _resave(path: Path, change) -> None:
+    """The model file loaded, changed, saved again, its manifest re-signed: it verifies."""
+    states = ckpt.safe_torch_load(str(path))
+    torch.save(change(states), path)
+    _rewrite_manifest(path.parent)
+    ckpt.verify_checkpoint(str(path.parent.parent), 8)
+
+
+def _other_keys(states):
+    module = states["module"]
+    module["norm.gamma"] = module.pop("norm.weight")
+    del module["out.bias"]
+    module["embed.weight"] = torch.zeros(VOCAB + 1, 16)
+    module["extra"] = torch.zeros(1)
+    return states
+
+
+def test_a_checkpoint_whose_tensors_do_not_fit_is_one_line_or_fallen_back_from(two_checkpoints):
+    load, path = two_checkpoints, _model_file(two_checkpoints)
+    _resave(path, _other_keys)
+    lines = run_distributed(_misfit_worker, 2, str(load), False)
+    assert (
+        lines
+        == [
+            f"--load: {path} does not fit this model: it lacks norm.weight, out.bias; it has "
+            "norm.gamma, extra, which this model does not; embed.weight has another shape there; "
+            "the last complete checkpoint there is iteration 6: pass --ckpt-step 6, or "
+            "--load-fallback to fall back automatically"
+        ]
+        * 2
+    )
+    # --load-fallback: the one before it, as for a checkpoint that does not verify.
+    assert run_distributed(_misfit_worker, 2, str(load), True) == [TrainingState(6, 24)] * 2
+    # A loadable pickle with other keys altogether (no "module" state dict).
+    _resave(path, lambda states: {"weights": torch.zeros(2), "step": 8})
+    lines = run_distributed(_misfit_worker, 2, str(load), False)
+    assert lines[0] == lines[1] and "\n" not in lines[0]
+    assert lines[0].startswith(
+        f"--load: {path} holds no 'module' state dict (found dict step, weights): not a model "
+        "states file; the last complete checkpoint there is iteration 6: pass --ckpt-step 6"
+    )

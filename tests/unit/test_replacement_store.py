@@ -147,10 +147,10 @@ def test_manifest_holds_layout_and_shard_records(tmp_path):
     layout = StoreLayout(num_instances=7, width=2, vocab_size=100, num_shards=2)
     _write_all(tmp_path, layout)
     obj = json.loads(Path(manifest_path(tmp_path, 0)).read_text())
-    assert obj["format"] == "megatron_taco.replacement_store" and obj["version"] == 1
+    assert obj["format"] == "megatron_taco.replacement_store" and obj["version"] == 2
     assert obj["complete"] is True and obj["generation"] == 0
     assert obj["layout"] == dict(
-        num_instances=7, width=2, vocab_size=100, num_shards=2, dtype="uint16"
+        num_instances=7, width=2, vocab_size=100, num_shards=2, dtype="uint16", version=2
     )
     first = obj["shards"][1]
     assert (first["file"], first["first_instance"], first["num_instances"]) == (
@@ -158,7 +158,8 @@ def test_manifest_holds_layout_and_shard_records(tmp_path):
         4,
         3,
     )
-    assert first["bytes"] == 3 * 2 * 2 == os.path.getsize(shard_path(tmp_path, 0, layout, 1))
+    # 3 rows of 2 uint16 ids and a uint32 checksum each
+    assert first["bytes"] == 3 * (2 * 2 + 4) == os.path.getsize(shard_path(tmp_path, 0, layout, 1))
 
 
 def test_repeated_instance_in_one_batch_last_wins(tmp_path):
@@ -398,8 +399,8 @@ def test_sigkill_during_shard_creation_leaves_no_shard(tmp_path, stage):
     # A fresh writer clears the leftover and creates the shard whole.
     GenerationWriter(tmp_path, 0, layout, [0]).close()
     assert not [p for p in gen.iterdir() if p.name.endswith(".tmp")]
-    data = np.fromfile(path, dtype=layout.dtype)
-    assert data.size == 1000 * layout.width and (data == layout.sentinel).all()
+    data = np.fromfile(path, dtype=np.uint8)  # ids and checksums: all the sentinel's bytes
+    assert data.size == 1000 * layout.record_bytes and (data == 0xFF).all()
 
 
 # ---------------------------------------------------------------------------------------
@@ -443,14 +444,14 @@ def test_missing_shard(tmp_path):
 def test_truncated_shard(tmp_path):
     _, shard, _ = _committed(tmp_path)
     os.truncate(shard, 17)
-    assert _error(tmp_path, verify=False) == f"{shard}: truncated (size 17 bytes, expected 340)"
+    assert _error(tmp_path, verify=False) == f"{shard}: truncated (size 17 bytes, expected 476)"
 
 
 def test_grown_shard(tmp_path):
     _, shard, _ = _committed(tmp_path)
     with open(shard, "ab") as f:
         f.write(b"\0\0")
-    assert _error(tmp_path) == f"{shard}: wrong size (342 bytes, expected 340)"
+    assert _error(tmp_path) == f"{shard}: wrong size (478 bytes, expected 476)"
 
 
 def test_corrupt_shard_fails_the_checksum(tmp_path):
@@ -474,7 +475,7 @@ def test_missing_manifest(tmp_path):
         (lambda p: Path(p).write_text("[1, 2]"), "expected a JSON object"),
         (
             lambda p: _edit_manifest(p, lambda o: o.update(version=7)),
-            r"format version 7 is not supported \(expected 1\)",
+            r"format version 7 is not supported \(expected 2\)",
         ),
         (
             lambda p: _edit_manifest(p, lambda o: o.update(complete=False)),
@@ -617,7 +618,7 @@ def test_memory_is_flat_in_the_number_of_instances(tmp_path):
     small = _peak_rss(tmp_path / "small", 20_000)
     large = _peak_rss(tmp_path / "large", 2_000_000)
     in_ram_kb = 2_000_000 * 20 * 2 // 1024  # what an [N, W] uint16 array would cost
-    assert os.path.getsize(tmp_path / "large" / "gen_00000" / "shard_00000.bin") == 500_000 * 40
+    assert os.path.getsize(tmp_path / "large" / "gen_00000" / "shard_00000.bin") == 500_000 * 44
     growth_kb = large["peak_kb"] - small["peak_kb"]
     print(f"peak RSS kB: small={small} large={large} growth={growth_kb} in-RAM array={in_ram_kb}")
     assert growth_kb < 0.25 * in_ram_kb
@@ -633,3 +634,110 @@ def test_scanning_uses_bounded_chunks(tmp_path, monkeypatch):
     np.testing.assert_array_equal(
         GenerationReader(tmp_path, 0).read(np.arange(41)), _rows(np.arange(41), layout)
     )
+
+
+# ---------------------------------------------------------------------------------------
+# row checksums: a row changed between its write and the commit (issue 22 item 3)
+
+
+def _set_token(root, layout, generation, instance, slot, value):
+    """Overwrites one token id of a stored row in place (the checksum is left as written)."""
+    k = instance // layout.rows_per_shard
+    offset = (instance - k * layout.rows_per_shard) * layout.record_bytes
+    offset += slot * layout.dtype.itemsize
+    with open(shard_path(root, generation, layout, k), "r+b") as f:
+        f.seek(offset)
+        f.write(np.array([value], dtype=layout.dtype).tobytes())
+
+
+def _interrupted(root, layout, generation=1, seed=0):
+    """A generation written up to a checkpoint (flushed), then the process is gone: every row
+    but those of the schedule's second half, which the resumed run replays."""
+    schedule = _schedule(layout, seed)
+    half = len(schedule) // 2
+    with GenerationWriter(root, generation, layout, range(layout.num_shards)) as writer:
+        for batch in schedule[:half]:
+            writer.write(batch, _rows(batch, layout, seed))
+        writer.flush()
+    return schedule[:half], schedule[half:]
+
+
+def _resume(root, layout, replay, generation=1, seed=0):
+    with GenerationWriter(root, generation, layout, range(layout.num_shards)) as writer:
+        for batch in replay:
+            writer.write(batch, _rows(batch, layout, seed))
+        writer.flush()
+    return commit_generation(root, generation, layout)
+
+
+@pytest.mark.parametrize("vocab", [1000, 70_000])  # uint16 and uint32 ids
+def test_a_row_changed_before_the_commit_is_refused_by_shard_and_row(tmp_path, vocab):
+    layout = StoreLayout(num_instances=60, width=5, vocab_size=vocab, num_shards=3)
+    written, replay = _interrupted(tmp_path, layout)
+    victim = int(written[0][0])  # written before the checkpoint: the replay leaves it
+    good = int(_rows(np.array([victim]), layout)[0, 2])
+    _set_token(tmp_path, layout, 1, victim, 2, (good + 1) % vocab)  # still a valid token id
+    with pytest.raises(ReplacementStoreError) as refused:
+        _resume(tmp_path, layout, replay)
+    k, r = divmod(victim, layout.rows_per_shard)
+    assert str(refused.value) == (
+        f"{shard_path(tmp_path, 1, layout, k)}: row {r} (instance {victim}) does not match the "
+        "checksum written with it (the shard changed on disk after the row was written); 1 "
+        "such row(s); refusing to commit generation 1"
+    )
+    assert not os.path.exists(manifest_path(tmp_path, 1))
+    # The same interruption without the change commits what an uninterrupted writer commits.
+    clean, reference = tmp_path / "clean", tmp_path / "reference"
+    _, replay = _interrupted(clean, layout)
+    assert _resume(clean, layout, replay).shards == _write_all(reference, layout, 1).shards
+
+
+def test_a_changed_checksum_or_a_row_moved_to_another_instance_is_refused(tmp_path):
+    layout = StoreLayout(num_instances=20, width=3, vocab_size=500, num_shards=1)
+    written, replay = _interrupted(tmp_path, layout)
+    a, b = sorted(int(i) for i in np.concatenate(written)[:2])  # the replay leaves them
+    shard, size = Path(shard_path(tmp_path, 1, layout, 0)), layout.record_bytes
+    clean = shard.read_bytes()
+    data = bytearray(clean)
+    data[a * size : (a + 1) * size] = clean[b * size : (b + 1) * size]
+    data[b * size : (b + 1) * size] = clean[a * size : (a + 1) * size]
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ReplacementStoreError, match=rf"row {a} \(instance {a}\) does not match"):
+        _resume(tmp_path, layout, replay)
+    data = bytearray(shard.read_bytes())  # the replay's rows, the two rows in place again
+    data[a * size : (a + 1) * size] = clean[a * size : (a + 1) * size]
+    data[b * size : (b + 1) * size] = clean[b * size : (b + 1) * size]
+    data[(a + 1) * size - 1] ^= 0x10  # a bit of the checksum alone
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ReplacementStoreError, match=rf"row {a} \(instance {a}\) does not match"):
+        commit_generation(tmp_path, 1, layout)
+
+
+def test_a_row_changed_after_the_commit_is_refused_when_read(tmp_path):
+    layout = StoreLayout(num_instances=30, width=4, vocab_size=300, num_shards=2)
+    _write_all(tmp_path, layout, generation=2)
+    reader = GenerationReader(tmp_path, 2)  # verified
+    good = int(_rows(np.array([17]), layout)[0, 0])
+    _set_token(tmp_path, layout, 2, 17, 0, (good + 7) % 300)
+    k, r = divmod(17, layout.rows_per_shard)
+    with pytest.raises(ReplacementStoreError, match=rf"row {r} \(instance 17\) does not match"):
+        reader.read(np.array([3, 17]))  # a worker's read, after the epoch start's verification
+    np.testing.assert_array_equal(reader.read([3]), _rows(np.array([3]), layout))
+    with pytest.raises(ReplacementStoreError, match=r"checksum mismatch \(crc32 "):
+        GenerationReader(tmp_path, 2)
+
+
+def test_every_single_token_change_changes_the_checksum():
+    # Any delta of one slot is delta * (odd multiplier) != 0 mod 2^32: tried exhaustively
+    # over the slots of random rows, with small, large and wrapping deltas.
+    rng = np.random.default_rng(0)
+    width = 7
+    ids = rng.integers(0, 2**31, 50)
+    rows = rng.integers(0, 2**32 - 1, (50, width), dtype=np.uint64).astype(np.uint32)
+    base = rs.row_checksums(ids, rows)
+    for delta in (1, 2, 3, 1 << 15, 1 << 16, 1 << 31, 2**32 - 1):
+        for slot in range(width):
+            changed = rows.copy()
+            changed[:, slot] += np.uint32(delta % 2**32)  # wraps like a stored uint32
+            assert (rs.row_checksums(ids, changed) != base).all(), (delta, slot)
+    assert (rs.row_checksums(ids + 1, rows) != base).all()

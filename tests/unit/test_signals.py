@@ -70,16 +70,17 @@ def test_a_signal_only_sets_the_flag_and_teardown_restores_the_handlers():
     monitor = ExitMonitor(ExitConfig(exit_signals="SIGUSR1,SIGUSR2"), repeat_window=60)
     try:
         monitor.install()
-        assert monitor.should_exit("cpu") is None
-        os.kill(os.getpid(), signal.SIGUSR1)
-        wait_for(lambda: monitor.received)
-        # A repeat within the window (a launcher forwarding the group's signal) is the same
-        # request; another kind does not replace the first.
-        os.kill(os.getpid(), signal.SIGUSR1)
-        os.kill(os.getpid(), signal.SIGUSR2)
-        time.sleep(0.1)
-        assert monitor.received == signal.SIGUSR1
-        assert monitor.should_exit("cpu") == "SIGUSR1 received (--exit-signal-handler)"
+        with monitor.deferred():  # the training loop: outside, the signal would end pytest
+            assert monitor.should_exit("cpu") is None
+            os.kill(os.getpid(), signal.SIGUSR1)
+            wait_for(lambda: monitor.received)
+            # A repeat within the window (a launcher forwarding the group's signal) is the
+            # same request; another kind does not replace the first.
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(0.1)
+            assert monitor.received == signal.SIGUSR1
+            assert monitor.should_exit("cpu") == "SIGUSR1 received (--exit-signal-handler)"
     finally:
         monitor.uninstall()
         assert signal.getsignal(signal.SIGUSR1) is previous
@@ -113,18 +114,19 @@ def python(code: str, *args: str, **env: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-# Installs the handler (the default repeat window), says so, reports the first flag, then
-# keeps running.
+# Installs the handler (the default repeat window), enters the training loop, says so,
+# reports the first flag, then keeps running (a save).
 _HANDLER_CHILD = """
     import sys, time
     from megatron_taco.training.signals import ExitConfig, ExitMonitor
     monitor = ExitMonitor(ExitConfig())
     monitor.install()
-    print("ready", flush=True)
-    while not monitor.received:
-        time.sleep(0.01)
-    print("flag", monitor.received, flush=True)
-    time.sleep(60)
+    with monitor.deferred():
+        print("ready", flush=True)
+        while not monitor.received:
+            time.sleep(0.01)
+        print("flag", monitor.received, flush=True)
+        time.sleep(60)
 """
 
 
@@ -166,6 +168,38 @@ def test_later_signals_are_absorbed_until_the_save_is_done(first):
     finally:
         child.kill()
         child.wait()
+
+
+# A save in the loop that nothing answers (the signal came after the iteration's flags were
+# read): it completes, then the rank ends with one line.
+_SAVING_CHILD = """
+    import sys, time
+    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    monitor = ExitMonitor(ExitConfig(), program="rank.py")
+    monitor.install()
+    with monitor.deferred():
+        print("saving", flush=True)
+        time.sleep(1.5)
+        open(sys.argv[1], "w").write("complete")
+    print("not reached", flush=True)
+"""
+
+
+def test_a_signal_during_a_save_waits_for_it_then_ends_the_rank(tmp_path):
+    saved = tmp_path / "checkpoint"
+    child = python(_SAVING_CHILD, str(saved))
+    try:
+        assert child.stdout.readline() == "saving\n"
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    assert saved.read_text() == "complete"
+    assert code == 128 + signal.SIGTERM and child.stdout.read() == ""
+    assert (
+        child.stderr.read() == "rank.py: error: rank 0: SIGTERM received during training; exiting\n"
+    )
 
 
 _WORKER_CHILD = """
@@ -221,19 +255,29 @@ def test_dataloader_workers_ignore_exit_signals_and_die_with_their_rank():
 # A launcher that starts one rank; the rank reports what it noticed once its launcher died.
 _LAUNCHER = """
     import subprocess, sys, time
-    subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=open(sys.argv[2], "w"))
+    subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=open(sys.argv[2], "w"),
+                     stderr=subprocess.STDOUT)
     time.sleep(60)
 """
 _RANK = """
     import os, sys, time
     from megatron_taco.training.signals import ExitConfig, ExitMonitor
-    handler = os.environ["HANDLER"] == "1"
-    monitor = ExitMonitor(ExitConfig(exit_signal_handler=handler), watchdog_interval=0.05)
+    mode = os.environ["MODE"]
+    config = ExitConfig(exit_signal_handler=mode != "no handler")
+    monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
     monitor.install()
+    monitor.phase = "data set-up"
     print(os.getpid(), flush=True)
-    while not (monitor.received and monitor.launcher_gone):
-        time.sleep(0.01)
-    print(monitor.received, monitor.launcher_gone, flush=True)
+    if mode != "loop":
+        time.sleep(60)
+        sys.exit("still running")
+    with monitor.deferred():
+        while not (monitor.received and monitor.launcher_gone):
+            time.sleep(0.01)
+        print(monitor.received, monitor.launcher_gone, flush=True)
+        monitor.reason(monitor.local_flags())  # the loop answers: it saves, and returns
+        time.sleep(0.3)
+    print("saved and returned", flush=True)
 """
 
 
@@ -245,10 +289,10 @@ LAUNCHER_ENVS = {"deepspeed/torchrun": {"LOCAL_RANK": "0"},
 
 
 @pytest.mark.parametrize("launched_by", sorted(LAUNCHER_ENVS))
-@pytest.mark.parametrize("handler", [True, False])
-def test_a_rank_stops_when_its_launcher_dies(tmp_path, handler, launched_by):
+@pytest.mark.parametrize("mode", ["loop", "outside", "no handler"])
+def test_a_rank_stops_when_its_launcher_dies(tmp_path, mode, launched_by):
     out = tmp_path / "rank.out"
-    env = {**LAUNCHER_ENVS[launched_by], "HANDLER": str(int(handler))}
+    env = {**LAUNCHER_ENVS[launched_by], "MODE": mode}
     launcher = python(_LAUNCHER, textwrap.dedent(_RANK), str(out), **env)
     try:
         wait_for(lambda: out.is_file() and out.read_text().endswith("\n"), timeout=30)
@@ -259,10 +303,76 @@ def test_a_rank_stops_when_its_launcher_dies(tmp_path, handler, launched_by):
         launcher.kill()
         launcher.wait()
     lines = out.read_text().splitlines()
-    if handler:  # PR_SET_PDEATHSIG's SIGTERM and the watchdog: save and exit at the boundary
-        assert lines[1] == f"{int(signal.SIGTERM)} launcher process {launcher.pid} exited"
+    gone = f"launcher process {launcher.pid} (python) exited"
+    if mode == "loop":  # PR_SET_PDEATHSIG's SIGTERM and the watchdog: save and exit
+        assert lines[1:] == [f"{int(signal.SIGTERM)} {gone}", "saved and returned"]
+    elif mode == "outside":  # nothing reads the flags: one line, at once
+        assert lines[1:] == [f"rank.py: error: rank 0: {gone} during data set-up; exiting"]
     else:  # no handler: the kernel's SIGTERM ends the rank at once
         assert len(lines) == 1
+
+
+# A launcher that hosts the rendezvous store (as torchrun's agent does) and reports its
+# rank's exit code; the rank connects and waits in C++, where no Python handler runs.
+_STORE_LAUNCHER = """
+    import subprocess, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(store.port)],
+                            stdout=open(sys.argv[2], "w"), stderr=subprocess.STDOUT)
+    print("code", rank.wait(), flush=True)
+"""
+_STORE_RANK = """
+    import os, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    monitor = ExitMonitor(ExitConfig(), program="rank.py")
+    monitor.tie_to_launcher()
+    monitor.install()
+    monitor.phase = "the rendezvous"
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
+                          timeout=timedelta(seconds=600))
+    print(os.getpid(), flush=True)
+    try:
+        store.wait(["never set"])
+    except Exception:  # the dead launcher's store closed the connection first
+        monitor.answer_pending()
+        raise
+    print("the wait returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("event", ["launcher killed", "SIGTERM"])
+def test_a_rank_blocked_in_the_rendezvous_ends_with_one_line(tmp_path, event):
+    out = tmp_path / "rank.out"
+    launcher = python(_STORE_LAUNCHER, textwrap.dedent(_STORE_RANK), str(out), LOCAL_RANK="0")
+    try:
+        wait_for(lambda: out.is_file() and out.read_text().endswith("\n"), timeout=60)
+        rank = int(out.read_text().split()[0])
+        time.sleep(0.5)  # inside store.wait()
+        if event == "SIGTERM":
+            os.kill(rank, signal.SIGTERM)
+        else:
+            launcher.kill()
+        # Long before the store's own timeout (600 s) would give the main thread back.
+        wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z", timeout=30)
+        if event == "SIGTERM":
+            assert launcher.stdout.readline() == f"code {128 + signal.SIGTERM}\n"
+    finally:
+        launcher.kill()
+        launcher.wait()
+    what = (
+        "SIGTERM received"
+        if event == "SIGTERM"
+        else f"launcher process {launcher.pid} (python) exited"
+    )
+    text = out.read_text()
+    ours = [line for line in text.splitlines() if line.startswith("rank.py")]
+    assert ours == [f"rank.py: error: rank 0: {what} during the rendezvous; exiting"]
+    assert "Traceback" not in text
 
 
 # The deepspeed runner -> its per-node launcher -> a rank still parsing its flags and
@@ -276,7 +386,7 @@ _RUNNER = """
 _NODE_LAUNCHER = """
     import os, subprocess, sys, time
     subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=open(sys.argv[2], "w"),
-                     env={**os.environ, "LOCAL_RANK": "0"})
+                     stderr=subprocess.STDOUT, env={**os.environ, "LOCAL_RANK": "0"})
     time.sleep(60)
 """
 _SLOW_START_RANK = """
@@ -314,6 +424,12 @@ def test_a_rank_is_tied_to_its_launcher_before_its_flags_are_checked(tmp_path, d
         if launcher is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(launcher, signal.SIGKILL)
+    who = launcher if dies == "launcher" else runner.pid
+    lines = [line for line in out.read_text().splitlines() if ": error: " in line]
+    assert lines == [
+        f"pretrain_taco.py: error: rank 0: launcher process {who} (python) exited during "
+        "start-up; exiting"
+    ]
 
 
 # -- a peer that dies or hangs, over real gloo process groups --------------------------------

@@ -1,0 +1,193 @@
+"""One run per --save: an exclusive lock held for the life of the run.
+
+Two runs saving into one directory interleave their checkpoints (a requeued job that
+overlaps its predecessor, a command typed twice). ``{save}/run.lock`` is taken by the run's
+global rank 0 before any process group exists (the launcher's RANK), so that a second run is
+one line before its rendezvous. One rank for the whole run, not one per node: --save is
+shared by every node (each rank writes its own files there), and locks per node would
+refuse each other.
+
+* The lock is ``flock`` on the file, which the kernel releases when its holder dies
+  however it dies (and which NFSv4, Lustre with ``-o flock`` and GPFS extend across hosts),
+  plus a record in the file naming the holder: host, PID and its start time, the command.
+* A live holder (the flock is taken) is refused by its host and PID.
+* A record left by a process that died on this host (``kill -9``, a crash) is stale: the
+  PID is gone or belongs to another process now. It is taken over, in one line.
+* A record of another host cannot be checked from here (and its file system may not carry
+  locks across hosts): refused, naming the host and PID, with what to do if that run is gone.
+* Released (the file removed) when the run ends, also when the exit watchdog ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.training.signals import proc_stat
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILENAME = "run.lock"
+_MAX_RECORD = 1 << 16
+
+
+def _record() -> dict[str, Any]:
+    stat = proc_stat(os.getpid())
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start_ticks": stat.start_ticks if stat else None,
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv)[:500],
+    }
+
+
+def _read(fd: int) -> dict[str, Any] | None:
+    """The holder's record; None for an empty file (free) or one that is not ours."""
+    raw = os.pread(fd, _MAX_RECORD, 0)
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return record if isinstance(record, dict) and {"host", "pid"} <= set(record) else None
+
+
+def _alive(record: dict[str, Any]) -> bool:
+    """Whether the process a record of this host names is still running (same PID, same
+    start time: a reused PID is another process)."""
+    stat = proc_stat(record["pid"]) if isinstance(record["pid"], int) else None
+    if stat is None or stat.state in "ZXx":
+        return False
+    return record.get("start_ticks") in (None, stat.start_ticks)
+
+
+def _holder(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "another process (its record is missing or unreadable)"
+    since = f", since {record['since']}" if record.get("since") else ""
+    return f"pid {record['pid']} on host {record['host']}{since}"
+
+
+def _flock(fd: int, path: str) -> bool | None:
+    """True: taken; False: held by another open file; None: this file system has no locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            logger.warning("--save: %s cannot be locked here (%s); relying on its record alone",
+                           path, e.strerror)  # fmt: skip
+            return None
+        raise
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+class SaveLock:
+    """The held lock of one --save; release() is idempotent and thread-safe (the exit
+    watchdog may release it while the main thread does)."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self._fd = path, fd
+        self._mutex = threading.Lock()
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._fd is None:
+                return
+            try:
+                if _same_file(self._fd, self.path):
+                    os.unlink(self.path)  # while still locked: no one takes a dying file
+            except OSError as e:
+                logger.warning("--save: could not remove %s: %s", self.path, e.strerror)
+            finally:
+                os.close(self._fd)  # unlocks
+                self._fd = None
+
+
+def take_save_lock(save_dir: str) -> SaveLock:
+    """The lock on ``save_dir`` (which exists: check_save_dir made it), or a ConfigError naming
+    the run that holds it."""
+    path = os.path.join(save_dir, LOCK_FILENAME)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ConfigError(f"--save: cannot open {path}: {e.strerror or e}") from None
+        try:
+            locked = _flock(fd, path)
+            if locked and not _same_file(fd, path):
+                os.close(fd)  # its holder removed it between our open and flock: again
+                continue
+            _claim(fd, path, _read(fd), locked)
+            return SaveLock(path, fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+
+
+def _claim(fd: int, path: str, record: dict[str, Any] | None, locked: bool | None) -> None:
+    save_dir = os.path.dirname(path)
+    if locked is False:
+        raise ConfigError(
+            f"--save: {save_dir} is in use by another run ({_holder(record)}; {path}): "
+            "wait for it to end, or give another --save"
+        )
+    if record is not None:
+        if record["host"] != socket.gethostname():
+            raise ConfigError(
+                f"--save: {save_dir} is in use by a run on another host ({_holder(record)}; "
+                f"{path}): wait for it to end, or give another --save; if that run is gone "
+                f"(its node failed), remove {path}"
+            )
+        if _alive(record) and record["pid"] != os.getpid():
+            raise ConfigError(
+                f"--save: {save_dir} is in use by another run ({_holder(record)}; {path}): "
+                "wait for it to end, or give another --save"
+            )
+        if record["pid"] != os.getpid():
+            logger.warning("--save: %s was held by %s, which is no longer running; taking it "
+                           "over", path, _holder(record))  # fmt: skip
+    data = json.dumps(_record()).encode("utf-8")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+@contextlib.contextmanager
+def save_lock(save_dir: str | None, rank: int, exit_actions: list | None = None):
+    """Held by global rank 0 for the ``with`` block (nothing for other ranks or without
+    --save); ``exit_actions``: where an exit watchdog finds what to release before it ends
+    the process."""
+    if save_dir is None or rank != 0:
+        yield None
+        return
+    lock = take_save_lock(save_dir)
+    if exit_actions is not None:
+        exit_actions.append(lock.release)
+    try:
+        yield lock
+    finally:
+        lock.release()
+        if exit_actions is not None:
+            exit_actions.remove(lock.release)
