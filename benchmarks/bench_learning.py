@@ -164,6 +164,7 @@ class Setting:
     eval_iters: int
     split: str
     seed: int
+    cold_start: str = "unigram"  # SAS's first-epoch replacements (ours and the reference)
 
     def driver_flags(self) -> list[str]:
         return [
@@ -199,7 +200,8 @@ def job_command(
         cmd = [sys.executable, os.path.join(REPO, script), *extra, *s.driver_flags(),
                "--metrics-file", metrics, *flags.get(script, [])]  # fmt: skip
         if model.startswith("sas"):
-            cmd += ["--replacement-store", os.path.join(workdir, "store")]
+            cmd += ["--replacement-store", os.path.join(workdir, "store"),
+                    "--cold-start", s.cold_start]  # fmt: skip
         return cmd
     return [sys.executable, os.path.abspath(__file__), "--peer", model,
             "--setting", json.dumps(dataclasses.asdict(s)), "--metrics-file", metrics]  # fmt: skip
@@ -242,7 +244,7 @@ def _peer_data(model: str, s: Setting, tokenizer):
 
     instances = make_instances(data, tokenizer, s.batch, eval_samples,
                                train_samples=s.iters * s.batch)  # fmt: skip
-    replacement = ReplacementConfig()
+    replacement = ReplacementConfig(cold_start=s.cold_start)
     probs = cold_start_probs(replacement, [s.prefix], [1.0], tokenizer.is_special_mask())
     store = SampledStore(ColdStart(probs, s.seed), s.seq_length, seed=s.seed)
     collator = SasCollator(pad_id=tokenizer.pad_id, seq_length=s.seq_length, seed=s.seed,
@@ -505,6 +507,8 @@ def main(argv=None) -> int:
     p.add_argument("--data-cache-path", help="Sample-index cache for --data-path.")
     p.add_argument("--split", default="949,50,1")
     p.add_argument("--seed", type=int, default=1234, help="The first seed.")
+    p.add_argument("--cold-start", choices=("unigram", "uniform"), default="unigram",
+                   help="SAS's first-epoch replacements, for ours and the reference.")  # fmt: skip
     p.add_argument("--with", dest="existing", nargs="*", default=[], metavar="MODEL=METRICS",
                    help="Curves of runs made elsewhere with the same settings (e.g. the "
                    "demo's taco=demo_output/taco/tensorboard/metrics.jsonl): reported and "
@@ -536,7 +540,8 @@ def main(argv=None) -> int:
     s = Setting(prefix=data["prefix"], tokenizer=data["tokenizer"], cache=data["cache"],
                 seq_length=args.seq_length, batch=args.batch, iters=args.iters, lr=args.lr,
                 warmup_fraction=args.warmup_fraction, eval_interval=args.eval_interval,
-                eval_iters=args.eval_iters, split=args.split, seed=args.seed)  # fmt: skip
+                eval_iters=args.eval_iters, split=args.split, seed=args.seed,
+                cold_start=args.cold_start)  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     # The slowest first, so that the two workers finish together.
     order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert"]
