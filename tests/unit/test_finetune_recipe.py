@@ -28,7 +28,7 @@ from megatron_taco.parallel.state import single_process_state
 from megatron_taco.recipes.finetune import EpochShuffled
 from megatron_taco.recipes.finetune_eval import DevEvaluation, predict
 from megatron_taco.tasks import TASKS
-from megatron_taco.tasks.base import Collate
+from megatron_taco.tasks.base import Collate, row_lengths
 from tests.helpers import FINETUNE_ENCODERS as ENCODERS
 from tests.helpers import FINETUNE_HEADS as HEADS
 from tests.helpers import FINETUNE_SEQ as SEQ
@@ -92,6 +92,19 @@ def _trainer(model) -> SimpleNamespace:
     return SimpleNamespace(parallel=single_process_state(), ds=EngineLike(model))
 
 
+class _Recording(EngineLike):
+    """The engine of predict(), noting which features each micro-batch held and its width."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.rows, self.widths = [], []
+
+    def forward(self, batch):
+        self.rows.append(batch["index"].numpy())
+        self.widths.append(batch["input_ids"].shape[-1])
+        return super().forward(batch)
+
+
 @pytest.mark.parametrize("task_kind", ["classification", "span", "multiple_choice"])
 def test_evaluation_sorts_by_length_and_returns_feature_order(task_kind):
     """predict() runs the features in order of length, in dynamically padded micro-batches,
@@ -99,8 +112,16 @@ def test_evaluation_sorts_by_length_and_returns_feature_order(task_kind):
     padded to --seq-length."""
     features = _features(task_kind, n=13, seed=3)
     model = _model("SAS^DA", task_kind, seed=2)
-    got = predict(_trainer(model), features, micro_batch_size=4, collate_fn=Collate())
+    engine = _Recording(model)
+    trainer = SimpleNamespace(parallel=single_process_state(), ds=engine)
+    got = predict(trainer, features, micro_batch_size=4, collate_fn=Collate())
     model.eval()  # predict() hands the model back in training mode
+    # The micro-batches took the features shortest first (ties in feature order), each cut
+    # to its longest feature rounded up to a multiple of 8.
+    lengths = row_lengths(features)
+    assert np.concatenate(engine.rows).tolist() == np.argsort(lengths, kind="stable").tolist()
+    for rows, width in zip(engine.rows, engine.widths):
+        assert width == min(SEQ, -(-int(lengths[rows].max()) // 8) * 8), (rows, width)
     key = "start_logits" if task_kind == "span" else "logits"
     assert got[key].shape[0] == len(features)
     for i in range(len(features)):
