@@ -337,6 +337,8 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     try:
         for i, run in enumerate(mine):
             if _finished(run.directory(root)):
+                if getattr(args, "predict_test", False) and rank0:
+                    _warn_unsubmitted(run.directory(root))
                 continue
             dp = world // args.tensor_model_parallel_size
             cfg = spec.configs_from_args(
@@ -375,6 +377,20 @@ def _finished(directory: str) -> bool:
     if result is None:
         raise ConfigError(f"{problem}; fix or remove it to run {directory} again")
     return bool(result["finished"])
+
+
+def _warn_unsubmitted(directory: str) -> None:
+    """A finished run is not run again: one that finished without --predict-test has no
+    test files for OUTPUT/submission/, and the sweep says so rather than submit less."""
+    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
+
+    result, _ = read_result(os.path.join(directory, RESULTS_FILE))
+    if result is not None and not result.get("submission"):
+        print(
+            f"sweep: warning: --predict-test: {directory} finished without it, so its test "
+            "files are not submitted (remove the directory to run it again)",
+            flush=True,
+        )
 
 
 def _warn_encoder_dropout(model) -> None:

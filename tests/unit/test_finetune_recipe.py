@@ -355,3 +355,37 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
         rows = [f"{i}\tneutral" for i in range(len(tests[split]))]  # epoch 2's label
         text = (folder / "submission" / name).read_text()
         assert text == "\n".join(["index\tprediction", *rows]) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# --predict-test given to a run that chose its epoch without it
+
+
+def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path):
+    """The run's chosen epoch has no test files and a resumed run cannot go back to its
+    model: one line before anything runs, not a run that ends without its submission."""
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.recipes.finetune import SPEC, check_test_predictable
+
+    def command(results=None):  # what for_run reads of the command and the run's folder
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        if results is not None:
+            (out / "results.json").write_text(json.dumps(
+                {"task": "sst2", "main_metric": "acc", "dev": {}, "hyperparameters": {},
+                 "selection": "best", "finished": True, "chosen_epoch": 2, **results}))  # fmt: skip
+        cfg = SimpleNamespace(data=SimpleNamespace(predict_test=True, data_dir="SST-2"),
+                              deepspeed=SimpleNamespace(global_batch_size=2),
+                              task={"finetune": SimpleNamespace(output=str(out))})  # fmt: skip
+        return cfg, SimpleNamespace(info=TASKS["sst2"], train=[0] * 4)
+
+    refused = r"^--predict-test: .*run\d chose epoch 2 before --predict-test was given"
+    with pytest.raises(ConfigError, match=refused):
+        SPEC.for_run(*command({}))
+    with pytest.raises(ConfigError, match=refused):  # unfinished: epoch 2 may stay the best
+        SPEC.for_run(*command({"finished": False, "submission": {"epoch": 1}}))
+    # Accepted: the chosen epoch's files written, a later epoch sure to be chosen, a new run.
+    for results in ({"submission": {"epoch": 2, "files": ["SST-2.tsv"]}},
+                    {"selection": "last", "finished": False}, None):  # fmt: skip
+        cfg, _ = command(results)
+        check_test_predictable(cfg.task["finetune"].output)

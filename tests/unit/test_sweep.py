@@ -313,6 +313,25 @@ def test_sweep_submits_the_best_runs_test_files(tmp_path):
     assert summary["submission"] == {"rte": "rte/lr5e-05-seed1"}
 
 
+def test_a_finished_run_without_test_files_is_named(tmp_path, capsys):
+    """A sweep given --predict-test does not rerun finished runs: the ones that finished
+    without it are named, rather than OUTPUT/submission/ quietly lacking their files."""
+    from megatron_taco.recipes.sweep import _warn_unsubmitted
+
+    bare = _write(tmp_path, "rte", {"acc": 70}).parent
+    submitted = _write(tmp_path, "rte", {"acc": 80}, seed=1)
+    result = json.loads(submitted.read_text())
+    result["submission"] = {"directory": "submission", "epoch": 3, "files": ["RTE.tsv"]}
+    submitted.write_text(json.dumps(result))
+    _warn_unsubmitted(str(bare))
+    _warn_unsubmitted(str(submitted.parent))
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"sweep: warning: --predict-test: {bare} finished without it, so its test files are "
+        "not submitted (remove the directory to run it again)"
+    ]
+
+
 def test_incomplete_configurations_are_marked_and_lose_to_complete_ones(tmp_path, capsys):
     _write_glue(tmp_path)
     # The sweep planned 5 seeds of RTE: 1e-4 gets all 5 (mean 75), 5e-5 only 1 of them, at 99.
