@@ -168,6 +168,19 @@ def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
     odds = json.loads((folder / "null_odds.json").read_text())
     assert set(predictions) == set(odds) == {qa["id"] for qa in qas}
     assert squad_v2_evaluate(data, predictions, odds) == pytest.approx(dev, rel=1e-12)
+    # Independent of that transcription (which scored the run too, so the line above only
+    # ties the report to the files): the null odds decide the answers at the default
+    # threshold 0 (no answer iff the null span beats the best by more than 0) ...
+    assert all((predictions[q] == "") == (odds[q] > 0) for q in predictions)
+    # ... an unanswerable question is right exactly when nothing is answered, with no text
+    # normalisation involved ...
+    nothing = [predictions[qa["id"]] == "" for qa in qas if qa["is_impossible"]]
+    assert dev["NoAns_exact"] == pytest.approx(100.0 * sum(nothing) / len(nothing), rel=1e-12)
+    assert dev["exact"] == pytest.approx(
+        (dev["HasAns_exact"] * dev["HasAns_total"] + dev["NoAns_exact"] * dev["NoAns_total"])
+        / dev["total"], rel=1e-12)  # fmt: skip
+    # ... and the best threshold is at least as good as answering nothing at all.
+    assert dev["best_exact"] >= 100.0 * unanswerable / len(qas) - 1e-9
     # best_* can only match or beat answering with the fixed threshold
     assert dev["best_f1"] >= dev["f1"] - 1e-9 and dev["best_exact"] >= dev["exact"] - 1e-9
     # the answers are spans of their contexts (or "" for no answer)
