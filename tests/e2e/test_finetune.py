@@ -279,6 +279,15 @@ def test_predict_test_writes_the_glue_servers_file_of_the_chosen_epoch(pretraine
     assert {p for _, p in rows} <= {"0", "1"}
     acc = 100.0 * sum(p == y for (_, p), y in zip(rows, gold)) / len(gold)
     assert acc == pytest.approx(r["dev"]["acc"], abs=1e-9)
+    # A run that chose its epoch without the flag cannot submit it later: one line.
+    bare = tmp_path / "bare"
+    run([PY, *finetune_args(pretrained["sas"], "sst2", sst2, bare, "--epochs", "1")], timeout=600)
+    res = run([PY, *finetune_args(pretrained["sas"], "sst2", sst2, bare, "--epochs", "1",
+                                  "--predict-test")], check=False)  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "--predict-test: " in res.stderr.strip().splitlines()[-1]
+    assert "chose epoch 1 before --predict-test was given" in res.stderr
+    assert not (bare / "submission").exists()
 
 
 def test_sweep_under_torchrun_skips_finished_runs(pretrained, tasks, tmp_path):
@@ -334,4 +343,9 @@ def test_bad_input_is_one_line(pretrained, tasks, tmp_path):
     run([PY, *finetune_args(pretrained["sas"], "custom", tasks["marker"], tmp_path / "o",
                             "--epochs", "1")], timeout=600)  # fmt: skip
     assert "--output" in fails("--epochs", "1", "--lr", "1e-4")
+    # Resuming with another batch order: the checkpoint's position means other batches.
+    assert fails("--epochs", "1", "--group-by-length").endswith(
+        "(data.group_by_length: False before, True now); give a new --output, or the same "
+        "flags to resume it"
+    )
     assert results(tmp_path / "o")["finished"]
