@@ -177,6 +177,59 @@ def test_group_by_length_keeps_epochs_permutations_and_groups_lengths():
     assert [other[i] for i in range(40)] != orders[0][:40].tolist()
 
 
+def _built(tmp_path, **data_flags):
+    """build_finetune's parts for a randomly initialised tiny SAS on 70 features."""
+    from megatron_taco.parallel.config import ParallelConfig
+    from megatron_taco.recipes.finetune import (
+        FinetuneConfig,
+        PretrainedCheckpoint,
+        TaskDataConfig,
+        build_finetune,
+    )
+    from megatron_taco.tasks.base import TaskData
+    from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+    from megatron_taco.training.pretrain import BuildContext, PretrainConfigs
+    from tests.helpers import tiny_sas_config
+
+    training = TrainingConfig(train_epochs=2, micro_batch_size=4, global_batch_size=8)
+    cfg = PretrainConfigs(
+        parallel=ParallelConfig(),
+        model=tiny_sas_config(),
+        data=TaskDataConfig(task="sst2", data_dir=str(tmp_path), seq_length=SEQ, **data_flags),
+        task={"finetune": FinetuneConfig(load="ckpt", output=str(tmp_path), random_init=True),
+              "pretrained": PretrainedCheckpoint(load="ckpt", iteration=1, model="SAS")},
+        training=training,
+        deepspeed=resolve_deepspeed_config(training, 1, device_type="cpu"),
+        world_size=1,
+        device_type="cpu",
+    )  # fmt: skip
+    features = _features("classification", n=70)
+    features.targets["labels"] %= 2
+    task = TaskData(info=TASKS["sst2"], train=features, dev={"dev": features}, stats={},
+                    scorer=None)  # fmt: skip
+    ctx = BuildContext(configs=cfg, model_config=tiny_sas_config(),
+                       parallel=single_process_state(), rng_tracker=None, tokenizer=None,
+                       seed=1)  # fmt: skip
+    return build_finetune(ctx, task), row_lengths(features)
+
+
+def test_the_run_reads_what_its_flags_say(tmp_path):
+    """--group-by-length and dynamic padding reach the run's stream, collate and dev
+    evaluation (a resumed run only shows that the stream is deterministic, not grouped)."""
+    parts, lengths = _built(tmp_path, group_by_length=True)
+    (evaluation,) = parts.callbacks
+    assert parts.collate_fn == Collate() and evaluation.collate_fn == Collate()
+    assert parts.samples_per_epoch == 64 and len(parts.train_dataset) == 128
+    rows = np.array([parts.train_dataset[g]["index"] for g in range(128)]).reshape(-1, 8)
+    assert (np.diff(lengths[rows], axis=1) <= 0).all()  # every global batch longest first
+    assert parts.tokens_per_sample == 0  # a tokens/s from --seq-length would be false
+    parts, _ = _built(tmp_path, pad_to_seq_length=True)
+    assert parts.collate_fn == Collate(dynamic=False) == parts.callbacks[0].collate_fn
+    assert parts.tokens_per_sample == SEQ
+    rows = np.array([parts.train_dataset[g]["index"] for g in range(128)]).reshape(-1, 8)
+    assert not (np.diff(lengths[rows], axis=1) <= 0).all()  # the plain shuffled order
+
+
 def test_group_by_length_needs_whole_global_batches():
     with pytest.raises(ValueError, match="multiple of the global batch size"):
         EpochShuffled(list(range(20)), 18, 1, seed=0, lengths=_lengths(20), global_batch_size=4)
