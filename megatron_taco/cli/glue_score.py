@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def score(args: argparse.Namespace) -> None:
-    from megatron_taco.recipes.sweep import GLUE_TASKS, markdown_table, summarize
+    from megatron_taco.recipes.sweep import GLUE_TASKS, markdown_table, show_std, summarize
 
     if not os.path.isdir(args.results):
         raise ConfigError(f"{args.results} is not a directory")
@@ -61,7 +61,7 @@ def score(args: argparse.Namespace) -> None:
         print(
             f"GLUE score ({args.convention} convention): {summary['glue_score']:.2f} "
             f"({summary['aggregate']} over seeds); mean ± std over seeds "
-            f"{summary['glue_score_mean']:.2f} ± {summary['glue_score_std']:.2f}"
+            f"{summary['glue_score_mean']:.2f} ± {show_std(summary['glue_score_std'])}"
         )
     else:
         missing = [t for t in GLUE_TASKS if t not in summary["tasks"]]

@@ -397,10 +397,37 @@ class FinetuneSpec(ModelSpec):
                 f"--global-batch-size: {gbs} is more than the {n} training examples of "
                 f"{cfg.data.data_dir}"
             )
+        if cfg.data.predict_test:
+            check_test_predictable(cfg.task["finetune"].output)
         # Claimed only now, once the task data has been checked too: a refused command
         # leaves --output as it found it.
         claim_output(cfg.task["finetune"].output, run_record(cfg), write=True)
         return dataclasses.replace(self, build=lambda ctx: build_finetune(ctx, task_data))
+
+
+def check_test_predictable(output: str) -> None:
+    """--predict-test given to a run in --output that chose an epoch without it: a resumed
+    run cannot go back to that epoch's model, so unless a later epoch overtakes it the run
+    would end without the test files, silently (a finished run at once). Refused, unless a
+    later epoch is sure to be the chosen one (--epoch-selection last, not finished)."""
+    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
+    from megatron_taco.recipes.sweep import read_result
+
+    path = os.path.join(output, RESULTS_FILE)
+    if not os.path.isfile(path):
+        return
+    results, _ = read_result(path)  # unreadable: the run rewrites it
+    if not results or results.get("chosen_epoch") is None:
+        return
+    if results.get("selection") == "last" and not results["finished"]:
+        return
+    chosen, written = results["chosen_epoch"], (results.get("submission") or {}).get("epoch")
+    if written != chosen:
+        raise ConfigError(
+            f"--predict-test: {output} chose epoch {chosen} before --predict-test was given, "
+            "and a resumed run cannot go back to that epoch's model; fine-tune into a new "
+            "--output with --predict-test to submit"
+        )
 
 
 def run_record(cfg: PretrainConfigs) -> dict[str, Any]:

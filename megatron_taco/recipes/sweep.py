@@ -337,6 +337,8 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     try:
         for i, run in enumerate(mine):
             if _finished(run.directory(root)):
+                if getattr(args, "predict_test", False) and rank0:
+                    _warn_unsubmitted(run.directory(root))
                 continue
             dp = world // args.tensor_model_parallel_size
             cfg = spec.configs_from_args(
@@ -375,6 +377,20 @@ def _finished(directory: str) -> bool:
     if result is None:
         raise ConfigError(f"{problem}; fix or remove it to run {directory} again")
     return bool(result["finished"])
+
+
+def _warn_unsubmitted(directory: str) -> None:
+    """A finished run is not run again: one that finished without --predict-test has no
+    test files for OUTPUT/submission/, and the sweep says so rather than submit less."""
+    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
+
+    result, _ = read_result(os.path.join(directory, RESULTS_FILE))
+    if result is not None and not result.get("submission"):
+        print(
+            f"sweep: warning: --predict-test: {directory} finished without it, so its test "
+            "files are not submitted (remove the directory to run it again)",
+            flush=True,
+        )
 
 
 def _warn_encoder_dropout(model) -> None:
@@ -562,9 +578,13 @@ def summarize(
                 "seed_values": found_seeds,
                 "dev": {m: reduce([r["dev"][m] for r in group]) for m in metrics},
                 # DeBERTa's convention beside the protocol's aggregate: mean and sample
-                # standard deviation over the seeds (no deviation from one seed)
+                # standard deviation over the seeds (no deviation from one seed, even when
+                # it ran twice, e.g. at two tensor-parallel sizes: that spread is not a seed's)
                 "dev_mean": {m: statistics.fmean([r["dev"][m] for r in group]) for m in metrics},
-                "dev_std": {m: _stdev([r["dev"][m] for r in group]) for m in metrics},
+                "dev_std": {
+                    m: _stdev([r["dev"][m] for r in group]) if len(found_seeds) > 1 else None
+                    for m in metrics
+                },
                 "main_metric": main_key,
                 "directories": sorted(r["directory"] for r in group),
                 # the seed with the best main metric (the run whose test files a sweep submits)
@@ -616,12 +636,16 @@ def _glue_score(summary: dict[str, Any], convention: str) -> None:
     # independently: sqrt(sum of the tasks' variances) / 8.
     means = {t: nested_scores(t, tasks[t]["dev_mean"]) for t in GLUE_TASKS}
     summary["glue_score_mean"] = glue_score(means, convention)
-    variances = []
-    for t in GLUE_TASKS:
-        per_seed = [glue_task_scores({t: nested_scores(t, dev)}, convention)[t]
-                    for dev in tasks[t]["dev_by_run"].values()]  # fmt: skip
-        variances.append(statistics.variance(per_seed) if len(per_seed) > 1 else 0.0)
-    summary["glue_score_std"] = math.sqrt(sum(variances)) / len(GLUE_TASKS)
+    # A task of one seed has no spread to add: a deviation summed without it would claim
+    # less than is known (0.00 when every task has one seed), so there is none then.
+    summary["glue_score_std"] = None
+    if all(tasks[t]["seeds"] > 1 for t in GLUE_TASKS):
+        variances = []
+        for t in GLUE_TASKS:
+            per_seed = [glue_task_scores({t: nested_scores(t, dev)}, convention)[t]
+                        for dev in tasks[t]["dev_by_run"].values()]  # fmt: skip
+            variances.append(statistics.variance(per_seed))
+        summary["glue_score_std"] = math.sqrt(sum(variances)) / len(GLUE_TASKS)
     incomplete = [t for t in GLUE_TASKS if not tasks[t]["complete"]]
     if incomplete:
         summary["warnings"].append(
@@ -664,7 +688,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     for task, row in summary["tasks"].items():
         scores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["dev"].items()))
         spread = ", ".join(
-            f"{k} {v:.2f} ± {_show_std(row.get('dev_std', {}).get(k))}"
+            f"{k} {v:.2f} ± {show_std(row.get('dev_std', {}).get(k))}"
             for k, v in sorted(row.get("dev_mean", {}).items())
         )
         seeds = f"{row['seeds']}/{row['seeds_expected']}"
@@ -674,7 +698,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
         convention = summary["convention"]
         spread = ""
         if "glue_score_mean" in summary:
-            spread = f"{summary['glue_score_mean']:.2f} ± {summary['glue_score_std']:.2f}"
+            spread = f"{summary['glue_score_mean']:.2f} ± {show_std(summary['glue_score_std'])}"
         lines.append(
             f"| **GLUE score** (8 tasks, WNLI excluded; {convention} convention: "
             f"{_CONVENTIONS.get(convention, convention)}) | | | {summary['glue_score']:.2f} "
@@ -714,7 +738,8 @@ def collect_submission(root: str, summary: dict[str, Any]) -> None:
         summary["submission"] = chosen
 
 
-def _show_std(value: float | None) -> str:
+def show_std(value: float | None) -> str:
+    """A standard deviation over seeds, "-" where there is none (one seed)."""
     return "-" if value is None else f"{value:.2f}"
 
 

@@ -240,6 +240,7 @@ def read_test_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str) -> Exa
         )
     cols = [header.index(c) for c in (index, *wanted)]
     columns: list[list[str]] = [[] for _ in cols]
+    seen: dict[str, str] = {}
     for lineno, row in rows:
         if row == [""]:
             continue
@@ -249,6 +250,7 @@ def read_test_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str) -> Exa
                 f"layout has {len(header)} ({', '.join(header)}); rows of the {split} split "
                 "are never skipped"
             )
+        _check_index(seen, row[cols[0]], f"{path}:{lineno}", f"line {lineno}")
         for values, c in zip(columns, cols):
             values.append(row[c])
     return Examples(columns[1], columns[2] if len(columns) > 2 else None, None, [path],
@@ -258,16 +260,30 @@ def read_test_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str) -> Exa
 def read_hf_test(paths: list[str], info: TaskInfo, text: tuple[str, ...]) -> Examples:
     columns: list[list[str]] = [[] for _ in text]
     index: list[str] = []
+    seen: dict[str, str] = {}
     for path in paths:
         for where, record in _hf_records(path, (*text, "idx")):
             for c in text:
                 if not isinstance(record[c], str):
                     raise TaskDataError(f"{where}: {c} is {record[c]!r}, not text")
+            _check_index(seen, str(record["idx"]), where, where)
             index.append(str(record["idx"]))
             for values, c in zip(columns, text):
                 values.append(record[c])
     return Examples(columns[0], columns[1] if len(columns) > 1 else None, None, list(paths),
                     index=index)  # fmt: skip
+
+
+def _check_index(seen: dict[str, str], value: str, where: str, name: str) -> None:
+    """The server matches predictions to test examples by index: each must be there, once."""
+    if not value.strip():
+        raise TaskDataError(f"{where}: empty index; every test example needs its own")
+    if value in seen:
+        raise TaskDataError(
+            f"{where}: index {value!r} repeats {seen[value]}; the GLUE server needs every test "
+            "example's index once"
+        )
+    seen[value] = name
 
 
 def read_test_split(data_dir: str, info: TaskInfo, split: str) -> Examples:

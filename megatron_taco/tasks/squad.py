@@ -227,6 +227,7 @@ def read_squad(path: str, version: int, training: bool) -> SquadSet:
     data = _need(doc, "data", list, path)
     out = SquadSet(path, data, [], np.zeros(0), [], [], np.zeros(0), np.zeros(0))
     para, starts, ends = [], [], []
+    first_seen: dict[str, str] = {}  # question id -> where (dev: predictions are keyed by id)
     for ai, article in enumerate(data):
         for pi, paragraph in enumerate(_need(article, "paragraphs", list, f"{path}: data[{ai}]")):
             where = f"{path}: data[{ai}].paragraphs[{pi}]"
@@ -235,6 +236,12 @@ def read_squad(path: str, version: int, training: bool) -> SquadSet:
             for qi, qa in enumerate(_need(paragraph, "qas", list, where)):
                 qwhere = f"{where}.qas[{qi}]"
                 qid = _need(qa, "id", str, qwhere)
+                if not training and qid in first_seen:
+                    raise TaskDataError(
+                        f"{qwhere}: id {qid!r} repeats {first_seen[qid]}; predictions are "
+                        "keyed by id, so one answer would be scored for both questions"
+                    )
+                first_seen.setdefault(qid, qwhere[len(path) + 2 :])  # without the path
                 qwhere += f" (id {qid})"
                 question = _need(qa, "question", str, qwhere)
                 answers = _need(qa, "answers", list, qwhere)

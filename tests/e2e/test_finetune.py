@@ -168,6 +168,19 @@ def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
     odds = json.loads((folder / "null_odds.json").read_text())
     assert set(predictions) == set(odds) == {qa["id"] for qa in qas}
     assert squad_v2_evaluate(data, predictions, odds) == pytest.approx(dev, rel=1e-12)
+    # Independent of that transcription (which scored the run too, so the line above only
+    # ties the report to the files): the null odds decide the answers at the default
+    # threshold 0 (no answer iff the null span beats the best by more than 0) ...
+    assert all((predictions[q] == "") == (odds[q] > 0) for q in predictions)
+    # ... an unanswerable question is right exactly when nothing is answered, with no text
+    # normalisation involved ...
+    nothing = [predictions[qa["id"]] == "" for qa in qas if qa["is_impossible"]]
+    assert dev["NoAns_exact"] == pytest.approx(100.0 * sum(nothing) / len(nothing), rel=1e-12)
+    assert dev["exact"] == pytest.approx(
+        (dev["HasAns_exact"] * dev["HasAns_total"] + dev["NoAns_exact"] * dev["NoAns_total"])
+        / dev["total"], rel=1e-12)  # fmt: skip
+    # ... and the best threshold is at least as good as answering nothing at all.
+    assert dev["best_exact"] >= 100.0 * unanswerable / len(qas) - 1e-9
     # best_* can only match or beat answering with the fixed threshold
     assert dev["best_f1"] >= dev["f1"] - 1e-9 and dev["best_exact"] >= dev["exact"] - 1e-9
     # the answers are spans of their contexts (or "" for no answer)
@@ -266,6 +279,15 @@ def test_predict_test_writes_the_glue_servers_file_of_the_chosen_epoch(pretraine
     assert {p for _, p in rows} <= {"0", "1"}
     acc = 100.0 * sum(p == y for (_, p), y in zip(rows, gold)) / len(gold)
     assert acc == pytest.approx(r["dev"]["acc"], abs=1e-9)
+    # A run that chose its epoch without the flag cannot submit it later: one line.
+    bare = tmp_path / "bare"
+    run([PY, *finetune_args(pretrained["sas"], "sst2", sst2, bare, "--epochs", "1")], timeout=600)
+    res = run([PY, *finetune_args(pretrained["sas"], "sst2", sst2, bare, "--epochs", "1",
+                                  "--predict-test")], check=False)  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "--predict-test: " in res.stderr.strip().splitlines()[-1]
+    assert "chose epoch 1 before --predict-test was given" in res.stderr
+    assert not (bare / "submission").exists()
 
 
 def test_sweep_under_torchrun_skips_finished_runs(pretrained, tasks, tmp_path):
@@ -321,4 +343,9 @@ def test_bad_input_is_one_line(pretrained, tasks, tmp_path):
     run([PY, *finetune_args(pretrained["sas"], "custom", tasks["marker"], tmp_path / "o",
                             "--epochs", "1")], timeout=600)  # fmt: skip
     assert "--output" in fails("--epochs", "1", "--lr", "1e-4")
+    # Resuming with another batch order: the checkpoint's position means other batches.
+    assert fails("--epochs", "1", "--group-by-length").endswith(
+        "(data.group_by_length: False before, True now); give a new --output, or the same "
+        "flags to resume it"
+    )
     assert results(tmp_path / "o")["finished"]

@@ -28,7 +28,7 @@ from megatron_taco.parallel.state import single_process_state
 from megatron_taco.recipes.finetune import EpochShuffled
 from megatron_taco.recipes.finetune_eval import DevEvaluation, predict
 from megatron_taco.tasks import TASKS
-from megatron_taco.tasks.base import Collate
+from megatron_taco.tasks.base import Collate, row_lengths
 from tests.helpers import FINETUNE_ENCODERS as ENCODERS
 from tests.helpers import FINETUNE_HEADS as HEADS
 from tests.helpers import FINETUNE_SEQ as SEQ
@@ -92,6 +92,19 @@ def _trainer(model) -> SimpleNamespace:
     return SimpleNamespace(parallel=single_process_state(), ds=EngineLike(model))
 
 
+class _Recording(EngineLike):
+    """The engine of predict(), noting which features each micro-batch held and its width."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.rows, self.widths = [], []
+
+    def forward(self, batch):
+        self.rows.append(batch["index"].numpy())
+        self.widths.append(batch["input_ids"].shape[-1])
+        return super().forward(batch)
+
+
 @pytest.mark.parametrize("task_kind", ["classification", "span", "multiple_choice"])
 def test_evaluation_sorts_by_length_and_returns_feature_order(task_kind):
     """predict() runs the features in order of length, in dynamically padded micro-batches,
@@ -99,8 +112,16 @@ def test_evaluation_sorts_by_length_and_returns_feature_order(task_kind):
     padded to --seq-length."""
     features = _features(task_kind, n=13, seed=3)
     model = _model("SAS^DA", task_kind, seed=2)
-    got = predict(_trainer(model), features, micro_batch_size=4, collate_fn=Collate())
+    engine = _Recording(model)
+    trainer = SimpleNamespace(parallel=single_process_state(), ds=engine)
+    got = predict(trainer, features, micro_batch_size=4, collate_fn=Collate())
     model.eval()  # predict() hands the model back in training mode
+    # The micro-batches took the features shortest first (ties in feature order), each cut
+    # to its longest feature rounded up to a multiple of 8.
+    lengths = row_lengths(features)
+    assert np.concatenate(engine.rows).tolist() == np.argsort(lengths, kind="stable").tolist()
+    for rows, width in zip(engine.rows, engine.widths):
+        assert width == min(SEQ, -(-int(lengths[rows].max()) // 8) * 8), (rows, width)
     key = "start_logits" if task_kind == "span" else "logits"
     assert got[key].shape[0] == len(features)
     for i in range(len(features)):
@@ -154,6 +175,59 @@ def test_group_by_length_keeps_epochs_permutations_and_groups_lengths():
     assert [again[i] for i in range(g, g + 40)] == orders[1][300:340].tolist()
     other = EpochShuffled(base, per_epoch, epochs, seed=6, lengths=lengths, global_batch_size=gbs)
     assert [other[i] for i in range(40)] != orders[0][:40].tolist()
+
+
+def _built(tmp_path, **data_flags):
+    """build_finetune's parts for a randomly initialised tiny SAS on 70 features."""
+    from megatron_taco.parallel.config import ParallelConfig
+    from megatron_taco.recipes.finetune import (
+        FinetuneConfig,
+        PretrainedCheckpoint,
+        TaskDataConfig,
+        build_finetune,
+    )
+    from megatron_taco.tasks.base import TaskData
+    from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+    from megatron_taco.training.pretrain import BuildContext, PretrainConfigs
+    from tests.helpers import tiny_sas_config
+
+    training = TrainingConfig(train_epochs=2, micro_batch_size=4, global_batch_size=8)
+    cfg = PretrainConfigs(
+        parallel=ParallelConfig(),
+        model=tiny_sas_config(),
+        data=TaskDataConfig(task="sst2", data_dir=str(tmp_path), seq_length=SEQ, **data_flags),
+        task={"finetune": FinetuneConfig(load="ckpt", output=str(tmp_path), random_init=True),
+              "pretrained": PretrainedCheckpoint(load="ckpt", iteration=1, model="SAS")},
+        training=training,
+        deepspeed=resolve_deepspeed_config(training, 1, device_type="cpu"),
+        world_size=1,
+        device_type="cpu",
+    )  # fmt: skip
+    features = _features("classification", n=70)
+    features.targets["labels"] %= 2
+    task = TaskData(info=TASKS["sst2"], train=features, dev={"dev": features}, stats={},
+                    scorer=None)  # fmt: skip
+    ctx = BuildContext(configs=cfg, model_config=tiny_sas_config(),
+                       parallel=single_process_state(), rng_tracker=None, tokenizer=None,
+                       seed=1)  # fmt: skip
+    return build_finetune(ctx, task), row_lengths(features)
+
+
+def test_the_run_reads_what_its_flags_say(tmp_path):
+    """--group-by-length and dynamic padding reach the run's stream, collate and dev
+    evaluation (a resumed run only shows that the stream is deterministic, not grouped)."""
+    parts, lengths = _built(tmp_path, group_by_length=True)
+    (evaluation,) = parts.callbacks
+    assert parts.collate_fn == Collate() and evaluation.collate_fn == Collate()
+    assert parts.samples_per_epoch == 64 and len(parts.train_dataset) == 128
+    rows = np.array([parts.train_dataset[g]["index"] for g in range(128)]).reshape(-1, 8)
+    assert (np.diff(lengths[rows], axis=1) <= 0).all()  # every global batch longest first
+    assert parts.tokens_per_sample == 0  # a tokens/s from --seq-length would be false
+    parts, _ = _built(tmp_path, pad_to_seq_length=True)
+    assert parts.collate_fn == Collate(dynamic=False) == parts.callbacks[0].collate_fn
+    assert parts.tokens_per_sample == SEQ
+    rows = np.array([parts.train_dataset[g]["index"] for g in range(128)]).reshape(-1, 8)
+    assert not (np.diff(lengths[rows], axis=1) <= 0).all()  # the plain shuffled order
 
 
 def test_group_by_length_needs_whole_global_batches():
@@ -334,3 +408,37 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
         rows = [f"{i}\tneutral" for i in range(len(tests[split]))]  # epoch 2's label
         text = (folder / "submission" / name).read_text()
         assert text == "\n".join(["index\tprediction", *rows]) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# --predict-test given to a run that chose its epoch without it
+
+
+def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path):
+    """The run's chosen epoch has no test files and a resumed run cannot go back to its
+    model: one line before anything runs, not a run that ends without its submission."""
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.recipes.finetune import SPEC, check_test_predictable
+
+    def command(results=None):  # what for_run reads of the command and the run's folder
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        if results is not None:
+            (out / "results.json").write_text(json.dumps(
+                {"task": "sst2", "main_metric": "acc", "dev": {}, "hyperparameters": {},
+                 "selection": "best", "finished": True, "chosen_epoch": 2, **results}))  # fmt: skip
+        cfg = SimpleNamespace(data=SimpleNamespace(predict_test=True, data_dir="SST-2"),
+                              deepspeed=SimpleNamespace(global_batch_size=2),
+                              task={"finetune": SimpleNamespace(output=str(out))})  # fmt: skip
+        return cfg, SimpleNamespace(info=TASKS["sst2"], train=[0] * 4)
+
+    refused = r"^--predict-test: .*run\d chose epoch 2 before --predict-test was given"
+    with pytest.raises(ConfigError, match=refused):
+        SPEC.for_run(*command({}))
+    with pytest.raises(ConfigError, match=refused):  # unfinished: epoch 2 may stay the best
+        SPEC.for_run(*command({"finished": False, "submission": {"epoch": 1}}))
+    # Accepted: the chosen epoch's files written, a later epoch sure to be chosen, a new run.
+    for results in ({"submission": {"epoch": 2, "files": ["SST-2.tsv"]}},
+                    {"selection": "last", "finished": False}, None):  # fmt: skip
+        cfg, _ = command(results)
+        check_test_predictable(cfg.task["finetune"].output)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import megatron_taco.recipes as recipes
 
 RECIPES = Path(recipes.__file__).parent
@@ -65,3 +67,15 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path, monkeypatch):
     (tmp_path / "finetune_eval.py").write_text(planted, encoding="utf-8")
     monkeypatch.setattr(f"{__name__}.RECIPES", tmp_path)
     assert "finetune" in recipe_imports("finetune_eval")
+
+
+def test_the_check_sees_a_cycle_through_any_module(tmp_path, monkeypatch):
+    """A cycle not through the three named modules (registry -> finetune -> registry) fails
+    the check too: the cycle search itself is exercised on real sources."""
+    for path in RECIPES.glob("*.py"):
+        (tmp_path / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    with open(tmp_path / "registry.py", "a", encoding="utf-8") as f:
+        f.write("\n\ndef _f():\n    from megatron_taco.recipes.finetune import SPEC\n")
+    monkeypatch.setattr(f"{__name__}.RECIPES", tmp_path)
+    with pytest.raises(AssertionError, match="import cycle in recipes/: .*registry"):
+        test_recipes_import_one_way()

@@ -277,6 +277,27 @@ def test_summary_means_over_seeds_picks_by_the_main_metric_and_scores_glue(tmp_p
     assert "| rte | lr0.0001-bs32-ep3 | 3/3 | acc 75.00 | acc 75.00 ± 5.00 |" in table
 
 
+def test_one_seed_has_no_standard_deviation(tmp_path, capsys):
+    """One seed per task: no spread is known, for any task or for the GLUE score (a sum of
+    the tasks' variances counting a single seed as 0 would print 0.00). Neither does one
+    seed run twice (here at two data-parallel sizes, which pool into one configuration)."""
+    for task, by_lr in _SEEDS.items():
+        _write(tmp_path, task, by_lr[1e-4][0], lr=1e-4, seed=0)
+    rerun = {"acc": 72}
+    _write(tmp_path / "again", "rte", rerun, lr=1e-4, seed=0, data_parallel_size=2)
+    summary = summarize(str(tmp_path), "sas")
+    rte = summary["tasks"]["rte"]
+    assert rte["seeds"] == 1 and rte["dev"]["acc"] == 71 and rte["dev_std"] == {"acc": None}
+    assert all(v is None for t in summary["tasks"].values() for v in t["dev_std"].values())
+    assert summary["glue_score_std"] is None
+    table = markdown_table(summary)
+    assert "| rte | lr0.0001-bs32-ep3 | 1/1 | acc 71.00 | acc 71.00 ± - |" in table
+    glue = f"{summary['glue_score']:.2f}"
+    assert f"| {glue} | {glue} ± - |" in table
+    assert glue_score_main([str(tmp_path)]) == 0
+    assert f"mean ± std over seeds {glue} ± -" in capsys.readouterr().out
+
+
 def test_sweep_submits_the_best_runs_test_files(tmp_path):
     """OUTPUT/submission/ gets each task's server files from its best configuration's best
     seed (by the main dev metric)."""
@@ -290,6 +311,25 @@ def test_sweep_submits_the_best_runs_test_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "submission").iterdir()) == ["RTE.tsv"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["submission"] == {"rte": "rte/lr5e-05-seed1"}
+
+
+def test_a_finished_run_without_test_files_is_named(tmp_path, capsys):
+    """A sweep given --predict-test does not rerun finished runs: the ones that finished
+    without it are named, rather than OUTPUT/submission/ quietly lacking their files."""
+    from megatron_taco.recipes.sweep import _warn_unsubmitted
+
+    bare = _write(tmp_path, "rte", {"acc": 70}).parent
+    submitted = _write(tmp_path, "rte", {"acc": 80}, seed=1)
+    result = json.loads(submitted.read_text())
+    result["submission"] = {"directory": "submission", "epoch": 3, "files": ["RTE.tsv"]}
+    submitted.write_text(json.dumps(result))
+    _warn_unsubmitted(str(bare))
+    _warn_unsubmitted(str(submitted.parent))
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"sweep: warning: --predict-test: {bare} finished without it, so its test files are "
+        "not submitted (remove the directory to run it again)"
+    ]
 
 
 def test_incomplete_configurations_are_marked_and_lose_to_complete_ones(tmp_path, capsys):

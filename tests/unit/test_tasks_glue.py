@@ -714,9 +714,11 @@ def test_test_split_gives_the_glue_servers_file(tmp_path, tokenizer, task):
         first = 0 if split in ("test_mismatched", "diagnostic") else 100
         features = data.test[split]
         assert len(features) == len(rows) and "labels" not in features[0]
-        # the features are the labelled layout's for the same texts
-        train = {tuple(data.train[i]["input_ids"].tolist()) for i in range(len(data.train))}
-        assert {tuple(features[i]["input_ids"].tolist()) for i in range(len(features))} <= train
+        # feature k is the labelled layout's feature of row k's texts: the predictions the
+        # server file pairs with row k's index are of row k's example
+        for k, example in enumerate(rows):
+            same = data.train[examples.index(example)]["input_ids"]
+            assert features[k]["input_ids"].tolist() == same.tolist(), (split, k)
         if task == "stsb":
             outputs = {"predictions": rng.uniform(0, 5, len(rows))}
             want = [f"{v:.3f}" for v in outputs["predictions"]]
@@ -741,6 +743,13 @@ def test_test_splits_are_read_whole_or_refused(tmp_path, tokenizer):
     path.write_text("\n".join(["sentence1\tsentence2", *(x.split("\t", 1)[1] for x in lines[1:])]))
     with pytest.raises(TaskDataError, match=r"test\.tsv:1: header lacks column\(s\) \['index'\]"):
         load_task("rte", folder, tokenizer, seq_length=32, splits=("test",))
+    # The server pairs predictions with examples by index: a repeated or empty one is refused.
+    path.write_text("\n".join([*lines, lines[2].replace("103", "100", 1)]) + "\n")
+    with pytest.raises(TaskDataError, match=r"test\.tsv:5: index '100' repeats line 2; the GLUE"):
+        load_task("rte", folder, tokenizer, seq_length=32, splits=("test",))
+    path.write_text("\n".join([*lines, "\tone\ttwo"]) + "\n")
+    with pytest.raises(TaskDataError, match=r"test\.tsv:5: empty index"):
+        load_task("rte", folder, tokenizer, seq_length=32, splits=("test",))
     path.unlink()
     with pytest.raises(TaskDataError, match=r"no test split of rte \(--predict-test\)"):
         load_task("rte", folder, tokenizer, seq_length=32, splits=("test",))
@@ -758,3 +767,7 @@ def test_hf_test_splits_use_the_hubs_idx(tmp_path, tokenizer):
     data = load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))
     _, text = data.submission("test", {"logits": np.array([[0.0, 1.0], [1.0, 0.0]])})
     assert text == "index\tprediction\n7\tnot_entailment\n8\tentailment\n"
+    table["idx"] = [7, 7]
+    pq.write_table(pa.table(table), folder / "test.parquet")
+    with pytest.raises(TaskDataError, match=r"test\.parquet: row 1: index '7' repeats .*row 0"):
+        load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))

@@ -730,6 +730,25 @@ def test_bad_squad_files_name_file_and_record(tmp_path, tokenizer):
     assert len(data.train) == 1
 
 
+def test_a_dev_question_id_is_used_once(tmp_path, tokenizer):
+    """The dev predictions are keyed by question id (predictions.json, the official scripts):
+    a repeated id would score one question's answer for both. Training ids are never looked
+    up, so a repeat there is harmless."""
+    doc = squad_json([("alpha beta", [("a", "b?", [("beta", 6)], False)]),
+                      ("gamma delta", [("a", "g?", [("delta", 6)], False)])])  # fmt: skip
+    _write(tmp_path, "dev-v1.1.json", doc)
+    with pytest.raises(
+        TaskDataError,
+        match=r"dev-v1\.1\.json: data\[0\]\.paragraphs\[1\]\.qas\[0\]: id 'a' repeats "
+        r"data\[0\]\.paragraphs\[0\]\.qas\[0\]; predictions are keyed by id",
+    ):
+        load_task("squad_v1", tmp_path, tokenizer, seq_length=32, splits=("dev",))
+    _write(tmp_path, "train-v1.1.json", doc)
+    assert (
+        len(load_task("squad_v1", tmp_path, tokenizer, seq_length=32, splits=("train",)).train) == 2
+    )
+
+
 @pytest.mark.parametrize("value", [True, False, "12", 1.0, None])
 def test_answer_start_must_be_a_json_integer(tmp_path, tokenizer, value):
     """A JSON true is an int to Python (it would read as 1); strings, floats and null are

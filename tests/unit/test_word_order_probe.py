@@ -5,6 +5,7 @@ on real checkpoints: tests/e2e/test_word_order_probe.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -134,6 +135,47 @@ def test_only_words_with_the_same_pieces_are_compared(tokenizer_model):
     d = _pieced(sp, "A time, once upon.", True)
     pairs, _ = compared_words(c, d, case_insensitive=True)
     assert {c[i].text for i, _ in pairs} >= {"upon", "time", "."}
+
+
+def test_a_word_is_compared_only_with_all_its_pieces_the_same():
+    """ "borrow" is ▁bor|row in one sentence and ▁bor|r|ow in the other: the same first
+    piece (the whole vector of --subword first), other pieces after it. Its row would mix
+    a change of token with the change of order: skipped, with both tokenisations."""
+    a, b = "Bob borrow", "borrow Bob"
+    spans_a, names_a = [(0, 3), (4, 7), (7, 10)], ["▁Bob", "▁bor", "row"]
+    spans_b, names_b = [(0, 3), (3, 4), (4, 6), (7, 10)], ["▁bor", "r", "ow", "▁Bob"]
+    wa, _ = word_vectors(words_of(a), spans_a, np.zeros((3, 1)), "first", names_a)
+    wb, _ = word_vectors(words_of(b), spans_b, np.zeros((4, 1)), "first", names_b)
+    assert [w.pieces for w in wa] == [("▁Bob",), ("▁bor", "row")]
+    compared, skipped = compared_words(wa, wb)
+    assert [(wa[i].text, wb[j].text) for i, j in compared] == [("Bob", "Bob")]
+    assert skipped == [{"word": "borrow", "other": "borrow", "occurrence": 0,
+                        "reason": "tokenised differently",
+                        "pieces": [["▁bor", "row"], ["▁bor", "r", "ow"]]}]  # fmt: skip
+
+
+def test_words_paired_as_written_are_not_also_skipped_for_case():
+    """Both spellings occur in both sentences: each is compared with its own, and no row
+    says a compared word was skipped. A spelling left over is skipped for case."""
+
+    def pieced(text):  # one piece per word, the same in both sentences
+        return [dataclasses.replace(w, pieces=(w.text,)) for w in words_of(text)]
+
+    a, b = pieced("Once upon once"), pieced("once upon Once")
+    compared, skipped = compared_words(a, b)
+    assert [(a[i].text, b[j].text) for i, j in compared] == [
+        ("Once", "Once"), ("upon", "upon"), ("once", "once")
+    ]  # fmt: skip
+    assert skipped == []
+    a, b = pieced("once Once upon"), pieced("Once upon")
+    compared, skipped = compared_words(a, b)
+    assert [(a[i].text, b[j].text) for i, j in compared] == [("Once", "Once"), ("upon", "upon")]
+    assert skipped == []  # b's one "Once" is taken: a's "once" has no counterpart
+    a, b = pieced("Once upon"), pieced("upon once")
+    _, skipped = compared_words(a, b)
+    assert [(r["word"], r["other"], r["reason"]) for r in skipped] == [
+        ("Once", "once", "differs in case (see --case-insensitive)")
+    ]
 
 
 def test_word_vectors_from_split_words():
