@@ -1,11 +1,13 @@
-"""A tiny TACO trained by the real driver on the bundled corpus learns: after 250 iterations
+"""A tiny TACO trained by the real driver on the bundled corpus learns: after 300 iterations
 its held-out MLM accuracy is well above the most frequent token's share, and its last-layer
 vectors are not one vector for everything. A change that breaks learning (a wrong label, a
 detached head, a recipe that collapses the encoder) fails here, in CI, even when every
 equivalence test still passes.
 
-Measured (2026-11-25, 2 cores): 2.5x the baseline at iteration 200, 3.0x at 300; the random
-initialisation is at 0.0x. The bar, 1.5x, leaves room for a different CPU's rounding.
+Measured (2026-11-25, 2 cores): 1.67x the baseline at iteration 150, 2.45x at 300 (collapse
+figure 0.15); a random initialisation is at 0x. The bar is 2x rather than 1.5x: with the
+encoder detached from the MLM head (trained by MPM alone, the head learning on its
+features) the same run still reaches 1.52x.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def test_tiny_taco_learns_above_the_unigram_baseline_without_collapsing(demo_dat
             "--data-path", demo_dataset["prefix"], "--tokenizer-model", demo_dataset["tokenizer"],
             "--data-cache-path", str(tmp_path / "cache"), "--split", "90,5,5",
             "--seq-length", "32", "--micro-batch-size", "64", "--global-batch-size", "64",
-            "--train-iters", "250", "--eval-interval", "125", "--eval-iters", "4",
+            "--train-iters", "300", "--eval-interval", "150", "--eval-iters", "8",
             "--log-interval", "50", "--num-workers", "0", "--seed", "1",
             "--deepspeed-config", "ds_configs/zero0_fp32.json", "--no-progress-bar",
             "--metrics-file", str(metrics),
@@ -41,11 +43,11 @@ def test_tiny_taco_learns_above_the_unigram_baseline_without_collapsing(demo_dat
         timeout=900,
     )  # fmt: skip
     # The recipe is the product's: the tiny size's default --lr and the default warm-up.
-    assert "lr 0.001 -> 0, warmup 25 iters" in res.stdout, res.stdout
+    assert "lr 0.001 -> 0, warmup 30 iters" in res.stdout, res.stdout
     valid = {r["iteration"]: r for r in read_metrics(str(metrics)) if r["split"] == "valid"}
-    assert sorted(valid) == [125, 250]
-    end = valid[250]
-    assert end["mlm_acc"] > 1.5 * end["mlm_baseline_acc"], end
-    assert end["mlm_acc"] > valid[125]["mlm_acc"], valid  # still improving
+    assert sorted(valid) == [150, 300]
+    end = valid[300]
+    assert end["mlm_acc"] > 2.0 * end["mlm_baseline_acc"], end
+    assert end["mlm_acc"] > valid[150]["mlm_acc"], valid  # still improving
     assert end["collapse_cosine"] < 0.9, end
     assert "has collapsed" not in res.stdout and "still at the most-frequent" not in res.stdout
