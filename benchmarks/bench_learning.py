@@ -496,7 +496,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=8, help="Held-out batches per evaluation.")
-    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-fraction", type=float, default=0.1)
@@ -513,7 +513,7 @@ def main(argv=None) -> int:
                    help="Curves of runs made elsewhere with the same settings (e.g. the "
                    "demo's taco=demo_output/taco/tensorboard/metrics.jsonl): reported and "
                    "plotted beside the runs made here.")  # fmt: skip
-    p.add_argument("--corpus-mb", type=float, default=6.0)
+    p.add_argument("--corpus-mb", type=float, default=2.0)
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--left-plateau", type=float, default=1.5,
                    help="Left the plateau: MLM accuracy >= this x the baseline.")  # fmt: skip
