@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_taco.parallel import comm
 from megatron_taco.training.callbacks import Callback
 
 RESULTS_FILE = "results.json"
@@ -57,9 +58,7 @@ def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np
     for key, parts in chunks.items():
         local = torch.cat(parts)  # [per_rank, ...]
         if dist.is_initialized() and dp > 1:
-            gathered = [torch.empty_like(local) for _ in range(dp)]
-            dist.all_gather(gathered, local, group=parallel.get_data_parallel_group())
-            local = torch.cat(gathered)
+            local = torch.cat(comm.all_gather(local, parallel.get_data_parallel_group()))
         result[key] = local[:n].cpu().numpy()
     return result
 

@@ -46,6 +46,7 @@ from megatron_taco.data.replacement_store import (
     delete_generations,
 )
 from megatron_taco.data.sas_collator import ColdStart
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
@@ -189,13 +190,13 @@ class SelfAugmentation(Callback):
             except ReplacementStoreError as e:
                 problem[0] = str(e)
         if dist.is_initialized():
-            dist.broadcast_object_list(problem, src=0)
+            problem = [comm.broadcast_object(problem[0], src=0)]
         if problem[0] is not None:
             raise ConfigError(f"--replacement-store: {problem[0]}")
 
     def _barrier(self) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            comm.barrier()
 
     # -- hooks --------------------------------------------------------------------------
 
@@ -296,7 +297,7 @@ class SelfAugmentation(Callback):
         if self.counts is not None:
             counts, self.counts = self.counts, None
             if self.group is not None:  # every rank logs, in step: one small all-reduce
-                dist.all_reduce(counts, group=self.group)
+                comm.all_reduce(counts, self.group)
             from_store, kept = counts.tolist()
             # Measured: the share of the kept slots of S whose token was read from the store.
             out["self_augmented"] = from_store / kept if kept else 0.0
@@ -324,6 +325,4 @@ def generations_needed(save_dir: str | None, samples_per_epoch: int) -> set[int]
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
+    return torch.cat(comm.all_gather(x, group))

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
 from megatron_taco.training.safe_files import (
@@ -149,7 +150,7 @@ def rng_state_path(iter_dir: str, rank: int) -> str:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        comm.barrier()
 
 
 def _kill_point(point: str, iteration: int) -> None:
@@ -906,24 +907,20 @@ def _shared_token(device: torch.device) -> str:
     """A random name part, the same on every rank (DeepSpeed checks the tag is)."""
     value = torch.tensor([secrets.randbits(48)], dtype=torch.int64, device=device)
     if dist.is_initialized():
-        dist.broadcast(value, src=0)
+        comm.broadcast(value, src=0)
     return f"{int(value.item()):012x}"
 
 
 def _gather(obj: Any) -> list[Any]:
     if not dist.is_initialized():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj)
 
 
 def _broadcast(obj: Any) -> Any:
     if not dist.is_initialized():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return comm.broadcast_object(obj, src=0)
 
 
 def _start_save(save_dir: str, tmp_dir: str) -> None:

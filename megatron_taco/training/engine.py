@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_taco.parallel.state import ParallelState, init_parallel
 from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
@@ -148,7 +149,7 @@ def count_parameters(model: nn.Module, parallel: ParallelState) -> int:
     )
     total = torch.tensor([local], dtype=torch.int64)
     if dist.is_initialized() and parallel.tp_size > 1:
-        dist.all_reduce(total, group=parallel.get_tensor_model_parallel_group())
+        comm.all_reduce(total, parallel.get_tensor_model_parallel_group())
     return int(total.item())
 
 
@@ -162,7 +163,7 @@ def gradient_norm(model: nn.Module, parallel: ParallelState) -> float:
     ]
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if dist.is_initialized() and parallel.tp_size > 1:
-        dist.all_reduce(total, group=parallel.get_tensor_model_parallel_group())
+        comm.all_reduce(total, parallel.get_tensor_model_parallel_group())
     return float(total.sqrt().item())
 
 

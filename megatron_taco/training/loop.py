@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taco.data.sampler import PretrainingSampler
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
 from megatron_taco.training.callbacks import Callback, CallbackList
@@ -87,7 +88,7 @@ class MetricAccumulator:
         )
         if dist.is_initialized() and parallel.dp_size > 1:
             # gloo and nccl both reduce float64.
-            dist.all_reduce(totals, group=parallel.get_data_parallel_group())
+            comm.all_reduce(totals, parallel.get_data_parallel_group())
         values = totals.tolist()
         micro_batches = values[-1]
         out = {}
@@ -243,7 +244,7 @@ class Trainer:
             losses = torch.stack([acc.sums[k] for k in keys])
             flags = torch.cat([(~torch.isfinite(losses)).to(torch.float64), flags])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flags, op="max")
         values = flags.tolist()
         names = [k for k, bad in zip(keys, values) if bad]
         if values[len(keys)]:

@@ -431,6 +431,7 @@ def pretrain(
     import torch
 
     from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.parallel import comm
     from megatron_taco.training.engine import (
         count_parameters,
         destroy_distributed,
@@ -529,7 +530,7 @@ def pretrain(
             if png is not None:
                 train_logger.print(f" loss curves: {png}")
         if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            comm.barrier()
         return 0
     except Exception as error:
         if not peers or not is_peer_failure(error):
