@@ -9,6 +9,7 @@ a multi-rank run.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import warnings
@@ -230,6 +231,24 @@ def initialize_engine(
     if ds_scheduler is not scheduler:
         raise RuntimeError("DeepSpeed replaced the LR scheduler; remove 'scheduler' from the JSON")
     return Engine(engine=engine, optimizer_impl=impl, scheduler=scheduler, settings=settings)
+
+
+def release_engine(engine: Engine | None) -> None:
+    """Undo what ties a run's engine to the process: DeepSpeed's ZeRO-1/2 optimizers register
+    a gradient hook on every parameter whose closure holds the optimizer, and through it the
+    engine, the model, the fp32 masters and the gradient buckets; nothing else drops them, so
+    without this every run of a sweep in one process keeps its predecessors' memory (on a GPU,
+    weights, Adam states and buckets). ``release_memory`` then frees them."""
+    if engine is not None:
+        engine.engine.destroy()
+
+
+def release_memory() -> None:
+    """After a run whose engine was released, once the run's frames are gone: collect its
+    reference cycles (module <-> hooks) and hand the cached CUDA blocks back."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -438,6 +438,7 @@ def pretrain(
         init_distributed,
         initialize_engine,
         norm_implementations,
+        release_engine,
     )
     from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import PretrainTask, Trainer
@@ -446,7 +447,7 @@ def pretrain(
     # DeepSpeed's INFO output (config dumps, per-step notes) drowns the training log.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t = cfg.training
-    parallel = train_logger = peer_watch = None
+    parallel = train_logger = peer_watch = engine = None
     peers = []
     try:
         parallel = init_distributed(
@@ -544,6 +545,7 @@ def pretrain(
             peer_watch.stop()
         if train_logger is not None:
             train_logger.close()
+        release_engine(engine)
         if keep_process_group:
             if parallel is not None:
                 parallel.destroy()
