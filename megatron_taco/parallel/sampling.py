@@ -122,7 +122,7 @@ def _banned_columns(columns: torch.Tensor, vocab_size: int, exclude_ids) -> torc
     outside = (local < 0) | (local >= local_vocab)
     local = local.masked_fill(outside, local_vocab)
     hit = torch.zeros(local_vocab + 1, dtype=torch.bool, device=columns.device)
-    hit[local] = True
+    hit.index_fill_(0, local, True)  # not hit[local] = True: a host->device copy of True
     return banned | hit[:local_vocab]
 
 
