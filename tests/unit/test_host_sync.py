@@ -9,7 +9,8 @@ micro-batches under a TorchDispatchMode and a TorchFunctionMode that record ever
 from the model's forward to the end of the micro-batch's callbacks (SAS's store write
 included). The steady-state micro-batch that does not end a step (step 2's first) must
 record none. A read of a host buffer filled by an asynchronous copy (SAS's rows, read one
-micro-batch after their copy was queued) is not a sync: its copy finished long before.
+micro-batch after their copy was queued) is not a sync: its copy finished long before; the
+same read in the micro-batch that queued the copy would wait for the whole backward.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ class SyncRecorder(TorchDispatchMode):
         super().__init__()
         self.active = False
         self.found: list[str] = []
-        # Storages filled by copy_(..., non_blocking=True): host staging buffers.
-        self.staging: set[int] = set()
+        self.region = 0  # the micro-batch being recorded
+        # Storages filled by copy_(..., non_blocking=True) (host staging buffers) -> the
+        # micro-batch that queued the copy. Reading one in a later micro-batch is free.
+        self.staging: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,12 +93,12 @@ class HostReads(TorchFunctionMode):
         rec = self.recorder
         name = getattr(func, "__name__", "")
         if rec.active and name == "copy_" and (kwargs.get("non_blocking") or args[2:3] == (True,)):
-            rec.staging.add(args[0].untyped_storage().data_ptr())
+            rec.staging[args[0].untyped_storage().data_ptr()] = rec.region
         elif (
             rec.active
             and name in _HOST_READS
             and torch.is_tensor(args[0])
-            and args[0].untyped_storage().data_ptr() not in rec.staging
+            and rec.staging.get(args[0].untyped_storage().data_ptr(), rec.region) == rec.region
         ):
             rec.found.append(f"Tensor.{name} at {_where()}")
         return func(*args, **kwargs)
@@ -113,6 +116,7 @@ def _count_syncs(rank, world, spec_name, args):
 
     def start(module, inputs):
         recorder.active, recorder.found = True, []
+        recorder.region += 1
 
     class End(Callback):
         """Last callback: ends each micro-batch's recorded region."""
