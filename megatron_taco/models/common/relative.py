@@ -157,6 +157,18 @@ def p2c_scores(k, q_r, index_t, scale: float, out=None):
     return out
 
 
+def _scatter_rows(grad, idx, n: int) -> torch.Tensor:
+    """[h, b, s, n]: out[..., i, r] = sum over j with idx[..., i, j] == r of grad[..., i, j].
+    Up to s terms land in one entry (all of a row's far pairs share the clipped bucket), so
+    half-precision gradients are summed in float32 and rounded once: bf16 sums of ~100
+    terms of one sign lose whole units (its spacing at 128 is 1). On a GPU the sum is an
+    atomic add, which float32 also makes far less order-dependent."""
+    acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    h, b, s, _ = grad.shape
+    out = torch.zeros(h, b, s, n, dtype=acc, device=grad.device)
+    return out.scatter_add_(-1, idx, grad.to(acc)).to(grad.dtype)
+
+
 def c2p_backward(grad, q, k_r, index, grad_q):
     """Unscaled gradients of c2p_scores: adds d/dq into ``grad_q`` [h, b*s, d] in place and
     returns d/dk_r [h, n, d]. grad [h, b, s, s]."""
@@ -164,7 +176,7 @@ def c2p_backward(grad, q, k_r, index, grad_q):
     n = k_r.shape[1]
     idx = index.unsqueeze(0).expand(h, b, s, s)
     # Sum the gradient of each (i, j) into its row; then it is a plain product.
-    g_scores = q.new_zeros(h, b, s, n).scatter_add_(-1, idx, grad).view(h, b * s, n)
+    g_scores = _scatter_rows(grad, idx, n).view(h, b * s, n)
     grad_q.baddbmm_(g_scores, k_r)
     return torch.bmm(g_scores.transpose(1, 2), q.reshape(h, b * s, d))
 
@@ -178,8 +190,6 @@ def p2c_backward(grad, k, q_r, index_t, grad_k):
     # The gradient of (i, j) belongs to key j: scatter the transposed gradient into a
     # key-major [h, b, s(j), n] layout (a last-dim scatter, ~2x faster than scattering
     # along the row dim of the forward's layout).
-    g_scores = (
-        k.new_zeros(h, b, s, n).scatter_add_(-1, idx_t, grad.transpose(-1, -2)).view(h, b * s, n)
-    )
+    g_scores = _scatter_rows(grad.transpose(-1, -2), idx_t, n).view(h, b * s, n)
     grad_k.baddbmm_(g_scores, q_r)
     return torch.bmm(g_scores.transpose(1, 2), k.reshape(h, b * s, d))
