@@ -329,6 +329,15 @@ def _banner(
         f"  world size {cfg.world_size} = tensor parallel {tp} x data parallel "
         f"{cfg.data_parallel_size}  (accelerator: {cfg.device_type})",
         f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision}",
+        *(
+            [
+                f"  note: ZeRO-0 {ds.precision} sums the gradients of the {ds.grad_accum_steps} "
+                f"micro-batches in {ds.precision} (DeepSpeed accumulates in fp32 only with "
+                "ZeRO 1-3, e.g. ds_configs/zero1_bf16.json)"
+            ]
+            if ds.zero_stage == 0 and ds.precision != "fp32" and ds.grad_accum_steps > 1
+            else []
+        ),
         f"  global batch {ds.global_batch_size} = micro-batch {t.micro_batch_size} x "
         f"grad accumulation {ds.grad_accum_steps} x data parallel {cfg.data_parallel_size}; "
         f"seq length {cfg.data.seq_length}",
