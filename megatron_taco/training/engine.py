@@ -168,6 +168,19 @@ def gradient_norm(model: nn.Module, parallel: ParallelState) -> float:
     return float(total.sqrt().item())
 
 
+def unscaled_grad_norm(optimizer, norm: float | None, loss_scale: float) -> float | None:
+    """The gradient norm to log, from DeepSpeed's report and the loss scale of the step's
+    backward. DeepSpeed's FP16_UnfusedOptimizer (fp16 at ZeRO-0 around an optimizer it does not
+    count as fused: torch's AdamW, fused or not, i.e. every GPU node without apex) reports the
+    norm of the gradients still multiplied by the loss scale (2^16 at the start; its clipping
+    divides by the scale itself); every other wrapper reports the unscaled norm."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if norm is None or not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return norm
+    return norm / loss_scale
+
+
 def norm_implementations(model: nn.Module) -> list[str]:
     """The classes of the normalisation modules the model actually contains."""
     names = {

@@ -32,7 +32,7 @@ from megatron_taco.parallel.state import ParallelState
 from megatron_taco.training.callbacks import Callback, CallbackList
 from megatron_taco.training.checkpointing import RunError, TrainingState, save_checkpoint
 from megatron_taco.training.config import TrainingConfig
-from megatron_taco.training.engine import Engine, gradient_norm, to_device
+from megatron_taco.training.engine import Engine, gradient_norm, to_device, unscaled_grad_norm
 from megatron_taco.training.logging import TrainingLogger
 from megatron_taco.training.signals import ExitMonitor
 
@@ -208,6 +208,8 @@ class Trainer:
             batch = to_device(next(data_iter), self.ds.device)
             outputs = self.ds(batch)
             self.ds.backward(outputs["loss"])
+            if micro == self.grad_accum_steps - 1:  # before the step may change it
+                scale = float(getattr(self.ds.optimizer, "loss_scale", 1.0))
             if self._own_grad_norm and micro == self.grad_accum_steps - 1:
                 # Gradients are complete (accumulated and data-parallel averaged) after the
                 # last backward; the step clips them next.
@@ -222,6 +224,7 @@ class Trainer:
         # optimizer (ZeRO-0 fp32) and in bf16 ZeRO without the check.
         skipped = self.ds.skipped_steps != skipped_before
         norm = own_norm if self._own_grad_norm else self.ds.get_global_grad_norm()
+        norm = unscaled_grad_norm(self.ds.optimizer, norm, scale)
         if skipped or norm is None:
             return lr, skipped, None
         return lr, skipped, float(norm.item() if torch.is_tensor(norm) else norm)
