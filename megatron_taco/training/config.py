@@ -170,6 +170,22 @@ class TrainingConfig:
         "loss-curve PNG is written beside it.",
         flag="--metrics-file",
     )
+    deterministic: bool = option(
+        False,
+        "Deterministic GPU kernels (torch.use_deterministic_algorithms, a fixed cuBLAS "
+        "workspace, CUBLAS_WORKSPACE_CONFIG=:4096:8): the bitwise-equal resume and replacement "
+        "store hold on GPUs only with it; without it scatter-adds, index_select's backward and "
+        "the memory-efficient attention backward add in an order that varies run to run. "
+        "Some speed is lost.",
+        flag="--deterministic",
+    )
+    tf32: bool = option(
+        True,
+        "TF32 tensor cores for float32 matmuls on Ampere and newer GPUs (fp32 configs: several "
+        "times faster, 10-bit mantissa products with float32 sums); --no-tf32 computes them in "
+        "full float32.",
+        flag="--tf32",
+    )
     deepspeed_config: str | None = option(
         None,
         "DeepSpeed JSON (precision, ZeRO stage, engine tuning), e.g. ds_configs/zero2_bf16.json; "

@@ -50,6 +50,27 @@ def _mpi_world_size_env() -> tuple[str, str] | None:
     return None
 
 
+# cuBLAS picks its reduction order by workspace; a fixed configuration makes its GEMMs
+# repeatable. Read when the first cuBLAS handle is created: before any matmul of the process.
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def apply_numerics(training: TrainingConfig) -> None:
+    """--tf32 and --deterministic, for this process, before the run builds anything: every
+    run of a sweep sets both again (they are process-wide)."""
+    torch.set_float32_matmul_precision("high" if training.tf32 else "highest")
+    if training.deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (
+        ":4096:8",
+        ":16:8",
+    ):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC
+    # Not warn_only: an op without a deterministic kernel must stop the run, not quietly
+    # break the bitwise promise.
+    torch.use_deterministic_algorithms(training.deterministic)
+    torch.backends.cudnn.deterministic = training.deterministic
+    torch.backends.cudnn.benchmark = False
+
+
 def launcher_world_size() -> int:
     """World size announced by the launcher (deepspeed, torchrun, srun wrapper, mpirun), 1 for
     plain python. Read from the environment only: it sizes the configs before rendezvous."""

@@ -328,7 +328,8 @@ def _banner(
         f"megatron_taco: {parts.title or f'{spec.name} pretraining'}",
         f"  world size {cfg.world_size} = tensor parallel {tp} x data parallel "
         f"{cfg.data_parallel_size}  (accelerator: {cfg.device_type})",
-        f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision}",
+        f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision} | "
+        f"TF32 {'on' if t.tf32 else 'off'}{' | deterministic' if t.deterministic else ''}",
         *(
             [
                 f"  note: ZeRO-0 {ds.precision} sums the gradients of the {ds.grad_accum_steps} "
@@ -442,6 +443,7 @@ def pretrain(
     from megatron_taco.data.tokenizer import Tokenizer
     from megatron_taco.parallel import comm
     from megatron_taco.training.engine import (
+        apply_numerics,
         count_parameters,
         destroy_distributed,
         init_distributed,
@@ -453,6 +455,7 @@ def pretrain(
     from megatron_taco.training.loop import PretrainTask, Trainer
     from megatron_taco.training.plots import plot_loss_curves
 
+    apply_numerics(cfg.training)  # before any CUDA work, the model's included
     # DeepSpeed's INFO output (config dumps, per-step notes) drowns the training log.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t = cfg.training
