@@ -255,7 +255,9 @@ def get_rng_states(rng_tracker: RNGTracker | None) -> dict[str, Any]:
             "gauss": float(cached),
         },
         "torch_cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        # This rank's own device (the current one, set from LOCAL_RANK), not every visible
+        # GPU by index: a resume with another ranks-per-node layout restores it there.
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": rng_tracker.get_states() if rng_tracker is not None else None,
     }
 
@@ -267,9 +269,17 @@ def set_rng_states(states: dict[str, Any], rng_tracker: RNGTracker | None) -> No
     np.random.set_state(("MT19937", keys, npy["pos"], npy["has_gauss"], npy["gauss"]))  # noqa: NPY002
     torch.set_rng_state(states["torch_cpu"])
     if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        torch.cuda.set_rng_state(_own_cuda_state(states["cuda"]))
     if rng_tracker is not None and states.get("tracker") is not None:
         rng_tracker.set_states(states["tracker"])
+
+
+def _own_cuda_state(saved: Any) -> torch.Tensor:
+    """The saved CUDA generator state of this rank's device: one tensor; checkpoints written
+    before it was saved so held every visible device's, and this rank's was its current one."""
+    if torch.is_tensor(saved):
+        return saved
+    return saved[torch.cuda.current_device() % len(saved)]
 
 
 def _load_rng_file(path: str) -> dict[str, Any]:

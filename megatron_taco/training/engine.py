@@ -23,7 +23,7 @@ from torch import nn
 
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.layers import param_is_not_tensor_parallel_duplicate
-from megatron_taco.parallel.state import ParallelState, init_parallel
+from megatron_taco.parallel.state import ParallelState, init_parallel, set_cuda_device
 from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
 from megatron_taco.training.optim import AnnealingLR, build_optimizer, build_scheduler
 from megatron_taco.training.signals import nccl_environment
@@ -139,7 +139,7 @@ def init_distributed(tp_size: int, timeout: timedelta | None = None) -> Parallel
         backend = "gloo"
         if accelerator_name() == "cuda":
             # One GPU per process; nccl needs it chosen before the first collective.
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            set_cuda_device()
             backend = "nccl"
             # A dead or hung peer must raise into Python (and our one line), not abort.
             os.environ.update(nccl_environment())

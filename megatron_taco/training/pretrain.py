@@ -371,13 +371,18 @@ def _banner(
 
 
 def _seed_everything(seed: int, parallel):
+    from deepspeed.accelerator import get_accelerator
+
     from megatron_taco.parallel.random import model_parallel_seed
 
     # Our data pipeline uses explicit generators; the global ones are seeded (and
     # checkpointed) for any library code that draws from them.
     random.seed(seed)
     np.random.seed(seed)  # noqa: NPY002
-    return model_parallel_seed(seed, parallel)
+    # The tracker's stream lives on the device DeepSpeed puts the model on (the one set from
+    # LOCAL_RANK), not wherever a GPU happens to be visible.
+    device = get_accelerator().current_device_name()
+    return model_parallel_seed(seed, parallel, device=device)
 
 
 def _keep_lr_schedule(engine) -> None:
