@@ -665,11 +665,13 @@ def _saved_layout(training, iteration: int | None) -> tuple[str, dict[str, Any]]
 
 
 def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: int,
-                        precision: str, iteration: int | None = None) -> None:  # fmt: skip
+                        precision: str, iteration: int | None = None,
+                        optimizer: str | None = None) -> None:  # fmt: skip
     """Before any process group: refuse a --load that DeepSpeed cannot restore at this run's
     layout (tensor/data-parallel sizes, ZeRO stage, precision, world size for the RNG
     states), with the command that converts the checkpoint. ``iteration``: the checkpoint
-    chosen (with --load-fallback, maybe not the tracker's). Returns quietly otherwise."""
+    chosen (with --load-fallback, maybe not the tracker's); ``optimizer``: the Adam this
+    run builds (optim.optimizer_implementation). Returns quietly otherwise."""
     if training.load is None or training.finetune:
         return
     found = _saved_layout(training, iteration)
@@ -703,6 +705,14 @@ def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: 
     if not training.no_load_optim and isinstance(saved_ds, dict):
         _check_optimizer_layout(iter_dir, (saved_stage, saved_precision, saved_dp),
                                 (zero_stage, precision, dp), convert)  # fmt: skip
+    saved_optimizer = meta.get("optimizer")
+    if not training.no_load_optim and optimizer and saved_optimizer not in (None, optimizer):
+        raise ConfigError(
+            f"--load: {iter_dir} holds the state of {saved_optimizer}, this run uses "
+            f"{optimizer} (apex's FusedAdam is used where apex and its CUDA extensions import), "
+            "whose state it cannot load: resume where the same one is used, or pass "
+            "--no-load-optim to restart the optimizer moments, keeping the LR schedule"
+        )
     if not training.no_load_rng:
         _check_rng_layout(iter_dir, meta, world_size)
 

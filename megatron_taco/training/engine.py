@@ -25,7 +25,12 @@ from megatron_taco.parallel import comm
 from megatron_taco.parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_taco.parallel.state import ParallelState, init_parallel, set_cuda_device
 from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
-from megatron_taco.training.optim import AnnealingLR, build_optimizer, build_scheduler
+from megatron_taco.training.optim import (
+    AnnealingLR,
+    build_optimizer,
+    build_scheduler,
+    optimizer_implementation,
+)
 from megatron_taco.training.signals import nccl_environment
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -235,6 +240,24 @@ def disable_deepspeed_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def agree_on_optimizer(mine: str) -> None:
+    """Collective: every rank builds the same Adam (apex's or torch's: whether apex imports
+    is a property of each node's install), or all stop with one line naming who differs."""
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.training.rendezvous import describe_disagreement
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    problem = describe_disagreement(
+        comm.all_gather_object((socket.gethostname(), mine)), "the Adam implementation"
+    )
+    if problem is not None:
+        raise ConfigError(
+            f"{problem} (apex with its CUDA extensions imports on some nodes only): install it "
+            "on every node or on none"
+        )
+
+
 def initialize_engine(
     model: nn.Module,
     training: TrainingConfig,
@@ -252,6 +275,7 @@ def initialize_engine(
         category=FutureWarning,
     )
 
+    agree_on_optimizer(optimizer_implementation())
     optimizer, impl = build_optimizer(model, training)
     scheduler = build_scheduler(optimizer, training)
     engine, _, _, ds_scheduler = deepspeed.initialize(

@@ -47,6 +47,7 @@ from megatron_taco.training.config import (
     resolve_deepspeed_config,
 )
 from megatron_taco.training.consolidate import check_resume_layout
+from megatron_taco.training.optim import optimizer_implementation
 from megatron_taco.training.rendezvous import agree_on_load, forget_node_results, once_per_node
 from megatron_taco.training.signals import (
     ExitConfig,
@@ -210,6 +211,7 @@ class ModelSpec:
             zero_stage=deepspeed.zero_stage,
             precision=deepspeed.precision,
             iteration=None if load is None else load.iteration,
+            optimizer=optimizer_implementation(),
         )
         configs = PretrainConfigs(
             parallel=parallel,
@@ -536,7 +538,12 @@ def pretrain(
             seed=seed,
             num_workers=cfg.data.num_workers,
             rng_tracker=rng_tracker,
-            checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict(), **parts.metadata},
+            checkpoint_metadata={
+                "model": spec.name,
+                "configs": cfg.as_dict(),
+                "optimizer": optimizer_implementation(),
+                **parts.metadata,
+            },
             save_retain=cfg.checkpoint.save_retain,
             exit_monitor=monitor,
         )

@@ -18,6 +18,9 @@ from megatron_taco.parallel.layers import (
 )
 
 try:  # apex's fused kernel on GPU; it falls back to F.layer_norm itself for CPU tensors.
+    # The CUDA extension itself: apex built without it (a common broken install) imports
+    # fine and fails only when FusedLayerNorm() loads it, at model construction.
+    import fused_layer_norm_cuda  # noqa: F401
     from apex.normalization import FusedLayerNorm as _ApexLayerNorm
 
     HAVE_APEX = True
