@@ -1,5 +1,6 @@
 """--tf32 (on by default) and --deterministic: set process-wide by the driver before the
-model is built (every run of a sweep sets them again)."""
+model is built (every run of a sweep sets them again). The same runs check that a
+checkpoint records its Adam implementation."""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def _during_build(rank, world, args):
     cfg = spec.configs_from_args(spec.build_parser().parse_args(args), world_size=world,
                                  device_type="cpu")  # fmt: skip
     assert pretrain(cfg, spec, keep_process_group=True) == 0
-    return seen
+    from megatron_taco.training.checkpointing import read_metadata
+
+    return seen, read_metadata(os.path.join(cfg.training.save, "iter_0000001"))["optimizer"]
 
 
 @pytest.mark.parametrize("flags", [(), ("--deterministic", "--no-tf32")])
@@ -65,9 +68,10 @@ def test_the_driver_applies_them_before_the_model_is_built(flags, botchan_datase
         "--tokenizer-model", botchan_dataset["tokenizer"], "--data-cache-path",
         str(tmp_path / "cache"), "--split", "80,10,10", "--micro-batch-size", "2",
         "--train-iters", "1", "--lr-warmup-iters", "0", "--eval-iters", "0",
-        "--no-progress-bar", *flags,
+        "--no-progress-bar", "--save", str(tmp_path / "ckpt"), *flags,
     ]  # fmt: skip
-    (seen,) = run_distributed(_during_build, 1, args)
+    ((seen, optimizer),) = run_distributed(_during_build, 1, args)
+    assert optimizer == "torch.optim.AdamW"  # recorded for the resume check
     deterministic = bool(flags)
     assert seen == [(deterministic, "highest" if flags else "high", deterministic,
                      ":4096:8" if flags else None)]  # fmt: skip
