@@ -165,12 +165,11 @@ class ModelSpec:
         add_launcher_compat_args(parser)
         return parser
 
-    def configs_from_args(
-        self, args: argparse.Namespace, *, world_size: int, device_type: str
-    ) -> PretrainConfigs:
-        """Build and cross-check every config; reads the DeepSpeed JSON, checks that the
-        data, tokenizer and JSON files exist and the datasets open, creates and test-writes
-        --save, and verifies the checkpoint --load restores. No process-group work."""
+    def flag_configs(self, args: argparse.Namespace, *, world_size: int, device_type: str):
+        """The configs of the flags, cross-checked against each other, the world size (the
+        batch layout) and the DeepSpeed JSON, the only file read: (parallel, model, data,
+        task, training, checkpoint, exit, deepspeed). Every documented launch command is
+        checked with it (tests/unit/test_documented_commands.py)."""
         parallel = dataclass_from_args(ParallelConfig, args)
         model = self.model_config.from_args(args)
         data = dataclass_from_args(DataConfig, args)
@@ -191,6 +190,18 @@ class ModelSpec:
                 f"--train-epochs: {self.name} trains a number of iterations; give --train-iters"
             )
         deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
+        return parallel, model, data, task, training, checkpoint, exit_config, deepspeed
+
+    def configs_from_args(
+        self, args: argparse.Namespace, *, world_size: int, device_type: str
+    ) -> PretrainConfigs:
+        """Build and cross-check every config; reads the DeepSpeed JSON, checks that the
+        data, tokenizer and JSON files exist and the datasets open, creates and test-writes
+        --save, and verifies the checkpoint --load restores. No process-group work."""
+        parallel, model, data, task, training, checkpoint, exit_config, deepspeed = (
+            self.flag_configs(args, world_size=world_size, device_type=device_type)
+        )
+        tp = parallel.tensor_model_parallel_size
         data.validate_files()
         _open_datasets(data)
         # Verified once per node (it reads every byte of the checkpoint); a checkpoint of
