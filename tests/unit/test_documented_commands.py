@@ -93,7 +93,7 @@ def _world(tokens: list[str], block: str, where: str) -> tuple[int, int]:
             else:
                 opts[tokens[i]] = ""
         i += 1
-    if tokens[i:i + 1] == ["python"]:
+    if tokens[i : i + 1] == ["python"]:
         i += 1
     if launcher == "deepspeed":
         if "--hostfile" in opts:
@@ -174,7 +174,7 @@ def documented_commands() -> tuple[list[Command], list[str]]:
                         commands += _sbatch(REPO / words[-1], where)
                         continue
                     world, i = _world(words, block, where)
-                    commands.append(Command(where, world, words[i], words[i + 1:]))
+                    commands.append(Command(where, world, words[i], words[i + 1 :]))
     return commands, elided
 
 
@@ -199,8 +199,8 @@ def _check_pretraining(command: Command) -> None:
 
 def _check_finetuning(command: Command) -> None:
     from megatron_taco.parallel.config import check_world_size
-    from megatron_taco.recipes.finetune import output_paths
     from megatron_taco.recipes.finetune import SPEC as FINETUNE
+    from megatron_taco.recipes.finetune import output_paths
     from megatron_taco.recipes.sweep import expand_tasks, plan_runs, run_namespace, sweep_from_args
 
     args = FINETUNE.build_parser().parse_args(command.args)
