@@ -344,11 +344,23 @@ def _unflatten(flat: torch.Tensor, names: list[str], layout: ModelLayout) -> Ten
     return out
 
 
+def _real_partition(osd: dict, g: int) -> torch.Tensor:
+    """A rank's fp32 partition of flat group ``g`` without the alignment padding. ZeRO 1/2
+    save it without; DeepSpeed's BF16_Optimizer (what zero1_bf16 builds: ZeRO-1 with fp32
+    gradient accumulation) keeps it, the last rank's ``group_paddings[g]`` elements. Both
+    load each other's files: their partitions are cut alike (2 x dp alignment) and the
+    moments are saved padded by both."""
+    part = osd["single_partition_of_fp32_groups"][g].reshape(-1)
+    if "zero_stage" in osd:
+        return part
+    return part[: part.numel() - int(osd["group_paddings"][g])]
+
+
 def _zero_group(osds: list[dict], g: int, names: list[str], layout: ModelLayout, what: str):
     """Group ``g`` of every data-parallel partition -> (master, {moment: tensors}, step)."""
     # Padding sits only at the end of the flat group: the partitions' real elements,
     # concatenated in rank order, are the group's parameters back to back.
-    real = [o["single_partition_of_fp32_groups"][g].reshape(-1) for o in osds]
+    real = [_real_partition(o, g) for o in osds]
     numel = sum(math.prod(layout.params[n].shape) for n in names)
     if sum(r.numel() for r in real) != numel:
         raise CheckpointError(
@@ -375,8 +387,8 @@ def _zero(info: CheckpointInfo, layout: ModelLayout, tp_rank: int) -> _RankState
     osds = [f.get("optimizer_state_dict") if isinstance(f, dict) else None for f in files]
     if any(not isinstance(o, dict) or "single_partition_of_fp32_groups" not in o for o in osds):
         raise CheckpointError(
-            f"{what}: not a ZeRO stage 1/2 optimizer partition (DeepSpeed's BF16_Optimizer and "
-            "other layouts are not supported)"
+            f"{what}: not a ZeRO stage 1/2 (or BF16_Optimizer) optimizer partition; other "
+            "layouts are not supported"
         )
     if any(any(p) for o in osds for p in o.get("param_alignment_paddings", [])):
         raise CheckpointError(f"{what}: ZeRO parameter_alignment padding is not supported")

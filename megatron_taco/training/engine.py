@@ -63,7 +63,10 @@ CUBLAS_DETERMINISTIC = ":4096:8"
 def apply_numerics(training: TrainingConfig) -> None:
     """--tf32 and --deterministic, for this process, before the run builds anything: every
     run of a sweep sets both again (they are process-wide)."""
-    torch.set_float32_matmul_precision("high" if training.tf32 else "highest")
+    # CUDA's flags only: torch.set_float32_matmul_precision would also let oneDNN round
+    # float32 GEMMs on CPUs that support it, changing CPU results.
+    torch.backends.cuda.matmul.allow_tf32 = training.tf32
+    torch.backends.cudnn.allow_tf32 = training.tf32
     if training.deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (
         ":4096:8",
         ":16:8",
