@@ -180,7 +180,7 @@ def main(argv=None) -> None:
     parallel = init_distributed(1)
     from megatron_taco.parallel.random import model_parallel_seed
 
-    rng_tracker = model_parallel_seed(1, parallel)
+    rng_tracker = model_parallel_seed(1, parallel, device="cpu")
     root = tempfile.mkdtemp(prefix="bench_exit_save-", dir=args.dir)
     rows, results = [], []
     try:

@@ -15,6 +15,12 @@ the loss) at base size, seq 512: SAS-base against transformers' ELECTRA-base dis
 (its default attention, SDPA) and SAS^DA-base against DeBERTa-v2-base, each configured by
 our exporter (models/sas/hf.py) so the architectures are the same.
 
+On a GPU every model runs in bf16 (--dtype), ELECTRA with transformers' SDPA attention;
+tokens/s and MFU (model FLOPs, hardware-honest: ELECTRA's count x 1.5, over the detected
+GPU's dense bf16 peak, timing.GPU_BF16_PEAKS) are printed per model. SAS's batch carries
+the host numbers its collator counts (models/common/host.py): nothing is read back from the
+GPU inside its step.
+
     python benchmarks/bench_sas_step.py                 # batch 16 x seq 128, goal <= 0.75
     python benchmarks/bench_sas_step.py --threads 1 --clock cpu --repeats 5
 """
@@ -26,7 +32,9 @@ import argparse
 import torch
 from timing import (
     add_common_args,
+    compute_peak,
     interleaved_times,
+    model_dtype,
     peak_activation_bytes,
     profile_table,
     ratio_row,
@@ -34,6 +42,13 @@ from timing import (
     setup,
 )
 
+from megatron_taco.models.common.host import HOST_KEY
+from megatron_taco.models.flops import (
+    EncoderShape,
+    electra_train_flops,
+    generator_shape,
+    sas_train_flops,
+)
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.parallel.sampling import vocab_parallel_sample
@@ -70,7 +85,7 @@ def sas_step(model, optimizer, batch) -> None:
         out["mlm_logits"],
         None,
         vocab_size=VOCAB,
-        row_keys=torch.arange(out["mlm_logits"].shape[0]),
+        row_keys=torch.arange(out["mlm_logits"].shape[0], device=out["mlm_logits"].device),
         seed=1,
     )
     optimizer.step()
@@ -81,7 +96,8 @@ def build_electra():
     from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, embedding_size=128, max_position_embeddings=512)
+    common = dict(vocab_size=VOCAB, embedding_size=128, max_position_embeddings=512,
+                  attn_implementation="sdpa")  # fmt: skip
     disc = ElectraForPreTraining(
         ElectraConfig(
             hidden_size=256,
@@ -162,6 +178,25 @@ def _per_token(forward, model, probe) -> float:
     return peak_activation_bytes(forward_backward, model.parameters()) / probe[..., 0].numel()
 
 
+def step_flops(batch: int, seq: int) -> dict[str, float]:
+    """Model FLOPs of one training step of each model (ELECTRA's convention x 1.5: backward
+    costs twice the forward on hardware, as the training log counts them)."""
+    config = SasConfig.preset("small", vocab_size=VOCAB)
+    shape = EncoderShape(layers=config.num_layers, hidden=config.hidden_size,
+                         ffn=config.ffn_hidden_size, heads=config.num_attention_heads,
+                         head_size=config.hidden_size // config.num_attention_heads,
+                         embedding_size=config.embedding_size, vocab_size=VOCAB,
+                         seq_length=seq)  # fmt: skip
+    electra = EncoderShape(layers=12, hidden=256, ffn=1024, heads=4, head_size=64,
+                           embedding_size=128, vocab_size=VOCAB, seq_length=seq)  # fmt: skip
+    return {
+        "SAS-small": 1.5 * sas_train_flops(shape, batch, 1),
+        "SAS^DA-small": 1.5 * sas_train_flops(shape, batch, 1, disentangled_attention=True),
+        "ELECTRA-small": 1.5
+        * electra_train_flops(electra, generator_shape(electra, divisor=4), batch, 1),
+    }
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -183,10 +218,14 @@ def main(argv=None) -> None:
     batch["original"] = torch.where(
         batch["mlm_labels"] >= 0, batch["mlm_labels"], batch["input_ids"]
     )
-    batch = {k: v.to(device) for k, v in batch.items()}
+    host = SasForPretraining.host_layout(batch)  # what the recipe's collate wrapper adds
+    batch = {**{k: v.to(device) for k, v in batch.items()}, HOST_KEY: host}
+    dtype = model_dtype(args, device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32, the training default (--tf32)
 
     gen, disc = build_electra()
-    gen, disc = gen.to(device), disc.to(device)
+    gen, disc = gen.to(device, dtype), disc.to(device, dtype)
     electra_params = {id(p): p for m in (gen, disc) for p in m.parameters()}
     opt_e = torch.optim.AdamW(list(electra_params.values()), lr=1e-4)
     steps = {"ELECTRA-small": lambda: electra_step(gen, disc, opt_e, batch)}
@@ -194,7 +233,7 @@ def main(argv=None) -> None:
     if args.compile:
         variants += [("SAS-small+compile", False, True), ("SAS^DA-small+compile", True, True)]
     for name, da, compiled in variants:
-        model = build_sas(da, compile=compiled).to(device)
+        model = build_sas(da, compile=compiled).to(device, dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         steps[name] = lambda m=model, o=opt: sas_step(m, o, batch)
 
@@ -208,10 +247,14 @@ def main(argv=None) -> None:
         f"threads, clock={args.clock}, {args.repeats} repeats x {args.steps} steps"
     )
     electra = times["ELECTRA-small"]
+    peak, peak_note = compute_peak(device, dtype)
+    print(f"dtype {dtype}; MFU against: {peak_note}")
+    flops = step_flops(args.batch, args.seq_length)
     for name, ts in times.items():
         t = sorted(ts)[len(ts) // 2]
+        f = flops[name.split("+")[0]]
         print(f"  {name:22s} {1000 * t:8.1f} ms/step  {tokens / t:9.0f} tokens/s  "
-              f"per-repeat ms {[round(1000 * x) for x in ts]}")  # fmt: skip
+              f"MFU {f / t / peak:6.1%}  per-repeat ms {[round(1000 * x) for x in ts]}")  # fmt: skip
 
     rows = [
         ratio_row(

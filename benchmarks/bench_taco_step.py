@@ -7,8 +7,14 @@ c2p|p2c with the same maximum position, same rows x sequence length per step. De
 runs HF's encoder and MLM head with the head on the labelled tokens only, as TACO's heads
 run: the peer of the goal (issue 16: TACO-base >= 1.0x DeBERTa-lab tokens/s at seq 512,
 peak memory per token no worse). The models are timed alternately (A B C A B C ...), the
-median of the per-repeat ratios is reported with its range. MFU is against a torch float32
-GEMM peak measured here. --compile adds TACO with torch.compile'd layers to the rotation.
+median of the per-repeat ratios is reported with its range. --compile adds TACO with
+torch.compile'd layers to the rotation.
+
+On a GPU every model runs in bf16 (--dtype; the bf16 configs' precision) and MFU is model
+FLOPs over the detected GPU's dense bf16 peak (timing.GPU_BF16_PEAKS; a GEMM measured here
+on CPU or an unknown GPU). TACO's batch carries the host numbers its collator counts
+(models/common/host.py), so its step reads nothing back from the GPU. transformers'
+DeBERTa-v2 has no SDPA attention (transformers 5.23): it runs its own.
 
     python benchmarks/bench_taco_step.py                          # base, seq 512, 2 rows
     python benchmarks/bench_taco_step.py --model-size small --seq-length 128 --rows 8
@@ -25,8 +31,9 @@ import statistics
 import torch
 from timing import (
     add_common_args,
-    gemm_peak,
+    compute_peak,
     interleaved_times,
+    model_dtype,
     peak_activation_bytes,
     profile_table,
     ratio_row,
@@ -34,6 +41,7 @@ from timing import (
     setup,
 )
 
+from megatron_taco.models.common.host import HOST_KEY
 from megatron_taco.models.flops import taco_train_flops
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
@@ -59,7 +67,8 @@ def taco_batch(rows: int, seq: int, vocab: int, max_pos: int, g: torch.Generator
     batch = dict(
         input_ids=ids, position_ids=pos, attention_mask=mask, mlm_labels=mlm, mpm_labels=mpm
     )
-    return {k: v.to(device) for k, v in batch.items()}
+    host = TacoForPretraining.host_layout(batch)  # what the recipe's collate wrapper adds
+    return {**{k: v.to(device) for k, v in batch.items()}, HOST_KEY: host}
 
 
 def deberta_batch(rows: int, seq: int, vocab: int, g: torch.Generator, device) -> dict:
@@ -146,9 +155,12 @@ def main(argv=None) -> None:
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
 
-    taco = TacoForPretraining(cfg, single_process_state()).to(device).train()
+    dtype = model_dtype(args, device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32, the training default (--tf32)
+    taco = TacoForPretraining(cfg, single_process_state()).to(device, dtype).train()
     deberta, dcfg = build_deberta(cfg, args.dropout)
-    deberta = deberta.to(device).train()
+    deberta = deberta.to(device, dtype).train()
     opt_t = torch.optim.AdamW(taco.parameters(), lr=1e-4)
     opt_d = torch.optim.AdamW(deberta.parameters(), lr=1e-4)
     tb = taco_batch(
@@ -187,7 +199,7 @@ def main(argv=None) -> None:
     if compiled:
         torch.manual_seed(0)
         taco_c = TacoForPretraining(dataclasses.replace(cfg, compile=True), single_process_state())
-        taco_c = taco_c.to(device).train()
+        taco_c = taco_c.to(device, dtype).train()
         opt_c = torch.optim.AdamW(taco_c.parameters(), lr=1e-4)
         steps["TACO+compile"] = stepper(lambda: taco_fb(taco_c), opt_c)
 
@@ -198,7 +210,7 @@ def main(argv=None) -> None:
     med = {name: statistics.median(ts) for name, ts in times.items()}
 
     tokens = args.rows * args.seq_length
-    peak = gemm_peak(device)
+    peak, peak_note = compute_peak(device, dtype)
     f_taco = taco_train_flops(cfg, args.seq_length, args.rows, vocab_size=cfg.vocab_size)
     flops = {
         "TACO": f_taco,
@@ -217,14 +229,14 @@ def main(argv=None) -> None:
         f"seq={args.seq_length} preset={cfg.model_size} layers={cfg.num_layers} "
         f"hidden=({cfg.we_hidden_size},{cfg.pe_hidden_size}) "
         f"heads=({cfg.we_attention_heads},{cfg.pe_attention_heads})x{cfg.kv_channels} "
-        f"vocab={cfg.vocab_size} repeats={args.repeats}x{args.steps} steps"
+        f"vocab={cfg.vocab_size} dtype={dtype} repeats={args.repeats}x{args.steps} steps"
     )
     print(
         f"DeBERTa: hidden={dcfg.hidden_size} heads={dcfg.num_attention_heads}x"
         f"{dcfg.attention_head_size} ffn={dcfg.intermediate_size} layers="
         f"{dcfg.num_hidden_layers} c2p|p2c over {2 * dcfg.max_position_embeddings} buckets"
     )
-    print(f"float32 GEMM peak: {peak / 1e9:.1f} GFLOP/s")
+    print(f"MFU against: {peak_note}")
     print(f"{'model':<14}{'params':>10}{'step ms':>10}{'tokens/s':>12}{'GFLOP/step':>12}{'MFU':>8}")
     for name, t in med.items():
         f = flops[name]

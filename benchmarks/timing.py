@@ -29,6 +29,58 @@ def gemm_peak(device, dtype=torch.float32, n: int = 2048, iters: int = 10) -> fl
     return 2 * n**3 / best
 
 
+# Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from NVIDIA's data sheets. The first
+# entry whose name appears in torch.cuda.get_device_name() wins, so the specific names come
+# first ("H100 PCIe" before "H100", "A10G" before "A10"); None: no published figure, the
+# benchmark measures a bf16 GEMM instead.
+GPU_BF16_PEAKS: tuple[tuple[str, float | None], ...] = (
+    ("GH200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),  # SXM4 and PCIe
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", None),
+    ("A10", 125e12),
+    ("L4", 121e12),
+)
+
+
+def gpu_bf16_peak(device_name: str) -> float | None:
+    for name, peak in GPU_BF16_PEAKS:
+        if name in device_name:
+            return peak
+    return None
+
+
+def compute_peak(device, dtype) -> tuple[float, str]:
+    """(FLOP/s, where it comes from) that MFU divides by: on a GPU in bf16 the data sheet's
+    dense bf16 peak of the detected GPU; else a GEMM measured here."""
+    device = torch.device(device)
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_bf16_peak(name)
+        if peak is not None:
+            return peak, f"{name}: dense bf16 peak {peak / 1e12:.0f} TFLOP/s (data sheet)"
+        peak = gemm_peak(device, torch.bfloat16, n=8192)
+        return peak, f"{name}: not in the table, measured bf16 GEMM {peak / 1e12:.0f} TFLOP/s"
+    peak = gemm_peak(device, dtype)
+    return peak, f"{device.type}: measured {dtype} GEMM {peak / 1e9:.1f} GFLOP/s"
+
+
+def model_dtype(args, device) -> torch.dtype:
+    """--dtype: auto is bf16 on a GPU (what the bf16 configs train in), float32 on CPU."""
+    if args.dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -43,6 +95,13 @@ def add_common_args(parser, repeats: int, steps: int, warmup: int) -> None:
     parser.add_argument("--warmup", type=int, default=warmup, help="Untimed steps per model.")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU).")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="Weights and activations of every model (auto: bf16 on a GPU, fp32 on CPU); MFU "
+        "is against the GPU's dense bf16 peak in bf16.",
+    )
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),

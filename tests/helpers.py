@@ -115,6 +115,53 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     return [results[r] for r in range(world_size)]
 
 
+def _solo(fn: Callable, args: tuple, queue) -> None:
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+def run_in_process(fn: Callable, *args: Any, timeout: float = 600) -> Any:
+    """``fn(*args)`` in a fresh spawned process without any process group (the driver then
+    sets up its own one-rank world, NCCL on a GPU); its return value, or its traceback as
+    the failure. ``fn`` must be importable."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_solo, args=(fn, args, queue))
+    proc.start()
+    try:
+        status, payload = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert status == "ok", payload
+    return payload
+
+
+# ---------------------------------------------------------------------------------------
+# GPUs (tests/gpu)
+
+
+def cuda_missing() -> str | None:
+    """Why the GPU tier cannot run here, or None."""
+    if torch.cuda.is_available():
+        return None
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return f"needs a CUDA GPU: torch {torch.__version__} ({build}) sees none"
+
+
+def require_gpus(n: int) -> None:
+    """Skip the calling test, with the reason, on a machine with fewer than n GPUs."""
+    import pytest
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < n:
+        pytest.skip(f"needs {n} CUDA GPU(s), this machine has {count}")
+
+
 # ---------------------------------------------------------------------------------------
 # TACO
 

@@ -92,7 +92,9 @@ def _target_ds_config(info: CheckpointInfo, path: str | None) -> dict[str, Any]:
         return saved
     new = load_deepspeed_json(path)
     # The saved key order where keys stay (what DeepSpeed would write for the same JSON).
-    sections = ("zero_optimization", "bf16", "fp16")
+    # The precision's dtypes go with it: a bf16 ZeRO-2 JSON's fp32 accumulation must not
+    # survive into a ZeRO-0 target, where DeepSpeed refuses it.
+    sections = ("zero_optimization", "bf16", "fp16", "data_types", "communication_data_type")
     merged = {k: v for k, v in saved.items() if k not in sections or k in new}
     merged.update(new)
     return merged

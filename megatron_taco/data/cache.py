@@ -72,9 +72,9 @@ def _distributed() -> tuple[bool, int]:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
+    from megatron_taco.parallel import comm  # the collectives' one module (torch only)
 
-    dist.barrier()
+    comm.barrier()
 
 
 def _paths(cache_dir: str, kind: str, key: str, names) -> tuple[str, dict[str, str]]:

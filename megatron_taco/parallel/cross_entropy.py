@@ -10,8 +10,8 @@ an unpadded softmax over the real vocabulary for any tp.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.mappings import group_rank, group_size
 
 
@@ -34,9 +34,9 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        comm.all_reduce(x, group, op)
     return x
 
 
@@ -51,7 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Subtract the global max for a stable exp. A rank whose slice is all padding has
         # local max -inf; the global max is finite as long as vocab_size > 0.
         logits_max = logits.max(dim=-1).values  # [...]
-        _all_reduce(logits_max, group, dist.ReduceOp.MAX)
+        _all_reduce(logits_max, group, "max")
         logits = logits - logits_max.unsqueeze(-1)
 
         # Logit of the target: only its owner rank contributes, the others add 0.
@@ -116,12 +116,12 @@ def vocab_parallel_argmax(
     local_max, local_idx = logits.max(dim=-1)
     if group_size(group) == 1:
         return local_idx
-    global_max = _all_reduce(local_max.clone(), group, dist.ReduceOp.MAX)
+    global_max = _all_reduce(local_max.clone(), group, "max")
     # Ranks not holding the maximum propose an id larger than any real one; MIN picks the
     # first rank (smallest ids) that holds it.
     sentinel = torch.iinfo(torch.int64).max
     candidate = torch.where(local_max == global_max, local_idx + start, sentinel)
-    return _all_reduce(candidate, group, dist.ReduceOp.MIN)
+    return _all_reduce(candidate, group, "min")
 
 
 @torch.no_grad()

@@ -21,10 +21,10 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -121,9 +121,7 @@ def gather_full_weight(
     data = (param if tensor is None else tensor).detach()
     if not param_is_tensor_parallel(param) or group_size(group) == 1:
         return data.clone()
-    data = data.contiguous()
-    parts = [torch.empty_like(data) for _ in range(group_size(group))]
-    dist.all_gather(parts, data, group=group)
+    parts = comm.all_gather(data, group)
     return merge_partitions(parts, param.partition_dim, getattr(param, "partition_stride", 1))
 
 

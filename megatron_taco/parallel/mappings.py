@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_taco.parallel import comm
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -36,7 +38,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
         return x
     # all_reduce is in place; never modify a tensor autograd may have saved.
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, group=group)
+    comm.all_reduce(x, group)
     return x
 
 
@@ -54,10 +56,7 @@ def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if world == 1:
         return x
     dim = dim % x.dim()
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(comm.all_gather(x, group), dim=dim)
 
 
 def stack_dim_chunks(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
@@ -83,7 +82,7 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if x.is_cuda and "nccl" in str(dist.get_backend(group)):
         stacked = stack_dim_chunks(x, world, dim)
         out = torch.empty_like(stacked[0])
-        dist.reduce_scatter_tensor(out, stacked, group=group)
+        comm.reduce_scatter_tensor(out, stacked, group)
         return out
     # gloo has no reduce_scatter. Fallback: all-reduce the whole tensor and keep our chunk.
     # Cost: an all-reduce moves ~2x the bytes of a reduce-scatter (it is reduce-scatter +

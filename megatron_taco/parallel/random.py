@@ -25,32 +25,44 @@ PIPELINE_SEED_STRIDE = 100
 TENSOR_PARALLEL_SEED_OFFSET = 2718
 
 
-def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # "cuda" alone would follow whatever device is current when the state is swapped.
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"RNGTracker: no generator state for device {device}")
+    return device
 
 
-def get_rng_state(device_type: str) -> torch.Tensor:
-    if device_type == "cuda":
-        return torch.cuda.get_rng_state()
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
     return torch.get_rng_state()
 
 
-def set_rng_state(state: torch.Tensor, device_type: str) -> None:
-    if device_type == "cuda":
-        torch.cuda.set_rng_state(state)
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
 
 
 class RNGTracker:
-    """Named generator states for one device type ('cuda' if available, else 'cpu').
-    ``fork(name)`` swaps the named state into the default generator of that device for
-    the duration of the block and stores the advanced state back on exit."""
+    """Named generator states of one device: the one the model runs on (its activations'
+    dropout draws from that device's default generator), given explicitly, so a process
+    that sees a GPU but runs on CPU, or runs on cuda:3, forks the right stream.
+    ``fork(name)`` swaps the named state into that device's default generator for the
+    duration of the block and stores the advanced state back on exit."""
 
-    def __init__(self, device_type: str | None = None) -> None:
-        self.device_type = device_type or _default_device_type()
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = _device(device)
         self.states: dict[str, torch.Tensor] = {}
         self.seeds: set[int] = set()
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
 
     def reset(self) -> None:
         self.states = {}
@@ -62,13 +74,13 @@ class RNGTracker:
         if name in self.states:
             raise ValueError(f"RNG stream {name!r} already exists")
         self.seeds.add(seed)
-        original = get_rng_state(self.device_type)
-        if self.device_type == "cuda":
-            torch.cuda.manual_seed(seed)  # current device only
+        original = get_rng_state(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index].manual_seed(seed)
         else:
             torch.random.default_generator.manual_seed(seed)
-        self.states[name] = get_rng_state(self.device_type)
-        set_rng_state(original, self.device_type)
+        self.states[name] = get_rng_state(self.device)
+        set_rng_state(original, self.device)
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return {name: state.clone() for name, state in self.states.items()}
@@ -81,26 +93,30 @@ class RNGTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         if name not in self.states:
             raise KeyError(f"RNG stream {name!r} was never added (known: {sorted(self.states)})")
-        original = get_rng_state(self.device_type)
-        set_rng_state(self.states[name], self.device_type)
+        original = get_rng_state(self.device)
+        set_rng_state(self.states[name], self.device)
         try:
             yield
         finally:
-            self.states[name] = get_rng_state(self.device_type)
-            set_rng_state(original, self.device_type)
+            self.states[name] = get_rng_state(self.device)
+            set_rng_state(original, self.device)
 
 
 def model_parallel_seed(
-    seed: int, parallel: ParallelState, tracker: RNGTracker | None = None
+    seed: int,
+    parallel: ParallelState,
+    tracker: RNGTracker | None = None,
+    *,
+    device: torch.device | str,
 ) -> RNGTracker:
     """Seed torch's default generators (CPU and all CUDA devices) with ``seed + 100*pp_rank``
     on every rank, and (re)create ``tracker``'s model-parallel stream with
-    ``seed + 2718 + tp_rank``. Returns the tracker (a new one if None is given).
-    Python's and numpy's global RNGs are left alone: the data pipeline uses explicit
-    generators seeded from (seed, sample index)."""
+    ``seed + 2718 + tp_rank``. Returns the tracker (a new one for ``device``, the device the
+    model runs on, if None is given). Python's and numpy's global RNGs are left alone: the
+    data pipeline uses explicit generators seeded from (seed, sample index)."""
     pp_rank = 0  # no pipeline parallelism
     torch.manual_seed(seed + PIPELINE_SEED_STRIDE * pp_rank)
-    tracker = tracker if tracker is not None else RNGTracker()
+    tracker = tracker if tracker is not None else RNGTracker(device)
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, seed + TENSOR_PARALLEL_SEED_OFFSET + parallel.tp_rank)
     return tracker

@@ -20,8 +20,8 @@ resumed run redraws them exactly.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.mappings import group_rank, group_size
 
 _M32 = 0xFFFFFFFF
@@ -122,7 +122,7 @@ def _banned_columns(columns: torch.Tensor, vocab_size: int, exclude_ids) -> torc
     outside = (local < 0) | (local >= local_vocab)
     local = local.masked_fill(outside, local_vocab)
     hit = torch.zeros(local_vocab + 1, dtype=torch.bool, device=columns.device)
-    hit[local] = True
+    hit.index_fill_(0, local, True)  # not hit[local] = True: a host->device copy of True
     return banned | hit[:local_vocab]
 
 
@@ -171,7 +171,7 @@ def vocab_parallel_sample(
         scaled = (logits[rows].double() / temperature).masked_fill_(banned, float("-inf"))
         peak[rows] = scaled.max(dim=-1).values
     if world > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(peak, group, "max")
     finite_peak = peak.masked_fill(peak == float("-inf"), 0.0)
     local_sum = torch.empty(n, dtype=torch.float64, device=logits.device)
     for lo in range(0, n, step):
@@ -196,7 +196,7 @@ def vocab_parallel_sample(
         ids[rows] = torch.minimum(found, last) + start
     ids = ids.masked_fill((owner != rank) | (total <= 0), -1)
     if world > 1:
-        dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(ids, group, "max")
     return ids.reshape(row_keys.shape)
 
 
@@ -210,6 +210,4 @@ def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     if world == 1:
         return x.unsqueeze(0)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.stack(parts)
+    return torch.stack(comm.all_gather(x, group))

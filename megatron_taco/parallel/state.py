@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_taco.arguments import ConfigError
 from megatron_taco.parallel.config import check_world_size
 
 
@@ -156,6 +157,39 @@ class ParallelState:
         return self._registered(self.dp_group)
 
 
+def cuda_device_index(local_rank: int, device_count: int, local_world_size: int | None) -> int:
+    """This rank's CUDA device: LOCAL_RANK % the visible device count. Every GPU of the node
+    visible to every rank (deepspeed, torchrun, srun --gpus-per-node): device LOCAL_RANK; one
+    GPU per task (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank): device 0. Any
+    other count would put two ranks on one GPU, or none on a visible one: one line instead."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    where = f"this process sees {device_count} GPU(s) (CUDA_VISIBLE_DEVICES={visible})"
+    if device_count < 1:
+        raise ConfigError(f"CUDA is the accelerator but {where}")
+    too_many = local_world_size is not None and local_world_size > device_count
+    if device_count > 1 and (local_rank >= device_count or too_many):
+        ranks = f"{local_world_size} ranks" if too_many else f"LOCAL_RANK {local_rank}"
+        raise ConfigError(
+            f"{ranks} on this node but {where}: start one rank per GPU, each seeing every GPU "
+            "of the node or exactly one"
+        )
+    return local_rank % device_count
+
+
+def set_cuda_device() -> int:
+    """torch.cuda.set_device(cuda_device_index(...)) from the launcher's environment; before
+    the process group (NCCL binds its communicators to the current device)."""
+    # torchrun's name, then the deepspeed launcher's.
+    local_size = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    index = cuda_device_index(
+        int(os.environ.get("LOCAL_RANK", "0")),
+        torch.cuda.device_count(),
+        int(local_size) if local_size else None,
+    )
+    torch.cuda.set_device(index)
+    return index
+
+
 def single_process_state(tp_size: int = 1) -> ParallelState:
     return ParallelState(world_size=1, rank=0, tp_size=tp_size, tp_group=None, dp_group=None)
 
@@ -175,7 +209,7 @@ def init_parallel(tp_size: int = 1, backend: str | None = None) -> ParallelState
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 # One GPU per process; nccl needs the device chosen before the first collective.
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                set_cuda_device()
             dist.init_process_group(backend=backend, init_method="env://")
     if not dist.is_initialized():
         check_world_size(1, tp_size)

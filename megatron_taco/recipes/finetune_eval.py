@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_taco.parallel import comm
 from megatron_taco.training.callbacks import Callback
 
 RESULTS_FILE = "results.json"
@@ -86,8 +87,7 @@ def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np
     for key, parts in chunks.items():
         local = torch.cat(parts)  # [per_rank, ...]
         if dist.is_initialized() and dp > 1:
-            gathered = [torch.empty_like(local) for _ in range(dp)]
-            dist.all_gather(gathered, local, group=parallel.get_data_parallel_group())
+            gathered = comm.all_gather(local, parallel.get_data_parallel_group())
             # [dp, per_rank, ...] -> [per_rank, dp, ...]: round-robin back to sorted order
             local = torch.stack(gathered).transpose(0, 1).reshape(-1, *local.shape[1:])
         result[key] = local[:n].cpu().numpy()[back]

@@ -239,6 +239,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         cold_start_probs,
         tempered,
     )
+    from megatron_taco.models.common.host import WithHost
     from megatron_taco.models.flops import sas_train_flops
     from megatron_taco.models.sas.model import SasForPretraining
     from megatron_taco.recipes.sas_augmentation import SelfAugmentation, StoreSource
@@ -323,7 +324,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         source_line = "no self-augmentation (cold start in every epoch, S redrawn per epoch)"
     return ModelParts(
         model=model,
-        collate_fn=collator,
+        collate_fn=WithHost(collator, SasForPretraining.host_layout),
         train_dataset=instances.train,
         valid_dataset=instances.valid,
         test_dataset=instances.test,

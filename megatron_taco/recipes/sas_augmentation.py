@@ -46,6 +46,7 @@ from megatron_taco.data.replacement_store import (
     delete_generations,
 )
 from megatron_taco.data.sas_collator import ColdStart
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
@@ -172,6 +173,8 @@ class SelfAugmentation(Callback):
         # Slots of S read from the store / all kept slots, since the last log (tensors on the
         # batch's device: no host sync per micro-batch).
         self.counts: torch.Tensor | None = None
+        # The last micro-batch's rows on their way to the host, written at the next one.
+        self._pending: HostRows | None = None
 
     # -- ownership and layout -----------------------------------------------------------
 
@@ -197,7 +200,7 @@ class SelfAugmentation(Callback):
 
     def _barrier(self) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            comm.barrier()
 
     # -- hooks --------------------------------------------------------------------------
 
@@ -220,6 +223,11 @@ class SelfAugmentation(Callback):
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
         self._count(batch)
         start = time.perf_counter()
+        # The previous micro-batch's rows first: their copy to the host was queued a whole
+        # micro-batch ago, so waiting for it costs nothing, where reading this micro-batch's
+        # rows now would wait for its backward to finish (the GPU then idles until the CPU
+        # has queued the next forward).
+        self._write_pending()
         tokens = self._sample(trainer.parallel, batch, outputs)  # [b, W]
         instances = batch["instance_ids"].to(tokens.device)
         group = trainer.parallel.get_data_parallel_group()
@@ -228,20 +236,36 @@ class SelfAugmentation(Callback):
             tokens = _all_gather(tokens, group)
             instances = _all_gather(instances, group)
         if self.writer is not None:
-            ids, rows = instances.cpu().numpy(), tokens.cpu().numpy()
-            mine = np.isin(self.layout.shard_of(ids), self.writer.owned_shards)
-            self.writer.write(ids[mine], rows[mine])
+            self._pending = HostRows(instances, tokens)
         self.write_seconds += time.perf_counter() - start
         self.steps += 1
+
+    def _write_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None and self.writer is not None:
+            ids, rows = pending.numpy()
+            mine = np.isin(self.layout.shard_of(ids), self.writer.owned_shards)
+            self.writer.write(ids[mine], rows[mine])
 
     def _count(self, batch: dict) -> None:
         kept = (batch["replaced_positions"] >= 0) & ~batch["dropped_slots"]
         counts = torch.stack([batch["from_store"].sum(), kept.sum()]).to(torch.float64)
         self.counts = counts if self.counts is None else self.counts + counts
 
+    def _special_ids_on(self, device: torch.device) -> torch.Tensor:
+        # Copied once: a copy from pageable host memory per micro-batch would be a sync.
+        if self.special_ids.device != device:
+            self.special_ids = self.special_ids.to(device)
+        return self.special_ids
+
     def _sample(self, parallel, batch: dict, outputs: dict) -> torch.Tensor:
         """One token per slot of S [b, W] (0 in unused slots): drawn from the MLM logits at
-        the slot's position, or the original token at a dropped slot (so it stays a hit)."""
+        the slot's position, or the original token at a dropped slot (so it stays a hit).
+
+        Fixed shapes throughout, so nothing is read back from the device: every slot gets a
+        draw (an unused or dropped one from logits row 0, then overwritten). A slot's draw
+        depends on its own key only (instance, position, epoch), so the extra rows change
+        nothing."""
         logits = outputs["mlm_logits"]  # [N, V_padded/tp], rows at S in flat b*s order
         flat = outputs["mlm_positions"]  # [N] indices into b*s
         device = logits.device
@@ -249,37 +273,37 @@ class SelfAugmentation(Callback):
         used = slots >= 0
         dropped = batch["dropped_slots"].to(device) & used  # [b, W]
         drawn_slots = used & ~dropped
+        originals = batch["input_ids"].to(device).gather(1, slots.clamp(min=0))  # [b, W]
+        # A dropped slot was read unreplaced: its input is the original token.
+        tokens = torch.where(dropped, originals, torch.zeros_like(slots))
+        if logits.shape[0] == 0:  # no slot of S in this micro-batch
+            return tokens
         b, s = batch["input_ids"].shape
-        row_of = torch.full((b * s,), -1, dtype=torch.long, device=device)
+        row_of = torch.zeros(b * s, dtype=torch.long, device=device)
         row_of[flat] = torch.arange(flat.shape[0], device=device)
         index = torch.arange(b, device=device)[:, None] * s + slots.clamp(min=0)
-        rows = row_of[index[drawn_slots]]  # logits row of every drawn slot
+        rows = row_of[index]  # [b, W] logits row of every slot (0 where none)
         keys = sample_row_keys(
-            batch["instance_ids"].to(device)[:, None].expand_as(slots)[drawn_slots],
-            slots[drawn_slots],
-            self.epoch,
+            batch["instance_ids"].to(device)[:, None].expand_as(slots), slots, self.epoch
         )
         drawn = vocab_parallel_sample(
-            logits.index_select(0, rows),
+            logits.index_select(0, rows.reshape(-1)),
             parallel.tp_group,
             vocab_size=self.vocab_size,
-            row_keys=keys,
+            row_keys=keys.reshape(-1),
             seed=self.seed,
             temperature=self.config.sampling_temperature,
-            exclude_ids=self.special_ids.to(device),
-        )
-        tokens = torch.zeros_like(slots)
-        tokens[drawn_slots] = drawn
-        # A dropped slot was read unreplaced: its input is the original token.
-        originals = batch["input_ids"].to(device).gather(1, slots.clamp(min=0))
-        tokens[dropped] = originals[dropped]
-        return tokens
+            exclude_ids=self._special_ids_on(device),
+        ).view_as(slots)
+        return torch.where(drawn_slots, drawn, tokens)
 
     def on_save(self, trainer, state) -> None:
+        self._write_pending()
         if self.writer is not None:
             self.writer.flush()
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
+        self._write_pending()
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
@@ -295,7 +319,7 @@ class SelfAugmentation(Callback):
         if self.counts is not None:
             counts, self.counts = self.counts, None
             if self.group is not None:  # every rank logs, in step: one small all-reduce
-                dist.all_reduce(counts, group=self.group)
+                comm.all_reduce(counts, self.group)
             from_store, kept = counts.tolist()
             # Measured: the share of the kept slots of S whose token was read from the store.
             out["self_augmented"] = from_store / kept if kept else 0.0
@@ -315,7 +339,7 @@ def _on_rank0(rank: int, work, error: type[Exception]) -> None:
         except ReplacementStoreError as e:
             problem[0] = str(e)
     if dist.is_initialized():
-        dist.broadcast_object_list(problem, src=0)
+        problem = [comm.broadcast_object(problem[0], src=0)]
     if problem[0] is not None:
         raise error(f"--replacement-store: {problem[0]}")
 
@@ -337,7 +361,27 @@ def generations_needed(save_dir: str | None, samples_per_epoch: int) -> set[int]
     return needed
 
 
+class HostRows:
+    """(instance ids [n], token rows [n, W]) copied to the host without waiting: into pinned
+    buffers, with an event on the current stream, when they are on a GPU. ``numpy()`` waits
+    for that copy only."""
+
+    def __init__(self, instances: torch.Tensor, tokens: torch.Tensor) -> None:
+        pin = tokens.is_cuda  # pinned memory needs CUDA; on CPU this is a plain copy
+        self.ids = torch.empty(instances.shape, dtype=instances.dtype, pin_memory=pin)
+        self.rows = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pin)
+        self.ids.copy_(instances, non_blocking=True)
+        self.rows.copy_(tokens, non_blocking=True)
+        self.event = None
+        if pin:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.ids.numpy(), self.rows.numpy()
+
+
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
+    return torch.cat(comm.all_gather(x, group))

@@ -316,6 +316,7 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
         accelerator_name,
         destroy_distributed,
         launcher_world_size,
+        release_memory,
     )
     from megatron_taco.training.pretrain import pretrain
 
@@ -354,6 +355,7 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
                 print(f"sweep: run {i + 1}/{len(mine)}: {run.directory(root)}", flush=True)
             status = pretrain(cfg, spec.for_run(cfg, features[key]), monitor=monitor,
                               keep_process_group=True)  # fmt: skip
+            release_memory()  # the run's engine, model and optimizer, before the next
             if status != 0 or not _finished(run.directory(root)):
                 print(f"sweep: stopped at {run.directory(root)} (not finished)", flush=True)
                 break

@@ -21,6 +21,7 @@ from megatron_taco.training.pretrain import BuildContext, ModelParts, ModelSpec
 def build_taco(ctx: BuildContext) -> ModelParts:
     from megatron_taco.data.bert_dataset import build_train_valid_test_datasets
     from megatron_taco.data.taco_collator import TacoMaskingCollator
+    from megatron_taco.models.common.host import WithHost
     from megatron_taco.models.flops import taco_electra_train_flops, taco_train_flops
     from megatron_taco.models.taco.model import TacoForPretraining
 
@@ -50,7 +51,7 @@ def build_taco(ctx: BuildContext) -> ModelParts:
 
     return ModelParts(
         model=TacoForPretraining(model_config, ctx.parallel, ctx.rng_tracker),
-        collate_fn=collator,
+        collate_fn=WithHost(collator, TacoForPretraining.host_layout),
         train_dataset=train_ds,
         valid_dataset=valid_ds,
         test_dataset=test_ds,

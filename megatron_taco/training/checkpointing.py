@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
 from megatron_taco.training.safe_files import (
@@ -149,7 +150,7 @@ def rng_state_path(iter_dir: str, rank: int) -> str:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        comm.barrier()
 
 
 def _kill_point(point: str, iteration: int) -> None:
@@ -250,7 +251,9 @@ def get_rng_states(rng_tracker: RNGTracker | None) -> dict[str, Any]:
             "gauss": float(cached),
         },
         "torch_cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        # This rank's own device (the current one, set from LOCAL_RANK), not every visible
+        # GPU by index: a resume with another ranks-per-node layout restores it there.
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": rng_tracker.get_states() if rng_tracker is not None else None,
     }
 
@@ -262,9 +265,17 @@ def set_rng_states(states: dict[str, Any], rng_tracker: RNGTracker | None) -> No
     np.random.set_state(("MT19937", keys, npy["pos"], npy["has_gauss"], npy["gauss"]))  # noqa: NPY002
     torch.set_rng_state(states["torch_cpu"])
     if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        torch.cuda.set_rng_state(_own_cuda_state(states["cuda"]))
     if rng_tracker is not None and states.get("tracker") is not None:
         rng_tracker.set_states(states["tracker"])
+
+
+def _own_cuda_state(saved: Any) -> torch.Tensor:
+    """The saved CUDA generator state of this rank's device: one tensor; checkpoints written
+    before it was saved so held every visible device's, and this rank's was its current one."""
+    if torch.is_tensor(saved):
+        return saved
+    return saved[torch.cuda.current_device() % len(saved)]
 
 
 def _load_rng_file(path: str) -> dict[str, Any]:
@@ -904,24 +915,20 @@ def _shared_token(device: torch.device) -> str:
     """A random name part, the same on every rank (DeepSpeed checks the tag is)."""
     value = torch.tensor([secrets.randbits(48)], dtype=torch.int64, device=device)
     if dist.is_initialized():
-        dist.broadcast(value, src=0)
+        comm.broadcast(value, src=0)
     return f"{int(value.item()):012x}"
 
 
 def _gather(obj: Any) -> list[Any]:
     if not dist.is_initialized():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj)
 
 
 def _broadcast(obj: Any) -> Any:
     if not dist.is_initialized():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return comm.broadcast_object(obj, src=0)
 
 
 def _start_save(save_dir: str, tmp_dir: str) -> None:

@@ -177,6 +177,22 @@ class TrainingConfig:
         "loss-curve PNG is written beside it.",
         flag="--metrics-file",
     )
+    deterministic: bool = option(
+        False,
+        "Deterministic GPU kernels (torch.use_deterministic_algorithms, a fixed cuBLAS "
+        "workspace, CUBLAS_WORKSPACE_CONFIG=:4096:8): the bitwise-equal resume and replacement "
+        "store hold on GPUs only with it; without it scatter-adds, index_select's backward and "
+        "the memory-efficient attention backward add in an order that varies run to run. "
+        "Some speed is lost.",
+        flag="--deterministic",
+    )
+    tf32: bool = option(
+        True,
+        "TF32 tensor cores for float32 matmuls on Ampere and newer GPUs (fp32 configs: several "
+        "times faster, 10-bit mantissa products with float32 sums); --no-tf32 computes them in "
+        "full float32.",
+        flag="--tf32",
+    )
     deepspeed_config: str | None = option(
         None,
         "DeepSpeed JSON (precision, ZeRO stage, engine tuning), e.g. ds_configs/zero2_bf16.json; "
@@ -499,6 +515,7 @@ def resolve_deepspeed_config(
             f"--deepspeed-config: {source}: key 'zero_optimization.stage' must be 0, 1, 2 or 3, "
             f"got {stage!r}"
         )
+    _check_grad_accum_dtype(config, source, precision, stage)
     # Our optimizer is torch's AdamW (or apex FusedAdam), which ZeRO wraps fine but DeepSpeed
     # calls "untested" unless told otherwise.
     config["zero_allow_untested_optimizer"] = True
@@ -511,3 +528,28 @@ def resolve_deepspeed_config(
         global_batch_size=global_batch,
         grad_accum_steps=accum,
     )
+
+
+def _check_grad_accum_dtype(config: dict[str, Any], source: str, precision: str, stage: int):
+    """DeepSpeed accumulates in another dtype than the model's only under ZeRO 1-3 (at stage
+    0 it stops with NotImplementedError after the rendezvous): say so now, in one line."""
+    data_types = config.get("data_types")
+    accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    if accum is None or stage > 0:
+        return
+    from deepspeed.runtime.config import DtypeEnum
+
+    try:
+        accum_dtype = DtypeEnum(accum).value
+    except ValueError:
+        raise ConfigError(
+            f"--deepspeed-config: {source}: 'data_types.grad_accum_dtype' {accum!r} is not a "
+            "dtype DeepSpeed knows (fp32, bf16, fp16)"
+        ) from None
+    model = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+    if str(accum_dtype) != f"torch.{model}":
+        raise ConfigError(
+            f"--deepspeed-config: {source}: 'data_types.grad_accum_dtype' {accum!r} differs "
+            f"from the model's {precision}, which DeepSpeed supports only with ZeRO stage 1-3 "
+            "(remove the key, or use e.g. ds_configs/zero1_bf16.json)"
+        )

@@ -344,11 +344,23 @@ def _unflatten(flat: torch.Tensor, names: list[str], layout: ModelLayout) -> Ten
     return out
 
 
+def _real_partition(osd: dict, g: int) -> torch.Tensor:
+    """A rank's fp32 partition of flat group ``g`` without the alignment padding. ZeRO 1/2
+    save it without; DeepSpeed's BF16_Optimizer (what zero1_bf16 builds: ZeRO-1 with fp32
+    gradient accumulation) keeps it, the last rank's ``group_paddings[g]`` elements. Both
+    load each other's files: their partitions are cut alike (2 x dp alignment) and the
+    moments are saved padded by both."""
+    part = osd["single_partition_of_fp32_groups"][g].reshape(-1)
+    if "zero_stage" in osd:
+        return part
+    return part[: part.numel() - int(osd["group_paddings"][g])]
+
+
 def _zero_group(osds: list[dict], g: int, names: list[str], layout: ModelLayout, what: str):
     """Group ``g`` of every data-parallel partition -> (master, {moment: tensors}, step)."""
     # Padding sits only at the end of the flat group: the partitions' real elements,
     # concatenated in rank order, are the group's parameters back to back.
-    real = [o["single_partition_of_fp32_groups"][g].reshape(-1) for o in osds]
+    real = [_real_partition(o, g) for o in osds]
     numel = sum(math.prod(layout.params[n].shape) for n in names)
     if sum(r.numel() for r in real) != numel:
         raise CheckpointError(
@@ -375,8 +387,8 @@ def _zero(info: CheckpointInfo, layout: ModelLayout, tp_rank: int) -> _RankState
     osds = [f.get("optimizer_state_dict") if isinstance(f, dict) else None for f in files]
     if any(not isinstance(o, dict) or "single_partition_of_fp32_groups" not in o for o in osds):
         raise CheckpointError(
-            f"{what}: not a ZeRO stage 1/2 optimizer partition (DeepSpeed's BF16_Optimizer and "
-            "other layouts are not supported)"
+            f"{what}: not a ZeRO stage 1/2 (or BF16_Optimizer) optimizer partition; other "
+            "layouts are not supported"
         )
     if any(any(p) for o in osds for p in o.get("param_alignment_paddings", [])):
         raise CheckpointError(f"{what}: ZeRO parameter_alignment padding is not supported")
@@ -665,11 +677,13 @@ def _saved_layout(training, iteration: int | None) -> tuple[str, dict[str, Any]]
 
 
 def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: int,
-                        precision: str, iteration: int | None = None) -> None:  # fmt: skip
+                        precision: str, iteration: int | None = None,
+                        optimizer: str | None = None) -> None:  # fmt: skip
     """Before any process group: refuse a --load that DeepSpeed cannot restore at this run's
     layout (tensor/data-parallel sizes, ZeRO stage, precision, world size for the RNG
     states), with the command that converts the checkpoint. ``iteration``: the checkpoint
-    chosen (with --load-fallback, maybe not the tracker's). Returns quietly otherwise."""
+    chosen (with --load-fallback, maybe not the tracker's); ``optimizer``: the Adam this
+    run builds (optim.optimizer_implementation). Returns quietly otherwise."""
     if training.load is None or training.finetune:
         return
     found = _saved_layout(training, iteration)
@@ -703,6 +717,14 @@ def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: 
     if not training.no_load_optim and isinstance(saved_ds, dict):
         _check_optimizer_layout(iter_dir, (saved_stage, saved_precision, saved_dp),
                                 (zero_stage, precision, dp), convert)  # fmt: skip
+    saved_optimizer = meta.get("optimizer")
+    if not training.no_load_optim and optimizer and saved_optimizer not in (None, optimizer):
+        raise ConfigError(
+            f"--load: {iter_dir} holds the state of {saved_optimizer}, this run uses "
+            f"{optimizer} (apex's FusedAdam is used where apex and its CUDA extensions import), "
+            "whose state it cannot load: resume where the same one is used, or pass "
+            "--no-load-optim to restart the optimizer moments, keeping the LR schedule"
+        )
     if not training.no_load_rng:
         _check_rng_layout(iter_dir, meta, world_size)
 

@@ -9,6 +9,7 @@ a multi-rank run.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import warnings
@@ -20,10 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.layers import param_is_not_tensor_parallel_duplicate
-from megatron_taco.parallel.state import ParallelState, init_parallel
+from megatron_taco.parallel.state import ParallelState, init_parallel, set_cuda_device
 from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
-from megatron_taco.training.optim import AnnealingLR, build_optimizer, build_scheduler
+from megatron_taco.training.optim import (
+    AnnealingLR,
+    build_optimizer,
+    build_scheduler,
+    optimizer_implementation,
+)
 from megatron_taco.training.signals import nccl_environment
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -46,6 +53,30 @@ def _mpi_world_size_env() -> tuple[str, str] | None:
         if key in os.environ:
             return key, os.environ[key]
     return None
+
+
+# cuBLAS picks its reduction order by workspace; a fixed configuration makes its GEMMs
+# repeatable. Read when the first cuBLAS handle is created: before any matmul of the process.
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def apply_numerics(training: TrainingConfig) -> None:
+    """--tf32 and --deterministic, for this process, before the run builds anything: every
+    run of a sweep sets both again (they are process-wide)."""
+    # CUDA's flags only: torch.set_float32_matmul_precision would also let oneDNN round
+    # float32 GEMMs on CPUs that support it, changing CPU results.
+    torch.backends.cuda.matmul.allow_tf32 = training.tf32
+    torch.backends.cudnn.allow_tf32 = training.tf32
+    if training.deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (
+        ":4096:8",
+        ":16:8",
+    ):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC
+    # Not warn_only: an op without a deterministic kernel must stop the run, not quietly
+    # break the bitwise promise.
+    torch.use_deterministic_algorithms(training.deterministic)
+    torch.backends.cudnn.deterministic = training.deterministic
+    torch.backends.cudnn.benchmark = False
 
 
 def launcher_world_size() -> int:
@@ -116,7 +147,7 @@ def init_distributed(tp_size: int, timeout: timedelta | None = None) -> Parallel
         backend = "gloo"
         if accelerator_name() == "cuda":
             # One GPU per process; nccl needs it chosen before the first collective.
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            set_cuda_device()
             backend = "nccl"
             # A dead or hung peer must raise into Python (and our one line), not abort.
             os.environ.update(nccl_environment())
@@ -148,7 +179,7 @@ def count_parameters(model: nn.Module, parallel: ParallelState) -> int:
     )
     total = torch.tensor([local], dtype=torch.int64)
     if dist.is_initialized() and parallel.tp_size > 1:
-        dist.all_reduce(total, group=parallel.get_tensor_model_parallel_group())
+        comm.all_reduce(total, parallel.get_tensor_model_parallel_group())
     return int(total.item())
 
 
@@ -162,8 +193,21 @@ def gradient_norm(model: nn.Module, parallel: ParallelState) -> float:
     ]
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if dist.is_initialized() and parallel.tp_size > 1:
-        dist.all_reduce(total, group=parallel.get_tensor_model_parallel_group())
+        comm.all_reduce(total, parallel.get_tensor_model_parallel_group())
     return float(total.sqrt().item())
+
+
+def unscaled_grad_norm(optimizer, norm: float | None, loss_scale: float) -> float | None:
+    """The gradient norm to log, from DeepSpeed's report and the loss scale of the step's
+    backward. DeepSpeed's FP16_UnfusedOptimizer (fp16 at ZeRO-0 around an optimizer it does not
+    count as fused: torch's AdamW, fused or not, i.e. every GPU node without apex) reports the
+    norm of the gradients still multiplied by the loss scale (2^16 at the start; its clipping
+    divides by the scale itself); every other wrapper reports the unscaled norm."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if norm is None or not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return norm
+    return norm / loss_scale
 
 
 def norm_implementations(model: nn.Module) -> list[str]:
@@ -199,6 +243,24 @@ def disable_deepspeed_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def agree_on_optimizer(mine: str) -> None:
+    """Collective: every rank builds the same Adam (apex's or torch's: whether apex imports
+    is a property of each node's install), or all stop with one line naming who differs."""
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.training.rendezvous import describe_disagreement
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    problem = describe_disagreement(
+        comm.all_gather_object((socket.gethostname(), mine)), "the Adam implementation"
+    )
+    if problem is not None:
+        raise ConfigError(
+            f"{problem} (apex with its CUDA extensions imports on some nodes only): install it "
+            "on every node or on none"
+        )
+
+
 def initialize_engine(
     model: nn.Module,
     training: TrainingConfig,
@@ -216,6 +278,7 @@ def initialize_engine(
         category=FutureWarning,
     )
 
+    agree_on_optimizer(optimizer_implementation())
     optimizer, impl = build_optimizer(model, training)
     scheduler = build_scheduler(optimizer, training)
     engine, _, _, ds_scheduler = deepspeed.initialize(
@@ -229,6 +292,24 @@ def initialize_engine(
     if ds_scheduler is not scheduler:
         raise RuntimeError("DeepSpeed replaced the LR scheduler; remove 'scheduler' from the JSON")
     return Engine(engine=engine, optimizer_impl=impl, scheduler=scheduler, settings=settings)
+
+
+def release_engine(engine: Engine | None) -> None:
+    """Undo what ties a run's engine to the process: DeepSpeed's ZeRO-1/2 optimizers register
+    a gradient hook on every parameter whose closure holds the optimizer, and through it the
+    engine, the model, the fp32 masters and the gradient buckets; nothing else drops them, so
+    without this every run of a sweep in one process keeps its predecessors' memory (on a GPU,
+    weights, Adam states and buckets). ``release_memory`` then frees them."""
+    if engine is not None:
+        engine.engine.destroy()
+
+
+def release_memory() -> None:
+    """After a run whose engine was released, once the run's frames are gone: collect its
+    reference cycles (module <-> hooks) and hand the cached CUDA blocks back."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

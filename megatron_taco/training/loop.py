@@ -26,12 +26,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taco.data.sampler import PretrainingSampler
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
 from megatron_taco.training.callbacks import Callback, CallbackList
 from megatron_taco.training.checkpointing import RunError, TrainingState, save_checkpoint
 from megatron_taco.training.config import TrainingConfig
-from megatron_taco.training.engine import Engine, gradient_norm, to_device
+from megatron_taco.training.engine import Engine, gradient_norm, to_device, unscaled_grad_norm
 from megatron_taco.training.logging import TrainingLogger
 from megatron_taco.training.monitor import EvaluationStatistics, LearningMonitor
 from megatron_taco.training.signals import ExitMonitor
@@ -88,7 +89,7 @@ class MetricAccumulator:
         )
         if dist.is_initialized() and parallel.dp_size > 1:
             # gloo and nccl both reduce float64.
-            dist.all_reduce(totals, group=parallel.get_data_parallel_group())
+            comm.all_reduce(totals, parallel.get_data_parallel_group())
         values = totals.tolist()
         micro_batches = values[-1]
         out = {}
@@ -225,6 +226,8 @@ class Trainer:
             batch = to_device(next(data_iter), self.ds.device)
             outputs = self.ds(batch)
             self.ds.backward(outputs["loss"])
+            if micro == self.grad_accum_steps - 1:  # before the step may change it
+                scale = float(getattr(self.ds.optimizer, "loss_scale", 1.0))
             if self._own_grad_norm and micro == self.grad_accum_steps - 1:
                 # Gradients are complete (accumulated and data-parallel averaged) after the
                 # last backward; the step clips them next.
@@ -239,6 +242,7 @@ class Trainer:
         # optimizer (ZeRO-0 fp32) and in bf16 ZeRO without the check.
         skipped = self.ds.skipped_steps != skipped_before
         norm = own_norm if self._own_grad_norm else self.ds.get_global_grad_norm()
+        norm = unscaled_grad_norm(self.ds.optimizer, norm, scale)
         if skipped or norm is None:
             return lr, skipped, None
         return lr, skipped, float(norm.item() if torch.is_tensor(norm) else norm)
@@ -261,7 +265,7 @@ class Trainer:
             losses = torch.stack([acc.sums[k] for k in keys])
             flags = torch.cat([(~torch.isfinite(losses)).to(torch.float64), flags])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flags, op="max")
         values = flags.tolist()
         names = [k for k, bad in zip(keys, values) if bad]
         if values[len(keys)]:

@@ -30,7 +30,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_taco.arguments import option, require
 from megatron_taco.models.common.monitoring import (
@@ -38,6 +37,7 @@ from megatron_taco.models.common.monitoring import (
     REPRESENTATION,
     REPRESENTATION_MASK,
 )
+from megatron_taco.parallel import comm
 from megatron_taco.training.checkpointing import RunError
 
 COLLAPSE = "collapse_cosine"
@@ -113,7 +113,7 @@ class EvaluationStatistics:
             return {}
         flat = torch.cat(parts)
         if parallel is not None and parallel.dp_size > 1:
-            dist.all_reduce(flat, group=parallel.get_data_parallel_group())
+            comm.all_reduce(flat, parallel.get_data_parallel_group())
         out: dict[str, float] = {}
         offset = 0
         for name in sorted(self.counts):

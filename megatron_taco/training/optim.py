@@ -21,9 +21,15 @@ from torch.optim.lr_scheduler import LRScheduler
 from megatron_taco.training.config import TrainingConfig
 
 try:  # apex is optional; importing it can fail for many reasons (ABI, CUDA mismatch).
+    # FusedAdam's kernel lives in the amp_C extension: apex built without its CUDA
+    # extensions imports fine and raises only when FusedAdam() is constructed.
+    import amp_C  # noqa: F401
     from apex.optimizers import FusedAdam as _ApexFusedAdam
 except Exception:
     _ApexFusedAdam = None
+
+APEX_ADAM = "apex.optimizers.FusedAdam"
+TORCH_ADAMW = "torch.optim.AdamW"
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,14 @@ def param_groups(
     return [g for g in groups if g["params"]]
 
 
+def optimizer_implementation() -> str:
+    """The Adam build_optimizer uses on this node, as recorded in checkpoints: apex's
+    FusedAdam where apex and its CUDA extensions import and a GPU is there, else torch's
+    AdamW. Their states differ (apex keeps ``step`` per parameter group, torch per
+    parameter), so a resume must not mix them (training/consolidate.py)."""
+    return APEX_ADAM if _ApexFusedAdam is not None and torch.cuda.is_available() else TORCH_ADAMW
+
+
 def build_optimizer(
     model: nn.Module, training: TrainingConfig
 ) -> tuple[torch.optim.Optimizer, str]:
@@ -109,7 +123,7 @@ def build_optimizer(
         weight_decay=training.weight_decay,
     )
     on_cuda = torch.cuda.is_available()
-    if _ApexFusedAdam is not None and on_cuda:
+    if optimizer_implementation() == APEX_ADAM:
         return _ApexFusedAdam(
             groups, adam_w_mode=True, **kwargs
         ), "apex.optimizers.FusedAdam (AdamW mode)"

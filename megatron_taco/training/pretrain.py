@@ -49,6 +49,7 @@ from megatron_taco.training.config import (
 )
 from megatron_taco.training.consolidate import check_resume_layout
 from megatron_taco.training.monitor import LearningMonitorConfig
+from megatron_taco.training.optim import optimizer_implementation
 from megatron_taco.training.rendezvous import agree_on_load, forget_node_results, once_per_node
 from megatron_taco.training.save_lock import save_lock
 from megatron_taco.training.signals import (
@@ -174,12 +175,11 @@ class ModelSpec:
         set_parser_defaults(parser, {"lr": None}, {"lr": self.model_config.default_lr_help()})
         return parser
 
-    def configs_from_args(
-        self, args: argparse.Namespace, *, world_size: int, device_type: str
-    ) -> PretrainConfigs:
-        """Build and cross-check every config; reads the DeepSpeed JSON, checks that the
-        data, tokenizer and JSON files exist and the datasets open, creates and test-writes
-        --save, and verifies the checkpoint --load restores. No process-group work."""
+    def flag_configs(self, args: argparse.Namespace, *, world_size: int, device_type: str):
+        """The configs of the flags, cross-checked against each other, the world size (the
+        batch layout) and the DeepSpeed JSON, the only file read: (parallel, model, data,
+        task, training, checkpoint, exit, monitor, deepspeed). Every documented launch command is
+        checked with it (tests/unit/test_documented_commands.py)."""
         parallel = dataclass_from_args(ParallelConfig, args)
         model = self.model_config.from_args(args)
         if getattr(args, "lr", None) is None:
@@ -203,6 +203,18 @@ class ModelSpec:
                 f"--train-epochs: {self.name} trains a number of iterations; give --train-iters"
             )
         deepspeed = resolve_deepspeed_config(training, world_size // tp, device_type=device_type)
+        return parallel, model, data, task, training, checkpoint, exit_config, monitor, deepspeed
+
+    def configs_from_args(
+        self, args: argparse.Namespace, *, world_size: int, device_type: str
+    ) -> PretrainConfigs:
+        """Build and cross-check every config; reads the DeepSpeed JSON, checks that the
+        data, tokenizer and JSON files exist and the datasets open, creates and test-writes
+        --save, and verifies the checkpoint --load restores. No process-group work."""
+        parallel, model, data, task, training, checkpoint, exit_config, monitor, deepspeed = (
+            self.flag_configs(args, world_size=world_size, device_type=device_type)
+        )
+        tp = parallel.tensor_model_parallel_size
         data.validate_files()
         _open_datasets(data)
         # Verified once per node (it reads every byte of the checkpoint); a checkpoint of
@@ -223,6 +235,7 @@ class ModelSpec:
             zero_stage=deepspeed.zero_stage,
             precision=deepspeed.precision,
             iteration=None if load is None else load.iteration,
+            optimizer=optimizer_implementation(),
         )
         configs = PretrainConfigs(
             parallel=parallel,
@@ -342,7 +355,17 @@ def _banner(
         f"megatron_taco: {parts.title or f'{spec.name} pretraining'}",
         f"  world size {cfg.world_size} = tensor parallel {tp} x data parallel "
         f"{cfg.data_parallel_size}  (accelerator: {cfg.device_type})",
-        f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision}",
+        f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision} | "
+        f"TF32 {'on' if t.tf32 else 'off'}{' | deterministic' if t.deterministic else ''}",
+        *(
+            [
+                f"  note: ZeRO-0 {ds.precision} sums the gradients of the {ds.grad_accum_steps} "
+                f"micro-batches in {ds.precision} (DeepSpeed accumulates in fp32 only with "
+                "ZeRO 1-3, e.g. ds_configs/zero1_bf16.json)"
+            ]
+            if ds.zero_stage == 0 and ds.precision != "fp32" and ds.grad_accum_steps > 1
+            else []
+        ),
         f"  global batch {ds.global_batch_size} = micro-batch {t.micro_batch_size} x "
         f"grad accumulation {ds.grad_accum_steps} x data parallel {cfg.data_parallel_size}; "
         f"seq length {cfg.data.seq_length}",
@@ -375,13 +398,18 @@ def _banner(
 
 
 def _seed_everything(seed: int, parallel):
+    from deepspeed.accelerator import get_accelerator
+
     from megatron_taco.parallel.random import model_parallel_seed
 
     # Our data pipeline uses explicit generators; the global ones are seeded (and
     # checkpointed) for any library code that draws from them.
     random.seed(seed)
     np.random.seed(seed)  # noqa: NPY002
-    return model_parallel_seed(seed, parallel)
+    # The tracker's stream lives on the device DeepSpeed puts the model on (the one set from
+    # LOCAL_RANK), not wherever a GPU happens to be visible.
+    device = get_accelerator().current_device_name()
+    return model_parallel_seed(seed, parallel, device=device)
 
 
 def _keep_lr_schedule(engine) -> None:
@@ -474,22 +502,26 @@ def _pretrain(
     import torch
 
     from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.parallel import comm
     from megatron_taco.training.engine import (
+        apply_numerics,
         count_parameters,
         destroy_distributed,
         init_distributed,
         initialize_engine,
         norm_implementations,
+        release_engine,
     )
     from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import PretrainTask, Trainer
     from megatron_taco.training.monitor import LearningMonitor
     from megatron_taco.training.plots import plot_loss_curves
 
+    apply_numerics(cfg.training)  # before any CUDA work, the model's included
     # DeepSpeed's INFO output (config dumps, per-step notes) drowns the training log.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t = cfg.training
-    parallel = train_logger = peer_watch = None
+    parallel = train_logger = peer_watch = engine = None
     peers = []
     try:
         hook_point("before_rendezvous", launcher_rank())
@@ -565,7 +597,12 @@ def _pretrain(
             seed=seed,
             num_workers=cfg.data.num_workers,
             rng_tracker=rng_tracker,
-            checkpoint_metadata={"model": spec.name, "configs": cfg.as_dict(), **parts.metadata},
+            checkpoint_metadata={
+                "model": spec.name,
+                "configs": cfg.as_dict(),
+                "optimizer": optimizer_implementation(),
+                **parts.metadata,
+            },
             save_retain=cfg.checkpoint.save_retain,
             exit_monitor=monitor,
             learning_monitor=LearningMonitor(cfg.monitor, t.warmup_iters, train_logger.print),
@@ -579,7 +616,7 @@ def _pretrain(
             if png is not None:
                 train_logger.print(f" loss curves: {png}")
         if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            comm.barrier()
         return 0
     except Exception as error:
         if not peers or not is_peer_failure(error):
@@ -591,6 +628,7 @@ def _pretrain(
             peer_watch.stop()
         if train_logger is not None:
             train_logger.close()
+        release_engine(engine)
         if keep_process_group:
             if parallel is not None:
                 parallel.destroy()

@@ -205,6 +205,8 @@ def agree_on_load(choice: Any, load_dir: str | None) -> None:
     same one line."""
     import torch.distributed as dist
 
+    from megatron_taco.parallel import comm
+
     if load_dir is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     mine = (
@@ -212,8 +214,7 @@ def agree_on_load(choice: Any, load_dir: str | None) -> None:
         if choice is None
         else f"iteration {choice.iteration} (metadata.json checksum {choice.checksum})"
     )
-    views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (socket.gethostname(), mine))
+    views = comm.all_gather_object((socket.gethostname(), mine))
     problem = describe_disagreement(views, f"the checkpoint to load from {load_dir}")
     if problem is not None:
         raise ConfigError(

@@ -597,9 +597,11 @@ class ExitMonitor:
         import torch
         import torch.distributed as dist
 
+        from megatron_taco.parallel import comm
+
         flags = torch.tensor(self.local_flags(), dtype=torch.int32, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flags, op="max")
         return self.reason(flags.tolist())
 
 
@@ -626,13 +628,13 @@ def gather_peers() -> list[Peer]:
     """(host, PID) of every rank, gathered once after the rendezvous."""
     import torch.distributed as dist
 
+    from megatron_taco.parallel import comm
+
     stat = proc_stat(os.getpid())
     me = Peer(socket.gethostname(), os.getpid(), stat.start_ticks if stat else -1)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [me]
-    peers: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peers, me)
-    return peers
+    return comm.all_gather_object(me)
 
 
 _FAILURE_MARKERS = ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL", "nccl")

@@ -208,7 +208,7 @@ def _taco_worker(rank, world_size, tmp):
 
     parallel = init_parallel(2)
     assert (parallel.tp_size, parallel.dp_size) == (2, 2)
-    tracker = model_parallel_seed(1234, parallel)
+    tracker = model_parallel_seed(1234, parallel, device="cpu")
     config = TacoConfig.preset(
         "tiny", vocab_size=100, max_position_embeddings=32, max_relative_distance=31
     )

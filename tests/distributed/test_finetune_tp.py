@@ -83,7 +83,7 @@ def _case(parallel, encoder_name: str, task: str) -> dict:
     kind, make = ENCODERS[encoder_name]
     config = _config(make)
     encoder, head = _source(kind, config, task)
-    tracker = model_parallel_seed(1234, parallel)
+    tracker = model_parallel_seed(1234, parallel, device="cpu")
     model = TaskModel(kind, config, parallel, tracker, task_kind=task,
                       num_labels=TASKS[task]).double()  # fmt: skip
     load_encoder_state(model, kind, config, encoder, parallel)

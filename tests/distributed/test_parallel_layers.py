@@ -292,7 +292,7 @@ def _layout_and_rng_worker(rank, world, tp):
     tp_members = [int(t.item()) for t in _gather_all(me, state.tp_group)]
     dp_members = [int(t.item()) for t in _gather_all(me, state.dp_group)]
 
-    tracker = model_parallel_seed(1234, state)
+    tracker = model_parallel_seed(1234, state, device="cpu")
     ones = torch.ones(64)
     default_mask = F.dropout(ones, 0.5, training=True) != 0
     with tracker.fork(MODEL_PARALLEL_RNG):

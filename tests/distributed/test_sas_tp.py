@@ -41,7 +41,7 @@ def _trim(name: str, t: torch.Tensor) -> np.ndarray:
 
 
 def _run_variant(parallel, overrides: dict) -> dict:
-    tracker = model_parallel_seed(1234, parallel)
+    tracker = model_parallel_seed(1234, parallel, device="cpu")
     cfg = tiny_sas_config(
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3, **overrides
     )
@@ -73,7 +73,7 @@ def _recompute_with_dropout(parallel, overrides: dict) -> float:
     and the default stream, or the gradients differ from the plain run."""
     results = []
     for recompute in (False, True):
-        tracker = model_parallel_seed(99, parallel)
+        tracker = model_parallel_seed(99, parallel, device="cpu")
         cfg = tiny_sas_config(hidden_dropout=0.2, recompute_activations=recompute, **overrides)
         model = SasForPretraining(cfg, parallel, tracker).double()
         loss = model(make_sas_batch(seed=3))["loss"]

@@ -175,7 +175,7 @@ def _run_model(rank, world_size, tp, recompute, mutation=None):
     if tp > 1 and mutation is not None:
         MUTATIONS[mutation]()
     parallel = init_parallel(tp)
-    tracker = model_parallel_seed(1234, parallel)
+    tracker = model_parallel_seed(1234, parallel, device="cpu")
     model = _build(
         parallel,
         tracker,
@@ -261,7 +261,7 @@ def _dropout_run(rank, world_size, tp):
     batch = make_batch(seed=3)
     runs, masks = {}, {}
     for recompute in (False, True):
-        tracker = model_parallel_seed(99, parallel)
+        tracker = model_parallel_seed(99, parallel, device="cpu")
         model = _build(parallel, tracker, recompute_activations=recompute, **DROPOUT)
         log = []
         for i, layer in enumerate(model.taco.layers):
@@ -277,7 +277,7 @@ def _dropout_run(rank, world_size, tp):
 
 def _dropout_replay(rank, world_size, kept_per_layer):
     parallel = init_parallel(1)
-    tracker = model_parallel_seed(99, parallel)
+    tracker = model_parallel_seed(99, parallel, device="cpu")
     model = _build(parallel, tracker, **DROPOUT)
     for layer, kept in zip(model.taco.layers, kept_per_layer):
         kept = torch.from_numpy(kept)

@@ -81,6 +81,32 @@ def test_a_failing_compile_runs_eagerly_after_one_warning(monkeypatch, caplog):
     assert "--compile" in message and "TACO layers" in message and "InvalidCxxCompiler" in message
 
 
+def test_a_backward_that_fails_to_compile_runs_eagerly(monkeypatch, caplog):
+    """A backward graph compiles lazily at the first backward by default: a Triton kernel
+    that fails to build there raised from loss.backward(), past the forward's fallback."""
+    import torch
+    from torch._dynamo.backends.common import aot_autograd
+
+    def backward_compiler(graph, example_inputs):
+        raise RuntimeError("triton: PTX assembly failed for the backward kernel")
+
+    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: graph,
+                           bw_compiler=backward_compiler)  # fmt: skip
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        common_layers.torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend)
+    )
+    torch._dynamo.reset()
+    make, batch_fn = MODELS["sas"]
+    eager = make().double()
+    with caplog.at_level(logging.WARNING, logger=common_layers.__name__):
+        compiled = make(compile=True).double()
+        batch = batch_fn(seed=4)
+        _assert_same(_loss_and_grads(compiled, batch), _loss_and_grads(eager, batch))
+    warnings = [r.getMessage() for r in caplog.records if r.name == common_layers.__name__]
+    assert len(warnings) == 1 and "PTX assembly failed" in warnings[0], warnings
+
+
 def test_compile_is_off_by_default_and_a_flag():
     config = tiny_sas_config()
     assert config.compile is False

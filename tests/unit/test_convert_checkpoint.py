@@ -136,3 +136,29 @@ def test_converted_checkpoint_without_rng_states(tmp_path):
     with pytest.raises(ConfigError, match="holds no RNG states"):
         _check(load)
     _check(load, no_load_rng=True)
+
+
+def test_resume_with_another_adam_is_refused(tmp_path):
+    # apex's FusedAdam keeps "step" per parameter group, torch's AdamW per parameter.
+    load = _checkpoint(tmp_path, optimizer="apex.optimizers.FusedAdam")
+
+    def check(optimizer, **flags):
+        check_resume_layout(_training(load, **flags), world_size=2, tp_size=1, zero_stage=1,
+                            precision="fp32", optimizer=optimizer)  # fmt: skip
+
+    with pytest.raises(ConfigError) as error:
+        check("torch.optim.AdamW")
+    message = str(error.value)
+    assert message.startswith(
+        f"--load: {load}/iter_0000004 holds the state of apex.optimizers.FusedAdam, this run "
+        "uses torch.optim.AdamW"
+    )
+    assert "--no-load-optim" in message and "\n" not in message
+    check("apex.optimizers.FusedAdam")
+    check("torch.optim.AdamW", no_load_optim=True)
+    check("torch.optim.AdamW", finetune=True)
+
+
+def test_a_checkpoint_that_does_not_name_its_adam_is_left_to_deepspeed(tmp_path):
+    check_resume_layout(_training(_checkpoint(tmp_path)), world_size=2, tp_size=1,
+                        zero_stage=1, precision="fp32", optimizer="torch.optim.AdamW")  # fmt: skip

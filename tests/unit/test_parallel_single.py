@@ -30,6 +30,7 @@ from megatron_taco.parallel import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
+from megatron_taco.parallel.state import cuda_device_index
 
 
 @pytest.fixture
@@ -226,12 +227,12 @@ def test_tracker_fork_isolation_and_states():
 
 
 def test_model_parallel_seed(state):
-    tracker = model_parallel_seed(42, state)
+    tracker = model_parallel_seed(42, state, device="cpu")
     torch.testing.assert_close(torch.rand(3), _rand(42))
     with tracker.fork(MODEL_PARALLEL_RNG):
         torch.testing.assert_close(torch.rand(3), _rand(42 + 2718))
     # Re-seeding resets the tracker instead of failing on the existing stream.
-    assert model_parallel_seed(42, state, tracker) is tracker
+    assert model_parallel_seed(42, state, tracker, device="cpu") is tracker
 
 
 def _rand(seed):
@@ -253,7 +254,7 @@ class _DropoutBlock(nn.Module):
 
 
 def _grads(use_checkpoint):
-    tracker = model_parallel_seed(7, single_process_state())
+    tracker = model_parallel_seed(7, single_process_state(), device="cpu")
     torch.manual_seed(11)
     block = _DropoutBlock(tracker)
     x = torch.randn(5, 6, requires_grad=True)
@@ -288,3 +289,43 @@ def test_checkpoint_with_dropout_matches_no_checkpoint():
 def test_checkpoint_requires_tracker_keyword():
     with pytest.raises(TypeError):
         checkpoint(lambda x: x, torch.ones(1, requires_grad=True))
+
+
+def test_tracker_device_is_explicit():
+    # Never chosen by torch.cuda.is_available(): the model's device is passed in.
+    with pytest.raises(TypeError):
+        RNGTracker()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        model_parallel_seed(1, single_process_state())  # type: ignore[call-arg]
+    assert RNGTracker("cpu").device == torch.device("cpu")
+    with pytest.raises(ValueError, match="no generator state for device meta"):
+        RNGTracker("meta")
+
+
+@pytest.mark.parametrize(
+    "local_rank,count,local_world,device",
+    [
+        (3, 8, 8, 3),  # every GPU of the node visible to every rank
+        (3, 8, None, 3),
+        (5, 1, 8, 0),  # srun --gpus-per-task=1: each rank sees its own GPU as device 0
+        (0, 1, None, 0),
+        (2, 8, 4, 2),  # fewer ranks than GPUs: some GPUs stay idle, none is shared
+    ],
+)
+def test_cuda_device_from_local_rank(local_rank, count, local_world, device):
+    assert cuda_device_index(local_rank, count, local_world) == device
+
+
+@pytest.mark.parametrize(
+    "local_rank,count,local_world,match",
+    [
+        (0, 0, 1, r"^CUDA is the accelerator but this process sees 0 GPU\(s\) "
+                  r"\(CUDA_VISIBLE_DEVICES="),
+        (9, 8, None, r"^LOCAL_RANK 9 on this node but this process sees 8 GPU\(s\)"),
+        # Rank 1 of 16 alone would fit; its node would still put two ranks per GPU.
+        (1, 8, 16, r"^16 ranks on this node but this process sees 8 GPU\(s\).*one rank per GPU"),
+    ],
+)  # fmt: skip
+def test_cuda_device_counts_that_make_no_sense(local_rank, count, local_world, match):
+    with pytest.raises(ConfigError, match=match):
+        cuda_device_index(local_rank, count, local_world)

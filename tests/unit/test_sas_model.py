@@ -367,7 +367,9 @@ def _relative_close(a: dict, b: dict, rtol: float) -> None:
 def test_recompute_gives_identical_loss_and_gradients(variant):
     results = []
     for recompute in (False, True):
-        tracker = model_parallel_seed(11, single_process_state())  # also seeds the default RNG
+        tracker = model_parallel_seed(
+            11, single_process_state(), device="cpu"
+        )  # also seeds the default RNG
         cfg = _cfg(variant, recompute_activations=recompute, hidden_dropout=0.2)
         model = SasForPretraining(cfg, single_process_state(), tracker).double()
         out = model(make_sas_batch(b=3, seed=2))
@@ -378,7 +380,7 @@ def test_recompute_gives_identical_loss_and_gradients(variant):
     assert loss_a == pytest.approx(loss_b, rel=1e-12)
     _relative_close(grads_a, grads_b, rtol=1e-10)
     # Dropout is really on: another seed gives another loss.
-    tracker = model_parallel_seed(12, single_process_state())
+    tracker = model_parallel_seed(12, single_process_state(), device="cpu")
     model = SasForPretraining(_cfg(variant, hidden_dropout=0.2), single_process_state(), tracker)
     assert model.double()(make_sas_batch(b=3, seed=2))["loss"].item() != pytest.approx(loss_a)
 
@@ -428,7 +430,7 @@ def test_attention_dropout_is_drawn_inside_sdpa_from_the_tracker_stream():
     tp rank must drop different elements of its heads)."""
     cfg = _cfg("sas", attention_dropout=0.3)
     parallel = single_process_state()
-    tracker = model_parallel_seed(5, parallel)
+    tracker = model_parallel_seed(5, parallel, device="cpu")
     attention = SasForPretraining(cfg, parallel, tracker).double().sas.layers[0].attention
     b, s, h, d = 2, SAS_SEQ, attention.heads, attention.d
     x = torch.randn(b, s, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator())

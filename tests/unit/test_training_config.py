@@ -182,6 +182,13 @@ def test_fp16_is_refused_on_cpu_only(tmp_path):
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
         ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
         ({"amp": {"enabled": True}}, "'amp'"),
+        # DeepSpeed would stop with NotImplementedError after the rendezvous.
+        (
+            {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+            r"'data_types.grad_accum_dtype' 'fp32' differs from the model's bf16, which "
+            "DeepSpeed supports only with ZeRO stage 1-3",
+        ),
+        ({"data_types": {"grad_accum_dtype": "fp33"}}, "'fp33' is not a dtype DeepSpeed knows"),
     ],
 )
 def test_bad_json_settings(tmp_path, data, match):

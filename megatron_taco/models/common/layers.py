@@ -18,6 +18,9 @@ from megatron_taco.parallel.layers import (
 )
 
 try:  # apex's fused kernel on GPU; it falls back to F.layer_norm itself for CPU tensors.
+    # The CUDA extension itself: apex built without it (a common broken install) imports
+    # fine and fails only when FusedLayerNorm() loads it, at model construction.
+    import fused_layer_norm_cuda  # noqa: F401
     from apex.normalization import FusedLayerNorm as _ApexLayerNorm
 
     HAVE_APEX = True
@@ -72,6 +75,9 @@ class _CompileState:
 
     def fail(self, error: Exception) -> None:
         self.failed = True
+        # Dynamo wraps the compiler's error (BackendCompilerFailed): name the original.
+        while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:
+            error = inner
         first = (str(error).strip().splitlines() or [""])[0][:200]
         logger.warning(
             "--compile: torch.compile of the %s failed (%s: %s); running them eagerly",
@@ -83,9 +89,12 @@ class _CompileState:
 
 def compile_layers(layers: nn.ModuleList, what: str) -> None:
     """torch.compile every layer's forward in place: parameter names, state dicts and
-    hooks are unchanged. Compiling happens at a layer's first call; if it fails (no C++
-    compiler for the CPU backend, an unsupported platform or op), that call and every
-    later call of all ``layers`` run eagerly, after one warning line naming ``what``."""
+    hooks are unchanged. Compiling happens at a layer's first call, backward graph included;
+    if it fails (no C++ compiler for the CPU backend, a Triton kernel that does not build, an
+    unsupported op), that call and every later call of all ``layers`` run eagerly, after one
+    warning line naming ``what``."""
+    import torch._functorch.config as functorch_config
+
     state = _CompileState(what)
     for layer in layers:
         eager = layer.forward
@@ -94,7 +103,11 @@ def compile_layers(layers: nn.ModuleList, what: str) -> None:
         def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
             if not state.failed:
                 try:
-                    return _compiled(*args, **kwargs)
+                    # Backward graphs compile lazily, at the first backward: a failure there
+                    # (a Triton kernel that does not build) would escape from backward(),
+                    # past this fallback. Compile them with the forward instead.
+                    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                        return _compiled(*args, **kwargs)
                 except Exception as error:  # dynamo and inductor raise many types
                     # A genuine error of the layer itself is raised again by the eager call.
                     state.fail(error)

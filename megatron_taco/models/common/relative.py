@@ -27,15 +27,11 @@ import torch
 # TACO's buckets: from position ids, with a mask bucket and a compact range
 
 
-def batch_layout(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, k: int):
-    """(lo, hi, has_padding): the range [lo, hi] of clipped-distance buckets that can occur
-    in this batch and whether any key is padding, with a single device->host transfer.
-
-    Only buckets k-span .. k+span occur when the (unmasked) positions span ``span``;
-    projecting and multiplying only those rows instead of all 2k+1 saves a factor
-    (2k+1)/(2 span+1) on the c2p/p2c products (4x for seq 128 with k=511). All tp ranks see
-    the same batch, so they agree on the range.
-    """
+def position_stats(position_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """(hi_pos, lo_pos, has_padding): the largest and smallest unmasked position id (-1 and
+    the dtype's maximum when every position is masked) and whether any key is padding, in one
+    device->host read. Called on the CPU batch by the collate wrapper (models/common/host.py),
+    so a training forward reads nothing back from the device."""
     valid = position_ids >= 0
     big = torch.iinfo(position_ids.dtype).max
     stats = [
@@ -45,12 +41,28 @@ def batch_layout(position_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if attention_mask is not None:
         stats.append((~attention_mask.bool()).any().to(position_ids.dtype))
     values = torch.stack(stats).tolist()
-    hi_pos, lo_pos = values[0], values[1]
-    has_padding = attention_mask is not None and bool(values[2])
+    return values[0], values[1], attention_mask is not None and bool(values[2])
+
+
+def bucket_range(hi_pos: int, lo_pos: int, k: int) -> tuple[int, int]:
+    """The range [lo, hi] of clipped-distance buckets that positions lo_pos..hi_pos can use.
+
+    Only buckets k-span .. k+span occur when the (unmasked) positions span ``span``;
+    projecting and multiplying only those rows instead of all 2k+1 saves a factor
+    (2k+1)/(2 span+1) on the c2p/p2c products (4x for seq 128 with k=511). All tp ranks see
+    the same batch, so they agree on the range.
+    """
     if hi_pos < 0:  # every position masked: only the mask bucket occurs
-        return k, k, has_padding
+        return k, k
     span = min(int(hi_pos - lo_pos), k)
-    return k - span, k + span, has_padding
+    return k - span, k + span
+
+
+def batch_layout(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, k: int):
+    """(lo, hi, has_padding) of a batch: ``bucket_range`` and whether any key is padding,
+    with a single device->host transfer."""
+    hi_pos, lo_pos, has_padding = position_stats(position_ids, attention_mask)
+    return (*bucket_range(hi_pos, lo_pos, k), has_padding)
 
 
 def relative_bucket_range(position_ids: torch.Tensor, k: int) -> tuple[int, int]:
@@ -78,7 +90,7 @@ def relative_position_index(position_ids: torch.Tensor, k: int, lo: int, hi: int
 def relative_table_rows(lo: int, hi: int, mask_bucket: int, device) -> torch.Tensor:
     """Rows of the relative table used by the compact index: lo..hi, then the mask bucket."""
     rows = torch.arange(lo, hi + 2, device=device)
-    rows[-1] = mask_bucket
+    rows[-1:].fill_(mask_bucket)  # not rows[-1] = ...: a host->device copy of the number
     return rows
 
 
@@ -145,6 +157,18 @@ def p2c_scores(k, q_r, index_t, scale: float, out=None):
     return out
 
 
+def _scatter_rows(grad, idx, n: int) -> torch.Tensor:
+    """[h, b, s, n]: out[..., i, r] = sum over j with idx[..., i, j] == r of grad[..., i, j].
+    Up to s terms land in one entry (all of a row's far pairs share the clipped bucket), so
+    half-precision gradients are summed in float32 and rounded once: bf16 sums of ~100
+    terms of one sign lose whole units (its spacing at 128 is 1). On a GPU the sum is an
+    atomic add, which float32 also makes far less order-dependent."""
+    acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    h, b, s, _ = grad.shape
+    out = torch.zeros(h, b, s, n, dtype=acc, device=grad.device)
+    return out.scatter_add_(-1, idx, grad.to(acc)).to(grad.dtype)
+
+
 def c2p_backward(grad, q, k_r, index, grad_q):
     """Unscaled gradients of c2p_scores: adds d/dq into ``grad_q`` [h, b*s, d] in place and
     returns d/dk_r [h, n, d]. grad [h, b, s, s]."""
@@ -152,7 +176,7 @@ def c2p_backward(grad, q, k_r, index, grad_q):
     n = k_r.shape[1]
     idx = index.unsqueeze(0).expand(h, b, s, s)
     # Sum the gradient of each (i, j) into its row; then it is a plain product.
-    g_scores = q.new_zeros(h, b, s, n).scatter_add_(-1, idx, grad).view(h, b * s, n)
+    g_scores = _scatter_rows(grad, idx, n).view(h, b * s, n)
     grad_q.baddbmm_(g_scores, k_r)
     return torch.bmm(g_scores.transpose(1, 2), q.reshape(h, b * s, d))
 
@@ -166,8 +190,6 @@ def p2c_backward(grad, k, q_r, index_t, grad_k):
     # The gradient of (i, j) belongs to key j: scatter the transposed gradient into a
     # key-major [h, b, s(j), n] layout (a last-dim scatter, ~2x faster than scattering
     # along the row dim of the forward's layout).
-    g_scores = (
-        k.new_zeros(h, b, s, n).scatter_add_(-1, idx_t, grad.transpose(-1, -2)).view(h, b * s, n)
-    )
+    g_scores = _scatter_rows(grad.transpose(-1, -2), idx_t, n).view(h, b * s, n)
     grad_k.baddbmm_(g_scores, q_r)
     return torch.bmm(g_scores.transpose(1, 2), k.reshape(h, b * s, d))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taco.models.common.config import require_tracker_for_tp_dropout
+from megatron_taco.models.common.host import host_numbers
 from megatron_taco.models.common.layers import (
     LayerNorm,
     compile_layers,
@@ -34,6 +35,7 @@ from megatron_taco.models.common.layers import (
 from megatron_taco.models.common.lm_head import (
     PredictionTransform,
     gather_labelled,
+    labelled_count,
     lm_loss_and_correct,
     masked_mean,
     replicated_linear,
@@ -337,7 +339,14 @@ class SasModel(nn.Module):
             )
         return self._index_cache[key]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        has_padding: bool | None = None,
+    ) -> torch.Tensor:
+        """``has_padding``: whether any token is padding, known on the host
+        (SasForPretraining.host_layout); None reads it from the device (one sync)."""
         config = self.config
         attention_mask = attention_mask.bool()
         x = self.embeddings(input_ids, attention_mask)
@@ -345,7 +354,7 @@ class SasModel(nn.Module):
         if config.disentangled_attention:
             lo, hi, index, index_t = self.relative_index(input_ids.shape[1], input_ids.device)
             rel = (self.embeddings.relative_rows(lo, hi), index, index_t)
-        mask = self._score_mask(attention_mask)
+        mask = self._score_mask(attention_mask, has_padding)
         for layer in self.layers:
             if config.recompute_activations and torch.is_grad_enabled():
                 x = checkpoint(layer, x, mask, *rel, tracker=self.rng_tracker)
@@ -353,9 +362,13 @@ class SasModel(nn.Module):
                 x = layer(x, mask, *rel)
         return x
 
-    def _score_mask(self, attention_mask: torch.Tensor) -> torch.Tensor | None:
-        # One host sync per forward: batches without padding skip the masking pass.
-        if bool(attention_mask.all()):
+    def _score_mask(
+        self, attention_mask: torch.Tensor, has_padding: bool | None
+    ) -> torch.Tensor | None:
+        # Batches without padding skip the masking pass (and SDPA can take flash attention).
+        if has_padding is None:
+            has_padding = not bool(attention_mask.all())  # a host sync
+        if not has_padding:
             return None
         pad = ~attention_mask
         if not self.config.disentangled_attention:
@@ -436,10 +449,23 @@ class SasForPretraining(nn.Module):
             raise ValueError(f"the RTD loss weight must be finite and >= 0, got {value}")
         self.rtd_weight = value
 
+    @staticmethod
+    def host_layout(batch: dict[str, torch.Tensor]) -> dict[str, int | bool]:
+        """What the forward needs on the host (models/common/host.py), from the batch."""
+        return {
+            "has_padding": not bool(batch["attention_mask"].bool().all()),
+            "mlm_labels": labelled_count(batch["mlm_labels"]),
+        }
+
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        hidden = self.sas(batch["input_ids"], batch["attention_mask"])  # [b, s, H]
-        # MLM only at S (gathered first, one host sync): ~15% of the vocabulary products.
-        x, target, positions = gather_labelled(hidden.flatten(0, 1), batch["mlm_labels"])
+        host = host_numbers(batch, self.host_layout)
+        hidden = self.sas(
+            batch["input_ids"], batch["attention_mask"], host["has_padding"]
+        )  # [b, s, H]
+        # MLM only at S (gathered first, counted on the host): ~15% of the vocabulary products.
+        x, target, positions = gather_labelled(
+            hidden.flatten(0, 1), batch["mlm_labels"], host["mlm_labels"]
+        )
         word_weight = self.sas.embeddings.word_embeddings.weight
         logits = self.heads.mlm_logits(x, word_weight)  # [N, V_padded/tp] float32
         mlm_tok, mlm_correct = lm_loss_and_correct(
@@ -460,9 +486,10 @@ class SasForPretraining(nn.Module):
             "loss": mlm_loss + self.rtd_weight * rtd["rtd_loss"],
             "mlm_loss": mlm_loss,
             **rtd,
-            "rtd_weight": torch.tensor(self.rtd_weight, device=device),
+            # torch.full, not torch.tensor: no blocking host->device copy.
+            "rtd_weight": torch.full((), self.rtd_weight, device=device),
             "mlm_acc": masked_mean(mlm_correct.float()).detach(),
-            "mlm_tokens": torch.tensor(mlm_correct.numel(), device=device),
+            "mlm_tokens": torch.full((), mlm_correct.numel(), device=device),
             "mlm_logits": logits.detach(),
             "mlm_positions": positions,
         }

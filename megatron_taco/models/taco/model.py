@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taco.models.common.config import require_tracker_for_tp_dropout
+from megatron_taco.models.common.host import host_numbers
 from megatron_taco.models.common.layers import (
     DropoutMask,
     LayerNorm,
@@ -32,15 +33,17 @@ from megatron_taco.models.common.layers import (
     scaled_init_method_normal,
     uniform_fan_in_init,
 )
-from megatron_taco.models.common.lm_head import gather_labelled, masked_mean
+from megatron_taco.models.common.lm_head import gather_labelled, labelled_count, masked_mean
 from megatron_taco.models.common.mlp import ParallelMLP
 from megatron_taco.models.common.monitoring import monitoring_outputs
 from megatron_taco.models.common.relative import (
     batch_layout,
+    bucket_range,
     c2p_backward,
     c2p_scores,
     p2c_backward,
     p2c_scores,
+    position_stats,
     relative_position_index,
     relative_table_rows,
 )
@@ -592,13 +595,20 @@ class TacoModel(nn.Module):
             compile_layers(self.layers, "TACO layers")
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        layout: tuple[int, int, bool] | None = None,
     ):
+        """``layout``: (lo, hi, has_padding) of the batch as ``batch_layout`` gives it,
+        computed on the host (TacoForPretraining.host_layout); None reads it from the
+        device (one sync)."""
         config = self.config
         k = config.max_relative_distance
         h_we, h_pe = self.embeddings(input_ids, position_ids)
         # Computed once per forward, shared by all layers.
-        lo, hi, has_padding = batch_layout(position_ids, attention_mask, k)
+        lo, hi, has_padding = layout or batch_layout(position_ids, attention_mask, k)
         rel_index = relative_position_index(position_ids, k, lo, hi)  # [b, s, s]
         rows = relative_table_rows(lo, hi, config.mask_bucket, input_ids.device)
         rel_rows = self.embeddings.relative_rows(rows)  # [n, rel]
@@ -645,20 +655,37 @@ class TacoForPretraining(nn.Module):
         self.taco = TacoModel(config, parallel, rng_tracker)
         self.heads = TacoPretrainingHeads(config, parallel)
 
+    @staticmethod
+    def host_layout(batch: dict[str, torch.Tensor]) -> dict[str, int | bool]:
+        """What the forward needs on the host (models/common/host.py), from the batch."""
+        hi_pos, lo_pos, has_padding = position_stats(batch["position_ids"], batch["attention_mask"])
+        return {
+            "position_max": hi_pos,
+            "position_min": lo_pos,
+            "has_padding": has_padding,
+            "mlm_labels": labelled_count(batch["mlm_labels"]),
+            "mpm_labels": labelled_count(batch["mpm_labels"]),
+        }
+
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        h_we, h_pe = self.taco(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+        host = host_numbers(batch, self.host_layout)
+        k = self.config.max_relative_distance
+        layout = (*bucket_range(host["position_max"], host["position_min"], k), host["has_padding"])
+        h_we, h_pe = self.taco(
+            batch["input_ids"], batch["position_ids"], batch["attention_mask"], layout
+        )
         we = h_we.flatten(0, 1)  # [b*s, d_WE]
         pe = h_pe.flatten(0, 1)  # [b*s, d_PE]
         emb = self.taco.embeddings
 
-        def labelled(labels: torch.Tensor):
-            # Gather the labelled positions before the heads (one host sync each).
-            h_we, target, idx = gather_labelled(we, labels)
+        def labelled(key: str):
+            # Gather the labelled positions before the heads (their count from the host).
+            h_we, target, idx = gather_labelled(we, batch[key], host[key])
             return torch.cat([h_we, pe.index_select(0, idx)], dim=-1), target  # [N, d_WE+d_PE]
 
-        x, target = labelled(batch["mlm_labels"])
+        x, target = labelled("mlm_labels")
         mlm_loss_tok, mlm_correct = self.heads.mlm(x, target, emb.word_embeddings.weight)
-        x, target = labelled(batch["mpm_labels"])
+        x, target = labelled("mpm_labels")
         mpm_loss_tok, mpm_correct = self.heads.mpm(x, target, emb.position_embeddings)
 
         mean = masked_mean
@@ -679,6 +706,7 @@ class TacoForPretraining(nn.Module):
             "mpm_loss": mpm_loss,
             "mlm_acc": mean(mlm_correct.float()).detach(),
             "mpm_acc": mean(mpm_correct.float()).detach(),
-            "mlm_tokens": torch.tensor(mlm_correct.numel(), device=mlm_loss.device),
-            "mpm_tokens": torch.tensor(mpm_correct.numel(), device=mpm_loss.device),
+            # torch.full, not torch.tensor: no blocking host->device copy.
+            "mlm_tokens": torch.full((), mlm_correct.numel(), device=mlm_loss.device),
+            "mpm_tokens": torch.full((), mpm_correct.numel(), device=mpm_loss.device),
         }
