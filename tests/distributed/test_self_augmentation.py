@@ -348,8 +348,15 @@ def _other_layout(directory: Path, layout: StoreLayout, _instance: int) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), "width": WIDTH + 1}))
 
 
+def _version_1_layout(directory: Path, layout: StoreLayout, _instance: int) -> None:
+    """The generation's layout.json as the store's format 1 (no row checksums) wrote it."""
+    path = directory / "layout.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items()
+                                if k != "version"}))  # fmt: skip
+
+
 DAMAGES = {"token": _change_token, "truncated shard": _truncate_shard_1,
-           "another run's layout": _other_layout}  # fmt: skip
+           "another run's layout": _other_layout, "format 1": _version_1_layout}  # fmt: skip
 
 
 def test_a_row_changed_between_its_write_and_the_commit_stops_every_rank(tmp_path):
@@ -378,25 +385,20 @@ def test_a_row_changed_between_its_write_and_the_commit_stops_every_rank(tmp_pat
 
 def test_a_damaged_generation_being_written_stops_every_rank_when_reopened(tmp_path):
     """A resume reopens the generation being written: a shard that one rank owns cut short,
-    or the layout of a run with other settings, is the same one line on every rank (not a
-    traceback on the owners while the others wait in a barrier)."""
+    the layout of a run with other settings or of the store's format 1 is the same one line
+    on every rank (not a traceback on the owners while the others wait in a barrier)."""
     layout = _callback(str(tmp_path), N).layout
+    shard, size = tmp_path / "t" / "gen_00000" / layout.shard_file(1), layout.shard_bytes(1)
+    line = f"{shard}: truncated (size {size // 2} bytes, expected {size})"
     truncated = run_distributed(_resumed_epoch, 2, str(tmp_path / "t"), "truncated shard")
-    shard = tmp_path / "t" / "gen_00000" / layout.shard_file(1)
-    size = layout.shard_bytes(1)
-    assert (
-        truncated
-        == [f"--replacement-store: {shard}: truncated (size {size // 2} bytes, expected {size})"]
-        * 2
-    )
-    other = run_distributed(_resumed_epoch, 2, str(tmp_path / "o"), "another run's layout")
+    assert truncated == [f"--replacement-store: {line}"] * 2
     directory = tmp_path / "o" / "gen_00000"
     stored = StoreLayout(num_instances=N, width=WIDTH + 1, vocab_size=VOCAB, num_shards=3)
-    assert (
-        other
-        == [
-            f"--replacement-store: {directory / 'layout.json'}: generation 0 was started with "
-            f"{stored}, not {layout}; delete {directory} to start it afresh"
-        ]
-        * 2
-    )
+    line = (f"{directory / 'layout.json'}: generation 0 was started with {stored}, not "
+            f"{layout}; delete {directory} to start it afresh")  # fmt: skip
+    other = run_distributed(_resumed_epoch, 2, str(tmp_path / "o"), "another run's layout")
+    assert other == [f"--replacement-store: {line}"] * 2
+    line = (f"{tmp_path / 'v1' / 'gen_00000' / 'layout.json'}: layout: format version 1, this "
+            "version reads 2 (rows with checksums); delete the generation to write it anew")  # fmt: skip
+    old = run_distributed(_resumed_epoch, 2, str(tmp_path / "v1"), "format 1")
+    assert old == [f"--replacement-store: {line}"] * 2
