@@ -330,8 +330,9 @@ class ShardScan:
     crc32: int
     unwritten: int  # rows whose slot 0 is still the sentinel
     first_unwritten: int | None  # instance id of the first such row
-    corrupt: int = 0  # written rows that do not match their checksum
+    corrupt: int = 0  # written rows that changed on disk (_check_records)
     first_corrupt: int | None = None  # instance id of the first such row
+    first_corrupt_tokens: np.ndarray | None = None  # [W] its token ids as read
 
 
 def _readinto_exact(f: BinaryIO, view: memoryview, path: str) -> None:
@@ -344,12 +345,13 @@ def _readinto_exact(f: BinaryIO, view: memoryview, path: str) -> None:
 
 
 def scan_shard(path: str, layout: StoreLayout, shard: int) -> ShardScan:
-    """crc32 of the whole file, its never-written rows and its written rows that do not
-    match their checksum, streamed in bounded chunks."""
+    """crc32 of the whole file, its never-written rows and its written rows that changed on
+    disk, streamed in bounded chunks."""
     first, stop = layout.shard_range(shard)
     chunk_rows = max(1, _CHUNK_BYTES // layout.record_bytes)
     buf = bytearray(chunk_rows * layout.record_bytes)
     crc, unwritten, first_unwritten, corrupt, first_corrupt = 0, 0, None, 0, None
+    first_tokens = None
     try:
         with open(path, "rb", buffering=0) as f:
             for row in range(0, stop - first, chunk_rows):
@@ -358,36 +360,51 @@ def scan_shard(path: str, layout: StoreLayout, shard: int) -> ShardScan:
                 _readinto_exact(f, view, path)
                 crc = zlib.crc32(view, crc)
                 ids = np.arange(first + row, first + row + n, dtype=np.int64)
-                missing, bad = _check_records(np.frombuffer(view, layout.record_dtype), ids, layout)
+                records = np.frombuffer(view, layout.record_dtype)
+                missing, bad = _check_records(records, ids, layout)
                 if missing.size and first_unwritten is None:
                     first_unwritten = int(ids[missing[0]])
                 if bad.size and first_corrupt is None:
                     first_corrupt = int(ids[bad[0]])
+                    first_tokens = records["tokens"][bad[0]].copy()
                 unwritten += int(missing.size)
                 corrupt += int(bad.size)
     except FileNotFoundError:
         raise ReplacementStoreError(f"{path}: missing") from None
     except OSError as e:
         raise ReplacementStoreError(f"{path}: cannot read: {e.strerror}") from None
-    return ShardScan(crc, unwritten, first_unwritten, corrupt, first_corrupt)
+    return ShardScan(crc, unwritten, first_unwritten, corrupt, first_corrupt, first_tokens)
 
 
 def _check_records(
     records: np.ndarray, ids: np.ndarray, layout: StoreLayout
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(indices of the never-written rows, indices of written rows whose checksum is not the
-    one written with them) of records [B] of instances [B]."""
-    missing = records["tokens"][:, 0] == layout.sentinel
-    bad = ~missing & (records["check"] != row_checksums(ids, records["tokens"]))
-    return np.flatnonzero(missing), np.flatnonzero(bad)
-
-
-def corrupt_row_message(path: str, layout: StoreLayout, instance: int) -> str:
-    row = instance % layout.rows_per_shard
-    return (
-        f"{path}: row {row} (instance {instance}) does not match the checksum written with it "
-        "(the shard changed on disk after the row was written)"
+    """(indices of the never-written rows, indices of the written rows that changed on disk)
+    of records [B] of instances [B]. A changed row holds a token id >= V, which no writer
+    stores, or does not match the checksum written with it. Both are checked: two ids each
+    changed by 2^31 keep the checksum (2^31 * (m_j + m_k), an even sum of odd multipliers)."""
+    tokens = records["tokens"]  # [B, W]
+    missing = tokens[:, 0] == layout.sentinel
+    changed = (tokens >= layout.vocab_size).any(axis=1) | (
+        records["check"] != row_checksums(ids, tokens)
     )
+    return np.flatnonzero(missing), np.flatnonzero(~missing & changed)
+
+
+def corrupt_row_message(path: str, layout: StoreLayout, instance: int, tokens: np.ndarray) -> str:
+    """The line for a changed row of ``instance`` whose ids [W] are ``tokens``."""
+    row = instance % layout.rows_per_shard
+    invalid = tokens[tokens >= layout.vocab_size]
+    what = (
+        f"holds token id {int(invalid[0])}, not below the vocabulary size {layout.vocab_size}"
+        if invalid.size
+        else "does not match the checksum written with it"
+    )
+    return f"{path}: row {row} (instance {instance}) {what} (the shard changed on disk after the row was written)"
+
+
+def _scan_message(path: str, layout: StoreLayout, scan: ShardScan) -> str:
+    return corrupt_row_message(path, layout, scan.first_corrupt, scan.first_corrupt_tokens)
 
 
 # ---------------------------------------------------------------------------------------
@@ -721,7 +738,7 @@ def commit_generation(root: str | os.PathLike, generation: int, layout: StoreLay
             )
         if scan.corrupt:
             raise ReplacementStoreError(
-                f"{corrupt_row_message(path, layout, scan.first_corrupt)}; {scan.corrupt} such "
+                f"{_scan_message(path, layout, scan)}; {scan.corrupt} such "
                 f"row(s); refusing to commit generation {generation}"
             )
         size = layout.shard_bytes(k)
@@ -777,9 +794,7 @@ class GenerationReader:
                         f"{record.crc32:08x})"
                     )
                 if scan.corrupt:  # not after a commit of this version, which checks them
-                    raise ReplacementStoreError(
-                        corrupt_row_message(path, self.layout, scan.first_corrupt)
-                    )
+                    raise ReplacementStoreError(_scan_message(path, self.layout, scan))
 
     def __len__(self) -> int:
         return self.layout.num_instances
@@ -818,7 +833,8 @@ class GenerationReader:
         if corrupt.size:
             i = int(ids[corrupt[0]])
             path = self._path(i // self.layout.rows_per_shard)
-            raise ReplacementStoreError(corrupt_row_message(path, self.layout, i))
+            tokens = records["tokens"][corrupt[0]]
+            raise ReplacementStoreError(corrupt_row_message(path, self.layout, i, tokens))
 
     def _path(self, shard: int) -> str:
         return os.path.join(self.directory, self.layout.shard_file(shard))

@@ -190,7 +190,7 @@ class SelfAugmentation(Callback):
         def verify() -> None:
             GenerationReader(self.root, generation, verify=True).close()
 
-        _on_rank0(rank, verify, ConfigError)
+        _agreed(rank == 0, verify, ConfigError, self.root)
 
     def _commit(self, trainer, epoch: int) -> None:
         commit_generation(self.root, epoch, self.layout)
@@ -215,9 +215,13 @@ class SelfAugmentation(Callback):
             self._verify(trainer.parallel.rank, epoch - 1)
         self.writer = None
         owned = self._owned_shards(trainer.parallel)
-        if owned:
+
+        def open_writer() -> None:
             self.writer = GenerationWriter(self.root, epoch, self.layout, owned)
-        self._barrier()
+
+        # A resume reopens the generation being written: a shard cut short, another run's
+        # layout, a full disk while the shards are created stop every rank, not its owner.
+        _agreed(bool(owned), open_writer, ConfigError, self.root)
 
     @torch.no_grad()
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
@@ -311,7 +315,9 @@ class SelfAugmentation(Callback):
         self._barrier()  # every owner flushed
         # A row that changed on disk since it was written (or was never written) stops every
         # rank with one line naming it.
-        _on_rank0(trainer.parallel.rank, lambda: self._commit(trainer, epoch), RunError)
+        _agreed(
+            trainer.parallel.rank == 0, lambda: self._commit(trainer, epoch), RunError, self.root
+        )
 
     def metrics(self) -> dict[str, float]:
         out = {"store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1)}
@@ -329,19 +335,24 @@ class SelfAugmentation(Callback):
         return {"generation_being_written": self.epoch, "root": self.root}
 
 
-def _on_rank0(rank: int, work, error: type[Exception]) -> None:
-    """``work()`` on rank 0; a store error it raises is raised on every rank as ``error``,
-    one line naming the file. The broadcast keeps the ranks in step, as a barrier would."""
-    problem = [None]
-    if rank == 0:
+def _agreed(runs: bool, work, error: type[Exception], root: str) -> None:
+    """``work()`` on the ranks where ``runs``; the first store error (or OSError) any rank
+    meets is raised on every rank as ``error``, one line naming the file. The gather keeps
+    the ranks in step, as a barrier would."""
+    problem = None
+    if runs:
         try:
             work()
         except ReplacementStoreError as e:
-            problem[0] = str(e)
+            problem = str(e)
+        except OSError as e:
+            problem = f"{e.filename or root}: {e.strerror or e}"
+    problems = [problem]
     if dist.is_initialized():
-        problem = [comm.broadcast_object(problem[0], src=0)]
-    if problem[0] is not None:
-        raise error(f"--replacement-store: {problem[0]}")
+        problems = comm.all_gather_object(problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise error(f"--replacement-store: {first}")
 
 
 def generations_needed(save_dir: str | None, samples_per_epoch: int) -> set[int]:

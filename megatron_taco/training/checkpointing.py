@@ -91,7 +91,12 @@ class CheckpointInvalid(ConfigError):
 
 class CheckpointMisfit(CheckpointInvalid):
     """A checkpoint that verifies but whose tensors do not fit the model (found after the
-    engine exists; --load-fallback falls back from it as from one that does not verify)."""
+    engine exists; --load-fallback falls back from it as from one that does not verify).
+    ``how``: what differs, per rank; equal for two checkpoints the model misfits alike."""
+
+    def __init__(self, message: str, how: Any = None) -> None:
+        super().__init__(message)
+        self.how = how
 
 
 @dataclass(frozen=True)
@@ -1104,21 +1109,23 @@ def _shapes_differ_hint(iter_dir: str, wrong: list[tuple[str, Any, Any]]) -> str
     )
 
 
-def checkpoint_misfit(engine, path: str, iter_dir: str) -> str | None:
+def checkpoint_misfit(engine, path: str, iter_dir: str) -> tuple[str, Any] | None:
     """None when the model states file ``path`` (this rank's) holds a tensor of the right
-    shape for every entry of the model's state dict and nothing else; else one line naming
-    the first few keys that are missing, unexpected or of another shape."""
+    shape for every entry of the model's state dict and nothing else; else (one line naming
+    the first few keys that are missing, unexpected or of another shape, what differs). What
+    differs is the same for every checkpoint when it is the model's doing (its flags); a
+    damaged file's is its path, never the same."""
     try:
         states = safe_torch_load(path, mmap=True)
     except ConfigError as e:
-        return str(e)
+        return str(e), path
     module = states.get("module") if isinstance(states, dict) else None
     if not isinstance(module, dict):
         found = sorted(map(str, states))[:5] if isinstance(states, dict) else []
         return (
             f"--load: {path} holds no 'module' state dict (found {type(states).__name__} "
             f"{', '.join(found)}): not a model states file"
-        )
+        ), path
     # ZeRO-3 partitions parameters (and saves them empty): their names are compared only.
     own = {k: None if hasattr(v, "ds_shape") else v.shape
            for k, v in engine.module.state_dict(keep_vars=True).items()}  # fmt: skip
@@ -1130,15 +1137,16 @@ def checkpoint_misfit(engine, path: str, iter_dir: str) -> str | None:
         if k in module and own[k] is not None
         and not (torch.is_tensor(module[k]) and module[k].shape == own[k])
     ]  # fmt: skip
+    how = (tuple(missing), tuple(unexpected), tuple(wrong))
     if not (missing or unexpected):
-        return _shapes_differ_hint(iter_dir, wrong) if wrong else None
+        return (_shapes_differ_hint(iter_dir, wrong), how) if wrong else None
     parts = [f"it lacks {_few(missing)}"] if missing else []
     if unexpected:
         parts.append(f"it has {_few(unexpected)}, which this model does not")
     if wrong:
         verb = "has another shape" if len(wrong) == 1 else "have other shapes"
         parts.append(f"{_few([k for k, _, _ in wrong])} {verb} there")
-    return f"--load: {path} does not fit this model: {'; '.join(parts)}"
+    return f"--load: {path} does not fit this model: {'; '.join(parts)}", how
 
 
 def _agree_on_fit(engine, load_dir: str, tag: str) -> None:
@@ -1146,9 +1154,10 @@ def _agree_on_fit(engine, load_dir: str, tag: str) -> None:
     a misfit on one rank stops every rank with the first rank's line."""
     iter_dir = os.path.join(load_dir, tag)
     problem = checkpoint_misfit(engine, engine._get_ckpt_name(load_dir, tag), iter_dir)
-    first = next((p for p in _gather(problem) if p is not None), None)
+    found = _gather(problem)
+    first = next((p for p in found if p is not None), None)
     if first is not None:
-        raise CheckpointMisfit(first)
+        raise CheckpointMisfit(first[0], how=tuple(p and p[1] for p in found))
 
 
 def read_tracker(load_dir: str) -> int | None:
@@ -1274,29 +1283,44 @@ def load_fitting_checkpoint(
     **kw: Any,
 ) -> TrainingState | None:
     """load_checkpoint of ``ckpt_step``; one whose tensors do not fit the model is one line
-    naming the last complete checkpoint before it, or with ``fallback`` (--load-fallback) that
-    one is loaded instead (after ``check(iteration)``, the driver's layout check), as for a
-    checkpoint that does not verify. Every rank takes the same path: the misfit is agreed on,
-    and the ranks see the same files (agree_on_load)."""
-    iteration = ckpt_step
+    naming the last complete checkpoint before it that fits, or with ``fallback``
+    (--load-fallback) that one is loaded instead (after ``check(iteration)``, the driver's
+    layout check), as for a checkpoint that does not verify. Every rank takes the same path:
+    the misfit is agreed on, and the ranks see the same files (agree_on_load)."""
+    try:
+        return load_checkpoint(engine, load_dir, parallel, rng_tracker, ckpt_step=ckpt_step, **kw)
+    except CheckpointMisfit as e:
+        misfit = e
+    older = _older_fitting(engine, load_dir, ckpt_step, misfit, tp_size=parallel.tp_size,
+                           models=models)  # fmt: skip
+    if not fallback:
+        raise CheckpointInvalid(
+            f"{misfit}; the last complete checkpoint there is iteration {older}: pass "
+            f"--ckpt-step {older}, or --load-fallback to fall back automatically"
+        )
+    if parallel.rank == 0:
+        logger.warning("%s; --load-fallback: loading iteration %d instead", misfit, older)
+    check(older)
+    return load_checkpoint(engine, load_dir, parallel, rng_tracker, ckpt_step=older, **kw)
+
+
+def _older_fitting(engine, load_dir: str, below: int, misfit: CheckpointMisfit, **kw) -> int:
+    """Collective: the newest checkpoint before ``below`` that verifies and fits the model.
+    One that misfits as ``misfit`` does shows the model is not theirs (its flags differ):
+    the walk stops there, before it verifies every byte of every checkpoint to say so."""
     while True:
-        try:
-            return load_checkpoint(
-                engine, load_dir, parallel, rng_tracker, ckpt_step=iteration, **kw
-            )
-        except CheckpointMisfit as e:
-            problem = str(e)
-        older = newest_verified(load_dir, iteration, tp_size=parallel.tp_size, models=models)
+        older = newest_verified(load_dir, below, **kw)
         if older is None:
-            raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
-        if not fallback:
             raise CheckpointInvalid(
-                f"{problem}; the last complete checkpoint there is iteration {older.iteration}: "
-                f"pass --ckpt-step {older.iteration}, or --load-fallback to fall back "
-                "automatically"
+                f"{misfit}; no older checkpoint in {load_dir} verifies and fits this model"
             )
-        if parallel.rank == 0:
-            logger.warning("%s; --load-fallback: loading iteration %d instead", problem,
-                           older.iteration)  # fmt: skip
-        check(older.iteration)
-        iteration = older.iteration
+        try:
+            _agree_on_fit(engine, load_dir, checkpoint_tag(older.iteration))
+            return older.iteration
+        except CheckpointMisfit as e:
+            if e.how == misfit.how:
+                raise ConfigError(
+                    f"{misfit}; iteration {older.iteration} before it does not fit in the same "
+                    "way: this model is not the one these checkpoints were saved from"
+                ) from None
+        below = older.iteration

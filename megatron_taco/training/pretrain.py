@@ -481,14 +481,9 @@ def pretrain(
     monitor.phase = "start-up"
     try:
         # Rank 0 holds --save for the run; a second run on it stops before its rendezvous.
-        with save_lock(cfg.training.save, launcher_rank(), monitor.exit_actions):
+        lock = save_lock(cfg.training.save, launcher_rank(), monitor.exit_actions)
+        with monitor.answering_errors(), lock:
             return _pretrain(cfg, spec, monitor, keep_process_group)
-    except ConfigError:
-        raise
-    except BaseException:
-        # A dead launcher's closed store connection: its line, not a traceback.
-        monitor.answer_pending()
-        raise
     finally:
         if own_monitor:
             monitor.uninstall()

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from megatron_taco.arguments import option, require
+from megatron_taco.arguments import ConfigError, option, require
 
 logger = logging.getLogger("megatron_taco.signals")
 
@@ -530,6 +530,19 @@ class ExitMonitor:
                 self._deferred -= 1
                 self.phase = before
         self.exit_unless_deferred()
+
+    @contextlib.contextmanager
+    def answering_errors(self):
+        """Around a run: an error that a dead launcher caused (its rendezvous store's
+        connection closed) ends the rank with the launcher's line, not a traceback
+        (answer_pending). A ConfigError is the run's own line."""
+        try:
+            yield
+        except ConfigError:
+            raise
+        except BaseException:
+            self.answer_pending()
+            raise
 
     def answer_pending(self) -> None:
         """For an error that ends the rank outside the loop: a launcher killed outright closes

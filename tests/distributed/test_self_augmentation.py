@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -290,10 +291,12 @@ def test_generations_kept_for_the_checkpoints_in_save(tmp_path):
     assert os.path.isfile(tmp_path / "store" / "gen_00004" / "manifest.json")
 
 
-def _resumed_epoch(rank, world_size, root, change):
+def _resumed_epoch(rank, world_size, root, damage=None):
     """Epoch 0 up to a checkpoint halfway (its rows flushed), then the processes die; maybe
-    a token of a row written before the checkpoint changes on disk (to another valid id);
-    the resumed run replays the steps after the checkpoint and ends the epoch."""
+    the store is damaged on disk then (DAMAGES); the resumed run opens the generation again,
+    replays the steps after the checkpoint and ends the epoch. Returns the committed
+    generations, or the line the run stopped with."""
+    from megatron_taco.arguments import ConfigError
     from megatron_taco.training.checkpointing import RunError
 
     parallel = init_parallel(1)
@@ -303,44 +306,67 @@ def _resumed_epoch(rank, world_size, root, change):
              for s in range(0, N, chunk)]  # fmt: skip
     half = len(steps) // 2
     trainer, state = _trainer(parallel), TrainingState()
-    for resumed, run in enumerate((steps[:half], steps[half:])):
-        callback = _callback(root, N)
-        callback.on_train_start(trainer, state)
-        callback.on_epoch_start(trainer, state, 0)
-        for mine in run:
-            callback.after_micro_batch(trainer, state, *micro_batch(mine, 0, 1))
-        if not resumed:
-            callback.on_save(trainer, state)  # the checkpoint
-            callback.writer.close()  # the crash: the kernel closes its files
-            torch.distributed.barrier()
-            if change and rank == 0:
-                _change_token(root, callback.layout, order[0])
-            torch.distributed.barrier()
     try:
+        for resumed, run in enumerate((steps[:half], steps[half:])):
+            callback = _callback(root, N)
+            callback.on_train_start(trainer, state)
+            callback.on_epoch_start(trainer, state, 0)
+            for mine in run:
+                callback.after_micro_batch(trainer, state, *micro_batch(mine, 0, 1))
+            if not resumed:
+                callback.on_save(trainer, state)  # the checkpoint
+                callback.writer.close()  # the crash: the kernel closes its files
+                torch.distributed.barrier()
+                if damage is not None and rank == 0:
+                    DAMAGES[damage](Path(root) / "gen_00000", callback.layout, order[0])
+                torch.distributed.barrier()
         callback.on_epoch_end(trainer, state, 0)
-    except RunError as e:
+    except (ConfigError, RunError) as e:
         return str(e)
     return committed_generations(root)
 
 
-def _change_token(root: str, layout: StoreLayout, instance: int) -> None:
+def _change_token(directory: Path, layout: StoreLayout, instance: int) -> None:
+    """A token of a row written before the checkpoint, changed to another valid id."""
     k, row = divmod(instance, layout.rows_per_shard)
-    path = Path(root) / "gen_00000" / layout.shard_file(k)
-    with open(path, "r+b") as f:
+    with open(directory / layout.shard_file(k), "r+b") as f:
         f.seek(row * layout.record_bytes)
         token = int(np.frombuffer(f.read(2), dtype=layout.dtype)[0])
         f.seek(row * layout.record_bytes)
         f.write(np.array([(token + 1) % VOCAB], dtype=layout.dtype).tobytes())
 
 
+def _truncate_shard_1(directory: Path, layout: StoreLayout, _instance: int) -> None:
+    """Shard 1, which dp rank 1 alone owns, cut to half its size."""
+    path = directory / layout.shard_file(1)
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _other_layout(directory: Path, layout: StoreLayout, _instance: int) -> None:
+    """The generation's layout.json as a run with other settings would have written it."""
+    path = directory / "layout.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "width": WIDTH + 1}))
+
+
+def _version_1_layout(directory: Path, layout: StoreLayout, _instance: int) -> None:
+    """The generation's layout.json as the store's format 1 (no row checksums) wrote it."""
+    path = directory / "layout.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items()
+                                if k != "version"}))  # fmt: skip
+
+
+DAMAGES = {"token": _change_token, "truncated shard": _truncate_shard_1,
+           "another run's layout": _other_layout, "format 1": _version_1_layout}  # fmt: skip
+
+
 def test_a_row_changed_between_its_write_and_the_commit_stops_every_rank(tmp_path):
     """The issue's fault: in-range bytes changed in the generation being written, then a
     resume. Without the change, the resumed generation is the uninterrupted one."""
     run_distributed(_write_generation, 2, 1, str(tmp_path / "reference"))
-    clean = run_distributed(_resumed_epoch, 2, str(tmp_path / "clean"), False)
+    clean = run_distributed(_resumed_epoch, 2, str(tmp_path / "clean"))
     assert clean == [[0], [0]]
     assert _store_files(tmp_path / "clean") == _store_files(tmp_path / "reference")
-    messages = run_distributed(_resumed_epoch, 2, str(tmp_path / "changed"), True)
+    messages = run_distributed(_resumed_epoch, 2, str(tmp_path / "changed"), "token")
     first = int(np.random.default_rng(5).permutation(N)[0])
     layout = _callback(str(tmp_path), N).layout
     k, row = divmod(first, layout.rows_per_shard)
@@ -355,3 +381,24 @@ def test_a_row_changed_between_its_write_and_the_commit_stops_every_rank(tmp_pat
         * 2
     )
     assert not (tmp_path / "changed" / "gen_00000" / "manifest.json").exists()
+
+
+def test_a_damaged_generation_being_written_stops_every_rank_when_reopened(tmp_path):
+    """A resume reopens the generation being written: a shard that one rank owns cut short,
+    the layout of a run with other settings or of the store's format 1 is the same one line
+    on every rank (not a traceback on the owners while the others wait in a barrier)."""
+    layout = _callback(str(tmp_path), N).layout
+    shard, size = tmp_path / "t" / "gen_00000" / layout.shard_file(1), layout.shard_bytes(1)
+    line = f"{shard}: truncated (size {size // 2} bytes, expected {size})"
+    truncated = run_distributed(_resumed_epoch, 2, str(tmp_path / "t"), "truncated shard")
+    assert truncated == [f"--replacement-store: {line}"] * 2
+    directory = tmp_path / "o" / "gen_00000"
+    stored = StoreLayout(num_instances=N, width=WIDTH + 1, vocab_size=VOCAB, num_shards=3)
+    line = (f"{directory / 'layout.json'}: generation 0 was started with {stored}, not "
+            f"{layout}; delete {directory} to start it afresh")  # fmt: skip
+    other = run_distributed(_resumed_epoch, 2, str(tmp_path / "o"), "another run's layout")
+    assert other == [f"--replacement-store: {line}"] * 2
+    line = (f"{tmp_path / 'v1' / 'gen_00000' / 'layout.json'}: layout: format version 1, this "
+            "version reads 2 (rows with checksums); delete the generation to write it anew")  # fmt: skip
+    old = run_distributed(_resumed_epoch, 2, str(tmp_path / "v1"), "format 1")
+    assert old == [f"--replacement-store: {line}"] * 2

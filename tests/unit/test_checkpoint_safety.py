@@ -98,7 +98,7 @@ def _training(tmp: str, **kw) -> TrainingConfig:
     return TrainingConfig(**values)
 
 
-def _engine(training: TrainingConfig, parallel, stage: int = 1):
+def _engine(training: TrainingConfig, parallel, stage: int = 1, model_class=None):
     from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
     from megatron_taco.training.engine import initialize_engine
 
@@ -107,7 +107,7 @@ def _engine(training: TrainingConfig, parallel, stage: int = 1):
         training, parallel.dp_size, device_type="cpu", ds_json=ds_json
     )
     torch.manual_seed(0)
-    return initialize_engine(ToyModel(), training, settings, parallel)
+    return initialize_engine((model_class or ToyModel)(), training, settings, parallel)
 
 
 # DeepSpeed's recovery scripts, copied into --save (not into a checkpoint) at ZeRO saves.
@@ -514,11 +514,12 @@ def test_checkpoint_flags_are_cross_checked(tmp_path):
 # A checkpoint that verifies but does not fit the model (issue 22 item 4)
 
 
-def _misfit_worker(rank, world_size, load, fallback):
+def _misfit_worker(rank, world_size, load, fallback, padded_ranks=()):
     from megatron_taco.parallel.state import init_parallel
 
     parallel = init_parallel(1)
-    engine = _engine(_training(load), parallel).engine
+    model_class = PaddedToyModel if rank in padded_ranks else ToyModel
+    engine = _engine(_training(load), parallel, model_class=model_class).engine
     try:
         return ckpt.load_fitting_checkpoint(engine, load, parallel, ckpt_step=8, fallback=fallback)
     except ConfigError as e:
@@ -565,4 +566,37 @@ def test_a_checkpoint_whose_tensors_do_not_fit_is_one_line_or_fallen_back_from(t
     assert lines[0].startswith(
         f"--load: {path} holds no 'module' state dict (found dict step, weights): not a model "
         "states file; the last complete checkpoint there is iteration 6: pass --ckpt-step 6"
+    )
+
+
+class PaddedToyModel(ToyModel):
+    """The toy model with 64 more embedding rows: what another vocabulary padding gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB + 64, 16)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("padded_ranks", [(0, 1), (1,)])
+def test_a_model_that_fits_no_checkpoint_there_is_named_without_falling_back(
+    two_checkpoints, fallback, padded_ranks
+):
+    """Model flags that differ from the checkpoints' (here the vocabulary padding) misfit
+    every checkpoint the same way: neither --ckpt-step nor --load-fallback can help, and a
+    fallback would verify every checkpoint (every byte, on every rank) to say so. Also when
+    one rank alone finds the misfit (the others must not go on into DeepSpeed's load)."""
+    load = two_checkpoints
+    lines = run_distributed(_misfit_worker, 2, str(load), fallback, padded_ranks, timeout=180)
+    assert (
+        lines
+        == [
+            f"--load: {load / 'iter_0000008'} was saved by a model of another shape: embed.weight "
+            "is torch.Size([64, 16]) there and torch.Size([128, 16]) here. Model flags must match "
+            "the checkpoint's (its metadata.json lists them); TACO checkpoints written before the "
+            "value heads became d_WE/h_WE and d_PE/h_PE wide load with --we-value-channels and "
+            "--pe-value-channels set to their --kv-channels; iteration 6 before it does not fit "
+            "in the same way: this model is not the one these checkpoints were saved from"
+        ]
+        * 2
     )

@@ -741,3 +741,64 @@ def test_every_single_token_change_changes_the_checksum():
             changed[:, slot] += np.uint32(delta % 2**32)  # wraps like a stored uint32
             assert (rs.row_checksums(ids, changed) != base).all(), (delta, slot)
     assert (rs.row_checksums(ids + 1, rows) != base).all()
+
+
+def _reference_checksum(instance: int, tokens) -> int:
+    """docs/replacement_store.md's row checksum, in Python integers (not the code's)."""
+    m = [((k * 2654435761 + 40503) % 2**32) | 1 for k in range(len(tokens) + 1)]
+    total = 0x5BD1E995 + instance * m[0] + sum(int(x) * m[j + 1] for j, x in enumerate(tokens))
+    return total % 2**32
+
+
+@pytest.mark.parametrize("vocab", [1000, 70_000])
+def test_stored_rows_are_the_documented_format(tmp_path, vocab):
+    # Bytes on disk against the documented format, computed independently: W little-endian
+    # ids, then the little-endian checksum of (instance, ids). A change of the multipliers,
+    # the constant or the byte order would make every store written before it look corrupt.
+    layout = StoreLayout(num_instances=23, width=4, vocab_size=vocab, num_shards=2)
+    _write_all(tmp_path, layout)
+    itemsize = 2 if vocab <= 65535 else 4
+    for k in range(layout.num_shards):
+        data = Path(shard_path(tmp_path, 0, layout, k)).read_bytes()
+        first, stop = layout.shard_range(k)
+        assert len(data) == (stop - first) * (4 * itemsize + 4)
+        for i in range(first, stop):
+            row = data[(i - first) * (4 * itemsize + 4) :][: 4 * itemsize + 4]
+            ids = [
+                int.from_bytes(row[s : s + itemsize], "little")
+                for s in range(0, 4 * itemsize, itemsize)
+            ]
+            assert ids == _rows([i], layout)[0].tolist()
+            assert int.from_bytes(row[-4:], "little") == _reference_checksum(i, ids), i
+
+
+def _set_tokens(root, layout, generation, instance, values: dict) -> None:
+    for slot, value in values.items():
+        _set_token(root, layout, generation, instance, slot, value)
+
+
+@pytest.mark.parametrize("bit", [31, 30, 16])
+def test_the_same_high_bit_flipped_in_two_ids_of_a_row_is_refused(tmp_path, bit):
+    # Two ids of a row changed by 2^31 each change a checksum mod 2^32 by 2^31 * (m_j + m_k),
+    # a multiple of 2^32 for any odd multipliers: the checksum cannot see it. Such ids are
+    # >= the vocabulary size, which no writer stores: that is checked as well.
+    layout = StoreLayout(num_instances=20, width=6, vocab_size=70_000, num_shards=1)
+    written, replay = _interrupted(tmp_path, layout)
+    victim = int(written[0][0])
+    good = _rows(np.array([victim]), layout)[0]
+    changed = {j: int(good[j]) ^ (1 << bit) for j in (1, 4)}
+    _set_tokens(tmp_path, layout, 1, victim, changed)
+    with pytest.raises(ReplacementStoreError) as refused:
+        _resume(tmp_path, layout, replay)
+    assert str(refused.value) == (
+        f"{shard_path(tmp_path, 1, layout, 0)}: row {victim} (instance {victim}) holds token id "
+        f"{changed[1]}, not below the vocabulary size 70000 (the shard changed on disk after "
+        "the row was written); 1 such row(s); refusing to commit generation 1"
+    )
+    # The same rows after a commit: refused when read.
+    _set_tokens(tmp_path, layout, 1, victim, dict(enumerate(good.tolist())))
+    _resume(tmp_path, layout, [])
+    reader = GenerationReader(tmp_path, 1)
+    _set_tokens(tmp_path, layout, 1, victim, changed)
+    with pytest.raises(ReplacementStoreError, match=rf"holds token id {changed[1]}, not below"):
+        reader.read(np.array([victim]))

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 from megatron_taco.arguments import ConfigError
+from megatron_taco.training import save_lock as save_lock_module
 from megatron_taco.training.save_lock import LOCK_FILENAME, save_lock, take_save_lock
 from megatron_taco.training.signals import proc_stat
 from tests.helpers import ENV, REPO
@@ -138,3 +139,28 @@ def test_a_run_between_its_flock_and_its_record_is_refused(tmp_path):
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_lock_removed_between_the_open_and_the_flock_is_opened_again(tmp_path, monkeypatch):
+    # The holder ends (and removes the file) after this process opened the file and before
+    # its flock: that flock holds a file no later run can see, and a third run would take
+    # the path too. The timing is made certain by ending the holder right before the flock.
+    proc = holder(tmp_path)
+    flock, opened = save_lock_module._flock, []
+
+    def after_the_holder_ends(fd, path):
+        if not opened:
+            proc.send_signal(signal.SIGTERM)  # its exit watchdog releases the lock
+            assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        opened.append(os.fstat(fd).st_ino)
+        return flock(fd, path)
+
+    monkeypatch.setattr(save_lock_module, "_flock", after_the_holder_ends)
+    lock = take_save_lock(str(tmp_path))
+    try:
+        monkeypatch.setattr(save_lock_module, "_flock", flock)
+        with pytest.raises(ConfigError, match=f"in use by another run \\(pid {os.getpid()} "):
+            take_save_lock(str(tmp_path))  # another open file: refused by the flock we hold
+        assert record(tmp_path)["pid"] == os.getpid() and len(opened) == 2
+    finally:
+        lock.release()

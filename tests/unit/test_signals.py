@@ -315,13 +315,23 @@ def test_a_rank_stops_when_its_launcher_dies(tmp_path, mode, launched_by):
 # A launcher that hosts the rendezvous store (as torchrun's agent does) and reports its
 # rank's exit code; the rank connects and waits in C++, where no Python handler runs.
 _STORE_LAUNCHER = """
-    import subprocess, sys
+    import os, signal, subprocess, sys, time
     from datetime import timedelta
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
     rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(store.port)],
                             stdout=open(sys.argv[2], "w"), stderr=subprocess.STDOUT)
+
+    def close_then_die(*_):
+        # The order of a launcher killed outright, made certain: its store's connection
+        # closes, then (a moment later) its children are re-parented.
+        global store
+        del store
+        time.sleep(0.2)
+        os._exit(0)
+
+    signal.signal(signal.SIGUSR1, close_then_die)
     print("code", rank.wait(), flush=True)
 """
 _STORE_RANK = """
@@ -336,16 +346,13 @@ _STORE_RANK = """
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
                           timeout=timedelta(seconds=600))
     print(os.getpid(), flush=True)
-    try:
+    with monitor.answering_errors():  # as the driver's run: the store may raise first
         store.wait(["never set"])
-    except Exception:  # the dead launcher's store closed the connection first
-        monitor.answer_pending()
-        raise
     print("the wait returned", flush=True)
 """
 
 
-@pytest.mark.parametrize("event", ["launcher killed", "SIGTERM"])
+@pytest.mark.parametrize("event", ["launcher killed", "store closed, launcher gone", "SIGTERM"])
 def test_a_rank_blocked_in_the_rendezvous_ends_with_one_line(tmp_path, event):
     out = tmp_path / "rank.out"
     launcher = python(_STORE_LAUNCHER, textwrap.dedent(_STORE_RANK), str(out), LOCAL_RANK="0")
@@ -355,8 +362,10 @@ def test_a_rank_blocked_in_the_rendezvous_ends_with_one_line(tmp_path, event):
         time.sleep(0.5)  # inside store.wait()
         if event == "SIGTERM":
             os.kill(rank, signal.SIGTERM)
-        else:
+        elif event == "launcher killed":
             launcher.kill()
+        else:  # the store's error reaches the rank before anything shows the launcher died
+            launcher.send_signal(signal.SIGUSR1)
         # Long before the store's own timeout (600 s) would give the main thread back.
         wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z", timeout=30)
         if event == "SIGTERM":
