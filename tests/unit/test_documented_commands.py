@@ -5,9 +5,11 @@ TACO-base command once asked for a global batch of 1200 from micro-batches of 16
 data-parallel ranks, which its own run refuses.)
 
 A command is read as a shell would hand it over: continuation lines joined, the variables
-its file assigns (README's ARGS, a script's TRAIN_ITERS=${DEMO_TRAIN_ITERS:-300}) and
-`${VAR:-default}` defaults expanded, unknown variables left as placeholder words (paths).
-The checks read no data file: only the DeepSpeed JSONs, which are in the repository.
+its file assigns (README's ARGS, a script's TRAIN_ITERS=${DEMO_TRAIN_ITERS:-300}, bash arrays
+such as demo.sh's COMMON=(...) used as "${COMMON[@]}"), `${VAR:-default}` defaults and
+`$((...))` arithmetic expanded, unknown variables left as placeholder words (paths). Every
+sbatch script of examples/ is checked, whether or not a document submits it. The checks
+read no data file: only the DeepSpeed JSONs, which are in the repository.
 """
 
 from __future__ import annotations
@@ -37,44 +39,77 @@ class Command:
     args: list[str]
 
 
+_ARRAY_START = re.compile(r"^\s*(?:export\s+)?\w+=\(")
+
+
 def _join(text: str) -> list[tuple[int, str]]:
-    """Logical lines (continuations joined) with their first line number."""
-    out, buf, start = [], "", 0
+    """Logical lines with their first line number: continuations joined, and a bash array
+    assignment NAME=( ... ) spread over lines kept as one (its lines joined by newlines, so
+    that a comment inside ends at its own line)."""
+    out, buf, start, in_array = [], "", 0, False
     for number, line in enumerate(text.splitlines(), 1):
         if not buf:
             start = number
+            in_array = bool(_ARRAY_START.match(line))
         if line.rstrip().endswith("\\"):
             buf += line.rstrip()[:-1] + " "
+            continue
+        if in_array and not re.search(r"\)\s*(#.*)?$", line):
+            buf += line + "\n"
             continue
         out.append((start, buf + line))
         buf = ""
     return out
 
 
-_VAR = re.compile(r"\$\{(\w+)(?:\[@\])?(?::-([^}]*))?\}|\$(\w+)")
+_ARRAY_USE = re.compile(r'"\$\{(\w+)\[@\]\}"|\$\{(\w+)\[@\]\}')
+_ARITHMETIC = re.compile(r"\$\(\(([^()]*(?:\([^()]*\)[^()]*)*)\)\)")
+_VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+
+
+def _arithmetic(expression: str, env: dict[str, str]) -> str:
+    """$((...)) of integers and variables (bare or $-prefixed), as bash computes it."""
+    text = _VAR.sub(lambda m: env.get(m.group(1) or m.group(3), "_"), expression)
+    text = re.sub(r"[A-Za-z_]\w*", lambda m: env.get(m.group(0), "_"), text)
+    if not re.fullmatch(r"[\d\s+\-*/%()]+", text):
+        return "_arithmetic_"  # a placeholder word, like an unknown variable
+    return str(eval(text.replace("/", "//")))  # digits and operators only
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
+    """Variables, arrays ("${A[@]}": its words, each shell-quoted) and arithmetic."""
+
+    def array(m: re.Match) -> str:
+        return env.get(f"{m.group(1) or m.group(2)}[@]", "")
+
     def sub(m: re.Match) -> str:
         name = m.group(1) or m.group(3)
         if name in env:
             return env[name]
         if m.group(2) is not None:
             return _expand(m.group(2), env)
-        return "" if m.group(0).endswith("[@]}") else f"_{name}_"
+        return f"_{name}_"
 
+    text = _ARRAY_USE.sub(array, text)
+    text = _ARITHMETIC.sub(lambda m: _arithmetic(m.group(1), env), text)
     return _VAR.sub(sub, text)
 
 
 def _assignments(lines: list[tuple[int, str]], env: dict[str, str]) -> None:
     for _, line in lines:
-        m = re.match(r"^\s*(?:export\s+)?(\w+)=(.*)$", line)
-        if m and not m.group(2).startswith("("):  # bash arrays expand to nothing here
-            try:
-                (value,) = shlex.split(_expand(m.group(2), env)) or [""]
-            except ValueError:
+        m = re.match(r"^\s*(?:export\s+)?(\w+)=(.*)$", line, re.S)
+        if m is None:
+            continue
+        name, value = m.groups()
+        try:
+            if value.startswith("("):  # an array: kept as its words, each shell-quoted
+                words = shlex.split(_expand(value[1 : value.rindex(")")], env), comments=True)
+                env.setdefault(f"{name}[@]", " ".join(shlex.quote(w) for w in words))
                 continue
-            env.setdefault(m.group(1), value)
+            (value,) = shlex.split(_expand(value, env)) or [""]
+        except ValueError:
+            continue
+        env.setdefault(name, value)
 
 
 def _world(tokens: list[str], block: str, where: str) -> tuple[int, int]:
@@ -109,7 +144,7 @@ def _world(tokens: list[str], block: str, where: str) -> tuple[int, int]:
     return world, i
 
 
-def _sbatch(path: Path, where: str) -> list[Command]:
+def _sbatch(path: Path, where: str, root: Path = REPO) -> list[Command]:
     text = path.read_text()
     header = dict(re.findall(r"^#SBATCH\s+(--[\w-]+)(?:[= ](\S+))?", text, re.M))
     if "--ntasks" in header:
@@ -130,7 +165,7 @@ def _sbatch(path: Path, where: str) -> list[Command]:
         if line.lstrip().startswith("launch_ranks"):
             tokens = [t for t in shlex.split(_expand(line, env), comments=True) if t]
             script = next(i for i, t in enumerate(tokens) if t.endswith(".py"))
-            out.append(Command(f"{path.relative_to(REPO)}:{number}", world, tokens[script],
+            out.append(Command(f"{path.relative_to(root)}:{number}", world, tokens[script],
                                tokens[script + 1:]))  # fmt: skip
     assert out, f"{where}: no launch_ranks command in {path}"
     return out
@@ -145,11 +180,12 @@ def _blocks(path: Path) -> list[tuple[int, str]]:
             for m in re.finditer(r"```bash\n(.*?)```", text, re.S)]  # fmt: skip
 
 
-def documented_commands() -> tuple[list[Command], list[str]]:
+def documented_commands(root: Path = REPO) -> tuple[list[Command], list[str]]:
     """(commands, the ones skipped because the text elides their flags with '...')."""
-    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
-             *sorted(p for p in (REPO / "examples").rglob("*") if p.suffix in (".sh", ".md"))]  # fmt: skip
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md")),
+             *sorted(p for p in (root / "examples").rglob("*") if p.suffix in (".sh", ".md"))]  # fmt: skip
     commands, elided = [], []
+    submitted = set()
     for path in files:
         blocks = _blocks(path)
         env: dict[str, str] = {}
@@ -157,7 +193,7 @@ def documented_commands() -> tuple[list[Command], list[str]]:
             _assignments(_join(block), env)
         for offset, block in blocks:
             for number, line in _join(block):
-                where = f"{path.relative_to(REPO)}:{offset + number}: {line.strip()[:60]}"
+                where = f"{path.relative_to(root)}:{offset + number}: {line.strip()[:60]}"
                 if not re.search(rf"(^|[\s/])({'|'.join(LAUNCHERS)})\s", line):
                     continue
                 for part in re.split(r"&&|;|\|\|", line):
@@ -171,10 +207,15 @@ def documented_commands() -> tuple[list[Command], list[str]]:
                         elided.append(where)
                         continue
                     if Path(words[0]).name == "sbatch":
-                        commands += _sbatch(REPO / words[-1], where)
+                        submitted.add(root / words[-1])
+                        commands += _sbatch(root / words[-1], where, root)
                         continue
                     world, i = _world(words, block, where)
                     commands.append(Command(where, world, words[i], words[i + 1 :]))
+    # A script in examples/ is a command too, whether or not a document submits it.
+    for path in sorted((root / "examples").rglob("*.sbatch")):
+        if path not in submitted:
+            commands += _sbatch(path, str(path.relative_to(root)), root)
     return commands, elided
 
 
@@ -229,3 +270,39 @@ def test_each_command_passes_our_checks(command, monkeypatch):
             _check_pretraining(command)
     except (ConfigError, SystemExit) as e:
         pytest.fail(f"{command.where} at {command.world} ranks: {e}")
+
+
+def test_commands_are_read_as_bash_hands_them_over(tmp_path):
+    """Continuations, an env-var prefix, a string variable, a bash array (a comment and a
+    quoted word inside) used as "${A[@]}", arithmetic, and an sbatch script no document
+    submits: each reaches the checks with the words bash would pass."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "examples" / "slurm").mkdir(parents=True)
+    (tmp_path / "README.md").write_text(
+        '```bash\nARGS="--seq-length 64 --micro-batch-size 2"\n```\n\ntext\n\n'
+        "```bash\nNCCL_DEBUG=INFO deepspeed --num_gpus 4 pretrain_taco.py $ARGS \\\n"
+        "    --global-batch-size 8   # four ranks\n```\n"
+    )
+    (tmp_path / "examples" / "run.sh").write_text(
+        'SEQ=64\nITERS=${RUN_ITERS:-300}\nCOMMON=(--data-path "$OUT/a b"  # spaces kept\n'
+        '    --train-iters "$ITERS" --seq-length $SEQ)\n'
+        "deepspeed --num_gpus 2 pretrain_sas.py --max-position-embeddings $((SEQ * 2)) \\\n"
+        '    "${COMMON[@]}" --micro-batch-size $(( (ITERS - 290) / 5 ))\n'
+    )
+    (tmp_path / "examples" / "slurm" / "job.sbatch").write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=4\n#SBATCH --gpus-per-node=4\n"
+        'DATA=${DATA:-/data}\nlaunch_ranks "${PYTHON:-python}" pretrain_taco.py \\\n'
+        '    --data-path "$DATA/x" --micro-batch-size 4\n'
+    )
+    commands, elided = documented_commands(tmp_path)
+    assert elided == []
+    got = [(c.where.split(": ")[0], c.world, c.script, c.args) for c in commands]
+    assert got == [
+        ("README.md:8", 4, "pretrain_taco.py",
+         ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8"]),
+        ("examples/run.sh:5", 2, "pretrain_sas.py",
+         ["--max-position-embeddings", "128", "--data-path", "_OUT_/a b", "--train-iters",
+          "300", "--seq-length", "64", "--micro-batch-size", "2"]),
+        ("examples/slurm/job.sbatch:6", 8, "pretrain_taco.py",
+         ["--data-path", "/data/x", "--micro-batch-size", "4"]),
+    ]  # fmt: skip
