@@ -21,8 +21,10 @@ COLLECTIVES = {
     "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
     "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "send_object_list", "recv_object_list", "all_reduce_coalesced", "all_gather_coalesced",
-    "_all_gather_base", "_reduce_scatter_base",
+    "_all_gather_base", "_reduce_scatter_base", "all_gather_tensor",
 }  # fmt: skip
+# Every module under these (distributed_c10d, _functional_collectives, nn.functional,
+# deepspeed.comm.comm) counts: each reaches the same backends.
 DIST_MODULES = ("torch.distributed", "deepspeed.comm")
 
 
@@ -37,12 +39,21 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def direct_collectives(path: Path, root: Path = PACKAGE.parent) -> list[str]:
-    """'file:line name' of every call of a torch.distributed / deepspeed.comm collective,
-    through any alias (import torch.distributed as dist, from torch import distributed,
-    from torch.distributed import all_reduce, torch.distributed.barrier(...))."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    aliases: dict[str, str] = {}  # local name -> dotted module or function
+def _resolve(name: str, aliases: dict[str, str]) -> str:
+    head, _, rest = name.partition(".")
+    return aliases.get(head, head) + (f".{rest}" if rest else "")
+
+
+def _is_collective(full: str) -> bool:
+    module, _, func = full.rpartition(".")
+    under = any(module == m or module.startswith(f"{m}.") for m in DIST_MODULES)
+    return func in COLLECTIVES and under
+
+
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """local name -> dotted module or function: imports, then plain assignments of them
+    (c10d = torch.distributed; reduce = dist.all_reduce), repeated until nothing changes."""
+    aliases: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -51,19 +62,45 @@ def direct_collectives(path: Path, root: Path = PACKAGE.parent) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             for a in node.names:
                 aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    assigns = [
+        (t.id, name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and (name := _dotted(node.value)) is not None
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    ]
+    changed = True
+    while changed:
+        changed = False
+        for local, name in assigns:
+            full = _resolve(name, aliases)
+            if full.split(".")[0] in ("torch", "deepspeed") and aliases.get(local) != full:
+                aliases[local], changed = full, True
+    return aliases
+
+
+def direct_collectives(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    """'file:line name' of every call of a torch.distributed / deepspeed.comm collective,
+    through any alias (import torch.distributed as dist, from torch import distributed,
+    from torch.distributed import all_reduce, torch.distributed.barrier(...), a submodule
+    such as distributed_c10d, a name assigned one of these) or getattr(dist, "name")."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    aliases = _aliases(tree)
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         name = _dotted(node.func)
+        if name == "getattr" and len(node.args) >= 2:
+            owner, attr = _dotted(node.args[0]), node.args[1]
+            if owner is not None and isinstance(attr, ast.Constant):
+                name = f"{owner}.{attr.value}"
         if name is None:
             continue
-        head, _, rest = name.partition(".")
-        full = aliases.get(head, head) + (f".{rest}" if rest else "")
-        module, _, func = full.rpartition(".")
-        if func in COLLECTIVES and module in DIST_MODULES:
-            found.append(f"{path.relative_to(root)}:{node.lineno} {full}")
-    return found
+        full = _resolve(name, aliases)
+        if _is_collective(full):
+            found.append((node.lineno, f"{path.relative_to(root)}:{node.lineno} {full}"))
+    return [hit for _, hit in sorted(found)]
 
 
 def test_no_module_but_comm_calls_a_collective():
@@ -81,8 +118,13 @@ def test_the_scan_sees_every_spelling(tmp_path):
     source.write_text(
         "import torch\nimport torch.distributed as dist\nfrom torch import distributed as d2\n"
         "from torch.distributed import all_gather_object as ago\nimport deepspeed.comm as dc\n"
+        "from torch.distributed import distributed_c10d\nimport torch.distributed.nn\n"
+        "c10d = torch.distributed\nreduce = c10d.all_reduce\n"
         "dist.all_reduce(x)\nd2.barrier()\ntorch.distributed.broadcast(x, 0)\nago(out, o)\n"
-        "dc.all_gather(p, x)\ndist.get_rank()\n"
+        "dc.all_gather(p, x)\ndist.get_rank()\ndistributed_c10d.all_reduce(x)\n"
+        "torch.distributed.nn.functional.all_reduce(x)\nc10d.barrier()\nreduce(x)\n"
+        "getattr(dist, 'broadcast')(x, 0)\ngetattr(dist, 'get_rank')()\n"
+        "torch.distributed._functional_collectives.all_reduce(x, 'sum', g)\n"
     )
     hits = direct_collectives(source, tmp_path)
     assert [h.split(" ")[1] for h in hits] == [
@@ -91,6 +133,12 @@ def test_the_scan_sees_every_spelling(tmp_path):
         "torch.distributed.broadcast",
         "torch.distributed.all_gather_object",
         "deepspeed.comm.all_gather",
+        "torch.distributed.distributed_c10d.all_reduce",
+        "torch.distributed.nn.functional.all_reduce",
+        "torch.distributed.barrier",
+        "torch.distributed.all_reduce",
+        "torch.distributed.broadcast",
+        "torch.distributed._functional_collectives.all_reduce",
     ]
 
 
