@@ -36,12 +36,15 @@ APEX = {
 EXTENSIONS = {"fused_layer_norm_cuda.py": "", "amp_C.py": ""}
 
 PROBE = """
-import json
+import json, torch
 from megatron_taco.models.common import layers
 from megatron_taco.training import optim
+from megatron_taco.training.config import TrainingConfig
 norm = layers.LayerNorm(8, 1e-5)
+adam, _ = optim.build_optimizer(torch.nn.Linear(2, 2), TrainingConfig(train_iters=1, lr=1e-3))
 print(json.dumps([layers.HAVE_APEX, optim._ApexFusedAdam is not None,
-                  type(norm).__module__ + "." + type(norm).__name__]))
+                  type(norm).__module__ + "." + type(norm).__name__,
+                  optim.optimizer_implementation(), type(adam).__module__]))
 """
 
 
@@ -60,16 +63,12 @@ def _probe(tmp_path, files: dict[str, str]) -> list:
 @pytest.mark.parametrize("with_extensions", [False, True])
 def test_apex_is_used_only_with_its_cuda_extensions(tmp_path, with_extensions):
     files = {**APEX, **(EXTENSIONS if with_extensions else {})}
-    have_norm, have_adam, norm = _probe(tmp_path, files)
+    have_norm, have_adam, norm, recorded, built = _probe(tmp_path, files)
     if with_extensions:
         assert (have_norm, have_adam, norm) == (True, True, "apex.normalization.FusedLayerNorm")
     else:
         assert (have_norm, have_adam) == (False, False)
         assert norm == "torch.nn.modules.normalization.LayerNorm"
-
-
-def test_on_cpu_the_optimizer_is_torch_adamw_even_with_apex(tmp_path):
-    # FusedAdam runs CUDA tensors only: a CPU process builds torch's AdamW either way.
-    from megatron_taco.training.optim import optimizer_implementation
-
-    assert optimizer_implementation() == "torch.optim.AdamW"
+    # FusedAdam runs CUDA tensors only: a CPU process builds torch's AdamW even where apex
+    # and its extensions import, and records that one in its checkpoints.
+    assert (recorded, built) == ("torch.optim.AdamW", "torch.optim.adamw")
