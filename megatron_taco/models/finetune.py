@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_taco.models.common.host import host_numbers
 from megatron_taco.models.common.lm_head import replicated_linear
+from megatron_taco.models.common.relative import bucket_range
 from megatron_taco.parallel.cross_entropy import at_least_float32
 from megatron_taco.parallel.state import ParallelState
 
@@ -80,16 +82,31 @@ class TaskModel(nn.Module):
         outputs = num_labels if task_kind == "classification" else 2 if task_kind == "span" else 1
         self.head = replicated_linear(config.hidden_size, outputs, config.init_method_std)
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[b, s] -> the last layer's token representations [b, s, H]."""
+    @staticmethod
+    def host_layout(batch: dict[str, torch.Tensor]) -> dict[str, bool]:
+        """What the forward needs on the host (models/common/host.py), from the CPU batch."""
+        return {"has_padding": not bool(batch["attention_mask"].bool().all())}
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        has_padding: bool | None = None,
+    ) -> torch.Tensor:
+        """[b, s] -> the last layer's token representations [b, s, H]. ``has_padding``:
+        whether any token is padding, known on the host (host_layout); None reads it from
+        the device (one sync)."""
         if self.encoder_kind == "TACO":
             b, s = input_ids.shape
             # True positions, as the pretraining collator gives real tokens (padding's are
             # never attended to).
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
-            h_we, h_pe = self.encoder(input_ids, positions, attention_mask)
+            # Positions 0..s-1 on every row: their bucket range is known from s alone.
+            k = self.encoder.config.max_relative_distance
+            layout = None if has_padding is None else (*bucket_range(s - 1, 0, k), has_padding)
+            h_we, h_pe = self.encoder(input_ids, positions, attention_mask, layout)
             return torch.cat([h_we, h_pe], dim=-1)  # [b, s, d_WE + d_PE]
-        return self.encoder(input_ids, attention_mask)
+        return self.encoder(input_ids, attention_mask, has_padding)
 
     def parameter_depth(self, name: str) -> tuple[int, int]:
         """ELECTRA's depths for layer-wise LR decay: embeddings (and the relative tables
@@ -102,13 +119,15 @@ class TaskModel(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+        has_padding = host_numbers(batch, self.host_layout)["has_padding"]
         kind = self.task_kind
         if kind == "multiple_choice":
             b, choices, s = ids.shape
-            cls = self.encode(ids.reshape(b * choices, s), mask.reshape(b * choices, s))[:, 0]
+            flat_ids, flat_mask = ids.reshape(b * choices, s), mask.reshape(b * choices, s)
+            cls = self.encode(flat_ids, flat_mask, has_padding)[:, 0]
             logits = at_least_float32(self.head(self.dropout(cls))).view(b, choices)
             return self._classification(logits, batch.get("labels"))
-        hidden = self.encode(ids, mask)  # [b, s, H]
+        hidden = self.encode(ids, mask, has_padding)  # [b, s, H]
         if kind == "span":
             return self._span(hidden, mask, batch)
         out = at_least_float32(self.head(self.dropout(hidden[:, 0])))  # [b, C]

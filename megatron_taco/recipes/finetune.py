@@ -641,10 +641,20 @@ def load_encoder_state(model, kind: str, config, full: dict, parallel, where: st
         own[name].copy_(tensor.to(own[name].dtype))
 
 
+def finetune_collate(dynamic: bool):
+    """The tasks' collator, its batches carrying what TaskModel's forward needs on the host
+    (whether any token is padding), so that the forward reads nothing back from the GPU."""
+    from megatron_taco.models.common.host import WithHost
+    from megatron_taco.models.finetune import TaskModel
+    from megatron_taco.tasks.base import Collate
+
+    return WithHost(Collate(dynamic=dynamic), TaskModel.host_layout)
+
+
 def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
     from megatron_taco.models.finetune import TaskModel
     from megatron_taco.recipes.finetune_eval import DevEvaluation
-    from megatron_taco.tasks.base import Collate, row_lengths
+    from megatron_taco.tasks.base import row_lengths
     from megatron_taco.training.rendezvous import forget_node_results
 
     # Every rank of this node read the verification's result before the rendezvous.
@@ -671,7 +681,7 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         if ft.random_init
         else load_pretrained_encoder(model, cfg, ctx.parallel)
     )
-    collate = Collate(dynamic=not data.pad_to_seq_length)
+    collate = finetune_collate(dynamic=not data.pad_to_seq_length)
     evaluation = DevEvaluation(
         task_data,
         output=ft.output,

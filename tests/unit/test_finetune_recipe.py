@@ -25,7 +25,7 @@ import torch
 
 from megatron_taco.models.finetune import TaskModel, encoder_state_from_pretraining
 from megatron_taco.parallel.state import single_process_state
-from megatron_taco.recipes.finetune import EpochShuffled
+from megatron_taco.recipes.finetune import EpochShuffled, finetune_collate
 from megatron_taco.recipes.finetune_eval import DevEvaluation, predict
 from megatron_taco.tasks import TASKS
 from megatron_taco.tasks.base import Collate, row_lengths
@@ -218,13 +218,15 @@ def test_the_run_reads_what_its_flags_say(tmp_path):
     evaluation (a resumed run only shows that the stream is deterministic, not grouped)."""
     parts, lengths = _built(tmp_path, group_by_length=True)
     (evaluation,) = parts.callbacks
-    assert parts.collate_fn == Collate() and evaluation.collate_fn == Collate()
+    # The tasks' collator, wrapped to count on the host what the forward needs there.
+    assert parts.collate_fn == finetune_collate(dynamic=True) == evaluation.collate_fn
+    assert parts.collate_fn.collate == Collate()
     assert parts.samples_per_epoch == 64 and len(parts.train_dataset) == 128
     rows = np.array([parts.train_dataset[g]["index"] for g in range(128)]).reshape(-1, 8)
     assert (np.diff(lengths[rows], axis=1) <= 0).all()  # every global batch longest first
     assert parts.tokens_per_sample == 0  # a tokens/s from --seq-length would be false
     parts, _ = _built(tmp_path, pad_to_seq_length=True)
-    assert parts.collate_fn == Collate(dynamic=False) == parts.callbacks[0].collate_fn
+    assert parts.collate_fn == finetune_collate(dynamic=False) == parts.callbacks[0].collate_fn
     assert parts.tokens_per_sample == SEQ
     rows = np.array([parts.train_dataset[g]["index"] for g in range(128)]).reshape(-1, 8)
     assert not (np.diff(lengths[rows], axis=1) <= 0).all()  # the plain shuffled order

@@ -65,3 +65,30 @@ def test_gather_labelled_with_a_count_equals_nonzero():
     assert counted[2].tolist() == [1, 4, 7, 13]
     none = gather_labelled(hidden, torch.full((2, 7), -100), count=0)
     assert [t.shape[0] for t in none] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("case", ["classification", "classification_full_rows", "span",
+                                  "multiple_choice"])  # fmt: skip
+@pytest.mark.parametrize("encoder", ["TACO", "SAS", "SAS^DA"])
+def test_finetuning_host_numbers_change_nothing(encoder, case):
+    """TaskModel with the fine-tuning collator's host numbers (TACO's bucket range from the
+    length alone) against the forms that read them from the device."""
+    from megatron_taco.recipes.finetune import finetune_collate
+    from tests.helpers import finetune_features, finetune_model
+
+    task_kind = case.removesuffix("_full_rows")
+    features = finetune_features(task_kind, n=4)
+    with_host = finetune_collate(dynamic=True)([features[i] for i in range(4)])
+    if case.endswith("_full_rows"):
+        with_host["attention_mask"][:] = 1
+        with_host[HOST_KEY] = {"has_padding": False}
+    assert with_host[HOST_KEY]["has_padding"] is not case.endswith("_full_rows")
+    plain = {k: v for k, v in with_host.items() if k != HOST_KEY}
+    model = finetune_model(encoder, task_kind).train()
+    got_out, got_grads = _run(model, with_host, seed=9)
+    want_out, want_grads = _run(model, plain, seed=9)
+    assert got_out.keys() == want_out.keys() and got_grads.keys() == want_grads.keys()
+    for key in want_out:
+        assert torch.equal(got_out[key], want_out[key]), key
+    for name in want_grads:
+        assert torch.equal(got_grads[name], want_grads[name]), name

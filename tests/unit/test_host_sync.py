@@ -1,4 +1,5 @@
-"""No host-device synchronisation inside a training micro-batch, for TACO, SAS and SAS^DA.
+"""No host-device synchronisation inside a training micro-batch, for TACO, SAS and SAS^DA
+pretraining and for fine-tuning.
 
 A sync (a device value read on the host: .item(), .tolist(), bool(t), a nonzero or boolean
 mask whose output size the host must know, a blocking copy either way) makes the CPU wait
@@ -11,6 +12,8 @@ included). The steady-state micro-batch that does not end a step (step 2's first
 record none. A read of a host buffer filled by an asynchronous copy (SAS's rows, read one
 micro-batch after their copy was queued) is not a sync: its copy finished long before; the
 same read in the micro-batch that queued the copy would wait for the whole backward.
+The models alone are also run, under the same recorder, on batches with padding and
+without, and the fine-tuning model (each encoder, each head) on its collator's batches.
 """
 
 from __future__ import annotations
@@ -23,7 +26,19 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.helpers import run_distributed
+from megatron_taco.models.common.host import HOST_KEY
+from megatron_taco.recipes.finetune import finetune_collate
+from tests.helpers import (
+    build,
+    build_sas,
+    finetune_features,
+    finetune_model,
+    make_batch,
+    make_sas_batch,
+    run_distributed,
+    tiny_config,
+    tiny_sas_config,
+)
 
 aten = torch.ops.aten
 # Ops that read a device value on the host, or whose output shape depends on device values.
@@ -163,3 +178,44 @@ def test_no_host_sync_inside_a_micro_batch(model, botchan_dataset, tmp_path):
     assert len(per_micro) == 4  # 2 iterations x 2 micro-batches
     # Step 2's first micro-batch: steady state (caches built), not a step boundary.
     assert per_micro[2] == []
+
+
+def _syncs_in_a_step(model, batch) -> list[str]:
+    """What a forward and backward of ``model`` on ``batch`` (host numbers included, as the
+    recipe's collator gives them) would synchronise in the steady state: after a first step
+    has built the per-length caches (SAS^DA's relative index, copied to the device once)."""
+    model(batch)["loss"].backward()
+    recorder = SyncRecorder()
+    with recorder, HostReads(recorder):
+        recorder.active = True
+        model(batch)["loss"].backward()
+        recorder.active = False
+    return recorder.found
+
+
+@pytest.mark.parametrize("padding", [True, False])
+@pytest.mark.parametrize("model", ["taco", "sas", "sas_da"])
+def test_pretraining_forwards_with_and_without_padding(model, padding):
+    """The driver test above sees the batches the data happen to give; here each model runs
+    a batch with padding and one without (the masking pass skipped), host numbers from
+    the layout the recipe's collator wraps in."""
+    if model == "taco":
+        net, batch = build(tiny_config()), make_batch(b=2, seed=3)
+    else:
+        net = build_sas(tiny_sas_config(disentangled_attention=model == "sas_da"))
+        batch = make_sas_batch(b=2, seed=3)
+    if not padding:
+        batch["attention_mask"][:] = True
+    batch[HOST_KEY] = type(net).host_layout(batch)
+    assert batch[HOST_KEY]["has_padding"] is padding
+    assert _syncs_in_a_step(net.train(), batch) == []
+
+
+@pytest.mark.parametrize("task_kind", ["classification", "span", "multiple_choice"])
+@pytest.mark.parametrize("encoder", ["TACO", "SAS", "SAS^DA"])
+def test_finetuning_forwards(encoder, task_kind):
+    """TaskModel on a batch of the fine-tuning recipe's own collator (dynamic padding)."""
+    features = finetune_features(task_kind, n=4)
+    batch = finetune_collate(dynamic=True)([features[i] for i in range(4)])
+    model = finetune_model(encoder, task_kind).train()
+    assert _syncs_in_a_step(model, batch) == []

@@ -13,6 +13,7 @@ its tensors, one synchronisation each on a GPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 HOST_KEY = "host"
@@ -20,13 +21,14 @@ HOST_KEY = "host"
 Layout = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+@dataclass(frozen=True)
 class WithHost:
     """collate_fn wrapper: ``batch[HOST_KEY] = layout(batch)`` on the collated CPU batch.
     Picklable when ``collate`` is and ``layout`` is a module-level function or a static
     method (DataLoader workers)."""
 
-    def __init__(self, collate: Callable[[list], dict[str, Any]], layout: Layout) -> None:
-        self.collate, self.layout = collate, layout
+    collate: Callable[[list], dict[str, Any]]
+    layout: Layout
 
     def __call__(self, samples: list) -> dict[str, Any]:
         batch = self.collate(samples)
