@@ -270,17 +270,19 @@ def set_rng_states(states: dict[str, Any], rng_tracker: RNGTracker | None) -> No
     np.random.set_state(("MT19937", keys, npy["pos"], npy["has_gauss"], npy["gauss"]))  # noqa: NPY002
     torch.set_rng_state(states["torch_cpu"])
     if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_own_cuda_state(states["cuda"]))
+        torch.cuda.set_rng_state(own_cuda_state(states["cuda"], torch.cuda.current_device()))
     if rng_tracker is not None and states.get("tracker") is not None:
         rng_tracker.set_states(states["tracker"])
 
 
-def _own_cuda_state(saved: Any) -> torch.Tensor:
+def own_cuda_state(saved: Any, current_device: int) -> torch.Tensor:
     """The saved CUDA generator state of this rank's device: one tensor; checkpoints written
-    before it was saved so held every visible device's, and this rank's was its current one."""
+    before it was saved so held a list, every visible device's by index, of which this rank's
+    was its current one (``current_device``: the same layout resumes it exactly; a device
+    index past the list, after a layout change, takes one of them rather than failing)."""
     if torch.is_tensor(saved):
         return saved
-    return saved[torch.cuda.current_device() % len(saved)]
+    return saved[current_device % len(saved)]
 
 
 def _load_rng_file(path: str) -> dict[str, Any]:

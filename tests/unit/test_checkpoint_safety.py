@@ -600,3 +600,15 @@ def test_a_model_that_fits_no_checkpoint_there_is_named_without_falling_back(
         ]
         * 2
     )
+
+
+def test_the_cuda_generator_of_this_rank_from_either_format():
+    """RNG files keep this rank's own CUDA generator state; those written before kept the
+    list of every visible GPU's (get_rng_state_all), this rank's at its device index."""
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    assert ckpt.own_cuda_state(states[5], 5) is states[5]  # the current format
+    assert ckpt.own_cuda_state(states[5], 0) is states[5]  # one GPU per task, device 0
+    for device in (0, 3, 7):  # the old format, resumed at the same layout
+        assert torch.equal(ckpt.own_cuda_state(states, device), states[device])
+    # The old format of a one-GPU-per-task rank (a list of one), resumed on device 3.
+    assert torch.equal(ckpt.own_cuda_state(states[2:3], 3), states[2])
