@@ -228,15 +228,6 @@ class ModelSpec:
             models=self.loadable_models,
             once=verify_once_per_node,
         )
-        check_resume_layout(
-            training,
-            world_size=world_size,
-            tp_size=tp,
-            zero_stage=deepspeed.zero_stage,
-            precision=deepspeed.precision,
-            iteration=None if load is None else load.iteration,
-            optimizer=optimizer_implementation(),
-        )
         configs = PretrainConfigs(
             parallel=parallel,
             model=model,
@@ -251,6 +242,7 @@ class ModelSpec:
             exit=exit_config,
             monitor=monitor,
         )
+        check_resume(configs, None if load is None else load.iteration)
         self.check(configs)
         return configs
 
@@ -412,6 +404,16 @@ def _seed_everything(seed: int, parallel):
     return model_parallel_seed(seed, parallel, device=device)
 
 
+def check_resume(cfg: PretrainConfigs, iteration: int | None) -> None:
+    """check_resume_layout at this run's layout and Adam implementation, for ``iteration``
+    of --load: the checkpoint verified before the rendezvous and one --load-fallback picks
+    after it alike."""
+    check_resume_layout(cfg.training, world_size=cfg.world_size,
+                        tp_size=cfg.parallel.tensor_model_parallel_size,
+                        zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
+                        iteration=iteration, optimizer=optimizer_implementation())  # fmt: skip
+
+
 def _keep_lr_schedule(engine) -> None:
     # Without the optimizer DeepSpeed restores its step counters but not the LR scheduler:
     # continue the schedule at the checkpoint's optimizer step instead of restarting it.
@@ -434,10 +436,7 @@ def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parallel, rng_tracker):
         return TrainingState(), "starting from scratch"
 
     def check_layout(iteration: int) -> None:  # of a fallback chosen now
-        check_resume_layout(t, world_size=cfg.world_size, iteration=iteration,
-                            tp_size=cfg.parallel.tensor_model_parallel_size,
-                            zero_stage=cfg.deepspeed.zero_stage,
-                            precision=cfg.deepspeed.precision)  # fmt: skip
+        check_resume(cfg, iteration)
 
     loaded = load_fitting_checkpoint(
         engine.engine,

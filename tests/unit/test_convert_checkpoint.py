@@ -162,3 +162,17 @@ def test_resume_with_another_adam_is_refused(tmp_path):
 def test_a_checkpoint_that_does_not_name_its_adam_is_left_to_deepspeed(tmp_path):
     check_resume_layout(_training(_checkpoint(tmp_path)), world_size=2, tp_size=1,
                         zero_stage=1, precision="fp32", optimizer="torch.optim.AdamW")  # fmt: skip
+
+
+def test_a_fallback_checkpoint_with_another_adam_is_refused(tmp_path):
+    """The driver's check of a --load-fallback checkpoint chosen after the rendezvous is the
+    one of the checkpoint verified before it: the Adam implementation included."""
+    from megatron_taco.training.pretrain import check_resume
+
+    load = _checkpoint(tmp_path, optimizer="apex.optimizers.FusedAdam")
+    cfg = SimpleNamespace(training=_training(load, load_fallback=True), world_size=2,
+                          parallel=SimpleNamespace(tensor_model_parallel_size=1),
+                          deepspeed=SimpleNamespace(zero_stage=1, precision="fp32"))  # fmt: skip
+    with pytest.raises(ConfigError, match="holds the state of apex.optimizers.FusedAdam, this "
+                       "run uses torch.optim.AdamW"):  # fmt: skip
+        check_resume(cfg, 4)
