@@ -69,6 +69,27 @@ GPU_WHEELS ?= build/gpu_wheels
 GPU_REPORT ?= build/gpu_report
 LLAMA_INDEX_CORE := llama-index-core==0.14.25
 
+# What gpu-test needs besides torch, the pins of requirements/cpu.txt and dev.txt (what
+# gpu-wheels packs): without them pytest or an import would fail halfway, with a traceback.
+define GPU_DEPS_CHECK
+import importlib.metadata as meta, re, sys
+pins = [re.split(r"[=<>~!; ]", line.strip())[0] for name in ("cpu", "dev")
+        for line in open(f"requirements/{name}.txt") if line.strip()[:1] not in ("", "#")]
+missing = []
+for pin in pins:
+    try:
+        meta.distribution(pin)
+    except meta.PackageNotFoundError:
+        missing.append(pin)
+missing = [pin for pin in missing if pin != "torch"]
+if missing:
+    print(f"gpu-test: {sys.executable} lacks {', '.join(missing)}: install them (pip install "
+          "-r <(grep -v '^torch' requirements/cpu.txt) -r requirements/dev.txt), or run make "
+          "gpu-wheels where PyPI is reachable and copy its folder here", file=sys.stderr)
+    sys.exit(2)
+endef
+export GPU_DEPS_CHECK
+
 gpu-wheels: venv
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(PY) -m pip freeze --exclude-editable \
@@ -95,6 +116,7 @@ gpu-test:
 	    $(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) --no-deps \
 	        $(LLAMA_INDEX_CORE) || exit 2; \
 	fi
+	@$(GPU_PYTHON) -c "$$GPU_DEPS_CHECK"
 	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	GPU_REPORT_DIR=$(GPU_REPORT) $(GPU_PYTHON) -m pytest -q -rs tests/gpu; \
 	    status=$$?; echo "gpu-test: report in $(GPU_REPORT)/report.md"; exit $$status
