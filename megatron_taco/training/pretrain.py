@@ -330,6 +330,16 @@ def add_launcher_compat_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def accumulation_note(ds) -> str | None:
+    """The banner's note for a run whose micro-batches' gradients DeepSpeed sums in half
+    precision (ZeRO-0 bf16/fp16: it accumulates in fp32 only with ZeRO 1-3), else None."""
+    if ds.zero_stage != 0 or ds.precision == "fp32" or ds.grad_accum_steps == 1:
+        return None
+    return (f"ZeRO-0 {ds.precision} sums the gradients of the {ds.grad_accum_steps} micro-batches "
+            f"in {ds.precision} (DeepSpeed accumulates in fp32 only with ZeRO 1-3, e.g. "
+            "ds_configs/zero1_bf16.json)")  # fmt: skip
+
+
 def _banner(
     cfg: PretrainConfigs,
     spec: ModelSpec,
@@ -349,15 +359,7 @@ def _banner(
         f"{cfg.data_parallel_size}  (accelerator: {cfg.device_type})",
         f"  DeepSpeed: {ds.source} | ZeRO stage {ds.zero_stage} | precision {ds.precision} | "
         f"TF32 {'on' if t.tf32 else 'off'}{' | deterministic' if t.deterministic else ''}",
-        *(
-            [
-                f"  note: ZeRO-0 {ds.precision} sums the gradients of the {ds.grad_accum_steps} "
-                f"micro-batches in {ds.precision} (DeepSpeed accumulates in fp32 only with "
-                "ZeRO 1-3, e.g. ds_configs/zero1_bf16.json)"
-            ]
-            if ds.zero_stage == 0 and ds.precision != "fp32" and ds.grad_accum_steps > 1
-            else []
-        ),
+        *(f"  note: {note}" for note in [accumulation_note(ds)] if note),
         f"  global batch {ds.global_batch_size} = micro-batch {t.micro_batch_size} x "
         f"grad accumulation {ds.grad_accum_steps} x data parallel {cfg.data_parallel_size}; "
         f"seq length {cfg.data.seq_length}",

@@ -394,3 +394,26 @@ def test_lr_defaults_to_the_model_sizes_and_a_given_lr_wins(
     assert (t.lr, t.warmup_iters) == (want, 4)  # and the warm-up: 10% of a 40-iteration run
     assert resolved("--lr", "3e-5").lr == 3e-5
     assert f"small {spec.model_config.DEFAULT_LR['small']:g}" in spec.build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    "json_name,global_batch,noted",
+    [
+        ("zero0_bf16", 8, True),  # 2 micro-batches of 2 on 2 ranks: summed in bf16
+        ("zero0_bf16", 4, False),  # one micro-batch: nothing is summed
+        ("zero1_bf16", 8, False),  # fp32 accumulation (data_types.grad_accum_dtype)
+        ("zero0_fp32", 8, False),
+    ],
+)
+def test_the_banner_notes_half_precision_accumulation(json_name, global_batch, noted):
+    from megatron_taco.training.pretrain import accumulation_note
+
+    training = cfg(micro_batch_size=2, global_batch_size=global_batch,
+                   deepspeed_config=str(DS_CONFIGS / f"{json_name}.json"))  # fmt: skip
+    note = accumulation_note(resolve_deepspeed_config(training, 2, device_type="cpu"))
+    if noted:
+        assert note == ("ZeRO-0 bf16 sums the gradients of the 2 micro-batches in bf16 "
+                        "(DeepSpeed accumulates in fp32 only with ZeRO 1-3, e.g. "
+                        "ds_configs/zero1_bf16.json)")  # fmt: skip
+    else:
+        assert note is None
