@@ -16,6 +16,7 @@ def _two_runs(rank, world, prefix, tokenizer, tmp):
     from megatron_taco.training.callbacks import Callback
     from megatron_taco.training.engine import release_memory
     from megatron_taco.training.pretrain import pretrain
+    from megatron_taco.training.signals import ExitMonitor
 
     refs: dict[str, weakref.ref] = {}
 
@@ -35,6 +36,7 @@ def _two_runs(rank, world, prefix, tokenizer, tmp):
 
     spec = dataclasses.replace(SPEC, build=build)
     alive = []
+    monitor = ExitMonitor()  # one for every run, as tools/finetune.py gives run_sweep
     for stage in (1, 2):
         args = ["--model-size", "tiny", "--seq-length", "32", "--data-path", prefix,
                 "--tokenizer-model", tokenizer, "--data-cache-path", f"{tmp}/cache",
@@ -45,9 +47,10 @@ def _two_runs(rank, world, prefix, tokenizer, tmp):
         cfg = spec.configs_from_args(
             spec.build_parser().parse_args(args), world_size=world, device_type="cpu"
         )
-        assert pretrain(cfg, spec, keep_process_group=True) == 0
+        assert pretrain(cfg, spec, monitor=monitor, keep_process_group=True) == 0
         release_memory()  # what the sweep calls after each run
         alive.append(sorted(name for name, ref in refs.items() if ref() is not None))
+    monitor.uninstall()
     return alive
 
 
