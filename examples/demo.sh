@@ -57,7 +57,7 @@ $PY benchmarks/bench_learning.py --models electra --data-path "$OUT/demo_text_se
     --cold-start uniform --out "$OUT/curves" \
     --with taco="$OUT/taco/tensorboard/metrics.jsonl" sas="$OUT/sas/tensorboard/metrics.jsonl"
 
-echo "== 7/7 what pretraining bought: each encoder beside 3 random twins, on held-out text"
+echo "== 7/7 what pretraining bought: each encoder beside 2 random twins, on held-out text"
 $PY examples/demo_evaluate.py --load "$OUT/taco/checkpoints" --load "$OUT/sas/checkpoints" \
     --data-path "$OUT/demo_text_sentence" --split 90,5,5 --output "$OUT/evaluation.json"
 $PY tools/word_order_probe.py --load "$OUT/taco/checkpoints" --load "$OUT/sas/checkpoints" \

@@ -334,7 +334,14 @@ class Trainer:
             f"{time.perf_counter() - start:.1f}s)"
         )
 
-    # -- the loop -----------------------------------------------------------------------
+    def _periodic_save(self, state: TrainingState) -> None:
+        if self.learning_monitor is not None and self.learning_monitor.holds_saves:
+            self.logger.print(
+                f" not saving at iteration {state.iteration}: the encoder is collapsed "
+                "(--exit-on-collapse keeps the last good checkpoint)"
+            )
+            return
+        self.save(state)
 
     # -- epochs -------------------------------------------------------------------------
 
@@ -419,7 +426,7 @@ class Trainer:
                 self.evaluate("valid", self.task.valid_dataset, state.iteration)
                 last_evaluated = state.iteration
             if t.save_interval is not None and state.iteration % t.save_interval == 0:
-                self.save(state)
+                self._periodic_save(state)
             if t.exit_interval is not None and state.iteration % t.exit_interval == 0:
                 self.logger.print(f" exiting at iteration {state.iteration} (--exit-interval)")
                 self.save(state)
@@ -439,6 +446,8 @@ class Trainer:
             and last_evaluated != state.iteration
         ):
             self.evaluate("valid", self.task.valid_dataset, state.iteration)
+        if self.learning_monitor is not None:
+            self.learning_monitor.check_end(state.iteration)
         self.save(state)
         if self.task.test_dataset is not None and t.eval_iters > 0:
             self.evaluate("test", self.task.test_dataset, state.iteration)

@@ -152,8 +152,10 @@ def test_exit_on_collapse_is_one_line_and_keeps_the_last_checkpoint(dataset, tmp
     )  # fmt: skip
     assert res.returncode == 1, res.stderr
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("pretrain_taco.py: error: iteration 2: the encoder has collapsed"), last
-    assert "the last checkpoint is kept" in last
+    assert last.startswith("pretrain_taco.py: error: iteration 4: the encoder has collapsed"), last
+    assert "since iteration 2, the last checkpoint is kept" in last
     assert "Traceback" not in res.stderr
+    # Saved at 1; the saves at 2 and 3 were held back by the collapse found at 2.
+    assert "not saving at iteration 3: the encoder is collapsed" in res.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
-    assert not (save / "iter_0000002").exists()
+    assert not any((save / f"iter_000000{i}").exists() for i in (2, 3, 4))

@@ -72,7 +72,7 @@ def test_label_counts_match_bincount_and_ignore_padding():
     assert counts.tolist() == torch.bincount(labels[labels >= 0], minlength=10).tolist()
 
 
-def test_monitor_warns_on_collapse_and_plateau_after_warmup_and_can_stop():
+def test_monitor_warns_on_collapse_and_plateau_after_warmup():
     lines = []
     monitor = LearningMonitor(LearningMonitorConfig(), warmup_iters=10, emit=lines.append)
     healthy = {"collapse_cosine": 0.3, "mlm_acc": 0.2, "mlm_baseline_acc": 0.06}
@@ -83,21 +83,42 @@ def test_monitor_warns_on_collapse_and_plateau_after_warmup_and_can_stop():
     monitor.check(20, plateau)
     assert len(lines) == 1 and "mlm_acc 0.0600 is still at the most-frequent" in lines[0]
     lines.clear()
-    monitor.check(5, {"collapse_cosine": 0.995})
-    assert len(lines) == 1 and "collapsed" in lines[0] and "0.9950" in lines[0]
+    for it in (5, 6, 7):  # without --exit-on-collapse: a warning each time, nothing held
+        monitor.check(it, {"collapse_cosine": 0.995})
+        assert not monitor.holds_saves
+    assert len(lines) == 3 and "collapsed" in lines[0] and "0.9950" in lines[0]
+
+
+def test_exit_on_collapse_holds_saves_and_stops_after_the_patience():
+    lines = []
     stopper = LearningMonitor(
         LearningMonitorConfig(exit_on_collapse=True), warmup_iters=0, emit=lines.append
     )
-    stopper.check(30, healthy)
-    with pytest.raises(CollapseError, match=r"^iteration 40: the encoder has collapsed.*kept"):
-        stopper.check(40, {"collapse_cosine": 0.9999})
+    stopper.check(30, {"collapse_cosine": 0.3})
+    assert not stopper.holds_saves
+    stopper.check(40, {"collapse_cosine": 0.9999})  # 1 of 2: saves held, a warning
+    assert stopper.holds_saves and "checkpoints held back" in lines[-1]
+    stopper.check(50, {"collapse_cosine": 0.5})  # a transient collapse: saving again
+    assert not stopper.holds_saves and "recovered" in lines[-1]
+    stopper.check(60, {"collapse_cosine": 0.999})
+    with pytest.raises(CollapseError, match=r"^iteration 70: the encoder has collapsed.*"
+                       r"2 evaluations in a row.*since iteration 60, the last checkpoint is kept"):  # fmt: skip
+        stopper.check(70, {"collapse_cosine": 0.9995})
+    ender = LearningMonitor(LearningMonitorConfig(exit_on_collapse=True), 0, lines.append)
+    ender.check_end(80)  # not collapsed: nothing to say
+    ender.check(80, {"collapse_cosine": 0.999})
+    with pytest.raises(CollapseError, match=r"^iteration 80: training ended with the encoder"):
+        ender.check_end(80)
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(collapse_threshold=0.0), dict(collapse_threshold=1.5), dict(plateau_margin=0.5)]
-)
-def test_bad_thresholds_name_their_flag(kw):
-    flag = "--collapse-threshold" if "collapse_threshold" in kw else "--plateau-margin"
+    ("kw", "flag"),
+    [(dict(collapse_threshold=0.0), "--collapse-threshold"),
+     (dict(collapse_threshold=1.5), "--collapse-threshold"),
+     (dict(plateau_margin=0.5), "--plateau-margin"),
+     (dict(collapse_patience=0), "--collapse-patience")],
+)  # fmt: skip
+def test_bad_thresholds_name_their_flag(kw, flag):
     with pytest.raises(ConfigError, match=f"^{flag}: "):
         LearningMonitorConfig(**kw)
 

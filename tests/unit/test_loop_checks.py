@@ -250,8 +250,8 @@ def test_no_future_warning_and_no_op_compiled_by_an_engine(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# issue 19 item 2. --exit-on-collapse: the run stops at the evaluation that finds the
-# encoder collapsed, before that iteration is saved; the last checkpoint is kept
+# issue 19 item 2. --exit-on-collapse: saves are held back from the first collapsed
+# evaluation, the run stops at the second in a row; the last good checkpoint is kept
 
 
 def _collapse_worker(rank, world_size, tmp):
@@ -294,10 +294,11 @@ def _collapse_worker(rank, world_size, tmp):
 def test_exit_on_collapse_stops_before_the_collapsed_iteration_is_saved(tmp_path):
     results = run_distributed(_collapse_worker, 2, str(tmp_path))
     (error, listing, valid), (error1, _, valid1) = results
-    assert error == error1 and error.startswith("iteration 6: the encoder has collapsed"), error
-    # Saved at 2 and 4; iteration 6's evaluation stopped the run before its save.
+    assert error == error1 and error.startswith("iteration 8: the encoder has collapsed"), error
+    assert "since iteration 6" in error
+    # Saved at 2 and 4; iteration 6's save held back (collapsed), 8's evaluation stopped it.
     assert listing == ["iter_0000002", "iter_0000004", TRACKER_FILENAME]
-    assert [it for _, it, _ in valid] == [2, 4, 6]
+    assert [it for _, it, _ in valid] == [2, 4, 6, 8]
     cosines = [c for _, _, c in valid]
     assert cosines == [c for _, _, c in valid1]  # reduced: the same figure on every rank
     assert cosines[0] < 0.5 and cosines[2] == pytest.approx(1.0), cosines
