@@ -312,7 +312,9 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
 def run_jobs(
     jobs: list[tuple[str, int]], s0: Setting, out_dir: str, parallel: int, flags: dict
 ) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    # The cores shared out between the runs that go at once (one each with two of them).
+    threads = max(1, (os.cpu_count() or 1) // max(1, min(parallel, len(jobs))))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
            "TORCH_EXTENSIONS_DIR": os.path.join(REPO, "build", "torch_extensions")}  # fmt: skip
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
