@@ -466,20 +466,17 @@ def plot(curves: dict, models: list[str], s: Setting, path: str) -> None:
     for m in models:
         its = sorted(curves[m])
         x = [it * tokens for it in its]
-        axes[0].plot(
-            x, [_mean(curves[m][it], "mlm_acc") for it in its], marker="o", label=LABELS[m]
-        )
-        axes[1].plot(
-            x, [_mean(curves[m][it], "collapse_cosine") for it in its], marker="o", label=m
-        )
+        style = dict(marker="o", color=f"C{MODELS.index(m)}")  # one colour per model
+        axes[0].plot(x, [_mean(curves[m][it], "mlm_acc") for it in its], label=LABELS[m], **style)
+        axes[1].plot(x, [_mean(curves[m][it], "collapse_cosine") for it in its], label=m, **style)
         if m in SAS_LIKE or m == "electra":
             axes[2].plot(x, [_mean(curves[m][it], "rtd_acc_replaced") for it in its],
-                         marker="o", label=f"{m} replaced")  # fmt: skip
+                         label=f"{m} replaced", **style)  # fmt: skip
     base_its = sorted({it for m in models for it in curves[m]})
-    for sas, style, what in ((False, "k--", "[MASK]ed positions"), (True, "k:", "SAS's S")):
+    for sas, line, what in ((False, "k--", "[MASK]ed positions"), (True, "k:", "SAS's S")):
         base = [_family_baseline(curves, models, it, sas) for it in base_its]
         if any(b is not None for b in base):
-            axes[0].plot([it * tokens for it in base_its], base, style,
+            axes[0].plot([it * tokens for it in base_its], base, line,
                          label=f"most frequent token ({what})")  # fmt: skip
     axes[0].set(title="held-out MLM accuracy", xlabel="training tokens")
     axes[1].set(title="collapse_cosine (1 = collapsed)", xlabel="training tokens", ylim=(0, 1.02))
