@@ -422,9 +422,15 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
         ratios = [_mean(curves["taco"][it], "mlm_acc") / max(_mean(curves["bert"][it], "mlm_acc"),
                   1e-9) for it in common]  # fmt: skip
         worst = min(ratios) if ratios else None
+        met = [it * tokens for it, r in zip(common, ratios) if r >= 1.0]
+        since = next((it * tokens for it, r in zip(common, ratios)
+                      if all(q >= 1.0 for q in ratios[common.index(it):])), None)  # fmt: skip
         results.append(Result("bench_learning", "taco_vs_bert_mlm_acc_worst_point", worst, 1.0,
                               ">=", "x", f"TACO / BERT held-out MLM accuracy, worst of "
-                              f"{len(ratios)} points"))  # fmt: skip
+                              f"{len(ratios)} points; at or above at {len(met)}, at every "
+                              f"point from {since:,} tokens on" if since is not None else
+                              f"TACO / BERT held-out MLM accuracy, worst of {len(ratios)} "
+                              f"points; at or above at {len(met)}"))  # fmt: skip
     if "sas" in curves and "sas_ref" in curves:
         end = max(curves["sas"])
         for key in ("mlm_acc", "rtd_acc_replaced"):
