@@ -153,9 +153,29 @@ def test_exit_on_collapse_is_one_line_and_keeps_the_last_checkpoint(dataset, tmp
     assert res.returncode == 1, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("pretrain_taco.py: error: iteration 4: the encoder has collapsed"), last
-    assert "since iteration 2, the last checkpoint is kept" in last
+    assert "2 evaluations in a row since iteration 2;" in last
+    assert "the last checkpoint before iteration 2 is kept" in last
     assert "Traceback" not in res.stderr
     # Saved at 1; the saves at 2 and 3 were held back by the collapse found at 2.
     assert "not saving at iteration 3: the encoder is collapsed" in res.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not any((save / f"iter_000000{i}").exists() for i in (2, 3, 4))
+    # A --split whose validation part holds no document of the 46 (found once the datasets
+    # are built): one line, not a run in which nothing watches the encoder.
+    res = run(
+        [
+            sys.executable, "pretrain_taco.py",
+            *common_args(dataset, "--train-iters", "2", "--eval-iters", "1", "--num-workers", "0",
+                         "--split", "1000,1,0"),
+            "--deepspeed-config", "ds_configs/zero0_fp32.json", "--exit-on-collapse",
+        ],
+        timeout=180,
+        check=False,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == (
+        "pretrain_taco.py: error: --exit-on-collapse: --split 1000,1,0 leaves no validation "
+        "documents in --data-path: nothing would watch the encoder"
+    ), res.stderr
+    assert "Traceback" not in res.stderr
