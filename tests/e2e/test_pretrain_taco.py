@@ -11,7 +11,16 @@ import sys
 import pytest
 
 from megatron_taco.training.logging import read_metrics
-from tests.helpers import BIN, TACO_METRIC_KEYS, deepspeed, free_port, run, train_records
+from tests.helpers import (
+    BIN,
+    TACO_METRIC_KEYS,
+    assert_pretrained_and_random_rows,
+    deepspeed,
+    demo_evaluate,
+    free_port,
+    run,
+    train_records,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -73,6 +82,9 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
     assert all(full[i]["tflops_per_rank"] > 0 and full[i]["grad_norm"] > 0 for i in full)
     valid = [r for r in read_metrics(str(full_metrics)) if r["split"] == "valid"]
     assert [r["iteration"] for r in valid] == [3, 6]
+    # What the demo's evaluation reads of it: loaded at tp=1 from tensor parallel 2, ZeRO-2.
+    rows = demo_evaluate([full_dir], dataset, tmp_path / "evaluation.json")
+    assert_pretrained_and_random_rows(rows, "TACO")
     for r in valid:  # the learning monitor's figures (issue 19)
         assert 0 < r["collapse_cosine"] < 0.99, r
         assert 0 < r["mlm_baseline_acc"] < 1 and 0 < r["mpm_baseline_acc"] < 1, r
