@@ -83,3 +83,6 @@ def test_real_models_figures_at_tp2_equal_tp1():
                 assert got[name][key] == pytest.approx(figures[key], rel=1e-12), (name, key)
             if name == "taco":
                 assert got[name]["mpm_baseline_acc"] == figures["mpm_baseline_acc"]
+        # Bitwise the same on every tp rank: each decides alone whether to stop the run
+        # (--exit-on-collapse), so a last-bit difference at the threshold would hang the other.
+        assert ranks[0][name] == ranks[1][name]
