@@ -424,3 +424,12 @@ def test_the_banner_notes_half_precision_accumulation(json_name, global_batch, n
                         "ds_configs/zero1_bf16.json)")  # fmt: skip
     else:
         assert note is None
+
+
+def test_every_preset_has_a_default_lr():
+    # A preset without one would end `--model-size NEW` without --lr in a KeyError traceback.
+    from megatron_taco.models.sas.config import SasConfig
+    from megatron_taco.models.taco.config import TacoConfig
+
+    for config in (TacoConfig, SasConfig):
+        assert set(config.DEFAULT_LR) == set(config.PRESETS) | {"base"}, config.__name__
