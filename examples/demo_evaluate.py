@@ -311,6 +311,8 @@ def evaluate(args) -> int:
 
     tok_path, split = _tokenizer_and_split_of(args.load[0], args.tokenizer_model)
     split = args.split or split
+    if split is None:
+        raise ConfigError(f"--split: {args.load[0]} records none; give the one it trained with")
     sentences = held_out_sentences(args.data_path, Tokenizer(tok_path), split)
     if not sentences:
         raise ConfigError(
@@ -341,12 +343,13 @@ def evaluate(args) -> int:
     return 0
 
 
-def _tokenizer_and_split_of(path: str, tokenizer_model: str | None) -> tuple[str, str]:
+def _tokenizer_and_split_of(path: str, tokenizer_model: str | None) -> tuple[str, str | None]:
     from megatron_taco.recipes.registry import checkpoint_tokenizer
     from megatron_taco.training.consolidate import find_checkpoint
 
     info = find_checkpoint(path)
-    return checkpoint_tokenizer(info, tokenizer_model), info.configs["data"]["split"]
+    split = (info.configs.get("data") or {}).get("split")
+    return checkpoint_tokenizer(info, tokenizer_model), split
 
 
 if __name__ == "__main__":
