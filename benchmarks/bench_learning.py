@@ -415,7 +415,9 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
         if _mean(last, "rtd_acc_replaced") is not None:
             rtd = (f"  RTD replaced {_mean(last, 'rtd_acc_replaced'):.3f} "
                    f"original {_mean(last, 'rtd_acc_original'):.3f}")  # fmt: skip
-        print(f"  {m:>8}: collapse {_mean(last, 'collapse_cosine'):.4f}{rtd}  ({LABELS[m]})")
+        collapse = _mean(last, "collapse_cosine")
+        shown = "-" if collapse is None else f"{collapse:.4f}"
+        print(f"  {m:>8}: collapse {shown}{rtd}  ({LABELS[m]})")
     results = []
     if "taco" in curves and "bert" in curves:
         common = [it for it in iters if it in curves["taco"] and it in curves["bert"]]
@@ -534,6 +536,19 @@ def main(argv=None) -> int:
     if args.peer:
         run_peer(args.peer, Setting(**json.loads(args.setting)), args.metrics_file)
         return 0
+    # Checked before any run: a bad --with found at the report lost the runs' half hour.
+    existing = {}
+    for item in args.existing:
+        model, sep, path = item.partition("=")
+        if not sep or not path:
+            p.error(f"--with {item}: expected MODEL=METRICS (a metrics.jsonl)")
+        if model not in MODELS:
+            p.error(f"--with {item}: {model} is not one of {', '.join(MODELS)}")
+        if not os.path.isfile(path):
+            p.error(f"--with {item}: {path} is not a file")
+        existing[model] = path
+    if args.data_path and not args.tokenizer_model:
+        p.error("--data-path needs --tokenizer-model (the tokenizer the dataset was made with)")
     from results import write_results
 
     if args.data_path:
@@ -550,10 +565,6 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     # The slowest first, so that the two workers finish together.
     order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert"]
-    existing = dict(item.split("=", 1) for item in args.existing)
-    for model in existing:
-        if model not in MODELS:
-            p.error(f"--with {model}=...: not one of {', '.join(MODELS)}")
     jobs = [(m, args.seed + k) for m in order if m in args.models and m not in existing
             for k in range(args.seeds)]  # fmt: skip
     start = time.time()
@@ -561,7 +572,11 @@ def main(argv=None) -> int:
     done = run_jobs(jobs, s, args.out, args.jobs, flags)
     log(f"all runs: {(time.time() - start) / 60:.1f} min")
     done.update({(model, args.seed): path for model, path in existing.items()})
-    results = report(load_curves(done), s, args, args.out)
+    curves = load_curves(done)
+    for model, path in existing.items():
+        if model not in curves:
+            log(f"  --with {model}={path}: no validation records in it; not reported")
+    results = report(curves, s, args, args.out)
     write_results(args.results_json, results)
     return 0 if len(done) == len(jobs) + len(existing) else 1
 

@@ -67,16 +67,24 @@ def twins(path: str, tokenizer_model: str | None, count: int):
 
 
 def held_out_metrics(model, info, tokenizer: Tokenizer, batches: int = 8) -> dict:
+    """On the checkpoint's own validation documents (its --data-path and --split)."""
+    from megatron_taco.arguments import ConfigError
     from megatron_taco.data.bert_dataset import build_train_valid_test_datasets
     from megatron_taco.data.config import DataConfig
     from megatron_taco.parallel.state import single_process_state
     from megatron_taco.training.loop import evaluate_batches
 
     cfg = info.configs
-    data = DataConfig(**{**cfg["data"], "data_path": tuple(cfg["data"]["data_path"])})
+    data = DataConfig(**{**cfg["data"], "data_path": tuple(cfg["data"]["data_path"]),
+                         "tokenizer_model": tokenizer.model_path})  # fmt: skip
     micro = cfg["training"]["micro_batch_size"]
     n = batches * micro
     _, valid, _ = build_train_valid_test_datasets(data, tokenizer, (1, n, 0))
+    if valid is None:
+        raise ConfigError(
+            f"--load: {info.iter_dir} was trained with --split {data.split}, which leaves no "
+            "validation documents to measure its held-out MLM accuracy on"
+        )
     collate = _collator(info, data, tokenizer, model.config)
     stream = (collate([valid[i] for i in range(k, k + micro)]) for k in range(0, n, micro))
     return evaluate_batches(model, stream, single_process_state(), batches)
@@ -114,12 +122,8 @@ def _collator(info, data, tokenizer, model_config):
 # 2. zero-shot word order and 3. frozen features
 
 
-def _encode(tokenizer: Tokenizer, sentences: list[str], limit: int) -> list[list[int]]:
-    out = []
-    for s in sentences:
-        ids = [tokenizer.cls_id, *tokenizer.encode(s), tokenizer.sep_id]
-        out.append(ids[: limit - 1] + [tokenizer.sep_id] if len(ids) > limit else ids)
-    return out
+def _encode(tokenizer: Tokenizer, sentences: list[str]) -> list[list[int]]:
+    return [[tokenizer.cls_id, *tokenizer.encode(s), tokenizer.sep_id] for s in sentences]
 
 
 def _pad(rows: list[list[int]], pad: int):
@@ -225,16 +229,35 @@ def _ms(values: list[float]) -> str:
     return f"{100 * np.mean(values):5.1f} ± {100 * np.std(values):4.1f}"
 
 
+def fitting(tok: Tokenizer, sentences: list[str], seeds: int, limit: int):
+    """(original rows, one list of shuffled rows per seed) of the sentences whose pieces, with
+    [CLS] and [SEP], fit ``limit`` positions in every form: a cut sentence and its cut shuffle
+    would hold different words, which the comparisons must not see."""
+    shuffled = [[shuffle_words(s, np.random.default_rng(seed)) for s in sentences]
+                for seed in range(seeds)]  # fmt: skip
+    forms = [_encode(tok, sentences), *(_encode(tok, f) for f in shuffled)]
+    keep = [i for i in range(len(sentences)) if all(len(f[i]) <= limit for f in forms)]
+    return [forms[0][i] for i in keep], [[f[i] for i in keep] for f in forms[1:]]
+
+
 def evaluate_checkpoint(path: str, args, sentences: list[str]) -> list[Row]:
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.recipes.registry import checkpoint_tokenizer
+
     info, pretrained, randoms = twins(path, args.tokenizer_model, args.random_twins)
-    tok = Tokenizer(info.configs["data"]["tokenizer_model"])
+    tok = Tokenizer(checkpoint_tokenizer(info, args.tokenizer_model))
     kind = info.model
     limit = pretrained.config.max_position_embeddings
-    originals = _encode(tok, sentences, limit)
-    shuffles = []
-    for seed in range(args.seeds):
-        rng = np.random.default_rng(seed)
-        shuffles.append(_encode(tok, [shuffle_words(s, rng) for s in sentences], limit))
+    originals, shuffles = fitting(tok, sentences, args.seeds, limit)
+    if len(originals) < len(sentences):
+        print(f"{kind}: {len(sentences) - len(originals)} of {len(sentences)} sentences are "
+              f"longer than its {limit} positions; left out")  # fmt: skip
+    if not originals:
+        raise ConfigError(f"--load: no held-out sentence fits the {limit} positions of {path}")
+    skipped = [n for n in PROBE_SIZES if n > len(originals) // 2]
+    if skipped:
+        print(f"{kind}: probes on {', '.join(map(str, skipped))} labelled sentences need twice as "
+              f"many held-out sentences ({len(originals)}); skipped")  # fmt: skip
     rows = []
     for name, models in (("pretrained", [pretrained]), (f"random x{len(randoms)}", randoms)):
         held = [held_out_metrics(m, info, tok) for m in models]
@@ -246,7 +269,7 @@ def evaluate_checkpoint(path: str, args, sentences: list[str]) -> list[Row]:
                 zs.append(zero_shot(s_orig, originality_scores(m, kind, shuffled, tok)))
                 f_shuf = encode_vectors(m, kind, shuffled, tok.pad_id)
                 for n in PROBE_SIZES:
-                    if n <= len(sentences) // 2:
+                    if n not in skipped:
                         probes[n].append(probe(f_orig, f_shuf, n, seed))
         rows.append(Row(kind, name, float(np.mean([h["mlm_acc"] for h in held])),
                         float(np.mean([h["mlm_baseline_acc"] for h in held])),
@@ -256,19 +279,46 @@ def evaluate_checkpoint(path: str, args, sentences: list[str]) -> list[Row]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="demo_evaluate.py", description=__doc__.split("\n")[0])
     p.add_argument("--load", action="append", required=True, help="A pretraining checkpoint.")
     p.add_argument("--data-path", required=True, help="The dataset prefix (held-out documents).")
-    p.add_argument("--split", default="90,5,5")
+    p.add_argument("--split", default=None,
+                   help="Whose validation and test documents are held out (default: the first "
+                   "checkpoint's --split).")  # fmt: skip
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--sentences", type=int, default=300, help="Held-out sentences used.")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--random-twins", type=int, default=2)
     p.add_argument("--output", default=None, help="Write the rows as JSON here.")
     args = p.parse_args(argv)
+    for name in ("sentences", "seeds", "random_twins"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    first_tok = Tokenizer(args.tokenizer_model or _tokenizer_of(args.load[0]))
-    sentences = held_out_sentences(args.data_path, first_tok, args.split)
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.data.indexed_dataset import IndexedDatasetError
+    from megatron_taco.training.consolidate import CheckpointError
+
+    try:
+        return evaluate(args)
+    except (ConfigError, CheckpointError, IndexedDatasetError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def evaluate(args) -> int:
+    from megatron_taco.arguments import ConfigError
+
+    tok_path, split = _tokenizer_and_split_of(args.load[0], args.tokenizer_model)
+    split = args.split or split
+    if split is None:
+        raise ConfigError(f"--split: {args.load[0]} records none; give the one it trained with")
+    sentences = held_out_sentences(args.data_path, Tokenizer(tok_path), split)
+    if not sentences:
+        raise ConfigError(
+            f"--data-path: {args.data_path} has no held-out sentence of 8-40 words in the "
+            f"validation and test documents of --split {split}"
+        )
     rng = np.random.default_rng(0)
     if len(sentences) > args.sentences:
         sentences = [
@@ -293,11 +343,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _tokenizer_of(path: str) -> str:
+def _tokenizer_and_split_of(path: str, tokenizer_model: str | None) -> tuple[str, str | None]:
     from megatron_taco.recipes.registry import checkpoint_tokenizer
     from megatron_taco.training.consolidate import find_checkpoint
 
-    return checkpoint_tokenizer(find_checkpoint(path), None)
+    info = find_checkpoint(path)
+    split = (info.configs.get("data") or {}).get("split")
+    return checkpoint_tokenizer(info, tokenizer_model), split
 
 
 if __name__ == "__main__":

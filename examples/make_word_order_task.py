@@ -33,7 +33,9 @@ def held_out_sentences(prefix: str, tokenizer: Tokenizer, split: str) -> list[st
     for start, end in (valid, test):
         for seq in range(int(docs[start]), int(docs[end])):
             text = " ".join(tokenizer.decode(data[seq]).split())
-            if 8 <= len(text.split()) <= 40 and "\t" not in text:
+            words = text.split()
+            # Two distinct words at least: shuffle_words looks for an order other than this one.
+            if 8 <= len(words) <= 40 and len(set(words)) > 1 and "\t" not in text:
                 out.append(text)
     return out
 

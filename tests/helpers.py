@@ -307,6 +307,29 @@ def deepspeed(script: str, *args: str, num_gpus: int = 2, timeout: int = 240):
     return run(deepspeed_command(script, *args, num_gpus=num_gpus), timeout=timeout)
 
 
+def demo_evaluate(loads: list, dataset: dict, output: Path) -> list[dict]:
+    """examples/demo_evaluate.py on checkpoints, small (40 held-out sentences: no probes, one
+    seed, one random twin); its JSON rows."""
+    import json
+
+    cmd = [sys.executable, "examples/demo_evaluate.py", "--data-path", dataset["prefix"],
+           "--sentences", "40", "--seeds", "1", "--random-twins", "1", "--output", str(output)]  # fmt: skip
+    for load in loads:
+        cmd += ["--load", str(load)]
+    run(cmd, timeout=240)
+    return json.loads(Path(output).read_text())
+
+
+def assert_pretrained_and_random_rows(rows: list[dict], model: str) -> None:
+    """demo_evaluate's rows of one checkpoint: the same held-out batches for both (one
+    baseline), different weights (the checkpoint's were loaded), figures in range."""
+    pretrained, random = [r for r in rows if r["model"] == model]
+    assert (pretrained["init"], random["init"]) == ("pretrained", "random x1")
+    assert pretrained["baseline"] == random["baseline"] and 0 < pretrained["baseline"] < 1
+    assert pretrained["collapse"] != random["collapse"]
+    assert all(0 < r["collapse"] < 0.99 and len(r["zero_shot"]) == 1 for r in (pretrained, random))
+
+
 def train_records(path) -> dict[int, dict]:
     return {r["iteration"]: r for r in read_metrics(str(path)) if r["split"] == "train"}
 

@@ -169,7 +169,9 @@ class Trainer:
         self.global_batch_size = engine.settings.global_batch_size
         self.grad_accum_steps = engine.settings.grad_accum_steps
         self.last_saved_iteration: int | None = None
-        self.callbacks = CallbackList(task.callbacks)
+        # The learning monitor is a callback for its state (its collapse streak) only.
+        extra = [learning_monitor] if learning_monitor is not None else []
+        self.callbacks = CallbackList([*task.callbacks, *extra])
         spe = task.samples_per_epoch
         if spe is not None and (spe <= 0 or spe % self.global_batch_size):
             raise ValueError(
@@ -335,6 +337,8 @@ class Trainer:
         )
 
     def _periodic_save(self, state: TrainingState) -> None:
+        if self.training.save is None:
+            return
         if self.learning_monitor is not None and self.learning_monitor.holds_saves:
             self.logger.print(
                 f" not saving at iteration {state.iteration}: the encoder is collapsed "
@@ -342,6 +346,18 @@ class Trainer:
             )
             return
         self.save(state)
+
+    def _collapsed(self) -> str:
+        """An exit's save is made even while --exit-on-collapse holds periodic saves back:
+        it is what the run resumes from (not saving would repeat the same stretch at every
+        restart), and it records the streak, which the resumed run goes on counting."""
+        m = self.learning_monitor
+        if m is None or not m.holds_saves or self.training.save is None:
+            return ""
+        return (
+            f" (the encoder has been collapsed since iteration {m.first_collapsed}: resume from "
+            "this one to go on counting, or from an earlier one to train it differently)"
+        )
 
     # -- epochs -------------------------------------------------------------------------
 
@@ -415,7 +431,9 @@ class Trainer:
                 # scheduler allows a bounded time after its signal, and the save is what
                 # must fit in it.
                 saving = "; saving a checkpoint" if t.save is not None else ""
-                self.logger.print(f" exiting at iteration {state.iteration}: {stop}{saving}")
+                self.logger.print(
+                    f" exiting at iteration {state.iteration}: {stop}{saving}{self._collapsed()}"
+                )
                 self.save(state)
                 return state
             if (
@@ -428,7 +446,9 @@ class Trainer:
             if t.save_interval is not None and state.iteration % t.save_interval == 0:
                 self._periodic_save(state)
             if t.exit_interval is not None and state.iteration % t.exit_interval == 0:
-                self.logger.print(f" exiting at iteration {state.iteration} (--exit-interval)")
+                self.logger.print(
+                    f" exiting at iteration {state.iteration} (--exit-interval){self._collapsed()}"
+                )
                 self.save(state)
                 return state
             if epoch_ended and state.iteration < t.train_iters:

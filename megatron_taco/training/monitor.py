@@ -39,6 +39,7 @@ from megatron_taco.models.common.monitoring import (
     REPRESENTATION_MASK,
 )
 from megatron_taco.parallel import comm
+from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import RunError
 
 COLLAPSE = "collapse_cosine"
@@ -67,7 +68,10 @@ class LearningMonitorConfig:
         False,
         "Stop the run (exit 1, one line) when --collapse-patience evaluations in a row find the "
         "encoder collapsed. Periodic saves are held back from the first of them (and resume if "
-        "it recovers), so the last checkpoint stays the last good one.",
+        "it recovers), so the last checkpoint before it stays (an exit's save, at a signal, a "
+        "time limit or --exit-interval, still writes one to resume from, and the resumed run "
+        "goes on counting). Needs a validation (--eval-iters > 0, a validation part in "
+        "--split).",
         flag="--exit-on-collapse",
     )
     collapse_patience: int = option(
@@ -140,21 +144,36 @@ class EvaluationStatistics:
         return out
 
 
-class LearningMonitor:
+class LearningMonitor(Callback):
     """Reads each validation's metrics; warns (one line each) and, with --exit-on-collapse,
-    holds back saves during a collapse and stops the run when it persists."""
+    holds back saves during a collapse and stops the run when it persists. A callback only
+    for its state: the streak is saved in checkpoints, so a run resumed from an exit's save
+    made during a collapse goes on counting it."""
 
-    def __init__(self, config: LearningMonitorConfig, warmup_iters: int, emit) -> None:
+    name = "learning_monitor"
+
+    def __init__(
+        self, config: LearningMonitorConfig, warmup_iters: int, emit, saves: bool = True
+    ) -> None:
         self.config = config
         self.warmup_iters = warmup_iters
         self.emit = emit  # one line to the run's log (rank 0)
+        self.saves = saves  # the run has a --save
         self.streak = 0  # consecutive collapsed evaluations
         self.first_collapsed: int | None = None
+        self._unwatched_told = False
 
     @property
     def holds_saves(self) -> bool:
         """True while --exit-on-collapse keeps a collapsed encoder out of the checkpoints."""
         return self.config.exit_on_collapse and self.streak > 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self.streak, "first_collapsed": self.first_collapsed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak = int(state.get("streak", 0))
+        self.first_collapsed = state.get("first_collapsed")
 
     def check(self, iteration: int, metrics: dict[str, float]) -> None:
         self._check_collapse(iteration, metrics.get(COLLAPSE))
@@ -167,13 +186,25 @@ class LearningMonitor:
         if self.holds_saves:
             raise CollapseError(
                 f"iteration {iteration}: training ended with the encoder collapsed since "
-                f"iteration {self.first_collapsed}; not saved (--exit-on-collapse), the last "
-                "checkpoint is kept: lower --lr or lengthen the warm-up"
+                f"iteration {self.first_collapsed}; not saved (--exit-on-collapse), "
+                f"{self._kept()}: lower --lr or lengthen the warm-up"
             )
+
+    def _kept(self) -> str:
+        if not self.saves:
+            return "nothing is saved without --save"
+        return f"the last checkpoint before iteration {self.first_collapsed} is kept"
 
     def _check_collapse(self, iteration: int, cosine: float | None) -> None:
         cfg = self.config
-        if cosine is None or cosine < cfg.collapse_threshold:
+        if cosine is None:  # the model gives no vectors: nothing known, the streak stands
+            if cfg.exit_on_collapse and not self._unwatched_told:
+                self._unwatched_told = True
+                self.emit(f" WARNING: iteration {iteration}: --exit-on-collapse: the validation "
+                          "gives no collapse figure (the model returns no last-layer vectors "
+                          "in eval mode); the encoder is not watched")  # fmt: skip
+            return
+        if cosine < cfg.collapse_threshold:
             if self.holds_saves:
                 self.emit(f" iteration {iteration}: the encoder recovered (mean pairwise cosine "
                           f"{cosine:.4f}); checkpoints are saved again")  # fmt: skip
@@ -188,16 +219,16 @@ class LearningMonitor:
         )
         if cfg.exit_on_collapse and self.streak >= cfg.collapse_patience:
             raise CollapseError(
-                f"{message}, {self.streak} evaluations in a row; stopped (--exit-on-collapse) "
-                f"without saving since iteration {self.first_collapsed}, the last checkpoint is "
-                "kept: lower --lr or lengthen the warm-up"
+                f"{message}, {self.streak} evaluations in a row since iteration "
+                f"{self.first_collapsed}; stopped (--exit-on-collapse), {self._kept()}: lower "
+                "--lr or lengthen the warm-up"
             )
-        held = (
-            f"; checkpoints held back until it recovers (stopping after {cfg.collapse_patience} "
-            "collapsed evaluations in a row)"
-            if cfg.exit_on_collapse
-            else ""
-        )
+        held = ""
+        if cfg.exit_on_collapse:
+            stop = f"stopping after {cfg.collapse_patience} collapsed evaluations in a row"
+            held = (
+                f"; checkpoints held back until it recovers ({stop})" if self.saves else f"; {stop}"
+            )
         self.emit(f" WARNING: {message}; lower --lr or lengthen the warm-up{held}")
 
     def _check_plateau(self, iteration: int, metrics: dict[str, float]) -> None:

@@ -33,6 +33,7 @@ from megatron_taco.arguments import (
     set_parser_defaults,
 )
 from megatron_taco.data.config import DataConfig
+from megatron_taco.data.samples import parse_split
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
@@ -193,6 +194,14 @@ class ModelSpec:
         tp = parallel.tensor_model_parallel_size
         check_world_size(world_size, tp)
         model.validate_parallel(tp)
+        if monitor.exit_on_collapse and (
+            training.eval_iters == 0 or not parse_split(data.split)[1]
+        ):
+            raise ConfigError(
+                "--exit-on-collapse: needs a validation to watch the encoder with (--eval-iters "
+                f"{training.eval_iters}, --split {data.split}): give --eval-iters > 0 and a "
+                "validation part in --split"
+            )
         if data.seq_length > model.max_position_embeddings:
             raise ConfigError(
                 f"--seq-length: {data.seq_length} exceeds --max-position-embeddings "
@@ -546,6 +555,11 @@ def _pretrain(
         monitor.phase = "data and model set-up"
         hook_point("before_build", parallel.rank)
         parts = spec.build(ctx)
+        if cfg.monitor.exit_on_collapse and parts.valid_dataset is None:
+            raise ConfigError(
+                f"--exit-on-collapse: --split {cfg.data.split} leaves no validation documents "
+                "in --data-path: nothing would watch the encoder"
+            )
         if t.train_iters is None:  # --train-epochs: now that an epoch's size is known
             steps = parts.samples_per_epoch // cfg.deepspeed.global_batch_size
             t = t.with_train_iters(t.train_epochs * steps)
@@ -601,7 +615,9 @@ def _pretrain(
             },
             save_retain=cfg.checkpoint.save_retain,
             exit_monitor=monitor,
-            learning_monitor=LearningMonitor(cfg.monitor, t.warmup_iters, train_logger.print),
+            learning_monitor=LearningMonitor(
+                cfg.monitor, t.warmup_iters, train_logger.print, saves=t.save is not None
+            ),
         )
         trainer.train(state)
         monitor.phase = "teardown"

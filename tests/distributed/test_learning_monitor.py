@@ -43,3 +43,46 @@ def test_figures_over_tp2_dp2_equal_one_process_over_all_the_data():
         assert got.keys() == want.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-12), key
+
+
+# ---------------------------------------------------------------------------------------
+# The real models: their last-layer vectors are complete and replicated on every tp rank
+# (the figures are reduced over data-parallel ranks only), so tp=2 gives tp=1's figures.
+
+
+def _model_figures(rank, world_size, tp):
+    from megatron_taco.models.sas.model import SasForPretraining
+    from megatron_taco.models.taco.model import TacoForPretraining
+    from megatron_taco.parallel.random import model_parallel_seed
+    from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.training.loop import evaluate_batches
+    from tests.helpers import make_batch, make_sas_batch, tiny_config, tiny_sas_config
+
+    parallel = init_parallel(tp)
+    out = {}
+    for name, cls, config, batch in (
+        ("taco", TacoForPretraining, tiny_config, make_batch),
+        ("sas", SasForPretraining, tiny_sas_config, make_sas_batch),
+    ):
+        tracker = model_parallel_seed(1234, parallel, device="cpu")
+        # A large init: the vectors' pairwise cosines spread well away from 0 and 1.
+        cfg = config(hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
+        model = cls(cfg, parallel, tracker).double().eval()
+        batches = [batch(b=3, seed=7), batch(b=2, seed=8)]
+        out[name] = evaluate_batches(model, batches, parallel, len(batches))
+    return out
+
+
+def test_real_models_figures_at_tp2_equal_tp1():
+    want = run_distributed(_model_figures, 1, 1)[0]
+    ranks = run_distributed(_model_figures, 2, 2)
+    for name, figures in want.items():
+        assert 0.05 < figures["collapse_cosine"] < 0.95, (name, figures["collapse_cosine"])
+        for got in ranks:
+            for key in ("collapse_cosine", "mlm_baseline_acc", "mlm_acc"):
+                assert got[name][key] == pytest.approx(figures[key], rel=1e-12), (name, key)
+            if name == "taco":
+                assert got[name]["mpm_baseline_acc"] == figures["mpm_baseline_acc"]
+        # Bitwise the same on every tp rank: each decides alone whether to stop the run
+        # (--exit-on-collapse), so a last-bit difference at the threshold would hang the other.
+        assert ranks[0][name] == ranks[1][name]

@@ -23,7 +23,16 @@ from pathlib import Path
 import pytest
 
 from megatron_taco.training.callbacks import Callback
-from tests.helpers import ENV, REPO, SAS_METRIC_KEYS, deepspeed, deepspeed_command, train_records
+from tests.helpers import (
+    ENV,
+    REPO,
+    SAS_METRIC_KEYS,
+    assert_pretrained_and_random_rows,
+    deepspeed,
+    deepspeed_command,
+    demo_evaluate,
+    train_records,
+)
 
 pytestmark = pytest.mark.e2e
 SAS_LOGGER = "megatron_taco.recipes.sas"
@@ -59,6 +68,10 @@ def test_sas_da_tp2_deepspeed_exact_resume(botchan_dataset, tmp_path):
     assert all(set(SAS_METRIC_KEYS) <= set(r) for r in full.values())
     assert {r["rtd_weight"] for r in full.values()} <= {50.0, 87.5, 125.0, 162.5, 200.0}
     assert (full_dir / "loss_curve.png").stat().st_size > 0
+    # What the demo's evaluation reads of it: loaded at tp=1 from tensor parallel 2, bf16
+    # ZeRO-1 (the fp32 master weights in the optimizer's files).
+    rows = demo_evaluate([full_dir], botchan_dataset, tmp_path / "evaluation.json")
+    assert_pretrained_and_random_rows(rows, "SAS")
 
     res = deepspeed(
         "pretrain_sas.py", *run_args, "--load", str(full_dir), "--ckpt-step", "3",

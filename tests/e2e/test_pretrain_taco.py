@@ -11,7 +11,16 @@ import sys
 import pytest
 
 from megatron_taco.training.logging import read_metrics
-from tests.helpers import BIN, TACO_METRIC_KEYS, deepspeed, free_port, run, train_records
+from tests.helpers import (
+    BIN,
+    TACO_METRIC_KEYS,
+    assert_pretrained_and_random_rows,
+    deepspeed,
+    demo_evaluate,
+    free_port,
+    run,
+    train_records,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -73,6 +82,9 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
     assert all(full[i]["tflops_per_rank"] > 0 and full[i]["grad_norm"] > 0 for i in full)
     valid = [r for r in read_metrics(str(full_metrics)) if r["split"] == "valid"]
     assert [r["iteration"] for r in valid] == [3, 6]
+    # What the demo's evaluation reads of it: loaded at tp=1 from tensor parallel 2, ZeRO-2.
+    rows = demo_evaluate([full_dir], dataset, tmp_path / "evaluation.json")
+    assert_pretrained_and_random_rows(rows, "TACO")
     for r in valid:  # the learning monitor's figures (issue 19)
         assert 0 < r["collapse_cosine"] < 0.99, r
         assert 0 < r["mlm_baseline_acc"] < 1 and 0 < r["mpm_baseline_acc"] < 1, r
@@ -153,9 +165,29 @@ def test_exit_on_collapse_is_one_line_and_keeps_the_last_checkpoint(dataset, tmp
     assert res.returncode == 1, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("pretrain_taco.py: error: iteration 4: the encoder has collapsed"), last
-    assert "since iteration 2, the last checkpoint is kept" in last
+    assert "2 evaluations in a row since iteration 2;" in last
+    assert "the last checkpoint before iteration 2 is kept" in last
     assert "Traceback" not in res.stderr
     # Saved at 1; the saves at 2 and 3 were held back by the collapse found at 2.
     assert "not saving at iteration 3: the encoder is collapsed" in res.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not any((save / f"iter_000000{i}").exists() for i in (2, 3, 4))
+    # A --split whose validation part holds no document of the 46 (found once the datasets
+    # are built): one line, not a run in which nothing watches the encoder.
+    res = run(
+        [
+            sys.executable, "pretrain_taco.py",
+            *common_args(dataset, "--train-iters", "2", "--eval-iters", "1", "--num-workers", "0",
+                         "--split", "1000,1,0"),
+            "--deepspeed-config", "ds_configs/zero0_fp32.json", "--exit-on-collapse",
+        ],
+        timeout=180,
+        check=False,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == (
+        "pretrain_taco.py: error: --exit-on-collapse: --split 1000,1,0 leaves no validation "
+        "documents in --data-path: nothing would watch the encoder"
+    ), res.stderr
+    assert "Traceback" not in res.stderr

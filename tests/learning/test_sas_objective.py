@@ -5,10 +5,12 @@ losses and RTD labels written from the paper, sharing no code with models/sas) s
 our SAS's weights (exported by models/sas/hf.py) and both take the same optimizer steps on
 the same batches of our collator, built from the bundled corpus: epoch 1, cold-start
 replacements at S. In float64, without dropout, every loss and every weight after the steps
-must agree to rounding. What this catches that the equivalence tests of a forward pass do
-not: a gradient path that differs (a detach, a wrong tie, a loss term's weight or mean),
-an optimizer group that differs (weight decay on a LayerNorm), a label taken from the wrong
-place.
+must agree to rounding. The reference's optimizer is not ours either: torch's AdamW with
+BERT's weight-decay groups by name and transformers' linear schedule. What this catches that
+the equivalence tests of a forward pass do not: a gradient path that differs (a detach, a
+wrong tie, a loss term's weight or mean), an optimizer group that differs (weight decay on
+a LayerNorm or a bias: optim.py's split_weight_decay deciding it for both sides passed),
+an RTD label taken from the wrong place (a hit counted as replaced, padding in the mean).
 """
 
 from __future__ import annotations
@@ -73,14 +75,34 @@ def _pair(vocab: int):
     return ours, ref, config
 
 
-def _optimizer(model):
+LR, WARMUP, WEIGHT_DECAY, CLIP = 2e-3, 1, 0.01, 1.0
+
+
+def _our_optimizer(model):
     from megatron_taco.training.config import TrainingConfig
     from megatron_taco.training.optim import build_optimizer, build_scheduler
 
     training = TrainingConfig(train_iters=STEPS, micro_batch_size=BATCH, global_batch_size=BATCH,
-                              lr=2e-3, lr_warmup_iters=1, weight_decay=0.01, clip_grad=1.0)  # fmt: skip
+                              lr=LR, lr_warmup_iters=WARMUP, weight_decay=WEIGHT_DECAY,
+                              clip_grad=CLIP)  # fmt: skip
     optimizer, _ = build_optimizer(model, training)
-    return optimizer, build_scheduler(optimizer, training), training.clip_grad
+    return optimizer, build_scheduler(optimizer, training)
+
+
+def _reference_optimizer(model):
+    """BERT's AdamW recipe as transformers' examples write it, not our optim.py: no weight
+    decay on biases and LayerNorm weights (by name), linear warm-up then linear decay to 0
+    (transformers' scheduler)."""
+    from transformers import get_linear_schedule_with_warmup
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    exempt = [p for n, p in named if n.endswith("bias") or "LayerNorm" in n]
+    decayed = [p for n, p in named if not (n.endswith("bias") or "LayerNorm" in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": WEIGHT_DECAY}, {"params": exempt, "weight_decay": 0.0}],
+        lr=LR, betas=(0.9, 0.999), eps=1e-6, foreach=False,
+    )  # fmt: skip
+    return optimizer, get_linear_schedule_with_warmup(optimizer, WARMUP, STEPS)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -99,24 +121,37 @@ def test_sas_first_steps_equal_the_independent_objective_in_float64(demo_dataset
     tokenizer = Tokenizer(demo_dataset["tokenizer"])
     batches = _batches(demo_dataset, tokenizer)
     ours, ref, config = _pair(tokenizer.vocab_size)
-    ours.set_rtd_weight(50.0)
-    ref.rtd_weight = 50.0
-    steppers = [_optimizer(ours), _optimizer(ref)]
-    replaced = 0
+    # lambda of epoch 2 of 5 by each side's own schedule (not the model's default 50).
+    from learning_peers import rtd_weight
+
+    from megatron_taco.recipes.sas import RtdScheduleConfig
+
+    ours.set_rtd_weight(RtdScheduleConfig().weight(1, 5))
+    ref.rtd_weight = rtd_weight(1, 5)
+    assert ours.rtd_weight == ref.rtd_weight == 87.5
+    steppers = [_our_optimizer(ours), _reference_optimizer(ref)]
+    replaced = hits = padding = 0
     for k, batch in enumerate(batches):
         outs = []
-        for model, (optimizer, scheduler, clip) in zip((ours, ref), steppers):
+        for model, (optimizer, scheduler) in zip((ours, ref), steppers):
             out = model(batch)
             out["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             outs.append(out)
         for key in ("loss", "mlm_loss", "rtd_loss"):
             _close(outs[0][key].detach(), outs[1][key], f"step {k + 1} {key}")
+        in_s = batch["mlm_labels"] != -100
         replaced += int((batch["rtd_labels"] == 1).sum())
-    assert replaced > 100  # the batches really replace tokens (real text, real collator)
+        hits += int((in_s & (batch["input_ids"] == batch["mlm_labels"])).sum())
+        padding += int((~batch["attention_mask"].bool()).sum())
+        assert not (batch["input_ids"] == tokenizer.mask_id).any()  # SAS never reads [MASK]
+    # The batches hold what the comparison must see: real replacements, a replacement equal
+    # to the original (RTD label 0 by eq. 5; counting it as replaced fails here) and padding
+    # (outside the RTD mean; counting it fails here).
+    assert replaced > 100 and hits >= 1 and padding > 0, (replaced, hits, padding)
     _, after = electra_config_and_state(config, ours.state_dict())
     theirs = ref.state_dict()
     for name, tensor in after.items():

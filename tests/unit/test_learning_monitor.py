@@ -89,6 +89,36 @@ def test_monitor_warns_on_collapse_and_plateau_after_warmup():
     assert len(lines) == 3 and "collapsed" in lines[0] and "0.9950" in lines[0]
 
 
+def test_no_collapse_figure_leaves_the_streak_and_says_once_that_nothing_is_watched():
+    """A validation without vectors (a model that gives none, or one token in all) is no
+    news: the streak stands, and with --exit-on-collapse one line says the encoder is not
+    watched (the recovery line read the missing figure as a number and raised)."""
+    lines = []
+    monitor = LearningMonitor(LearningMonitorConfig(exit_on_collapse=True), 0, lines.append)
+    monitor.check(10, {"collapse_cosine": 0.999})
+    assert monitor.holds_saves
+    lines.clear()
+    monitor.check(20, {"mlm_acc": 0.5, "mlm_baseline_acc": 0.1})
+    monitor.check(30, {})
+    assert monitor.holds_saves and monitor.streak == 1
+    assert len(lines) == 1 and "--exit-on-collapse: the validation gives no collapse" in lines[0]
+    with pytest.raises(CollapseError, match="2 evaluations in a row since iteration 10"):
+        monitor.check(40, {"collapse_cosine": 0.999})
+    quiet = []
+    LearningMonitor(LearningMonitorConfig(), 0, quiet.append).check(10, {})
+    assert quiet == []  # without the flag, a model without vectors is simply not measured
+
+
+def test_without_save_the_stop_says_nothing_was_kept():
+    lines = []
+    monitor = LearningMonitor(LearningMonitorConfig(exit_on_collapse=True), 0, lines.append,
+                              saves=False)  # fmt: skip
+    monitor.check(10, {"collapse_cosine": 0.999})
+    assert "held back" not in lines[-1] and "stopping after 2 collapsed" in lines[-1]
+    with pytest.raises(CollapseError, match="nothing is saved without --save"):
+        monitor.check(20, {"collapse_cosine": 0.999})
+
+
 def test_exit_on_collapse_holds_saves_and_stops_after_the_patience():
     lines = []
     stopper = LearningMonitor(
@@ -102,7 +132,8 @@ def test_exit_on_collapse_holds_saves_and_stops_after_the_patience():
     assert not stopper.holds_saves and "recovered" in lines[-1]
     stopper.check(60, {"collapse_cosine": 0.999})
     with pytest.raises(CollapseError, match=r"^iteration 70: the encoder has collapsed.*"
-                       r"2 evaluations in a row.*since iteration 60, the last checkpoint is kept"):  # fmt: skip
+                       r"2 evaluations in a row since iteration 60;.*the last checkpoint before iteration 60 is "
+                       r"kept"):  # fmt: skip
         stopper.check(70, {"collapse_cosine": 0.9995})
     ender = LearningMonitor(LearningMonitorConfig(exit_on_collapse=True), 0, lines.append)
     ender.check_end(80)  # not collapsed: nothing to say

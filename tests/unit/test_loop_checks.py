@@ -302,3 +302,66 @@ def test_exit_on_collapse_stops_before_the_collapsed_iteration_is_saved(tmp_path
     cosines = [c for _, _, c in valid]
     assert cosines == [c for _, _, c in valid1]  # reduced: the same figure on every rank
     assert cosines[0] < 0.5 and cosines[2] == pytest.approx(1.0), cosines
+
+
+def _collapse_resume_worker(rank, world_size, tmp):
+    """An exit (--exit-interval) at the first collapsed evaluation still saves (it is what the
+    run resumes from); the resumed run goes on counting the streak and stops at the next."""
+    from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.training.callbacks import Callback
+    from megatron_taco.training.checkpointing import load_checkpoint
+    from megatron_taco.training.monitor import (
+        CollapseError,
+        LearningMonitor,
+        LearningMonitorConfig,
+    )
+
+    parallel = init_parallel(1)
+
+    class Collapse(Callback):
+        name = "collapse"
+
+        def after_micro_batch(self, trainer, state, batch, outputs):
+            trainer.ds.module.collapsed = state.iteration >= 4  # collapsed from iteration 5
+
+    def trainer_for(**kw):
+        lines = []
+        monitor = LearningMonitor(LearningMonitorConfig(exit_on_collapse=True), 0, lines.append)
+        trainer, logger = _trainer(parallel, tmp, 1, callbacks=[Collapse()], train_iters=8,
+                                   learning_monitor=monitor, eval_iters=4, eval_interval=2,
+                                   save_interval=2, valid=ToyDataset(), **kw)  # fmt: skip
+        printed = []
+        real_print = logger.print
+        logger.print = lambda line: (printed.append(line), real_print(line))
+        return trainer, logger, lines, printed
+
+    first, logger, lines, printed = trainer_for(exit_interval=6)
+    try:
+        end = first.train(TrainingState())
+    finally:
+        logger.close()
+    listing = _listing(first.training.save)
+    second, logger, _, _ = trainer_for()
+    state = load_checkpoint(second.ds, second.training.save, parallel)
+    error = None
+    try:
+        second.train(state)
+    except CollapseError as e:
+        error = str(e)
+    finally:
+        logger.close()
+    exit_line = [p for p in printed if "exiting" in p]
+    return end.iteration, listing, state.callback_states, exit_line, error
+
+
+def test_a_collapse_streak_survives_an_exit_and_its_resume(tmp_path):
+    results = run_distributed(_collapse_resume_worker, 2, str(tmp_path))
+    end, listing, states, exit_line, error = results[0]
+    assert results[1][4] == error
+    assert end == 6
+    # 6's periodic save held back, the exit's made (else a restart repeats 4..6 forever).
+    assert listing == ["iter_0000002", "iter_0000004", "iter_0000006", TRACKER_FILENAME]
+    assert states["learning_monitor"] == {"streak": 1, "first_collapsed": 6}
+    assert len(exit_line) == 1 and "collapsed since iteration 6" in exit_line[0], exit_line
+    assert error is not None and error.startswith("iteration 8: the encoder has collapsed"), error
+    assert "2 evaluations in a row since iteration 6" in error

@@ -295,6 +295,13 @@ def test_cli_checks_batch_arithmetic_against_the_launcher_world(tmp_path):
         )
 
 
+@pytest.mark.parametrize("extra", [("--eval-iters", "0"), ("--split", "100,0,0")])
+def test_exit_on_collapse_without_a_validation_is_refused_before_any_file(tmp_path, extra):
+    # Nothing would ever read a collapse figure: the flag would do nothing, silently.
+    with pytest.raises(ConfigError, match="^--exit-on-collapse: needs a validation"):
+        parse(tmp_path, "--exit-on-collapse", *extra)
+
+
 def test_cli_checks_parallel_sizes(tmp_path):
     with pytest.raises(
         ConfigError, match="^--tensor-model-parallel-size: 4 does not divide the world size 2"
@@ -417,3 +424,12 @@ def test_the_banner_notes_half_precision_accumulation(json_name, global_batch, n
                         "ds_configs/zero1_bf16.json)")  # fmt: skip
     else:
         assert note is None
+
+
+def test_every_preset_has_a_default_lr():
+    # A preset without one would end `--model-size NEW` without --lr in a KeyError traceback.
+    from megatron_taco.models.sas.config import SasConfig
+    from megatron_taco.models.taco.config import TacoConfig
+
+    for config in (TacoConfig, SasConfig):
+        assert set(config.DEFAULT_LR) == set(config.PRESETS) | {"base"}, config.__name__

@@ -1,0 +1,45 @@
+"""benchmarks/bench_learning.py's arguments: what would only fail at the report, after the
+runs' half hour, is one line before any run."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [("taco={missing}", "--with taco={missing}: {missing} is not a file"),
+     ("taco", "--with taco: expected MODEL=METRICS"),
+     ("gpt={file}", "--with gpt={file}: gpt is not one of taco, bert"),
+     ("taco=", "--with taco=: expected MODEL=METRICS")],
+)  # fmt: skip
+def test_bad_with_is_one_line_before_any_run(tmp_path, capsys, given, says):
+    import bench_learning
+
+    file = tmp_path / "metrics.jsonl"
+    file.write_text("")
+    missing = tmp_path / "missing.jsonl"
+    fill = {"missing": missing, "file": file}
+    # --data-path: nothing is built or downloaded; --models taco given --with: nothing to run.
+    argv = ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "t.model"),
+            "--models", "taco", "--out", str(tmp_path / "out"), "--with", given.format(**fill)]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        bench_learning.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says.format(**fill) in err[-1], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_path_needs_its_tokenizer(tmp_path, capsys):
+    import bench_learning
+
+    with pytest.raises(SystemExit):
+        bench_learning.main(["--data-path", str(tmp_path / "x"), "--out", str(tmp_path / "o")])
+    assert "--data-path needs --tokenizer-model" in capsys.readouterr().err

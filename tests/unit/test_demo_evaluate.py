@@ -1,0 +1,46 @@
+"""examples/demo_evaluate.py's own parts: which held-out sentences it compares, and bad input
+as one line. (Its run on checkpoints trained at tensor parallel 2 under ZeRO is in the e2e
+tests of pretrain_taco.py and pretrain_sas.py.)"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers import REPO, botchan_sentences
+
+sys.path.insert(0, str(REPO / "examples"))
+
+
+def test_sentences_longer_than_the_position_table_are_left_out_not_cut(tokenizer_model):
+    import demo_evaluate as de
+
+    from megatron_taco.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer_model)
+    sentences = botchan_sentences(min_words=8, max_words=40)[:30]
+    lengths = [len(tok.encode(s)) + 2 for s in sentences]
+    limit = sorted(lengths)[len(lengths) // 2]
+    assert min(lengths) <= limit < max(lengths)  # some fit, some do not
+    originals, shuffles = de.fitting(tok, sentences, seeds=2, limit=limit)
+    assert len(originals) == sum(n <= limit for n in lengths) and len(shuffles) == 2
+    for rows in (originals, *shuffles):
+        assert len(rows) == len(originals)
+        assert all(len(r) <= limit and r[0] == tok.cls_id and r[-1] == tok.sep_id for r in rows)
+    for shuffled in shuffles:
+        # Each pair holds the same pieces in another order: a cut shuffle would not.
+        for a, b in zip(originals, shuffled):
+            assert sorted(a) == sorted(b) and a != b
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    import demo_evaluate as de
+
+    missing = tmp_path / "nothing"
+    assert de.main(["--load", str(missing), "--data-path", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"demo_evaluate.py: error: --load: {missing} is not a directory"], err
+    with pytest.raises(SystemExit):
+        de.main(["--load", str(missing), "--data-path", "x", "--random-twins", "0"])
+    assert "--random-twins must be >= 1, got 0" in capsys.readouterr().err
