@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${DEMO_OUTPUT:-demo_output}
 CORPUS=examples/corpus/demo.jsonl.gz
-ITERS=${DEMO_TRAIN_ITERS:-300}
+ITERS=${DEMO_TRAIN_ITERS:-500}
 SEQ=64
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
 mkdir -p "$OUT"
@@ -23,7 +23,7 @@ COMMON=(--data-path "$OUT/demo_text_sentence" --tokenizer-model "$OUT/tokenizer.
 
 echo "== 1/7 train a sentencepiece tokenizer on $CORPUS"
 $PY tools/train_tokenizer.py --input "$CORPUS" --model-prefix "$OUT/tokenizer" \
-    --vocab-size 4000 --split-sentences
+    --vocab-size 2000 --split-sentences
 
 echo "== 2/7 preprocess into a Megatron indexed dataset (2 workers)"
 $PY tools/preprocess_data.py --input "$CORPUS" --tokenizer-model "$OUT/tokenizer.model" \
