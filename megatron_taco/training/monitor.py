@@ -211,7 +211,8 @@ class LearningMonitor(Callback):
             self.streak, self.first_collapsed = 0, None
             return
         self.streak += 1
-        self.first_collapsed = self.first_collapsed or iteration
+        if self.first_collapsed is None:  # (not `or`: an evaluation at iteration 0 counts)
+            self.first_collapsed = iteration
         message = (
             f"iteration {iteration}: the encoder has collapsed: its last-layer vectors are "
             f"near-constant across inputs (mean pairwise cosine {cosine:.4f} >= "
