@@ -57,6 +57,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 CACHE = os.path.join(REPO, "build", "bench_data", "learning")
+COLD_STARTS = ("unigram", "uniform", "mask", "mlm")  # data/sas_collator.py's, for --help
 OURS = {
     "taco": ("pretrain_taco.py", ["--model-size", "small"]),
     "sas": ("pretrain_sas.py", ["--model-size", "small", "--num-layers", "4"]),
@@ -235,10 +236,10 @@ def _peer_data(model: str, s: Setting, tokenizer):
     from learning_peers import SampledStore
 
     from megatron_taco.data.sas_collator import (
-        ColdStart,
         ReplacementConfig,
         SasCollator,
         cold_start_probs,
+        make_cold_start,
     )
     from megatron_taco.recipes.sas import make_instances
 
@@ -246,7 +247,8 @@ def _peer_data(model: str, s: Setting, tokenizer):
                                train_samples=s.iters * s.batch)  # fmt: skip
     replacement = ReplacementConfig(cold_start=s.cold_start)
     probs = cold_start_probs(replacement, [s.prefix], [1.0], tokenizer.is_special_mask())
-    store = SampledStore(ColdStart(probs, s.seed), s.seq_length, seed=s.seed)
+    cold = make_cold_start(replacement, probs, s.seed, mask_id=tokenizer.mask_id)
+    store = SampledStore(cold, s.seq_length, seed=s.seed)
     collator = SasCollator(pad_id=tokenizer.pad_id, seq_length=s.seq_length, seed=s.seed,
                            config=replacement, source=store)  # fmt: skip
     return instances, instances.valid, collator, store
@@ -286,7 +288,10 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
             samples = [train[g] for g in range(it * s.batch, (it + 1) * s.batch)]
             batch = collator(samples)
             if store is not None:
-                net.rtd_weight = rtd_weight(int(batch["epoch"][0]), epochs)
+                epoch = int(batch["epoch"][0])
+                # The release's mlm cold start: MLM alone in the first epoch.
+                first_mlm = epoch == 0 and s.cold_start == "mlm"
+                net.rtd_weight = 0.0 if first_mlm else rtd_weight(epoch, epochs)
             result = net(batch)
             result["loss"].backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), training.clip_grad)
@@ -514,7 +519,7 @@ def main(argv=None) -> int:
     p.add_argument("--data-cache-path", help="Sample-index cache for --data-path.")
     p.add_argument("--split", default="949,50,1")
     p.add_argument("--seed", type=int, default=1234, help="The first seed.")
-    p.add_argument("--cold-start", choices=("unigram", "uniform"), default="unigram",
+    p.add_argument("--cold-start", choices=COLD_STARTS, default="unigram",
                    help="SAS's first-epoch replacements, for ours and the reference.")  # fmt: skip
     p.add_argument("--with", dest="existing", nargs="*", default=[], metavar="MODEL=METRICS",
                    help="Curves of runs made elsewhere with the same settings (e.g. the "

@@ -106,16 +106,18 @@ def _collator(info, data, tokenizer, model_config):
             num_positions=model_config.max_position_embeddings,
         )
     from megatron_taco.data.sas_collator import (
-        ColdStart,
         ReplacementConfig,
         SasCollator,
         cold_start_probs,
+        make_cold_start,
     )
 
     replacement = ReplacementConfig(**cfg["replacement"])
     probs = cold_start_probs(replacement, data.prefixes, data.weights, tokenizer.is_special_mask())
     return SasCollator(pad_id=tokenizer.pad_id, seq_length=data.seq_length, seed=data.seed,
-                       config=replacement, source=ColdStart(probs, data.seed))  # fmt: skip
+                       config=replacement,
+                       source=make_cold_start(replacement, probs, data.seed,
+                                              mask_id=tokenizer.mask_id))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------

@@ -42,11 +42,25 @@ class RtdScheduleConfig:
         "between (paper's SAS: 200; SAS^c: set it equal to --rtd-weight for a constant lambda).",
         flag="--rtd-weight-final",
     )
+    rtd_weight_warmup_iters: int = option(
+        0,
+        "A departure from the paper, off by default (ELECTRA's authors' advice for a "
+        "discriminator that learns nothing): lambda 0 for the run's first N iterations, the "
+        "per-epoch schedule after.",
+        flag="--rtd-weight-warmup-iters",
+    )
 
     def __post_init__(self) -> None:
         for name in ("rtd_weight", "rtd_weight_final"):
             value = getattr(self, name)
             require(value >= 0, type(self), name, f"must be >= 0, got {value}")
+        warmup = self.rtd_weight_warmup_iters
+        require(
+            isinstance(warmup, int) and warmup >= 0,
+            type(self),
+            "rtd_weight_warmup_iters",
+            f"must be an integer >= 0, got {warmup!r}",
+        )
 
     def weight(self, epoch: int, whole_epochs: int) -> float:
         """lambda of 0-based ``epoch`` in a run of ``whole_epochs`` whole epochs (and maybe a
@@ -66,6 +80,8 @@ class RtdScheduleConfig:
             values = [*values[:3], "...", *values[-2:]]
         tail = epochs - whole
         note = f" (epoch {count} is {float(tail):.2f} of an epoch)" if tail > 0 else ""
+        if self.rtd_weight_warmup_iters:
+            note += f"; 0 for the first {self.rtd_weight_warmup_iters} iterations"
         return f"lambda per epoch {', '.join(values)}{note}"
 
 
@@ -77,11 +93,27 @@ class RtdWeightSchedule(Callback):
 
     def __init__(self, model, config: RtdScheduleConfig, whole_epochs: int) -> None:
         self.model, self.config, self.whole_epochs = model, config, whole_epochs
+        self.epoch_weight = config.rtd_weight
 
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
-        value = self.config.weight(epoch, self.whole_epochs)
-        self.model.set_rtd_weight(value)
-        trainer.logger.print(f" epoch {epoch + 1}/{trainer.num_epochs()}: lambda {value:g}")
+        self.epoch_weight = self.config.weight(epoch, self.whole_epochs)
+        self.model.set_rtd_weight(self.epoch_weight)
+        warm = self.config.rtd_weight_warmup_iters
+        note = f" (0 until iteration {warm})" if state.iteration < warm else ""
+        trainer.logger.print(
+            f" epoch {epoch + 1}/{trainer.num_epochs()}: lambda {self.epoch_weight:g}{note}"
+        )
+
+    def on_step_start(self, trainer, state) -> None:
+        # The warm-up is a function of the iteration alone, so a resume needs no state.
+        warming = state.iteration < self.config.rtd_weight_warmup_iters
+        self.model.set_rtd_weight(0.0 if warming else self.epoch_weight)
+
+
+COLD_START_NOTES = {
+    "mask": " (the reference release: [MASK] at S in epoch 1)",
+    "mlm": " (the reference release: BERT's 80/10/10 masked LM at S in epoch 1, no RTD loss)",
+}
 
 
 def check_sas(cfg: PretrainConfigs) -> None:
@@ -233,12 +265,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     import numpy as np
 
     from megatron_taco.data.replacement_store import StoreLayout
-    from megatron_taco.data.sas_collator import (
-        ColdStart,
-        SasCollator,
-        cold_start_probs,
-        tempered,
-    )
+    from megatron_taco.data.sas_collator import SasCollator, cold_start_probs, make_cold_start
     from megatron_taco.models.common.host import WithHost
     from megatron_taco.models.flops import sas_train_flops
     from megatron_taco.models.sas.model import SasForPretraining
@@ -252,10 +279,11 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     )
     augmentation = cfg.task["self_augmentation"]
     warmup_samples = replacement.cold_start_warmup_iters * cfg.deepspeed.global_batch_size
-    cold = ColdStart(
+    cold = make_cold_start(
+        replacement,
         probs,
         ctx.seed,
-        warmup_probs=tempered(probs, replacement.cold_start_warmup_power),
+        mask_id=ctx.tokenizer.mask_id,
         warmup_samples=warmup_samples,
     )
     callbacks: list[Callback] = []
@@ -339,7 +367,8 @@ def build_sas(ctx: BuildContext) -> ModelParts:
             f"embedding {model_config.embedding_size}; LayerNorm eps "
             f"{model_config.norm_epsilon:g}; output-layer init {model_config.output_layer_init}",
             f"replacements: {replacement.mask_prob:g} of each instance's tokens; cold start "
-            f"{replacement.cold_start}{warmup}; {source_line}",
+            f"{replacement.cold_start}{COLD_START_NOTES.get(replacement.cold_start, '')}"
+            f"{warmup}; {source_line}",
             schedule.describe(instances.epochs),
             *data_lines,
         ],

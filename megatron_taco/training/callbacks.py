@@ -32,6 +32,9 @@ class Callback:
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
         pass
 
+    def on_step_start(self, trainer, state) -> None:
+        """Before the first micro-batch of iteration ``state.iteration`` (0-based)."""
+
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
         pass
 

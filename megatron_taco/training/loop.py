@@ -221,6 +221,7 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns (learning
         rate used, whether DeepSpeed skipped the step, gradient norm: None for a skipped
         step, possibly inf/NaN for one DeepSpeed applied)."""
+        self.callbacks.on_step_start(self, state)
         lr = float(self.ds.get_lr()[0])
         skipped_before = self.ds.skipped_steps
         own_norm = None
