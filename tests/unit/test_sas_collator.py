@@ -384,3 +384,16 @@ def test_masked_cold_starts_refuse_the_sampling_warmup():
         ReplacementConfig(cold_start="mlm", cold_start_warmup_iters=10)
     with pytest.raises(ValueError, match="not a masked cold start"):
         MaskedColdStart("unigram", np.ones(3) / 3, MASK, 0)
+
+
+def test_a_higher_replacement_rate_replaces_more_of_each_instance():
+    """--mask-prob 0.3 (a departure, ELECTRA issue 49): |S| = ceil(0.3 k), whole words, and
+    the store rows are as wide as the largest S."""
+    c15, c30 = collator(mask_prob=0.15), collator(mask_prob=0.3)
+    assert c30.width == math.ceil(0.3 * (SEQ - 2)) > c15.width
+    for index in range(50):
+        sample = make_sample(index)
+        check_replaced_set(sample, c30.positions(sample), mask_prob=0.3)
+        batch = c30([sample])
+        assert (batch["rtd_labels"][0] == 1).sum() <= (batch["mlm_labels"][0] >= 0).sum()
+        assert (batch["mlm_labels"][0] >= 0).sum() == math.ceil(0.3 * (sample["length"] - 2))
