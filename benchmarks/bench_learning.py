@@ -166,6 +166,19 @@ class Setting:
     split: str
     seed: int
     cold_start: str = "unigram"  # SAS's first-epoch replacements (ours and the reference)
+    layers: int = 4  # the encoders' depth and width (SAS and the peers; TACO-small's own)
+    hidden: int = 256
+
+    def size(self):
+        from learning_peers import Size
+
+        return Size(self.layers, self.hidden, max(self.hidden // 64, 1), 4 * self.hidden)
+
+    def sas_size_flags(self) -> list[str]:
+        size = self.size()
+        return ["--num-layers", str(size.layers), "--hidden-size", str(size.hidden),
+                "--ffn-hidden-size", str(size.ffn), "--num-attention-heads", str(size.heads),
+                "--embedding-size", str(size.hidden)]  # fmt: skip
 
     def driver_flags(self) -> list[str]:
         return [
@@ -201,7 +214,7 @@ def job_command(
         cmd = [sys.executable, os.path.join(REPO, script), *extra, *s.driver_flags(),
                "--metrics-file", metrics, *flags.get(script, [])]  # fmt: skip
         if model.startswith("sas"):
-            cmd += ["--replacement-store", os.path.join(workdir, "store"),
+            cmd += [*s.sas_size_flags(), "--replacement-store", os.path.join(workdir, "store"),
                     "--cold-start", s.cold_start]  # fmt: skip
         return cmd
     return [sys.executable, os.path.abspath(__file__), "--peer", model,
@@ -268,7 +281,7 @@ def evaluate(model, valid, collator, s: Setting) -> dict:
 
 def run_peer(model: str, s: Setting, metrics_file: str) -> None:
     import torch
-    from learning_peers import BertMlm, Electra, SasObjective, Size, rtd_weight, whole_epochs
+    from learning_peers import BertMlm, Electra, SasObjective, rtd_weight, whole_epochs
 
     from megatron_taco.data.tokenizer import Tokenizer
     from megatron_taco.training.optim import build_optimizer, build_scheduler
@@ -276,8 +289,11 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
     torch.manual_seed(s.seed)
     tokenizer = Tokenizer(s.tokenizer)
     stream, valid, collator, store = _peer_data(model, s, tokenizer)
-    vocab, size = tokenizer.vocab_size, Size()
-    net = {"bert": BertMlm, "electra": Electra, "sas_ref": SasObjective}[model](vocab, size)
+    vocab, size = tokenizer.vocab_size, s.size()
+    if model == "electra":  # ELECTRA-small's factorised embedding: half the hidden width
+        net = Electra(vocab, size, embedding=size.hidden // 2)
+    else:
+        net = {"bert": BertMlm, "sas_ref": SasObjective}[model](vocab, size)
     training = s.training_config()
     optimizer, _ = build_optimizer(net, training)
     scheduler = build_scheduler(optimizer, training)
@@ -314,9 +330,20 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
 # running the jobs, two at a time (one core each)
 
 
-def run_jobs(
-    jobs: list[tuple[str, int]], s0: Setting, out_dir: str, parallel: int, flags: dict
-) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run: ``model`` (OURS or PEERS) under the name ``name`` (its folder and its
+    curve), with ``flags`` added to our driver's (per script) and ``cold_start`` for SAS."""
+
+    name: str
+    model: str
+    seed: int
+    cold_start: str = "unigram"
+    flags: tuple[str, ...] = ()
+
+
+def run_jobs(jobs: list[Job], s0: Setting, out_dir: str, parallel: int) -> dict:
+    """Runs ``parallel`` jobs at a time; {(name, seed): metrics.jsonl} of those that ended well."""
     # The cores shared out between the runs that go at once (one each with two of them).
     threads = max(1, (os.cpu_count() or 1) // max(1, min(parallel, len(jobs))))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
@@ -326,32 +353,33 @@ def run_jobs(
     pending, running, done = list(jobs), [], {}
     while pending or running:
         while pending and len(running) < parallel:
-            model, seed = pending.pop(0)
-            s = dataclasses.replace(s0, seed=seed)
-            work = os.path.join(out_dir, f"{model}_s{seed}")
+            job = pending.pop(0)
+            s = dataclasses.replace(s0, seed=job.seed, cold_start=job.cold_start)
+            work = os.path.join(out_dir, f"{job.name}_s{job.seed}")
             os.makedirs(work, exist_ok=True)
             metrics = os.path.join(work, "metrics.jsonl")
             if os.path.exists(metrics):
                 os.remove(metrics)
             logf = open(os.path.join(work, "log.txt"), "w")  # noqa: SIM115
-            proc = subprocess.Popen(job_command(model, s, metrics, work, flags), cwd=REPO, env=env,
-                                    stdout=logf, stderr=subprocess.STDOUT)  # fmt: skip
-            running.append((model, seed, proc, logf, metrics, time.time()))
-            log(f"  started {model} (seed {seed})")
+            script = OURS[job.model][0] if job.model in OURS else None
+            cmd = job_command(job.model, s, metrics, work, {script: list(job.flags)})
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
+            running.append((job, proc, logf, metrics, time.time()))
+            log(f"  started {job.name} (seed {job.seed})")
         time.sleep(1)
-        for job in list(running):
-            model, seed, proc, logf, metrics, start = job
+        for entry in list(running):
+            job, proc, logf, metrics, start = entry
             if proc.poll() is None:
                 continue
             logf.close()
-            running.remove(job)
+            running.remove(entry)
             minutes = (time.time() - start) / 60
             if proc.returncode != 0:
-                log(f"  {model} (seed {seed}) FAILED (exit {proc.returncode}) after "
+                log(f"  {job.name} (seed {job.seed}) FAILED (exit {proc.returncode}) after "
                     f"{minutes:.1f} min; see {os.path.dirname(metrics)}/log.txt")  # fmt: skip
                 continue
-            log(f"  {model} (seed {seed}) done in {minutes:.1f} min")
-            done[(model, seed)] = metrics
+            log(f"  {job.name} (seed {job.seed}) done in {minutes:.1f} min")
+            done[(job.name, job.seed)] = metrics
     return done
 
 
@@ -509,6 +537,10 @@ def main(argv=None) -> int:
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=8, help="Held-out batches per evaluation.")
     p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4, help="Depth of SAS and the peers.")
+    p.add_argument("--hidden", type=int, default=256,
+                   help="Width of SAS and the peers (FFN 4x, heads of 64; TACO keeps its "
+                   "small preset's widths).")  # fmt: skip
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-fraction", type=float, default=0.1)
@@ -552,6 +584,9 @@ def main(argv=None) -> int:
         if not os.path.isfile(path):
             p.error(f"--with {item}: {path} is not a file")
         existing[model] = path
+    if (args.layers, args.hidden) != (4, 256) and "taco" in args.models:
+        p.error("--layers/--hidden size SAS and the peers; TACO keeps TACO-small's widths: "
+                "leave taco out of --models")  # fmt: skip
     if args.data_path and not args.tokenizer_model:
         p.error("--data-path needs --tokenizer-model (the tokenizer the dataset was made with)")
     from results import write_results
@@ -566,15 +601,16 @@ def main(argv=None) -> int:
                 seq_length=args.seq_length, batch=args.batch, iters=args.iters, lr=args.lr,
                 warmup_fraction=args.warmup_fraction, eval_interval=args.eval_interval,
                 eval_iters=args.eval_iters, split=args.split, seed=args.seed,
-                cold_start=args.cold_start)  # fmt: skip
+                cold_start=args.cold_start, layers=args.layers, hidden=args.hidden)  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     # The slowest first, so that the two workers finish together.
     order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert"]
-    jobs = [(m, args.seed + k) for m in order if m in args.models and m not in existing
+    flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
+    jobs = [Job(m, m, args.seed + k, args.cold_start, tuple(flags.get(OURS.get(m, ("",))[0], ())))
+            for m in order if m in args.models and m not in existing
             for k in range(args.seeds)]  # fmt: skip
     start = time.time()
-    flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
-    done = run_jobs(jobs, s, args.out, args.jobs, flags)
+    done = run_jobs(jobs, s, args.out, args.jobs)
     log(f"all runs: {(time.time() - start) / 60:.1f} min")
     done.update({(model, args.seed): path for model, path in existing.items()})
     curves = load_curves(done)
