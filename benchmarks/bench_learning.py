@@ -47,6 +47,7 @@ import gzip
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -76,8 +77,24 @@ LABELS = {
     "sas_ref": "SAS objective on transformers' ELECTRA encoder",
     "sas_c": "SAS^c (ours)",
     "sas_da": "SAS^DA (ours)",
+    "sas_paper": "SAS, the paper's recipe (ours)",
 }
 SAS_LIKE = ("sas", "sas_ref", "sas_c", "sas_da")
+# --with may add curves of other runs under their own names; "sas..." names are SAS-like.
+WITH_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def sas_like(name: str) -> bool:
+    return name in SAS_LIKE or name.startswith("sas")
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def colour(name: str, names: list[str]) -> str:
+    known = MODELS.index(name) if name in MODELS else len(MODELS) + names.index(name)
+    return f"C{known % 10}"
 
 
 def log(msg: str) -> None:
@@ -409,7 +426,7 @@ def _spread(records: list[dict], key: str) -> float | None:
 
 
 def _family_baseline(curves, models, it, sas: bool) -> float | None:
-    records = [r for m in models if (m in SAS_LIKE) == sas for r in curves[m].get(it, [])]
+    records = [r for m in models if sas_like(m) == sas for r in curves[m].get(it, [])]
     return _mean(records, "mlm_baseline_acc")
 
 
@@ -426,7 +443,7 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
     from results import Result
 
     tokens = s.batch * s.seq_length
-    models = [m for m in MODELS if m in curves]
+    models = [m for m in MODELS if m in curves] + [m for m in curves if m not in MODELS]
     iters = sorted({it for m in models for it in curves[m]})
     print(f"\nheld-out MLM accuracy (mean over seeds) by training tokens; batch {s.batch} x "
           f"seq {s.seq_length}, lr {s.lr:g}, warm-up {s.warmup_fraction:g} of {s.iters} "
@@ -450,7 +467,7 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
                    f"original {_mean(last, 'rtd_acc_original'):.3f}")  # fmt: skip
         collapse = _mean(last, "collapse_cosine")
         shown = "-" if collapse is None else f"{collapse:.4f}"
-        print(f"  {m:>8}: collapse {shown}{rtd}  ({LABELS[m]})")
+        print(f"  {m:>8}: collapse {shown}{rtd}  ({label(m)})")
     results = []
     if "taco" in curves and "bert" in curves:
         common = [it for it in iters if it in curves["taco"] and it in curves["bert"]]
@@ -507,10 +524,10 @@ def plot(curves: dict, models: list[str], s: Setting, path: str) -> None:
     for m in models:
         its = sorted(curves[m])
         x = [it * tokens for it in its]
-        style = dict(marker="o", color=f"C{MODELS.index(m)}")  # one colour per model
-        axes[0].plot(x, [_mean(curves[m][it], "mlm_acc") for it in its], label=LABELS[m], **style)
+        style = dict(marker="o", color=colour(m, models))  # one colour per model
+        axes[0].plot(x, [_mean(curves[m][it], "mlm_acc") for it in its], label=label(m), **style)
         axes[1].plot(x, [_mean(curves[m][it], "collapse_cosine") for it in its], label=m, **style)
-        if m in SAS_LIKE or m == "electra":
+        if sas_like(m) or m == "electra":
             axes[2].plot(x, [_mean(curves[m][it], "rtd_acc_replaced") for it in its],
                          label=f"{m} replaced", **style)  # fmt: skip
     base_its = sorted({it for m in models for it in curves[m]})
@@ -579,8 +596,8 @@ def main(argv=None) -> int:
         model, sep, path = item.partition("=")
         if not sep or not path:
             p.error(f"--with {item}: expected MODEL=METRICS (a metrics.jsonl)")
-        if model not in MODELS:
-            p.error(f"--with {item}: {model} is not one of {', '.join(MODELS)}")
+        if not WITH_NAME.fullmatch(model):
+            p.error(f"--with {item}: {model} is not a name (lower-case letters, digits, _)")
         if not os.path.isfile(path):
             p.error(f"--with {item}: {path} is not a file")
         existing[model] = path

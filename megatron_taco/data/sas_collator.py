@@ -37,6 +37,7 @@ COLD_STARTS = ("unigram", "uniform", "mask", "mlm")
 MASKED_COLD_STARTS = ("mask", "mlm")
 SELECT_STREAM = 2  # TACO's collator uses streams 0 and 1
 COLD_STREAM = 3
+MASK_SHARE_STREAM = 4
 KEEP = -1  # a source's "leave the original token here" (BERT's 10% kept)
 # BERT's split of the selected positions under the ``mlm`` cold start: [MASK], random, kept.
 BERT_MASK_SHARE, BERT_RANDOM_SHARE = 0.8, 0.1
@@ -74,7 +75,24 @@ class ReplacementConfig:
         flag="--cold-start-warmup-power",
     )
 
+    stored_mask_share: float = option(
+        0.0,
+        "A departure from the paper, off by default (SCRIPT keeps [MASK] in the MLM pass of a "
+        "single-network generator/critic): in the epochs that read the self-augmentation "
+        "store, this share of each instance's S reads [MASK] instead of its stored sample "
+        "(MLM label kept; no RTD label there, a [MASK] being trivially replaced), the rest the "
+        "stored sample. The model's softmax at every position of S is sampled and stored as "
+        "always (at a [MASK], a generator's sample).",
+        flag="--stored-mask-share",
+    )
+
     def __post_init__(self) -> None:
+        require(
+            0.0 <= self.stored_mask_share <= 1.0,
+            type(self),
+            "stored_mask_share",
+            f"must be in [0, 1], got {self.stored_mask_share}",
+        )
         require(
             0.0 < self.mask_prob < 1.0,
             type(self),
@@ -315,7 +333,11 @@ class SasCollator:
         source: ReplacementSource,
         fixed_positions: bool = True,
         drop_hits: bool = False,
+        mask_id: int | None = None,
     ) -> None:
+        if config.stored_mask_share and mask_id is None:
+            raise ValueError("--stored-mask-share needs the tokenizer's [MASK] id (mask_id)")
+        self.mask_id = mask_id
         self.pad_id, self.seq_length, self.seed = int(pad_id), int(seq_length), int(seed)
         self.config = config
         self.source = source
@@ -333,6 +355,11 @@ class SasCollator:
             sample["index"],
             None if self.fixed_positions else int(sample.get("epoch", 0)),
         )
+
+    def _stored_masks(self, instance: int, epoch: int, where, drop) -> np.ndarray | None:
+        share = self.config.stored_mask_share
+        masked = _stored_mask_choice(share, self.seed, instance, epoch, where.shape[0])
+        return None if masked is None else masked & ~drop
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         b, s = len(samples), self.seq_length
@@ -357,18 +384,24 @@ class SasCollator:
             hits = placed == tokens[where]
             drop = hits if (stored and self.drop_hits) else np.zeros_like(hits)
             kept = where[~drop]
+            masked = self._stored_masks(instance, epoch, where, drop) if stored else None
+            if masked is not None:
+                placed = np.where(masked, self.mask_id, placed)
             replaced = tokens.copy()
             replaced[where] = placed  # a dropped hit places the original: unchanged
             input_ids[i] = replaced
             mlm_labels[i, kept] = tokens[kept]
             # RTD over every real token ([CLS]/[SEP] included, as ELECTRA): 1 = replaced. A
             # replacement equal to the original is "original" (paper, eq. 5). None in the
-            # ``mlm`` cold start's epoch: MLM only.
+            # ``mlm`` cold start's epoch: MLM only; none at a [MASK] of --stored-mask-share.
             if self.source.detects(epoch):
                 rtd_labels[i, :length] = replaced[:length] != tokens[:length]
+                if masked is not None:
+                    rtd_labels[i, where[masked]] = IGNORE_INDEX
             positions[i, : where.shape[0]] = where
             dropped[i, : where.shape[0]] = drop
-            from_store[i] = kept.shape[0] if stored else 0
+            read = kept.shape[0] - (0 if masked is None else int(masked.sum()))
+            from_store[i] = read if stored else 0
             instances[i], epochs[i] = instance, epoch
         return {
             "input_ids": torch.from_numpy(input_ids),
@@ -381,6 +414,17 @@ class SasCollator:
             "dropped_slots": torch.from_numpy(dropped),
             "from_store": torch.from_numpy(from_store),
         }
+
+
+def _stored_mask_choice(
+    share: float, seed: int, instance: int, epoch: int, n: int
+) -> np.ndarray | None:
+    """Which of the n slots of S read [MASK] in a self-augmentation epoch (None: none),
+    seeded by (seed, instance, epoch)."""
+    if share <= 0:
+        return None
+    rng = np.random.default_rng([seed, int(instance), MASK_SHARE_STREAM, int(epoch)])
+    return rng.random(n) < share
 
 
 def _lengths(samples: Sequence[Mapping[str, Any]]) -> np.ndarray:

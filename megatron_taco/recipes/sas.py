@@ -317,6 +317,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         # S must stay put only when epoch t+1 reads what epoch t sampled at S.
         fixed_positions=augmentation.self_augmentation,
         drop_hits=augmentation.drop_replacement_hits,
+        mask_id=ctx.tokenizer.mask_id,
     )
     model = SasForPretraining(model_config, ctx.parallel, ctx.rng_tracker)
     shape = sas_shape(model_config, data.seq_length)

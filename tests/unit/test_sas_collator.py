@@ -397,3 +397,46 @@ def test_a_higher_replacement_rate_replaces_more_of_each_instance():
         batch = c30([sample])
         assert (batch["rtd_labels"][0] == 1).sum() <= (batch["mlm_labels"][0] >= 0).sum()
         assert (batch["mlm_labels"][0] >= 0).sum() == math.ceil(0.3 * (sample["length"] - 2))
+
+
+def test_stored_mask_share_puts_mask_at_part_of_s_in_the_store_epochs_only():
+    """--stored-mask-share 0.5 (a departure): in epoch 2 about half of each S reads [MASK]
+    (seeded per instance and epoch) with its MLM label and no RTD label, the rest the stored
+    token with both; from_store counts only the slots that read the store; epoch 1 (the cold
+    start) is untouched; share 0 is the paper."""
+    samples = {i: make_sample(i, length=SEQ) for i in range(200)}
+    store = FakeStore(lambda i: samples[i]["tokens"])
+    config = ReplacementConfig(cold_start="uniform", stored_mask_share=0.5)
+    probs = (~SPECIAL) / (~SPECIAL).sum()
+    half = SasCollator(pad_id=PAD, seq_length=SEQ, seed=7, config=config,
+                       source=ColdStart(probs, 7), mask_id=MASK)  # fmt: skip
+    half.source = store
+    paper = collator(source=store)
+    first = half([{**samples[i], "epoch": 0} for i in range(200)])
+    assert not (first["input_ids"] == MASK).any()
+    batch = [{**samples[i], "epoch": 1} for i in range(200)]
+    out, plain = half(batch), paper(batch)
+    masks = total = 0
+    for i in range(200):
+        where = out["replaced_positions"][i]
+        where = where[where >= 0]
+        is_mask = out["input_ids"][i][where] == MASK
+        masks, total = masks + int(is_mask.sum()), total + where.numel()
+        assert torch.equal(out["mlm_labels"][i], plain["mlm_labels"][i])
+        assert (out["rtd_labels"][i][where[is_mask]] == IGNORE_INDEX).all()
+        assert torch.equal(
+            out["rtd_labels"][i][where[~is_mask]], plain["rtd_labels"][i][where[~is_mask]]
+        )
+        assert torch.equal(
+            out["input_ids"][i][where[~is_mask]], plain["input_ids"][i][where[~is_mask]]
+        )
+        assert out["from_store"][i] == int((~is_mask).sum())
+    sd = (total * 0.25) ** 0.5
+    assert abs(masks - 0.5 * total) < 5 * sd, (masks, total)
+    assert torch.equal(half(batch)["input_ids"], out["input_ids"])  # seeded
+    again = half([{**samples[i], "epoch": 2} for i in range(200)])
+    assert not torch.equal(again["input_ids"], out["input_ids"])  # redrawn per epoch
+    with pytest.raises(ValueError, match="mask_id"):
+        SasCollator(pad_id=PAD, seq_length=SEQ, seed=7, config=config, source=store)
+    with pytest.raises(ConfigError, match="--stored-mask-share"):
+        ReplacementConfig(stored_mask_share=1.5)
