@@ -31,7 +31,9 @@ sys.path.insert(0, HERE)
 import bench_learning as bl  # noqa: E402
 
 LAMBDA_SMALL = ("--rtd-weight", "1", "--rtd-weight-final", "4")  # the paper's x 0.02
+LAMBDA_ZERO = ("--rtd-weight", "0", "--rtd-weight-final", "0")
 GDES = ("--gradient-disentangled-embedding",)
+MASK_SHARE = ("--stored-mask-share", "0.8")
 
 # name -> (model, cold start, extra flags, what it is). "{warmup}" is half the run.
 VARIANTS = {
@@ -44,12 +46,19 @@ VARIANTS = {
                    "departure: lambda 0 for the first half"),
     "rate30": ("sas", "unigram", ("--mask-prob", "0.3"), "departure: 30% replaced"),
     "lambda_small": ("sas", "unigram", LAMBDA_SMALL, "departure: lambda 1 -> 4"),
+    "mask_share": ("sas", "unigram", MASK_SHARE, "departure: 80% of S [MASK] from epoch 2"),
     "mlm_gdes": ("sas", "mlm", GDES, "release mlm + GDES"),
     "mlm_warmup": ("sas", "mlm", ("--rtd-weight-warmup-iters", "{warmup}"),
                    "release mlm + lambda 0 for the first half"),
+    "mlm_rate30": ("sas", "mlm", ("--mask-prob", "0.3"), "release mlm + 30% replaced"),
     "mlm_lambda_small": ("sas", "mlm", LAMBDA_SMALL, "release mlm + lambda 1 -> 4"),
+    "mlm_lambda0": ("sas", "mlm", LAMBDA_ZERO, "release mlm + no RTD loss: MLM on own samples"),
+    "mlm_mask_share": ("sas", "mlm", (*MASK_SHARE, *LAMBDA_SMALL),
+                       "release mlm + 80% of S [MASK] later + lambda 1 -> 4"),
     "mlm_gdes_lambda_small": ("sas", "mlm", (*GDES, *LAMBDA_SMALL),
                               "release mlm + GDES + lambda 1 -> 4"),
+    "bert_control": ("sas", "mlm", ("--stored-mask-share", "1", *LAMBDA_ZERO),
+                     "control: every epoch [MASK] at S, no RTD (BERT in SAS's code)"),
     "sas_c_mlm_lambda_small": ("sas_c", "mlm", ("--rtd-weight", "1", "--rtd-weight-final", "1"),
                                "SAS^c: release mlm + constant lambda 1"),
     "sas_da_mlm_lambda_small": ("sas_da", "mlm", LAMBDA_SMALL,
