@@ -3,8 +3,8 @@
 A pretraining run can end in an encoder that gives the same vector for every input, or
 whose MLM head predicts the corpus's most frequent token everywhere, while its loss still
 falls (it learns the unigram distribution). Neither shows in a loss curve, so every
-evaluation measures both, from two optional eval-mode outputs of the model
-(models/common/monitoring.py):
+evaluation measures both, from two optional eval-mode outputs of the model (named in
+model_outputs.py; models/common/monitoring.py builds them):
 
 - ``representation`` [rows, s, H] with ``representation_mask`` [rows, s] (real tokens):
   the last-layer vectors. ``collapse_cosine`` is the mean pairwise cosine similarity of
@@ -33,11 +33,7 @@ from typing import Any
 import torch
 
 from megatron_taco.arguments import option, require
-from megatron_taco.models.common.monitoring import (
-    LABEL_COUNTS_SUFFIX,
-    REPRESENTATION,
-    REPRESENTATION_MASK,
-)
+from megatron_taco.model_outputs import LABEL_COUNTS_SUFFIX, REPRESENTATION, REPRESENTATION_MASK
 from megatron_taco.parallel import comm
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import RunError
