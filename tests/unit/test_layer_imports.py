@@ -1,6 +1,6 @@
 """The package's layers import only downward: parallel/ -> models/ -> training/ (the generic
 driver, which knows no model), data/ depends on none of them, preprocessing/ and tasks/
-stand apart, recipes/ wires models and tasks into the driver, cli/ parses flags. Every
+stand apart (tasks/ may read data/), recipes/ wires models and tasks into the driver, cli/ parses flags. Every
 import counts, also those inside functions (the lazy ones that keep --help fast).
 Package-level modules (arguments.py, model_outputs.py) sit below every subpackage."""
 
@@ -23,7 +23,7 @@ ALLOWED = {
     "data": set(),
     "training": {"parallel", "data"},
     "preprocessing": {"data"},
-    "tasks": set(),
+    "tasks": {"data"},
     "recipes": {"parallel", "models", "data", "training", "tasks"},
     "cli": {"parallel", "models", "data", "training", "tasks", "recipes", "preprocessing"},
 }
