@@ -14,6 +14,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from megatron_taco.model_outputs import COUNT_SUFFIX
+
 # Order of the well-known fields on the console line; model keys follow alphabetically.
 _CONSOLE_FIRST = ("consumed_samples", "elapsed_ms", "lr", "global_batch_size", "loss")
 _CONSOLE_LAST = (
@@ -27,6 +29,9 @@ _NOT_ON_CONSOLE = ("split", "iteration")
 
 
 def _fmt(key: str, value: Any) -> str:
+    if key.endswith(COUNT_SUFFIX) and isinstance(value, float) and math.isfinite(value):
+        # A count per iteration (a mean over the interval): read as a whole number.
+        return str(round(value))
     if isinstance(value, float):
         if key == "lr":
             return f"{value:.4e}"

@@ -138,6 +138,10 @@ class ModelParts:
     banner: list[str] = field(default_factory=list)  # model-specific start-up lines
     title: str | None = None  # the banner's first line (default "<spec name> pretraining")
     metadata: dict[str, Any] = field(default_factory=dict)  # extra metadata.json entries
+    # What the weights start from when --load holds no checkpoint of this run yet (fine-tuning:
+    # the pretrained encoder build() loaded); None: a fresh initialisation, which --load
+    # without a checkpoint warns about.
+    initialised_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,8 +176,16 @@ class ModelSpec:
         add_dataclass_args(parser, ExitConfig, "preemption, time limits and failures")
         add_dataclass_args(parser, LearningMonitorConfig, "learning monitor")
         add_launcher_compat_args(parser)
-        # --lr: the model size's (models/*/config.py DEFAULT_LR), resolved in configs_from_args.
-        set_parser_defaults(parser, {"lr": None}, {"lr": self.model_config.default_lr_help()})
+        # --lr: the model size's (models/*/config.py DEFAULT_LR); --seq-length: the model's
+        # position table (a preset's own, e.g. tiny's 64); both resolved in flag_configs.
+        set_parser_defaults(
+            parser,
+            {"lr": None, "seq_length": None},
+            {
+                "lr": self.model_config.default_lr_help(),
+                "seq_length": "the model's --max-position-embeddings, its preset's unless given",
+            },
+        )
         return parser
 
     def flag_configs(self, args: argparse.Namespace, *, world_size: int, device_type: str):
@@ -185,6 +197,8 @@ class ModelSpec:
         model = self.model_config.from_args(args)
         if getattr(args, "lr", None) is None:
             args = argparse.Namespace(**{**vars(args), "lr": model.default_lr()})
+        if getattr(args, "seq_length", None) is None:
+            args = argparse.Namespace(**{**vars(args), "seq_length": model.max_position_embeddings})
         data = dataclass_from_args(DataConfig, args)
         task = {name: dataclass_from_args(cls, args) for name, cls, _ in self.task_configs}
         training = TrainingConfig.from_args(args)
@@ -433,18 +447,19 @@ def _keep_lr_schedule(engine) -> None:
     engine.scheduler.apply()
 
 
-def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parallel, rng_tracker):
+def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parts: ModelParts, parallel, rng_tracker):
     from megatron_taco.training.checkpointing import TrainingState, load_fitting_checkpoint
 
     t = cfg.training
+    fresh = f"starting from {parts.initialised_from or 'scratch'}"
     if t.load is None or cfg.load is None:
         # No tracker when the ranks verified --load: every rank starts from scratch, even
         # if one appeared since.
-        if t.load is not None and parallel.rank == 0:
+        if t.load is not None and parallel.rank == 0 and parts.initialised_from is None:
             logger.warning(
                 "--load %s: no %s found, training from scratch", t.load, TRACKER_FILENAME
             )
-        return TrainingState(), "starting from scratch"
+        return TrainingState(), fresh
 
     def check_layout(iteration: int) -> None:  # of a fallback chosen now
         check_resume(cfg, iteration)
@@ -463,7 +478,7 @@ def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parallel, rng_tracker):
         finetune=t.finetune,
     )
     if loaded is None:
-        return TrainingState(), "starting from scratch"
+        return TrainingState(), fresh
     if t.finetune:
         return loaded, f"fine-tuning from {t.load}"
     if t.no_load_optim:
@@ -567,7 +582,7 @@ def _pretrain(
         parameters = count_parameters(parts.model, parallel)
         norms = norm_implementations(parts.model)
         engine = initialize_engine(parts.model, t, cfg.deepspeed, parallel)
-        state, resumed = _load(engine, cfg, spec, parallel, rng_tracker)
+        state, resumed = _load(engine, cfg, spec, parts, parallel, rng_tracker)
         train_logger = TrainingLogger(
             rank=parallel.rank,
             train_iters=t.train_iters,

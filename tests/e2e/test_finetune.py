@@ -93,6 +93,15 @@ def test_classification_is_learnt(pretrained, tasks, tmp_path, model):
     res = run([PY, *finetune_args(pretrained[model], "custom", tasks["marker"], out,
                                   "--epochs", "3")], timeout=600)  # fmt: skip
     assert f"fine-tuning {model.upper()} on custom" in res.stdout
+    # The pretrained weights were loaded: no "training from scratch" warning.
+    assert "training from scratch" not in res.stderr
+    assert f"starting from the pretrained {model.upper()} encoder" in res.stdout
+    # Each epoch's dev line follows the train line of its iteration.
+    lines = res.stdout.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(" dev at iteration "):
+            iteration = int(line.split()[3])
+            assert any(f" iteration {iteration}/" in prev for prev in lines[:i]), line
     r = results(out)
     assert r["finished"] and r["pretrained"]["model"] == model.upper()
     assert [e["epoch"] for e in r["epochs"]] == [1, 2, 3]

@@ -319,6 +319,30 @@ def test_cli_checks_seq_length_against_positions(tmp_path):
         parse(tmp_path, "--seq-length", "128")
 
 
+@pytest.mark.parametrize(
+    ("spec_module", "extra", "want"),
+    [("pretrain_taco", ("--model-size", "tiny"), 64),
+     ("pretrain_sas", ("--model-size", "tiny"), 64),
+     ("pretrain_taco", ("--model-size", "small"), 512),
+     ("pretrain_taco", ("--model-size", "tiny", "--max-position-embeddings", "48",
+                       "--max-relative-distance", "40"), 48),
+     ("pretrain_taco", ("--model-size", "tiny", "--seq-length", "32"), 32)],
+)  # fmt: skip
+def test_seq_length_defaults_to_the_models_positions(tmp_path, spec_module, extra, want):
+    # A preset brings its sequence length: `--model-size tiny` alone used to keep 512 and
+    # fail against its 64 positions.
+    import importlib
+
+    spec = importlib.import_module(f"megatron_taco.cli.{spec_module}").SPEC
+    args = spec.build_parser().parse_args(
+        ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "t.model"),
+         "--train-iters", "10", "--lr-warmup-iters", "1", *extra]
+    )  # fmt: skip
+    data = spec.flag_configs(args, world_size=1, device_type="cpu")[2]
+    assert data.seq_length == want
+    assert "its preset's unless given" in " ".join(spec.build_parser().format_help().split())
+
+
 def test_cli_checks_files_last(tmp_path):
     with pytest.raises(ConfigError, match="^--data-path: dataset"):
         parse(tmp_path)
