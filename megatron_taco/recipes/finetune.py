@@ -208,6 +208,9 @@ DEFAULT_SEQ_LENGTH = {"span": 384, "multiple_choice": 512}
 _OWN_TRAINING_FIELDS = (
     "train_iters",
     "train_epochs",
+    "total_train_samples",
+    "lr_warmup_samples",
+    "lr_decay_samples",
     "save",
     "load",
     "ckpt_step",
@@ -323,6 +326,8 @@ class FinetuneSpec(ModelSpec):
             args,
             train_epochs=args.train_epochs,
             eval_iters=0,
+            bf16=bool(getattr(args, "bf16", False)),
+            fp16=bool(getattr(args, "fp16", False)),
             **output_paths(ft.output),
         )
         checkpoint = dataclass_from_args(CheckpointConfig, args)

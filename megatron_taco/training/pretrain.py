@@ -201,12 +201,12 @@ class ModelSpec:
             args = argparse.Namespace(**{**vars(args), "seq_length": model.max_position_embeddings})
         data = dataclass_from_args(DataConfig, args)
         task = {name: dataclass_from_args(cls, args) for name, cls, _ in self.task_configs}
-        training = TrainingConfig.from_args(args)
+        tp = parallel.tensor_model_parallel_size
+        check_world_size(world_size, tp)
+        training = TrainingConfig.from_args(args).resolve_length(world_size // tp)
         checkpoint = dataclass_from_args(CheckpointConfig, args)
         exit_config = dataclass_from_args(ExitConfig, args)
         monitor = dataclass_from_args(LearningMonitorConfig, args)
-        tp = parallel.tensor_model_parallel_size
-        check_world_size(world_size, tp)
         model.validate_parallel(tp)
         if monitor.exit_on_collapse and (
             training.eval_iters == 0 or not parse_split(data.split)[1]
@@ -390,9 +390,8 @@ def _banner(
         f"{m.num_layers} layers, {parameters:,} parameters",
         *(f"  {line}" for line in parts.banner),
         f"  LayerNorm: {', '.join(norms) or 'none'}",
-        f"  optimizer: {optimizer}; lr {t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_iters} iters, "
-        f"{t.lr_decay_style} decay over {t.decay_iters} iters; weight decay {t.weight_decay:g}; "
-        f"clip grad {t.clip_grad:g}",
+        f"  optimizer: {optimizer}; lr {t.lr:g} -> {t.min_lr:g}, {t.describe_schedule()}; "
+        f"weight decay {t.weight_decay:g}; clip grad {t.clip_grad:g}",
     ]
     if parts.samples_per_epoch:
         steps = parts.samples_per_epoch // ds.global_batch_size
@@ -439,12 +438,16 @@ def check_resume(cfg: PretrainConfigs, iteration: int | None) -> None:
                         iteration=iteration, optimizer=optimizer_implementation())  # fmt: skip
 
 
-def _keep_lr_schedule(engine) -> None:
+def _keep_lr_schedule(engine, state) -> None:
     # Without the optimizer DeepSpeed restores its step counters but not the LR scheduler:
-    # continue the schedule at the checkpoint's optimizer step instead of restarting it.
-    ds = engine.engine
-    engine.scheduler.last_epoch = ds.global_steps - ds.skipped_steps
-    engine.scheduler.apply()
+    # continue the schedule at the checkpoint's optimizer step instead of restarting it (a
+    # sample-based one at the consumed samples, skipped steps' included).
+    ds, scheduler = engine.engine, engine.scheduler
+    scheduler.last_epoch = ds.global_steps - ds.skipped_steps
+    scheduler.num_steps = (
+        scheduler.last_epoch if scheduler.step_size == 1 else state.consumed_samples
+    )
+    scheduler.apply()
 
 
 def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parts: ModelParts, parallel, rng_tracker):
@@ -482,7 +485,7 @@ def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parts: ModelParts, para
     if t.finetune:
         return loaded, f"fine-tuning from {t.load}"
     if t.no_load_optim:
-        _keep_lr_schedule(engine)
+        _keep_lr_schedule(engine, loaded)
     return loaded, (
         f"resumed from {t.load} at iteration {loaded.iteration} "
         f"({loaded.consumed_samples} samples consumed)"

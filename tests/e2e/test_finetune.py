@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import re
 import subprocess
 import sys
 import time
@@ -101,7 +102,7 @@ def test_classification_is_learnt(pretrained, tasks, tmp_path, model):
     for i, line in enumerate(lines):
         if line.startswith(" dev at iteration "):
             iteration = int(line.split()[3])
-            assert any(f" iteration {iteration}/" in prev for prev in lines[:i]), line
+            assert any(re.match(rf" iteration +{iteration}/", p) for p in lines[:i]), line
     r = results(out)
     assert r["finished"] and r["pretrained"]["model"] == model.upper()
     assert [e["epoch"] for e in r["epochs"]] == [1, 2, 3]
