@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +36,7 @@ DEFAULT_WARMUP_ITERS = 10000
 DEFAULT_WARMUP_FRACTION = 0.1
 DECAY_STYLES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 def _is_int(value: Any) -> bool:
@@ -206,6 +208,33 @@ class TrainingConfig:
     tensorboard_dir: str | None = option(
         None, "Write TensorBoard scalars here (rank 0).", flag="--tensorboard-dir"
     )
+    wandb_project: str | None = option(
+        None,
+        "Log to this Weights & Biases project (rank 0): the TensorBoard scalars, the run's "
+        "configuration and the loss- and learning-curve images; a resumed run continues the "
+        "W&B run its checkpoint names. Needs the wandb extra (pip install "
+        "'megatron_taco[wandb]').",
+        flag="--wandb-project",
+    )
+    wandb_exp_name: str | None = option(
+        None, "Name of the W&B run (default: one W&B makes up).", flag="--wandb-exp-name"
+    )
+    wandb_save_dir: str | None = option(
+        None,
+        "Where W&B keeps its files (default: wandb/ beside the metrics file, i.e. in "
+        "--tensorboard-dir or --save).",
+        flag="--wandb-save-dir",
+    )
+    wandb_entity: str | None = option(
+        None, "W&B team or user that owns the run (default: the API key's).", flag="--wandb-entity"
+    )
+    wandb_mode: str | None = option(
+        None,
+        "online; offline (files only, uploaded later by `wandb sync`); or disabled (default: "
+        "the WANDB_MODE environment variable, else online).",
+        flag="--wandb-mode",
+        choices=WANDB_MODES,
+    )
     metrics_file: str | None = option(
         None,
         "JSON-lines metrics log, one line per logged step and evaluation (default: "
@@ -374,7 +403,9 @@ class TrainingConfig:
         if self.ckpt_step is not None:
             positive_int("ckpt_step", self.ckpt_step, 0)
             require(self.load is not None, cls, "ckpt_step", "needs --load")
-        for name in ("save", "load", "tensorboard_dir", "metrics_file", "deepspeed_config"):
+        self._check_wandb()
+        for name in ("save", "load", "tensorboard_dir", "metrics_file", "deepspeed_config",
+                     "wandb_save_dir"):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 require(
@@ -384,6 +415,38 @@ class TrainingConfig:
                     f"expected a path, got {value!r}",
                 )
                 object.__setattr__(self, name, os.fspath(value))
+
+    def _check_wandb(self) -> None:
+        cls = TrainingConfig
+        if self.wandb_project is None:
+            for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity", "wandb_mode"):
+                require(getattr(self, name) is None, cls, name, "needs --wandb-project")
+            return
+        require(
+            isinstance(self.wandb_project, str) and self.wandb_project.strip() != "",
+            cls,
+            "wandb_project",
+            f"expected a project name, got {self.wandb_project!r}",
+        )
+        require(
+            self.wandb_mode is None or self.wandb_mode in WANDB_MODES,
+            cls,
+            "wandb_mode",
+            f"must be online, offline or disabled, got {self.wandb_mode!r}",
+        )
+        require(
+            importlib.util.find_spec("wandb") is not None,
+            cls,
+            "wandb_project",
+            "the wandb package is not installed: pip install 'megatron_taco[wandb]'",
+        )
+
+    @property
+    def resolved_wandb_dir(self) -> str | None:
+        if self.wandb_save_dir is not None:
+            return self.wandb_save_dir
+        metrics = self.resolved_metrics_file
+        return None if metrics is None else os.path.join(os.path.dirname(metrics), "wandb")
 
     def _check_schedule_units(self) -> None:
         """Megatron's rule: iteration-based runs take the -iters forms of the schedule,

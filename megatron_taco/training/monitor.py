@@ -39,6 +39,7 @@ from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import RunError
 
 COLLAPSE = "collapse_cosine"
+BASELINE_SUFFIX = "_baseline_acc"  # "<name>_baseline_acc", beside the head's "<name>_acc"
 
 
 class CollapseError(RunError):
@@ -132,7 +133,7 @@ class EvaluationStatistics:
             offset += c.numel()
             total = float(c.sum())
             if total > 0:
-                out[f"{name}_baseline_acc"] = float(c.max()) / total
+                out[name + BASELINE_SUFFIX] = float(c.max()) / total
         if self.unit_sum is not None:
             unit_sum, n = flat[offset:-1], float(flat[-1])
             if n > 1:
@@ -230,9 +231,9 @@ class LearningMonitor(Callback):
 
     def _check_plateau(self, iteration: int, metrics: dict[str, float]) -> None:
         for key in sorted(metrics):
-            if not key.endswith("_baseline_acc"):
+            if not key.endswith(BASELINE_SUFFIX):
                 continue
-            name = key[: -len("_baseline_acc")]
+            name = key[: -len(BASELINE_SUFFIX)]
             acc, base = metrics.get(f"{name}_acc"), metrics[key]
             if acc is not None and acc < self.config.plateau_margin * base:
                 self.emit(

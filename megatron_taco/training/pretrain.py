@@ -438,6 +438,18 @@ def check_resume(cfg: PretrainConfigs, iteration: int | None) -> None:
                         iteration=iteration, optimizer=optimizer_implementation())  # fmt: skip
 
 
+def _open_wandb(cfg: PretrainConfigs, run_id: str | None):
+    """Rank 0's W&B run (--wandb-project), or None."""
+    t = cfg.training
+    if t.wandb_project is None:
+        return None
+    from megatron_taco.training.tracking import WandbRun
+
+    return WandbRun(project=t.wandb_project, name=t.wandb_exp_name, save_dir=t.resolved_wandb_dir,
+                    entity=t.wandb_entity, mode=t.wandb_mode, config=cfg.as_dict(),
+                    run_id=run_id)  # fmt: skip
+
+
 def _keep_lr_schedule(engine, state) -> None:
     # Without the optimizer DeepSpeed restores its step counters but not the LR scheduler:
     # continue the schedule at the checkpoint's optimizer step instead of restarting it (a
@@ -538,7 +550,8 @@ def _pretrain(
     from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import PretrainTask, Trainer
     from megatron_taco.training.monitor import LearningMonitor
-    from megatron_taco.training.plots import plot_loss_curves
+    from megatron_taco.training.plots import plot_learning_curves, plot_loss_curves
+    from megatron_taco.training.tracking import WandbRunState, saved_run_id
 
     apply_numerics(cfg.training)  # before any CUDA work, the model's included
     # DeepSpeed's INFO output (config dumps, per-step notes) drowns the training log.
@@ -586,6 +599,8 @@ def _pretrain(
         norms = norm_implementations(parts.model)
         engine = initialize_engine(parts.model, t, cfg.deepspeed, parallel)
         state, resumed = _load(engine, cfg, spec, parts, parallel, rng_tracker)
+        wandb_run_id = saved_run_id(state.callback_states)
+        tracker = _open_wandb(cfg, wandb_run_id) if parallel.rank == 0 else None
         train_logger = TrainingLogger(
             rank=parallel.rank,
             train_iters=t.train_iters,
@@ -593,6 +608,7 @@ def _pretrain(
             tensorboard_dir=t.tensorboard_dir,
             metrics_file=t.resolved_metrics_file,
             progress_bar=t.progress_bar,
+            tracker=tracker,
         )
         train_logger.print(
             _banner(
@@ -614,7 +630,15 @@ def _pretrain(
             tokens_per_sample=parts.tokens_per_sample,
             train_flops=parts.train_flops,
             samples_per_epoch=parts.samples_per_epoch,
-            callbacks=parts.callbacks,
+            callbacks=[
+                *parts.callbacks,
+                # The W&B run id travels in the checkpoints, also through runs without W&B.
+                *(
+                    [WandbRunState(tracker, wandb_run_id)]
+                    if t.wandb_project or wandb_run_id
+                    else []
+                ),
+            ],
         )
         trainer = Trainer(
             engine,
@@ -639,12 +663,14 @@ def _pretrain(
         )
         trainer.train(state)
         monitor.phase = "teardown"
-        train_logger.close()
         metrics_file = t.resolved_metrics_file
         if parallel.rank == 0 and metrics_file is not None and os.path.isfile(metrics_file):
-            png = plot_loss_curves(metrics_file)
-            if png is not None:
-                train_logger.print(f" loss curves: {png}")
+            for name, plot in (("loss_curve", plot_loss_curves), ("learning_curve", plot_learning_curves)):  # fmt: skip
+                png = plot(metrics_file)
+                if png is not None:
+                    train_logger.print(f" {name.replace('_', ' ')}s: {png}")
+                    train_logger.image(name, png, state.iteration)
+        train_logger.close()
         if torch.distributed.is_initialized():
             comm.barrier()
         return 0
