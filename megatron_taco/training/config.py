@@ -221,7 +221,7 @@ class TrainingConfig:
     )
     wandb_save_dir: str | None = option(
         None,
-        "Where W&B keeps its files (default: wandb/ beside the metrics file, i.e. in "
+        "Directory W&B writes its wandb/ folder in (default: the metrics file's, i.e. "
         "--tensorboard-dir or --save).",
         flag="--wandb-save-dir",
     )
@@ -445,8 +445,8 @@ class TrainingConfig:
     def resolved_wandb_dir(self) -> str | None:
         if self.wandb_save_dir is not None:
             return self.wandb_save_dir
-        metrics = self.resolved_metrics_file
-        return None if metrics is None else os.path.join(os.path.dirname(metrics), "wandb")
+        metrics = self.resolved_metrics_file  # W&B adds its own wandb/ below it
+        return None if metrics is None else os.path.dirname(metrics)
 
     def _check_schedule_units(self) -> None:
         """Megatron's rule: iteration-based runs take the -iters forms of the schedule,

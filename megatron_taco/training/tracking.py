@@ -48,6 +48,8 @@ class WandbRun:
             # "allow": continue the run with this id where it exists, else start it (an
             # offline run, or one whose first save came before W&B saw anything).
             resume="allow" if run_id else None,
+            # No history sparklines at the end of a SLURM log.
+            settings=wandb.Settings(quiet=True),
         )
 
     @property

@@ -130,7 +130,7 @@ def test_wandb_flags_need_a_project_and_the_package(monkeypatch):
     with pytest.raises(ConfigError, match="^--wandb-mode: must be online, offline or disabled"):
         TrainingConfig(train_iters=10, wandb_project="p", wandb_mode="sometimes")
     t = TrainingConfig(train_iters=10, wandb_project="p", save="ckpt")
-    assert t.resolved_wandb_dir == "ckpt/wandb"  # beside the metrics file
+    assert t.resolved_wandb_dir == "ckpt"  # W&B's wandb/ beside the metrics file
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a)
