@@ -149,7 +149,7 @@ def prepare_data(corpus: str, mb: float, vocab: int) -> dict:
     tok = os.path.join(root, "tok")
     subprocess.run([py, os.path.join(REPO, "tools", "train_tokenizer.py"), "--input", jsonl,
                     "--model-prefix", tok, "--vocab-size", str(vocab), "--split-sentences",
-                    "--quiet"], check=True, cwd=REPO)  # fmt: skip
+                   ], check=True, cwd=REPO)  # fmt: skip
     subprocess.run([py, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", jsonl,
                     "--tokenizer-model", tok + ".model", "--output-prefix", prefix,
                     "--split-sentences", "--workers", "2"],

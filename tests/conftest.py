@@ -26,7 +26,6 @@ def tokenizer_model(tmp_path_factory) -> str:
         vocab_size=TOKENIZER_VOCAB_SIZE,
         model_type="unigram",
         num_threads=1,
-        quiet=True,
     )
     return train_tokenizer(config)
 

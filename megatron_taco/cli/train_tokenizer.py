@@ -107,7 +107,9 @@ class TrainTokenizerConfig:
     min_chars: int = option(0, help="Skip documents shorter than this many characters")
     num_threads: int = option(os.cpu_count() or 1, help="Training threads")
     seed: int = option(1234, help="Seed of the sentence sampling (reproducible models)")
-    quiet: bool = option(False, help="Hide sentencepiece's progress log")
+    verbose: bool = option(
+        False, help="Show sentencepiece's training log (some hundred lines); hidden by default"
+    )
 
     def __post_init__(self) -> None:
         cls = TrainTokenizerConfig
@@ -269,7 +271,7 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
             # Exactly --vocab-size pieces: the embedding table and every dataset's unigram
             # counts are sized from it. A corpus too small for it is reported below.
             hard_vocab_limit=True,
-            minloglevel=1 if config.quiet else 0,
+            minloglevel=0 if config.verbose else 1,
         )
     except RuntimeError as e:
         message = str(e)

@@ -178,6 +178,8 @@ class Instances:
 
 
 def build_instances(ctx: BuildContext) -> Instances:
+    from megatron_taco.parallel import comm
+
     cfg = ctx.configs
     t = cfg.training
     return make_instances(
@@ -187,6 +189,7 @@ def build_instances(ctx: BuildContext) -> Instances:
         t.eval_samples(ctx.parallel.dp_size),
         train_epochs=t.train_epochs,
         train_samples=None if t.train_epochs is not None else t.train_samples(ctx.parallel.dp_size),
+        barrier=comm.barrier,
     )
 
 
@@ -198,9 +201,11 @@ def make_instances(
     *,
     train_epochs: int | None = None,
     train_samples: int | None = None,
+    barrier=None,
 ) -> Instances:
     """The fixed instances of a SAS run and its train/valid/test streams (one of
-    ``train_epochs``, ``train_samples`` gives its length)."""
+    ``train_epochs``, ``train_samples`` gives its length; ``barrier``: the data cache's, see
+    data/cache.py)."""
     from megatron_taco.data.bert_dataset import (
         build_train_valid_test_datasets,
         train_samples_per_dataset,
@@ -209,7 +214,7 @@ def make_instances(
     from megatron_taco.data.epochs import InstanceEpochDataset
 
     gbs = global_batch_size
-    per_dataset = train_samples_per_dataset(data)
+    per_dataset = train_samples_per_dataset(data, barrier)
     per_pass = sum(per_dataset)
     # Whole global batches per epoch, so that no batch straddles two epochs (epoch t+1 reads
     # what epoch t wrote); the few instances cut are the same ones in every epoch.
@@ -220,7 +225,7 @@ def make_instances(
             "fewer than one global batch"
         )
     train, valid, test = build_train_valid_test_datasets(
-        data, tokenizer, (per_pass, eval_samples, eval_samples)
+        data, tokenizer, (per_pass, eval_samples, eval_samples), barrier
     )
     if train_epochs is not None:
         epochs = Fraction(train_epochs)
