@@ -202,8 +202,13 @@ def plot(curves: dict, table: dict, flops: dict, tokens: int, path: str) -> None
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_sas_variants.py", description=__doc__.split("\n")[0])
-    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
-                   help="Variants to run (none: only report the --with ones).")
+    p.add_argument(
+        "--variants",
+        nargs="*",
+        default=list(VARIANTS),
+        choices=list(VARIANTS),
+        help="Variants to run (none: only report the --with ones).",
+    )
     p.add_argument("--data-path", required=True)
     p.add_argument("--tokenizer-model", required=True)
     p.add_argument("--data-cache-path")
