@@ -9,12 +9,15 @@ a multi-rank run.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -261,6 +264,35 @@ def agree_on_optimizer(mine: str) -> None:
         )
 
 
+def accelerator_device_index() -> int:
+    """The index of the device this rank chose (set_cuda_device, before the process group):
+    the one DeepSpeed must use too."""
+    from deepspeed.accelerator import get_accelerator
+
+    return int(get_accelerator().current_device())
+
+
+# Where DeepSpeed reads the device ordinal from the environment: its engine takes LOCAL_RANK
+# unless given args.device_rank, ZeRO-3's zero.Init (built inside deepspeed.initialize) has no
+# such argument, and the engine asserts Open MPI's local rank equals LOCAL_RANK.
+_DEVICE_RANK_ENV = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+@contextlib.contextmanager
+def deepspeed_device_env(index: int) -> Iterator[None]:
+    """LOCAL_RANK (and Open MPI's copy) read as the device ``index`` while DeepSpeed builds
+    its engine. DeepSpeed takes LOCAL_RANK for the device ordinal; with one GPU per task
+    (``srun --gpus-per-task=1``) every rank's device is 0 whatever its LOCAL_RANK, and
+    cuda:LOCAL_RANK is "invalid device ordinal" on every rank but the first. Restored after:
+    the launcher's LOCAL_RANK keeps its meaning for everything else."""
+    saved = {key: os.environ[key] for key in _DEVICE_RANK_ENV if key in os.environ}
+    os.environ.update({key: str(index) for key in saved})
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def initialize_engine(
     model: nn.Module,
     training: TrainingConfig,
@@ -281,14 +313,18 @@ def initialize_engine(
     agree_on_optimizer(optimizer_implementation())
     optimizer, impl = build_optimizer(model, training)
     scheduler = build_scheduler(optimizer, training)
-    engine, _, _, ds_scheduler = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        mpu=parallel,
-        config=settings.config,
-        dist_init_required=False,
-    )
+    device = accelerator_device_index()
+    with deepspeed_device_env(device):
+        engine, _, _, ds_scheduler = deepspeed.initialize(
+            # device_rank: the engine's own device (it ignores LOCAL_RANK then).
+            args=SimpleNamespace(device_rank=device),
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            mpu=parallel,
+            config=settings.config,
+            dist_init_required=False,
+        )
     if ds_scheduler is not scheduler:
         raise RuntimeError("DeepSpeed replaced the LR scheduler; remove 'scheduler' from the JSON")
     return Engine(engine=engine, optimizer_impl=impl, scheduler=scheduler, settings=settings)
