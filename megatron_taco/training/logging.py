@@ -22,6 +22,7 @@ _CONSOLE_LAST = (
     "samples_per_s",
     "tokens_per_s",
     "tflops_per_rank",
+    "mfu",
 )
 _NOT_ON_CONSOLE = ("split", "iteration")
 

@@ -35,6 +35,7 @@ from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.engine import Engine, gradient_norm, to_device, unscaled_grad_norm
 from megatron_taco.training.logging import TrainingLogger
 from megatron_taco.training.monitor import EvaluationStatistics, LearningMonitor
+from megatron_taco.training.peaks import device_peak, mfu
 from megatron_taco.training.signals import ExitMonitor
 
 COUNT_SUFFIX = "_tokens"
@@ -167,6 +168,8 @@ class Trainer:
         self.exit_monitor = exit_monitor
         self.learning_monitor = learning_monitor
         self.global_batch_size = engine.settings.global_batch_size
+        # The data sheet's dense peak for this device and precision (None: no MFU logged).
+        self.device_peak = device_peak(engine.device, engine.settings.precision)
         self.grad_accum_steps = engine.settings.grad_accum_steps
         self.last_saved_iteration: int | None = None
         # The learning monitor is a callback for its state (its collapse streak) only.
@@ -511,5 +514,9 @@ class Trainer:
             # Model FLOPs per rank (Megatron's convention): the whole model's work divided
             # over every rank, tensor-parallel ones included.
             flops = self.task.train_flops(self.global_batch_size) * iterations
-            out["tflops_per_rank"] = flops / seconds / self.parallel.world_size / 1e12
+            per_rank = flops / seconds / self.parallel.world_size
+            out["tflops_per_rank"] = per_rank / 1e12
+            utilisation = mfu(per_rank, self.device_peak)
+            if utilisation is not None:
+                out["mfu"] = utilisation
         return out
