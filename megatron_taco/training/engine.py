@@ -186,9 +186,10 @@ def count_parameters(model: nn.Module, parallel: ParallelState) -> int:
     return int(total.item())
 
 
-def gradient_norm(model: nn.Module, parallel: ParallelState) -> float:
+def gradient_norm(model: nn.Module, parallel: ParallelState) -> torch.Tensor:
     """Global 2-norm of the gradients, tensor-parallel shards included and replicated
-    parameters counted once (what DeepSpeed clips)."""
+    parameters counted once (what DeepSpeed clips): a 0-dim tensor on the gradients' device,
+    read by the loop with its other end-of-step values in one transfer."""
     squares = [
         p.grad.detach().float().pow(2).sum()
         for p in model.parameters()
@@ -197,7 +198,7 @@ def gradient_norm(model: nn.Module, parallel: ParallelState) -> float:
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if dist.is_initialized() and parallel.tp_size > 1:
         comm.all_reduce(total, parallel.get_tensor_model_parallel_group())
-    return float(total.sqrt().item())
+    return total.sqrt()
 
 
 def unscaled_grad_norm(optimizer, norm: float | None, loss_scale: float) -> float | None:
