@@ -296,10 +296,16 @@ def run(cmd: list[str], timeout: int = 240, check: bool = True) -> subprocess.Co
 
 
 def deepspeed_command(script: str, *args: str, num_gpus: int = 2) -> list[str]:
-    launcher = BIN / "deepspeed"
-    assert launcher.is_file(), f"no deepspeed launcher beside {sys.executable}"
+    # The launcher script beside the interpreter (a venv), else its module: `make gpu-test`
+    # puts DeepSpeed in a private folder on PYTHONPATH, where no script is on PATH.
+    script_launcher = BIN / "deepspeed"
+    launcher = (
+        [str(script_launcher)]
+        if script_launcher.is_file()
+        else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    )
     # A free port: other test runs on this machine may hold DeepSpeed's default 29500.
-    return [str(launcher), "--num_gpus", str(num_gpus), "--master_port", str(free_port()),
+    return [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(free_port()),
             script, *args]  # fmt: skip
 
 

@@ -624,7 +624,11 @@ def _pretrain(
         train_logger.close()
         metrics_file = t.resolved_metrics_file
         if parallel.rank == 0 and metrics_file is not None and os.path.isfile(metrics_file):
-            png = plot_loss_curves(metrics_file)
+            try:
+                png = plot_loss_curves(metrics_file)
+            except ModuleNotFoundError as e:  # matplotlib: optional where only training runs
+                png = None
+                train_logger.print(f" no loss-curve plot: {e} ({metrics_file} has the values)")
             if png is not None:
                 train_logger.print(f" loss curves: {png}")
         if torch.distributed.is_initialized():
