@@ -183,7 +183,7 @@ class Trainer:
         # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only;
         # with a plain torch optimizer (ZeRO 0, fp32) it computes and discards it.
         self._own_grad_norm = not hasattr(self.ds.optimizer, "_global_grad_norm")
-        self._pinned: torch.Tensor | None = None  # _host_values' staging buffer
+        self._host_buffer: torch.Tensor | None = None  # _host_values' staging buffer
 
     # -- data ---------------------------------------------------------------------------
 
@@ -249,16 +249,17 @@ class Trainer:
 
     def _host_values(self, values: list[float]) -> torch.Tensor:
         """Host numbers on the device without a synchronising copy: a pageable host->device
-        copy waits for the stream; this goes through a pinned buffer, reused every step (its
-        previous copy has finished: the end-of-step read waited for it)."""
+        copy (torch.tensor(..., device=)) waits for the stream; this one goes through a host
+        buffer, pinned on a GPU and reused every step (its previous copy has finished: the
+        end-of-step read waited for it)."""
         device = self.ds.device
-        if device.type != "cuda":
-            return torch.tensor(values, dtype=torch.float64)
-        if self._pinned is None or self._pinned.numel() != len(values):
-            self._pinned = torch.empty(len(values), dtype=torch.float64, pin_memory=True)
+        if self._host_buffer is None or self._host_buffer.numel() != len(values):
+            self._host_buffer = torch.empty(
+                len(values), dtype=torch.float64, pin_memory=device.type == "cuda"
+            )
         for i, value in enumerate(values):
-            self._pinned[i] = value
-        return self._pinned.to(device, non_blocking=True)
+            self._host_buffer[i].fill_(value)  # not [i] = value: a tensor made of each value
+        return self._host_buffer.to(device, non_blocking=True)
 
     def _end_of_iteration(
         self, iteration: int, acc: MetricAccumulator, norm: torch.Tensor | float | None
