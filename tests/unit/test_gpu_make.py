@@ -101,7 +101,12 @@ def test_wheelhouse_for_the_lent_gpu_nodes_installs_offline(tmp_path):
     if not _pypi_reachable():
         pytest.skip("PyPI is not reachable from here: the wheelhouse cannot be downloaded")
     out = tmp_path / "wheels"
-    res = _make("gpu-wheels", f"GPU_WHEELS={out}")
+    # What `make gpu-wheels` runs (with the venv's python, which make would first build).
+    plan = _make("-n", "gpu-wheels", f"GPU_WHEELS={out}", "VENV=/nonexistent").stdout
+    assert "tools/gpu_wheels.py build --python-version 3.12" in plan
+    assert "--installed requirements/gpu_node_py312.txt" in plan
+    res = subprocess.run([sys.executable, "tools/gpu_wheels.py", "build", "--out", str(out)],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     (summary,) = [line for line in res.stdout.splitlines() if line.startswith("gpu-wheels:")]
     wheels = sorted(out.glob("*.whl"))
