@@ -55,71 +55,37 @@ format: venv
 bench: venv
 	$(PY) benchmarks/run_all.py
 
-# The GPU tier (tests/gpu; README "GPUs"). `make gpu-test` runs where $(GPU_PYTHON) (default
-# python3 on PATH, e.g. an activated venv) already has torch's CUDA build: it installs the
-# other dependencies offline from $(GPU_WHEELS) when that folder is there (else they must be
-# installed, README "GPU install"), the package itself, then tests/gpu, and writes one report,
-# $(GPU_REPORT)/report.md and report.json. `make gpu-wheels`, on a machine that reaches PyPI
-# with the same Python version and platform, fills $(GPU_WHEELS) (ignored by git: copy it
-# along with the tree): a wheel of every dependency but torch and its CUDA libraries, pinned
-# as the CPU venv resolved them, DeepSpeed as a pure-Python wheel (its ops not prebuilt:
-# DeepSpeed JIT-builds an op on first use, and this project uses none on GPUs).
+# The GPU tier (tests/gpu; docs/gpus.md). `make gpu-test` runs where $(GPU_PYTHON) (default
+# python3 on PATH) already has torch's CUDA build (>= 2.6). It checks that first, and that
+# $(GPU_WHEELS), when there, was built for its Python and platform; installs those wheels
+# with --no-deps into the private folder $(GPU_SITE), first on PYTHONPATH with the tree
+# (nothing of the machine's own packages is replaced, no package install, no bundled mpirun);
+# checks requirements/gpu.txt is met; runs tests/gpu; writes $(GPU_REPORT)/report.md and
+# report.json. `make gpu-wheels` (on a machine that reaches PyPI) fills $(GPU_WHEELS) for
+# the target's Python $(GPU_TARGET_PYTHON) and platform $(GPU_TARGET_PLATFORM), with what
+# requirements/gpu.txt needs and $(GPU_INSTALLED), the target's `pip list --format=freeze`,
+# lacks (the default: the lent GPU nodes' list); it prints the size (at most 64 MiB carried).
 GPU_PYTHON ?= python3
 GPU_WHEELS ?= build/gpu_wheels
+GPU_SITE ?= build/gpu_site
 GPU_REPORT ?= build/gpu_report
+GPU_TARGET_PYTHON ?= 3.12
+GPU_TARGET_PLATFORM ?= manylinux_2_28_x86_64
+GPU_INSTALLED ?= requirements/gpu_node_py312.txt
 LLAMA_INDEX_CORE := llama-index-core==0.14.25
 
-# What gpu-test needs besides torch, the pins of requirements/cpu.txt and dev.txt (what
-# gpu-wheels packs): without them pytest or an import would fail halfway, with a traceback.
-# Not needed to run the tier: the linter, and MPICH's wheel (a cluster may use its own MPI).
-define GPU_DEPS_CHECK
-import importlib.metadata as meta, re, sys
-pins = [re.split(r"[=<>~!; ]", line.strip())[0] for name in ("cpu", "dev")
-        for line in open(f"requirements/{name}.txt") if line.strip()[:1] not in ("", "#")]
-missing = []
-for pin in pins:
-    try:
-        meta.distribution(pin)
-    except meta.PackageNotFoundError:
-        missing.append(pin)
-missing = [pin for pin in missing if pin not in ("torch", "ruff", "mpich")]
-if missing:
-    print(f"gpu-test: {sys.executable} lacks {', '.join(missing)}: install them (pip install "
-          "-r <(grep -v '^torch' requirements/cpu.txt) -r requirements/dev.txt), or run make "
-          "gpu-wheels where PyPI is reachable and copy its folder here", file=sys.stderr)
-    sys.exit(2)
-endef
-export GPU_DEPS_CHECK
-
 gpu-wheels: venv
-	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
-	$(PY) -m pip freeze --exclude-editable \
-	    | grep -viE '^(torch|triton|nvidia-[a-z0-9-]*|deepspeed)(==| @)' > $(GPU_WHEELS)/pinned.txt
-	grep -iE '^setuptools==' requirements/dev.txt >> $(GPU_WHEELS)/pinned.txt
-	$(PY) -m pip wheel -q --no-deps --wheel-dir $(GPU_WHEELS) -r $(GPU_WHEELS)/pinned.txt
-	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation --wheel-dir $(GPU_WHEELS) \
-	    $$(grep -iE '^deepspeed==' requirements/cpu.txt)
-	{ grep -v '^torch' requirements/cpu.txt; cat requirements/dev.txt; } > $(GPU_WHEELS)/requirements.txt
-	$(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' > $(GPU_WHEELS)/python-version
-	@echo "gpu-wheels: $$(ls $(GPU_WHEELS)/*.whl | wc -l) wheels, $$(du -sh $(GPU_WHEELS) | cut -f1), in $(GPU_WHEELS)"
+	$(PY) tools/gpu_wheels.py build --python-version $(GPU_TARGET_PYTHON) \
+	    --platform $(GPU_TARGET_PLATFORM) --installed $(GPU_INSTALLED) --out $(GPU_WHEELS)
 
 gpu-test:
-	@$(GPU_PYTHON) -c 'import torch' 2>/dev/null || { echo "gpu-test: $(GPU_PYTHON) cannot import \
-	torch: install torch's CUDA build first (README, GPU install), or set GPU_PYTHON"; exit 2; }
-	@if [ -d $(GPU_WHEELS) ]; then \
-	    want=$$(cat $(GPU_WHEELS)/python-version); \
-	    have=$$($(GPU_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
-	    if [ "$$want" != "$$have" ]; then echo "gpu-test: $(GPU_WHEELS) holds wheels for \
-	Python $$want, $(GPU_PYTHON) is Python $$have: run make gpu-wheels with Python $$have"; \
-	        exit 2; fi; \
-	    $(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) \
-	        -r $(GPU_WHEELS)/requirements.txt && \
-	    $(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) --no-deps \
-	        $(LLAMA_INDEX_CORE) || exit 2; \
-	fi
-	@$(GPU_PYTHON) -c "$$GPU_DEPS_CHECK"
-	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
-	GPU_REPORT_DIR=$(GPU_REPORT) $(GPU_PYTHON) -m pytest -q -rs tests/gpu; \
+	@$(GPU_PYTHON) tools/gpu_wheels.py check --wheels $(GPU_WHEELS)
+	@if [ -f $(GPU_WHEELS)/wheelhouse.json ]; then rm -rf $(GPU_SITE) && \
+	    $(GPU_PYTHON) -m pip install -q --no-index --no-deps --target $(GPU_SITE) \
+	        $(GPU_WHEELS)/*.whl || exit 2; fi
+	@PYTHONPATH=$(CURDIR)/$(GPU_SITE):$(CURDIR) $(GPU_PYTHON) tools/gpu_wheels.py deps
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE):$(CURDIR) GPU_REPORT_DIR=$(GPU_REPORT) \
+	    $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider tests/gpu; \
 	    status=$$?; echo "gpu-test: report in $(GPU_REPORT)/report.md"; exit $$status
 
 clean:

@@ -16,8 +16,8 @@ the loss) at base size, seq 512: SAS-base against transformers' ELECTRA-base dis
 our exporter (models/sas/hf.py) so the architectures are the same.
 
 On a GPU every model runs in bf16 (--dtype), ELECTRA with transformers' SDPA attention;
-tokens/s and MFU (model FLOPs, hardware-honest: ELECTRA's count x 1.5, over the detected
-GPU's dense bf16 peak, timing.GPU_BF16_PEAKS) are printed per model. SAS's batch carries
+tokens/s and MFU (the model FLOPs that run, models/flops.py, over the detected GPU's dense
+bf16 peak, megatron_taco/training/peaks.py) are printed per model. SAS's batch carries
 the host numbers its collator counts (models/common/host.py): nothing is read back from the
 GPU inside its step.
 
@@ -28,6 +28,7 @@ GPU inside its step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from timing import (
@@ -45,9 +46,10 @@ from timing import (
 from megatron_taco.models.common.host import HOST_KEY
 from megatron_taco.models.flops import (
     EncoderShape,
-    electra_train_flops,
     generator_shape,
-    sas_train_flops,
+    sas_encoder_shape,
+    sas_forward_flops,
+    sas_train_flops_executed,
 )
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.models.sas.model import SasForPretraining
@@ -178,23 +180,29 @@ def _per_token(forward, model, probe) -> float:
     return peak_activation_bytes(forward_backward, model.parameters()) / probe[..., 0].numel()
 
 
-def step_flops(batch: int, seq: int) -> dict[str, float]:
-    """Model FLOPs of one training step of each model (ELECTRA's convention x 1.5: backward
-    costs twice the forward on hardware, as the training log counts them)."""
-    config = SasConfig.preset("small", vocab_size=VOCAB)
-    shape = EncoderShape(layers=config.num_layers, hidden=config.hidden_size,
-                         ffn=config.ffn_hidden_size, heads=config.num_attention_heads,
-                         head_size=config.hidden_size // config.num_attention_heads,
-                         embedding_size=config.embedding_size, vocab_size=VOCAB,
-                         seq_length=seq)  # fmt: skip
-    electra = EncoderShape(layers=12, hidden=256, ffn=1024, heads=4, head_size=64,
-                           embedding_size=128, vocab_size=VOCAB, seq_length=seq)  # fmt: skip
-    return {
-        "SAS-small": 1.5 * sas_train_flops(shape, batch, 1),
-        "SAS^DA-small": 1.5 * sas_train_flops(shape, batch, 1, disentangled_attention=True),
-        "ELECTRA-small": 1.5
-        * electra_train_flops(electra, generator_shape(electra, divisor=4), batch, 1),
-    }
+def step_flops(rows: int, seq: int, labelled: int, sas_models: dict) -> dict[str, float]:
+    """Model FLOPs of one training step of each model: the matmuls that run, backward twice
+    the forward (models/flops.py, the count the training log uses). ``labelled``: the batch's
+    MLM tokens; ``sas_models``: name -> the SAS model timed (its padded vocabulary, relative
+    rows)."""
+    flops = {}
+    for name, model in sas_models.items():
+        shape = dataclasses.replace(
+            sas_encoder_shape(model.config, seq),
+            vocab_size=model.sas.embeddings.word_embeddings.weight.shape[0],
+        )
+        flops[name] = sas_train_flops_executed(
+            shape, rows, labelled, relative_rows=model.sas.relative_rows_used(seq)
+        )
+    # ELECTRA-small (build_electra): the discriminator with its RTD head on every token, the
+    # generator (hidden 64, the tied 128-wide embeddings) with its MLM head on the labelled.
+    disc = EncoderShape(layers=12, hidden=256, ffn=1024, heads=4, head_size=64,
+                        embedding_size=128, vocab_size=VOCAB, seq_length=seq)  # fmt: skip
+    gen = dataclasses.replace(generator_shape(disc, divisor=4), embedding_size=128)
+    flops["ELECTRA-small"] = 3.0 * (
+        sas_forward_flops(disc, rows, 0) + sas_forward_flops(gen, rows, labelled, rtd=False)
+    )
+    return flops
 
 
 def main(argv=None) -> None:
@@ -229,6 +237,7 @@ def main(argv=None) -> None:
     electra_params = {id(p): p for m in (gen, disc) for p in m.parameters()}
     opt_e = torch.optim.AdamW(list(electra_params.values()), lr=1e-4)
     steps = {"ELECTRA-small": lambda: electra_step(gen, disc, opt_e, batch)}
+    sas_models = {}
     variants = [("SAS-small", False, False), ("SAS^DA-small", True, False)]
     if args.compile:
         variants += [("SAS-small+compile", False, True), ("SAS^DA-small+compile", True, True)]
@@ -236,6 +245,7 @@ def main(argv=None) -> None:
         model = build_sas(da, compile=compiled).to(device, dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         steps[name] = lambda m=model, o=opt: sas_step(m, o, batch)
+        sas_models[name] = model
 
     for _ in range(args.warmup):  # the first warm-up compiles
         for step in steps.values():
@@ -249,10 +259,11 @@ def main(argv=None) -> None:
     electra = times["ELECTRA-small"]
     peak, peak_note = compute_peak(device, dtype)
     print(f"dtype {dtype}; MFU against: {peak_note}")
-    flops = step_flops(args.batch, args.seq_length)
+    labelled = int((batch["mlm_labels"] >= 0).sum())
+    flops = step_flops(args.batch, args.seq_length, labelled, sas_models)
     for name, ts in times.items():
         t = sorted(ts)[len(ts) // 2]
-        f = flops[name.split("+")[0]]
+        f = flops[name]
         print(f"  {name:22s} {1000 * t:8.1f} ms/step  {tokens / t:9.0f} tokens/s  "
               f"MFU {f / t / peak:6.1%}  per-repeat ms {[round(1000 * x) for x in ts]}")  # fmt: skip
 

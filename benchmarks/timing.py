@@ -14,6 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron_taco.training.peaks import gpu_bf16_peak
+
 
 def gemm_peak(device, dtype=torch.float32, n: int = 2048, iters: int = 10) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -27,36 +29,6 @@ def gemm_peak(device, dtype=torch.float32, n: int = 2048, iters: int = 10) -> fl
         sync(device)
         best = min(best, (time.perf_counter() - t) / iters)
     return 2 * n**3 / best
-
-
-# Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from NVIDIA's data sheets. The first
-# entry whose name appears in torch.cuda.get_device_name() wins, so the specific names come
-# first ("H100 PCIe" before "H100", "A10G" before "A10"); None: no published figure, the
-# benchmark measures a bf16 GEMM instead.
-GPU_BF16_PEAKS: tuple[tuple[str, float | None], ...] = (
-    ("GH200", 989e12),
-    ("H200 NVL", 835e12),
-    ("H200", 989e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
-    ("H800", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),  # SXM4 and PCIe
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("A10G", None),
-    ("A10", 125e12),
-    ("L4", 121e12),
-)
-
-
-def gpu_bf16_peak(device_name: str) -> float | None:
-    for name, peak in GPU_BF16_PEAKS:
-        if name in device_name:
-            return peak
-    return None
 
 
 def compute_peak(device, dtype) -> tuple[float, str]:

@@ -50,7 +50,14 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, timeout: float
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    timeout: float,
+    backend: str = "gloo",
 ) -> None:
     # A rank still running shortly before the parent gives up prints where it is stuck.
     faulthandler.dump_traceback_later(max(timeout - 15, 1), exit=False)
@@ -66,7 +73,9 @@ def _worker(
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank, chosen before the process group
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # every failure, even SystemExit, must reach the parent
@@ -78,14 +87,19 @@ def _worker(
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
-    """``fn`` must be importable (module level) so spawned processes can unpickle it."""
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo"
+) -> list[Any]:
+    """``fn`` must be importable (module level) so spawned processes can unpickle it.
+    ``backend="nccl"``: rank r on GPU r (tests/gpu)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
-            target=_worker, args=(r, world_size, port, fn, args, queue, timeout), daemon=False
+            target=_worker,
+            args=(r, world_size, port, fn, args, queue, timeout, backend),
+            daemon=False,
         )
         for r in range(world_size)
     ]
@@ -296,10 +310,16 @@ def run(cmd: list[str], timeout: int = 240, check: bool = True) -> subprocess.Co
 
 
 def deepspeed_command(script: str, *args: str, num_gpus: int = 2) -> list[str]:
-    launcher = BIN / "deepspeed"
-    assert launcher.is_file(), f"no deepspeed launcher beside {sys.executable}"
+    # The launcher script beside the interpreter (a venv), else its module: `make gpu-test`
+    # puts DeepSpeed in a private folder on PYTHONPATH, where no script is on PATH.
+    script_launcher = BIN / "deepspeed"
+    launcher = (
+        [str(script_launcher)]
+        if script_launcher.is_file()
+        else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    )
     # A free port: other test runs on this machine may hold DeepSpeed's default 29500.
-    return [str(launcher), "--num_gpus", str(num_gpus), "--master_port", str(free_port()),
+    return [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(free_port()),
             script, *args]  # fmt: skip
 
 

@@ -82,6 +82,27 @@ class TaskModel(nn.Module):
         outputs = num_labels if task_kind == "classification" else 2 if task_kind == "span" else 1
         self.head = replicated_linear(config.hidden_size, outputs, config.init_method_std)
 
+    def train_flops(self, rows: int, seq_length: int, forwards: int = 1) -> float:
+        """Model FLOPs of a training step over ``rows`` encoder rows of ``seq_length`` (a
+        multiple-choice sample is one row per choice) in ``forwards`` micro-batches: the
+        encoder without its pretraining heads, and the task head (models/flops.py)."""
+        from megatron_taco.models import flops
+
+        config = self.encoder.config
+        if self.encoder_kind == "TACO":
+            encoder = flops.taco_forward_flops(
+                config, seq_length, rows, labelled_fraction=0.0, forwards=forwards
+            )
+        else:
+            shape = flops.sas_encoder_shape(config, seq_length)
+            used = self.encoder.relative_rows_used(seq_length)
+            encoder = flops.sas_forward_flops(
+                shape, rows, 0.0, relative_rows=used, rtd=False, forwards=forwards
+            )
+        head = 2 * self.head.in_features * self.head.out_features
+        head_rows = rows * seq_length if self.task_kind == "span" else rows
+        return 3.0 * (encoder + head_rows * head)
+
     @staticmethod
     def host_layout(batch: dict[str, torch.Tensor]) -> dict[str, bool]:
         """What the forward needs on the host (models/common/host.py), from the CPU batch."""

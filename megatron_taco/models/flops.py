@@ -1,12 +1,18 @@
-"""FLOPs counters: TACO's throughput model FLOPs, and the ELECTRA convention for every model.
+"""FLOPs counters: the model FLOPs that run (throughput, MFU), and the ELECTRA convention
+for the papers' tables.
 
 Two conventions live here, for two different questions.
 
-**Throughput model FLOPs** (``taco_forward_flops`` / ``taco_train_flops``) feed the trainer's
-TFLOP/s and MFU: 2 FLOPs per multiply-add of the matmuls only, backward = 2x forward, so a
-step is 3x the forward. Element-wise work is ignored, recompute is not counted. Q, K and
-the relative projections are kv_channels wide per head; V, the weighted values and W^O use
-the value head sizes (``value_channels``).
+**Model FLOPs** (``taco_forward_flops`` / ``taco_train_flops``, ``sas_forward_flops`` /
+``sas_train_flops_executed``, ``encoder_forward_flops`` for fine-tuning) feed the trainer's
+TFLOP/s and MFU and the benchmarks: 2 FLOPs per multiply-add of the matmuls that run, as
+torch.utils.flop_counter.FlopCounterMode counts them (tests/unit/test_flops.py holds each
+model to it), backward = 2x forward, so a step is 3x the forward. Element-wise work is
+ignored, recompute is not counted, and an embedding lookup is a gather, not a matmul. Heads
+run where the model runs them (MLM on the labelled tokens, RTD on every token); per-forward
+work (projecting the relative rows) once per micro-batch. Q, K and the relative projections
+are kv_channels wide per head; V, the weighted values and W^O use the value head sizes
+(``value_channels``).
 
 **ELECTRA convention** (``bert_train_flops``, ``electra_train_flops``, ``sas_train_flops``,
 ``taco_electra_train_flops``) reproduces how the SAS paper (Tables 1-2) and ELECTRA (Clark
@@ -143,7 +149,9 @@ def taco_forward_flops(
     rows: int,
     labelled_fraction: float = 0.15,
     vocab_size: int | None = None,
+    forwards: int = 1,
 ) -> float:
+    """``rows`` encoder rows (a TACO sample is two) in ``forwards`` micro-batches."""
     s, d = seq_length, config.kv_channels
     vw, vp = value_channels(config)
     dw, dp = config.we_hidden_size, config.pe_hidden_size
@@ -185,7 +193,7 @@ def taco_forward_flops(
     return float(
         tokens * per_token_layer * config.num_layers
         + rows * (per_seq_layer * config.num_layers + conv)
-        + rel_proj * config.num_layers
+        + rel_proj * config.num_layers * forwards
         + labelled * (mlm_head + mpm_head)
     )
 
@@ -196,10 +204,53 @@ def taco_train_flops(
     rows: int,
     labelled_fraction: float = 0.15,
     vocab_size: int | None = None,
+    forwards: int = 1,
 ) -> float:
     # Backward = 2x forward (gradients w.r.t. inputs and w.r.t. weights); recompute, when
     # on, is overhead and not counted (model FLOPs, not hardware FLOPs).
-    return 3.0 * taco_forward_flops(config, seq_length, rows, labelled_fraction, vocab_size)
+    return 3.0 * taco_forward_flops(
+        config, seq_length, rows, labelled_fraction, vocab_size, forwards
+    )
+
+
+def sas_forward_flops(
+    shape: EncoderShape,
+    rows: int,
+    mlm_tokens: float,
+    *,
+    relative_rows: int = 0,
+    rtd: bool = True,
+    forwards: int = 1,
+) -> float:
+    """SAS / SAS^DA forward matmul FLOPs of ``rows`` sequences of ``shape.seq_length`` in
+    ``forwards`` micro-batches: the encoder, the MLM head (transform and tied decoder over
+    ``shape.vocab_size``, the padded vocabulary the decoder multiplies) on ``mlm_tokens``
+    labelled tokens in all, the RTD head on every token if ``rtd``. SAS^DA
+    (``relative_rows`` = n > 0, the table rows a length-s batch uses): c2p and p2c, each
+    2 s n d per head and sequence, and the n rows through each layer's Q and K once per
+    forward."""
+    s, h, e, a = shape.seq_length, shape.hidden, shape.embedding_size, shape.attention_width
+    per_token = 2 * e * h if e != h else 0  # embedding projection; the lookup is a gather
+    per_token += shape.layers * 2 * (3 * h * a + a * h + 2 * h * shape.ffn)
+    per_token += (2 * h * h + 2 * h) if rtd else 0  # RTD dense + prediction
+    per_row = shape.layers * 2 * (2 * s * s * a + 2 * s * relative_rows * a)
+    per_forward = shape.layers * 2 * relative_rows * h * 2 * a
+    mlm = 2 * (h * e + e * shape.vocab_size)
+    return float(rows * (s * per_token + per_row) + forwards * per_forward + mlm_tokens * mlm)
+
+
+def sas_train_flops_executed(
+    shape: EncoderShape,
+    rows: int,
+    mlm_tokens: float,
+    *,
+    relative_rows: int = 0,
+    forwards: int = 1,
+) -> float:
+    """A training step's model FLOPs: 3x the forward (see taco_train_flops)."""
+    return 3.0 * sas_forward_flops(
+        shape, rows, mlm_tokens, relative_rows=relative_rows, forwards=forwards
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,6 +294,20 @@ class EncoderShape:
     @property
     def attention_width(self) -> int:
         return self.heads * self.head_size
+
+
+def sas_encoder_shape(config, seq_length: int) -> EncoderShape:
+    """A SasConfig's encoder (duck-typed)."""
+    return EncoderShape(
+        layers=config.num_layers,
+        hidden=config.hidden_size,
+        ffn=config.ffn_hidden_size,
+        heads=config.num_attention_heads,
+        head_size=config.hidden_size // config.num_attention_heads,
+        embedding_size=config.embedding_size,
+        vocab_size=config.vocab_size,
+        seq_length=seq_length,
+    )
 
 
 def generator_shape(discriminator: EncoderShape, divisor: int = 4) -> EncoderShape:

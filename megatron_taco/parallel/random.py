@@ -35,6 +35,16 @@ def _device(device: torch.device | str) -> torch.device:
     return device
 
 
+# A CPU generator's state (Mersenne Twister, 5056 bytes) and a CUDA one's (Philox seed and
+# offset, 16 bytes) cannot stand in for each other: the size tells which one a state is.
+_CPU_STATE_BYTES = torch.get_rng_state().numel()
+
+
+def state_device_type(state: torch.Tensor) -> str:
+    """'cpu' or 'cuda': the kind of generator a saved state belongs to."""
+    return "cpu" if state.numel() == _CPU_STATE_BYTES else "cuda"
+
+
 def get_rng_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
@@ -88,6 +98,17 @@ class RNGTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Replace the named states (e.g. from a checkpoint). Seeds bookkeeping is kept."""
         self.states = {name: state.clone() for name, state in states.items()}
+
+    def load_states(self, states: dict[str, torch.Tensor]) -> list[str]:
+        """Restore saved states where they belong to this device type's generator; the names
+        of those that do not (a CPU checkpoint resumed on a GPU, or back), which keep their
+        seeded state: another generator's state cannot continue its stream here."""
+        foreign = [n for n, s in states.items() if state_device_type(s) != self.device_type]
+        self.set_states(
+            {n: s for n, s in states.items() if n not in foreign}
+            | {n: self.states[n] for n in foreign if n in self.states}
+        )
+        return foreign
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):

@@ -4,17 +4,25 @@ SAS self-augmentation replaces masked tokens with draws from the model's own MLM
 vocabulary is split like VocabParallelEmbedding (rank r holds global columns [r*Vp, (r+1)*Vp),
 columns >= vocab_size are padding), and nothing of size [N, padded_vocab] is ever gathered.
 
-Inverse CDF over the shards: with one uniform u per row, the draw is the first global column
-whose cumulative probability exceeds u. Each rank sums its shard's exp(logit/T - max); the
-per-shard sums are all-gathered ([tp, N], small), every rank finds which shard holds u's
-column, and only that shard searches its own cumulative sum. Exact: the result has the law
-softmax(logits / T), restricted to the allowed columns. (Gumbel-max would need one random
-number per vocabulary entry: ~10x the cost of the exp + cumsum on CPU.)
+Inverse CDF over the shards, in integers: each column's weight exp(logit/T - global max) in
+(0, 1] is scaled to an integer, w = round(w * 2^K) with K chosen from the vocabulary size so
+that a row's total stays below 2^62. Each rank sums its shard's weights; the per-shard sums are
+all-gathered ([tp, N], small), every rank finds which shard holds u's column, and only that
+shard searches its own cumulative sum. Integer sums are associative, so they are exact and
+deterministic on every device (CUDA's floating-point cumsum is refused under
+torch.use_deterministic_algorithms, which --deterministic turns on). The draw has the law
+w / sum(w): softmax(logits / T) over the allowed columns up to the rounding of each weight
+(2^-K absolute, K >= 44 for vocabularies up to 2^18) and of exp. (Gumbel-max would need one
+random number per vocabulary entry: ~10x the cost of the exp + cumsum on CPU.)
 
-The uniform is counter-based: u for (row key, seed) is a pure function of those integers, and
-the shard sums are accumulated in float64, so the draws do not depend on the TP size (up to
-float64 rounding at an exact CDF boundary), the row chunking or the device layout, and a
-resumed run redraws them exactly.
+The exp runs in float32 for float32, bfloat16 and float16 logits (float64 for float64 ones):
+its relative error, ~1e-7 per weight, moves a draw only when u falls within that of a CDF
+boundary (tests/unit/test_sampling.py measures it against float64), while float64 arithmetic
+runs at a fraction of float32's rate on most GPUs.
+
+The uniform is counter-based: u for (row key, seed) is a pure function of those integers, so
+the draws do not depend on the TP size, the row chunking or the device layout (up to exp's
+last-bit rounding on another device), and a resumed run redraws them exactly.
 """
 
 from __future__ import annotations
@@ -126,6 +134,11 @@ def _banned_columns(columns: torch.Tensor, vocab_size: int, exclude_ids) -> torc
     return banned | hit[:local_vocab]
 
 
+def weight_bits(vocab_size: int) -> int:
+    """K of the integer weights: vocab_size weights of at most 2^K sum below 2^62."""
+    return 62 - max(1, vocab_size - 1).bit_length()
+
+
 @torch.no_grad()
 def vocab_parallel_sample(
     local_logits: torch.Tensor,
@@ -143,7 +156,7 @@ def vocab_parallel_sample(
     rank's slice), row_keys int64 [...] (see sample_row_keys). A row with no drawable id gets
     -1. The draw depends only on (seed, row key, the logits, temperature); rows go
     ~chunk_elements logits at a time (None: 2^16 on CPU, where staying in cache pays, else
-    2^24), which bounds the float64 temporaries and does not change the draws."""
+    2^24), which bounds the temporaries and does not change the draws."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if row_keys.shape != local_logits.shape[:-1]:
@@ -159,51 +172,53 @@ def vocab_parallel_sample(
     keys = row_keys.reshape(-1).to(logits.device, torch.int64)
     columns = torch.arange(start, start + local_vocab, device=logits.device)  # global ids
     banned = _banned_columns(columns, vocab_size, exclude_ids)  # [Vp]
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    scale = float(2 ** weight_bits(vocab_size))
     if chunk_elements is None:
         chunk_elements = 1 << 24 if logits.is_cuda else 1 << 16
     step = max(1, chunk_elements // local_vocab)
 
-    # 1. The global max per row (for a stable exp), then each shard's sum of exp.
-    peak = torch.full((n,), float("-inf"), dtype=torch.float64, device=logits.device)
+    def weights(rows: slice) -> torch.Tensor:
+        """Integer weights [rows, Vp]; banned columns are exactly 0."""
+        scaled = (logits[rows].to(dtype) / temperature).sub_(finite_peak[rows, None])
+        return scaled.exp_().mul_(scale).round_().masked_fill_(banned, 0.0).long()
+
+    # 1. The global max per row (for a stable exp), then each shard's sum of weights.
+    peak = torch.full((n,), float("-inf"), dtype=dtype, device=logits.device)
     for lo in range(0, n, step):
         rows = slice(lo, lo + step)
-        # Out of place: .double() is a no-op on float64 logits, which must not change.
-        scaled = (logits[rows].double() / temperature).masked_fill_(banned, float("-inf"))
+        # Out of place: .to(dtype) is a no-op on logits of that dtype, which must not change.
+        scaled = (logits[rows].to(dtype) / temperature).masked_fill_(banned, float("-inf"))
         peak[rows] = scaled.max(dim=-1).values
     if world > 1:
         comm.all_reduce(peak, group, "max")
     finite_peak = peak.masked_fill(peak == float("-inf"), 0.0)
-    local_sum = torch.empty(n, dtype=torch.float64, device=logits.device)
+    local_sum = torch.empty(n, dtype=torch.int64, device=logits.device)
     for lo in range(0, n, step):
         rows = slice(lo, lo + step)
-        local_sum[rows] = _shard_exp(logits[rows], banned, temperature, finite_peak[rows]).sum(-1)
+        local_sum[rows] = weights(rows).sum(-1)
     sums = _all_gather_rows(local_sum, group)  # [tp, N]
-    # 2. Which shard holds u's column: the first whose running total exceeds u * total.
+    # 2. Which shard holds u's column: the last nonempty one whose preceding mass is <= target.
     before = sums.cumsum(0) - sums  # [tp, N] mass of the shards before each
     total = sums.sum(0)  # [N]
-    target = counter_uniform(keys, torch.zeros(1, dtype=torch.int64, device=keys.device), seed,
-                             dtype=torch.float64).squeeze(1) * total  # fmt: skip
-    owner = ((before <= target) & (sums > 0)).long().cumsum(0).argmax(0)  # last eligible shard
-    # 3. The owner searches its own cumulative sum; the others propose -1.
+    u = counter_uniform(keys, torch.zeros(1, dtype=torch.int64, device=keys.device), seed,
+                        dtype=torch.float64).squeeze(1)  # fmt: skip
+    # floor(u * total) in [0, total): u < 1 - 2^-54 keeps the float64 product below total.
+    target = torch.minimum((u * total.double()).long(), (total - 1).clamp(min=0))
+    owner = ((before <= target) & (sums > 0)).long().cumsum(0).argmax(0)
+    # 3. The owner finds the first column whose cumulative weight exceeds target - before (its
+    # weight is > 0, and it exists since target < before + the shard's sum); others propose -1.
     ids = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
     offset = target - before[rank]
     for lo in range(0, n, step):
         rows = slice(lo, lo + step)
-        cum = _shard_exp(logits[rows], banned, temperature, finite_peak[rows]).cumsum_(-1)
+        cum = weights(rows).cumsum_(-1)
         found = torch.searchsorted(cum, offset[rows, None], right=True).squeeze(1)
-        # u * total can round onto the shard's last positive column's cumulative value.
-        last = (cum < cum[:, -1:]).sum(-1)
-        ids[rows] = torch.minimum(found, last) + start
+        ids[rows] = found.clamp_(max=local_vocab - 1) + start
     ids = ids.masked_fill((owner != rank) | (total <= 0), -1)
     if world > 1:
         comm.all_reduce(ids, group, "max")
     return ids.reshape(row_keys.shape)
-
-
-def _shard_exp(logits, banned, temperature: float, peak) -> torch.Tensor:
-    """exp(logit / T - global max) in float64 [rows, Vp]; banned columns are exactly 0."""
-    scaled = (logits.double() / temperature).sub_(peak[:, None])
-    return scaled.exp_().masked_fill_(banned, 0.0)
 
 
 def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:

@@ -712,15 +712,20 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
     lengths = row_lengths(task_data.train) if data.group_by_length else None
     train = EpochShuffled(task_data.train, per_epoch, epochs, data.seed, lengths=lengths,
                           global_batch_size=gbs)  # fmt: skip
+    rows_per_sample = info.num_labels if info.kind == "multiple_choice" else 1
+
+    def train_flops(samples: int) -> float:
+        forwards = -(-samples // cfg.training.micro_batch_size)
+        return model.train_flops(samples * rows_per_sample, data.seq_length, forwards)
+
     return ModelParts(
         model=model,
         collate_fn=collate,
         train_dataset=train,
         # Padded positions per sample; with dynamic padding a batch has fewer, and a
         # tokens/s from --seq-length would overstate it: only samples/s is logged then.
-        tokens_per_sample=0
-        if not data.pad_to_seq_length
-        else data.seq_length * (info.num_labels if info.kind == "multiple_choice" else 1),
+        tokens_per_sample=0 if not data.pad_to_seq_length else data.seq_length * rows_per_sample,
+        train_flops=None if not data.pad_to_seq_length else train_flops,
         samples_per_epoch=per_epoch,
         callbacks=[evaluation],
         title=f"fine-tuning {cfg.task['pretrained'].model} on {info.name}",

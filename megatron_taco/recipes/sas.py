@@ -138,21 +138,6 @@ def check_sas(cfg: PretrainConfigs) -> None:
             )
 
 
-def sas_shape(config: SasConfig, seq_length: int):
-    from megatron_taco.models.flops import EncoderShape
-
-    return EncoderShape(
-        layers=config.num_layers,
-        hidden=config.hidden_size,
-        ffn=config.ffn_hidden_size,
-        heads=config.num_attention_heads,
-        head_size=config.hidden_size // config.num_attention_heads,
-        embedding_size=config.embedding_size,
-        vocab_size=config.vocab_size,
-        seq_length=seq_length,
-    )
-
-
 class DatasetPasses(NamedTuple):
     """How much of one --data-path dataset an epoch sees."""
 
@@ -272,7 +257,11 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     from megatron_taco.data.replacement_store import StoreLayout
     from megatron_taco.data.sas_collator import SasCollator, cold_start_probs, make_cold_start
     from megatron_taco.models.common.host import WithHost
-    from megatron_taco.models.flops import sas_train_flops
+    from megatron_taco.models.flops import (
+        sas_encoder_shape,
+        sas_train_flops,
+        sas_train_flops_executed,
+    )
     from megatron_taco.models.sas.model import SasForPretraining
     from megatron_taco.recipes.sas_augmentation import SelfAugmentation, StoreSource
 
@@ -325,15 +314,27 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         mask_id=ctx.tokenizer.mask_id,
     )
     model = SasForPretraining(model_config, ctx.parallel, ctx.rng_tracker)
-    shape = sas_shape(model_config, data.seq_length)
+    shape = sas_encoder_shape(model_config, data.seq_length)
     da = model_config.disentangled_attention
 
     def paper_flops(global_batch: int, steps: int) -> float:
         return sas_train_flops(shape, global_batch, steps, disentangled_attention=da)
 
+    # What runs: the MLM head on the replaced positions (the collator's share of a full row's
+    # real tokens), the decoder over the padded vocabulary, lookups as gathers.
+    padded_vocab = model.sas.embeddings.word_embeddings.weight.shape[0] * ctx.parallel.tp_size
+    executed = dataclasses.replace(shape, vocab_size=padded_vocab)
+    relative_rows = model.sas.relative_rows_used(data.seq_length)
+    labelled = replacement.mask_prob * (data.seq_length - 2)
+
     def train_flops(samples: int) -> float:
-        # ELECTRA's convention counts backward = forward; hardware does ~2x forward.
-        return 1.5 * paper_flops(samples, 1)
+        return sas_train_flops_executed(
+            executed,
+            samples,
+            labelled * samples,
+            relative_rows=relative_rows,
+            forwards=-(-samples // cfg.training.micro_batch_size),
+        )
 
     variant = "SAS^DA" if da else "SAS"
     schedule = cfg.task["rtd_schedule"]

@@ -45,7 +45,10 @@ def build_taco(ctx: BuildContext) -> ModelParts:
 
     def train_flops(samples: int) -> float:
         # Each sample is two rows (MLM row + MPM row).
-        return taco_train_flops(model_config, data.seq_length, 2 * samples, labelled)
+        forwards = -(-samples // t.micro_batch_size)
+        return taco_train_flops(
+            model_config, data.seq_length, 2 * samples, labelled, forwards=forwards
+        )
 
     def paper_flops(global_batch: int, steps: int) -> float:
         return taco_electra_train_flops(model_config, data.seq_length, global_batch, steps)
@@ -56,7 +59,7 @@ def build_taco(ctx: BuildContext) -> ModelParts:
         train_dataset=train_ds,
         valid_dataset=valid_ds,
         test_dataset=test_ds,
-        tokens_per_sample=data.seq_length,
+        tokens_per_sample=2 * data.seq_length,  # the encoder runs the MLM and the MPM row
         train_flops=train_flops,
         paper_flops=paper_flops,
         banner=[

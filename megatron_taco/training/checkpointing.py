@@ -272,7 +272,15 @@ def set_rng_states(states: dict[str, Any], rng_tracker: RNGTracker | None) -> No
     if states.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(own_cuda_state(states["cuda"], torch.cuda.current_device()))
     if rng_tracker is not None and states.get("tracker") is not None:
-        rng_tracker.set_states(states["tracker"])
+        foreign = rng_tracker.load_states(states["tracker"])
+        if foreign:
+            logger.warning(
+                "--load: the RNG stream(s) %s were saved by a generator of another device type "
+                "than this run's %s; they restart from their seed (dropout masks of split "
+                "activations differ from an uninterrupted run's)",
+                ", ".join(foreign),
+                rng_tracker.device_type,
+            )
 
 
 def own_cuda_state(saved: Any, current_device: int) -> torch.Tensor:

@@ -739,6 +739,12 @@ def resolve_deepspeed_config(
     # calls "untested" unless told otherwise.
     config["zero_allow_untested_optimizer"] = True
     config.setdefault("steps_per_print", _QUIET_STEPS_PER_PRINT)
+    # DeepSpeed's throughput timer (on by default) brackets every micro-batch with a device
+    # synchronize when the engine has no DataLoader of its own, as here; the loop logs its own
+    # throughput. A JSON that sets it keeps its value.
+    timers = config.setdefault("timers", {})
+    if isinstance(timers, dict) and isinstance(timers.setdefault("throughput", {}), dict):
+        timers["throughput"].setdefault("enabled", False)
     return DeepSpeedSettings(
         config=config,
         source=source,

@@ -9,12 +9,15 @@ a multi-rank run.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -183,9 +186,10 @@ def count_parameters(model: nn.Module, parallel: ParallelState) -> int:
     return int(total.item())
 
 
-def gradient_norm(model: nn.Module, parallel: ParallelState) -> float:
+def gradient_norm(model: nn.Module, parallel: ParallelState) -> torch.Tensor:
     """Global 2-norm of the gradients, tensor-parallel shards included and replicated
-    parameters counted once (what DeepSpeed clips)."""
+    parameters counted once (what DeepSpeed clips): a 0-dim tensor on the gradients' device,
+    read by the loop with its other end-of-step values in one transfer."""
     squares = [
         p.grad.detach().float().pow(2).sum()
         for p in model.parameters()
@@ -194,7 +198,7 @@ def gradient_norm(model: nn.Module, parallel: ParallelState) -> float:
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if dist.is_initialized() and parallel.tp_size > 1:
         comm.all_reduce(total, parallel.get_tensor_model_parallel_group())
-    return float(total.sqrt().item())
+    return total.sqrt()
 
 
 def unscaled_grad_norm(optimizer, norm: float | None, loss_scale: float) -> float | None:
@@ -261,6 +265,35 @@ def agree_on_optimizer(mine: str) -> None:
         )
 
 
+def accelerator_device_index() -> int:
+    """The index of the device this rank chose (set_cuda_device, before the process group):
+    the one DeepSpeed must use too."""
+    from deepspeed.accelerator import get_accelerator
+
+    return int(get_accelerator().current_device())
+
+
+# Where DeepSpeed reads the device ordinal from the environment: its engine takes LOCAL_RANK
+# unless given args.device_rank, ZeRO-3's zero.Init (built inside deepspeed.initialize) has no
+# such argument, and the engine asserts Open MPI's local rank equals LOCAL_RANK.
+_DEVICE_RANK_ENV = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+@contextlib.contextmanager
+def deepspeed_device_env(index: int) -> Iterator[None]:
+    """LOCAL_RANK (and Open MPI's copy) read as the device ``index`` while DeepSpeed builds
+    its engine. DeepSpeed takes LOCAL_RANK for the device ordinal; with one GPU per task
+    (``srun --gpus-per-task=1``) every rank's device is 0 whatever its LOCAL_RANK, and
+    cuda:LOCAL_RANK is "invalid device ordinal" on every rank but the first. Restored after:
+    the launcher's LOCAL_RANK keeps its meaning for everything else."""
+    saved = {key: os.environ[key] for key in _DEVICE_RANK_ENV if key in os.environ}
+    os.environ.update({key: str(index) for key in saved})
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def initialize_engine(
     model: nn.Module,
     training: TrainingConfig,
@@ -281,14 +314,18 @@ def initialize_engine(
     agree_on_optimizer(optimizer_implementation())
     optimizer, impl = build_optimizer(model, training)
     scheduler = build_scheduler(optimizer, training)
-    engine, _, _, ds_scheduler = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        mpu=parallel,
-        config=settings.config,
-        dist_init_required=False,
-    )
+    device = accelerator_device_index()
+    with deepspeed_device_env(device):
+        engine, _, _, ds_scheduler = deepspeed.initialize(
+            # device_rank: the engine's own device (it ignores LOCAL_RANK then).
+            args=SimpleNamespace(device_rank=device),
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            mpu=parallel,
+            config=settings.config,
+            dist_init_required=False,
+        )
     if ds_scheduler is not scheduler:
         raise RuntimeError("DeepSpeed replaced the LR scheduler; remove 'scheduler' from the JSON")
     return Engine(engine=engine, optimizer_impl=impl, scheduler=scheduler, settings=settings)

@@ -15,7 +15,6 @@ A log interval never spans two epochs: the last iteration of an epoch is always 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.engine import Engine, gradient_norm, to_device, unscaled_grad_norm
 from megatron_taco.training.logging import TrainingLogger
 from megatron_taco.training.monitor import EvaluationStatistics, LearningMonitor
+from megatron_taco.training.peaks import device_peak, mfu
 from megatron_taco.training.signals import ExitMonitor
 
 
@@ -166,6 +166,8 @@ class Trainer:
         self.exit_monitor = exit_monitor
         self.learning_monitor = learning_monitor
         self.global_batch_size = engine.settings.global_batch_size
+        # The data sheet's dense peak for this device and precision (None: no MFU logged).
+        self.device_peak = device_peak(engine.device, engine.settings.precision)
         self.grad_accum_steps = engine.settings.grad_accum_steps
         self.last_saved_iteration: int | None = None
         # The learning monitor is a callback for its state (its collapse streak) only.
@@ -180,6 +182,7 @@ class Trainer:
         # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only;
         # with a plain torch optimizer (ZeRO 0, fp32) it computes and discards it.
         self._own_grad_norm = not hasattr(self.ds.optimizer, "_global_grad_norm")
+        self._host_buffer: torch.Tensor | None = None  # _host_values' staging buffer
 
     # -- data ---------------------------------------------------------------------------
 
@@ -210,16 +213,13 @@ class Trainer:
 
     # -- steps --------------------------------------------------------------------------
 
-    def _sync(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
     def train_step(
         self, data_iter: Iterator[dict], acc: MetricAccumulator, state: TrainingState
-    ) -> tuple[float, bool, float | None]:
+    ) -> tuple[float, bool, torch.Tensor | float | None]:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns (learning
         rate used, whether DeepSpeed skipped the step, gradient norm: None for a skipped
-        step, possibly inf/NaN for one DeepSpeed applied)."""
+        step, possibly inf/NaN for one DeepSpeed applied; a device tensor where it was
+        computed on the device, read with the end-of-step flags)."""
         self.callbacks.on_step_start(self, state)
         lr = float(self.ds.get_lr()[0])
         skipped_before = self.ds.skipped_steps
@@ -245,27 +245,45 @@ class Trainer:
         skipped = self.ds.skipped_steps != skipped_before
         norm = own_norm if self._own_grad_norm else self.ds.get_global_grad_norm()
         norm = unscaled_grad_norm(self.ds.optimizer, norm, scale)
-        if skipped or norm is None:
-            return lr, skipped, None
-        return lr, skipped, float(norm.item() if torch.is_tensor(norm) else norm)
+        return lr, skipped, None if skipped else norm
+
+    def _host_values(self, values: list[float]) -> torch.Tensor:
+        """Host numbers on the device without a synchronising copy: a pageable host->device
+        copy (torch.tensor(..., device=)) waits for the stream; this one goes through a host
+        buffer, pinned on a GPU and reused every step (its previous copy has finished: the
+        end-of-step read waited for it)."""
+        device = self.ds.device
+        if self._host_buffer is None or self._host_buffer.numel() != len(values):
+            self._host_buffer = torch.empty(
+                len(values), dtype=torch.float64, pin_memory=device.type == "cuda"
+            )
+        for i, value in enumerate(values):
+            self._host_buffer[i].fill_(value)  # not [i] = value: a tensor made of each value
+        return self._host_buffer.to(device, non_blocking=True)
 
     def _end_of_iteration(
-        self, iteration: int, acc: MetricAccumulator, norm: float | None
-    ) -> str | None:
-        """The one all-reduce (MAX over the world) of every iteration: this iteration's
-        non-finite losses and gradient norm, and the exit requests (signal, launcher gone,
-        time limit). Raises NonFiniteLossError on every rank when any rank saw a non-finite
-        value in a step that was applied: fp32/bf16 stop there, before a save can keep the
-        weights it produced (the losses summed so far in this log interval were finite, so
-        this iteration's is not). Returns the reason to exit, the same on every rank."""
+        self, iteration: int, acc: MetricAccumulator, norm: torch.Tensor | float | None
+    ) -> tuple[str | None, float | None]:
+        """The one all-reduce (MAX over the world) and the one host read of every iteration:
+        this iteration's non-finite losses and gradient norm, the norm's value, and the exit
+        requests (signal, launcher gone, time limit); reading them waits for the step's work
+        to finish, so the loop's timing needs no other synchronisation. Raises
+        NonFiniteLossError on every rank when any rank saw a non-finite value in a step that
+        was applied: fp32/bf16 stop there, before a save can keep the weights it produced
+        (the losses summed so far in this log interval were finite, so this iteration's is
+        not). Returns (the reason to exit, the same on every rank; the gradient norm)."""
         keys = []
         if self.engine.settings.precision != "fp16":  # fp16 overflows are skipped steps
             keys = sorted(k for k in acc.sums if is_loss_key(k))
-        host = [float(norm is not None and not math.isfinite(norm)), *self._exit_flags()]
-        flags = torch.tensor(host, dtype=torch.float64, device=self.ds.device)
-        if keys:  # no host sync for the losses: they join the flags on the device
+        host_norm = float(norm) if norm is not None and not torch.is_tensor(norm) else 0.0
+        host = self._host_values([host_norm, *self._exit_flags()])
+        value = norm.detach().to(host) if torch.is_tensor(norm) else host[0]
+        finite = torch.isfinite(value)
+        parts = [(~finite).to(torch.float64).reshape(1), value.where(finite, 0.0).reshape(1)]
+        if keys:  # the losses join the flags on the device
             losses = torch.stack([acc.sums[k] for k in keys])
-            flags = torch.cat([(~torch.isfinite(losses)).to(torch.float64), flags])
+            parts.insert(0, (~torch.isfinite(losses)).to(torch.float64))
+        flags = torch.cat([*parts, host[1:]])
         if dist.is_initialized() and dist.get_world_size() > 1:
             comm.all_reduce(flags, op="max")
         values = flags.tolist()
@@ -279,8 +297,9 @@ class Trainer:
                 "last checkpoint is untouched): lower --lr, check the data, or resume from the "
                 "last checkpoint"
             )
-        exit_flags = values[len(keys) + 1 :]
-        return self.exit_monitor.reason(exit_flags) if self.exit_monitor else None
+        exit_flags = values[len(keys) + 2 :]
+        stop = self.exit_monitor.reason(exit_flags) if self.exit_monitor else None
+        return stop, None if norm is None else values[len(keys) + 1]
 
     def _exit_flags(self) -> list[int]:
         return self.exit_monitor.local_flags() if self.exit_monitor else [0, 0, 0]
@@ -406,8 +425,7 @@ class Trainer:
         while state.iteration < t.train_iters:
             start = time.perf_counter()
             lr, skipped, norm = self.train_step(data_iter, interval.acc, state)
-            stop = self._end_of_iteration(state.iteration + 1, interval.acc, norm)
-            self._sync()
+            stop, norm = self._end_of_iteration(state.iteration + 1, interval.acc, norm)
             interval.add(time.perf_counter() - start, skipped, norm)
             state.iteration += 1
             state.consumed_samples += self.global_batch_size
@@ -512,5 +530,9 @@ class Trainer:
             # Model FLOPs per rank (Megatron's convention): the whole model's work divided
             # over every rank, tensor-parallel ones included.
             flops = self.task.train_flops(self.global_batch_size) * iterations
-            out["tflops_per_rank"] = flops / seconds / self.parallel.world_size / 1e12
+            per_rank = flops / seconds / self.parallel.world_size
+            out["tflops_per_rank"] = per_rank / 1e12
+            utilisation = mfu(per_rank, self.device_peak)
+            if utilisation is not None:
+                out["mfu"] = utilisation
         return out

@@ -666,7 +666,11 @@ def _pretrain(
         metrics_file = t.resolved_metrics_file
         if parallel.rank == 0 and metrics_file is not None and os.path.isfile(metrics_file):
             for name, plot in (("loss_curve", plot_loss_curves), ("learning_curve", plot_learning_curves)):  # fmt: skip
-                png = plot(metrics_file)
+                try:
+                    png = plot(metrics_file)
+                except ModuleNotFoundError as e:  # matplotlib: optional where only training runs
+                    train_logger.print(f" no {name.replace('_', ' ')} plot: {e} ({metrics_file} has the values)")  # fmt: skip
+                    break
                 if png is not None:
                     train_logger.print(f" {name.replace('_', ' ')}s: {png}")
                     train_logger.image(name, png, state.iteration)

@@ -73,7 +73,7 @@ def _build(parallel, tracker, **overrides) -> TacoForPretraining:
 
 
 def _trim(name: str, t: torch.Tensor) -> np.ndarray:
-    return (t[:VOCAB] if name in VOCAB_PADDED else t).numpy()
+    return (t[:VOCAB] if name in VOCAB_PADDED else t).cpu().numpy()
 
 
 def _step(model: TacoForPretraining, parallel, batch) -> dict:
@@ -85,7 +85,9 @@ def _step(model: TacoForPretraining, parallel, batch) -> dict:
     out = model(batch)
     out["loss"].backward()
     grads = {n: _trim(n, gather_full_weight(p, group, p.grad)) for n, p in params}
-    replicated = {n: p.grad.numpy().copy() for n, p in params if not param_is_tensor_parallel(p)}
+    replicated = {
+        n: p.grad.cpu().numpy().copy() for n, p in params if not param_is_tensor_parallel(p)
+    }
     scalars = {k: out[k].item() for k in TACO_METRIC_KEYS}
     return dict(weights=weights, grads=grads, replicated=replicated, scalars=scalars)
 

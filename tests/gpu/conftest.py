@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -70,10 +71,25 @@ def _environment() -> dict:
     return env
 
 
+# helpers.require_gpus's reason: a test this machine has too few GPUs for.
+TOO_FEW_GPUS = re.compile(r"^needs \d+ CUDA GPU\(s\), this machine has \d+")
+
+
+def summary_line(results: list[dict]) -> str:
+    """The report's first line: passed / failed / skipped, and how many of the skips were for
+    too few GPUs (a one-GPU machine passes without running the two-GPU tests: this says so)."""
+    count = {k: sum(r["outcome"] == k for r in results) for k in ("passed", "failed", "skipped")}
+    few = sum(bool(TOO_FEW_GPUS.match(r.get("reason", ""))) for r in results)
+    return (f"{count['passed']} passed, {count['failed']} failed, {count['skipped']} skipped "
+            f"({few} for too few GPUs)")  # fmt: skip
+
+
 def _markdown(report: dict) -> str:
     env, counts = report["environment"], report["summary"]
     gpus = ", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in env.get("gpus", [])) or "none"
     lines = [
+        f"GPU tests: {report['summary_line']}",
+        "",
         "# GPU test report",
         "",
         f"{env['date']} on {env['host']}: GPUs {gpus}; torch {env['torch']} (CUDA "
@@ -99,9 +115,11 @@ def pytest_sessionfinish(session, exitstatus):
     counts: dict[str, int] = {}
     for r in _results:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    report = {"environment": _environment(), "summary": counts, "results": _results}
+    report = {"summary_line": summary_line(_results), "environment": _environment(),
+              "summary": counts, "results": _results}  # fmt: skip
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(_markdown(report))
-    print(f"\nGPU report: {out / 'report.md'} and report.json", file=sys.stderr)
+    print(f"\nGPU tests: {report['summary_line']}; report: {out / 'report.md'} and report.json",
+          file=sys.stderr)  # fmt: skip

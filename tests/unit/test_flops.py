@@ -8,9 +8,11 @@ duck-typed, and the TACO config module is being moved.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from megatron_taco.models.flops import (
     EncoderShape,
@@ -23,7 +25,9 @@ from megatron_taco.models.flops import (
     input_embedding_flops,
     output_softmax_flops,
     relative_buckets_used,
+    sas_encoder_shape,
     sas_train_flops,
+    sas_train_flops_executed,
     taco_electra_train_flops,
     taco_forward_flops,
     taco_train_flops,
@@ -392,3 +396,97 @@ def test_taco_electra_monotonic_and_against_throughput():
 def test_taco_electra_needs_vocab():
     with pytest.raises(ValueError, match="vocab_size"):
         taco_electra_train_flops(dataclasses.replace(TINY, vocab_size=0), 16, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Model FLOPs against what runs: torch's FlopCounterMode over a real forward + backward
+
+
+def _inplace_gemm(self, a, b, *args, out_shape=None, **kwargs) -> int:
+    # FlopCounterMode counts addmm and baddbmm but not their in-place forms, which the
+    # relative-attention backward and TACO's 1x1 conv use: 2 per multiply-add, as for mm/bmm.
+    return 2 * math.prod(a) * b[-1]
+
+
+def _counted(model, batch) -> tuple[float, dict[str, int]]:
+    """(FLOPs of forward + backward, the forward's FLOPs by op)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    inplace = {torch.ops.aten.addmm_: _inplace_gemm, torch.ops.aten.baddbmm_: _inplace_gemm}
+    with FlopCounterMode(display=False, custom_mapping=inplace) as forward:
+        loss = model(batch)["loss"]
+    with FlopCounterMode(display=False, custom_mapping=inplace) as backward:
+        loss.backward()
+    by_op = {str(op): n for op, n in forward.get_flop_counts()["Global"].items()}
+    return forward.get_total_flops() + backward.get_total_flops(), by_op
+
+
+@pytest.mark.parametrize("disentangled", [False, True], ids=["SAS", "SAS^DA"])
+def test_sas_model_flops_match_flop_counter(disentangled):
+    """Every matmul of a SAS / SAS^DA step: the count is exact (the embedding lookup is a
+    gather; the MLM decoder over the padded vocabulary on the labelled tokens only)."""
+    from tests.helpers import build_sas, make_sas_batch, tiny_sas_config
+
+    config = tiny_sas_config(disentangled_attention=disentangled)
+    model, s = build_sas(config), 64
+    batch = make_sas_batch(b=4, s=s)
+    padded = model.sas.embeddings.word_embeddings.weight.shape[0]
+    shape = dataclasses.replace(sas_encoder_shape(config, s), vocab_size=padded)
+    labelled = int((batch["mlm_labels"] != -100).sum())
+    rows = model.sas.relative_rows_used(s)
+    assert (rows > 0) == disentangled
+    want = sas_train_flops_executed(shape, 4, labelled, relative_rows=rows)
+    assert want == pytest.approx(_counted(model, batch)[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("shape,ratio", [(SMALL, 1.70), (BASE, 1.25)], ids=["small", "base"])
+def test_electra_convention_overstates_what_runs(shape, ratio):
+    """What SAS's TFLOP/s used to be: ELECTRA's count x 1.5 (its backward = forward made 3x),
+    which counts the word lookup as a one-hot matmul over the vocabulary: 1.70x what SAS-small
+    runs, 1.25x for SAS-base. The paper's tables keep ELECTRA's convention."""
+    executed = sas_train_flops_executed(shape, 1, 0.15 * (shape.seq_length - 2))
+    assert 1.5 * sas_train_flops(shape, 1, 1) / executed == pytest.approx(ratio, abs=0.005)
+
+
+def test_taco_model_flops_match_flop_counter():
+    """TACO's count against what runs, less the content and position maps its backward
+    recomputes instead of saving (recompute is overhead, not model FLOPs): within 0.1%, the
+    heads' labelled tokens entering as one average share of both rows."""
+    from tests.helpers import build, make_batch, tiny_config
+
+    config = tiny_config()
+    model, s, b = build(config), 64, 4
+    batch = make_batch(b=b, s=s)
+    measured, forward = _counted(model, batch)
+    recomputed = forward["aten.baddbmm"]  # _dot_maps: the only baddbmm of the forward
+    labelled = int((batch["mlm_labels"] != -100).sum() + (batch["mpm_labels"] != -100).sum())
+    vocab = model.taco.embeddings.word_embeddings.weight.shape[0]
+    want = taco_train_flops(config, s, 2 * b, labelled / (2 * b * s), vocab_size=vocab)
+    assert want == pytest.approx(measured - recomputed, rel=1e-3)
+
+
+@pytest.mark.parametrize("task_kind", ["classification", "regression", "span", "multiple_choice"])
+@pytest.mark.parametrize("encoder", ["TACO", "SAS", "SAS^DA"])
+def test_finetune_model_flops_match_flop_counter(encoder, task_kind):
+    """The encoder without its pretraining heads plus the task head, exactly (TACO less its
+    recomputed maps, as above)."""
+    from tests.helpers import FINETUNE_HEADS, finetune_model
+
+    model, s, b = finetune_model(encoder, task_kind).train(), 40, 3
+    choices = FINETUNE_HEADS[task_kind] if task_kind == "multiple_choice" else None
+    shape = (b, choices, s) if choices else (b, s)
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(5, 90, shape, generator=g),
+        "attention_mask": torch.ones(shape, dtype=torch.bool),
+    }
+    if task_kind == "span":
+        batch["start_positions"] = batch["end_positions"] = torch.tensor([1, 2, 3])
+    elif task_kind == "regression":
+        batch["labels"] = torch.rand(b, dtype=torch.float64)
+    else:
+        batch["labels"] = torch.tensor([0, 1, 0])
+    measured, forward = _counted(model, batch)
+    measured -= forward.get("aten.baddbmm", 0) if encoder == "TACO" else 0
+    rows = b * (choices or 1)
+    assert model.train_flops(rows, s) == pytest.approx(measured, rel=1e-9)

@@ -128,8 +128,11 @@ def _count_syncs(rank, world, spec_name, args):
     recorder = SyncRecorder()
     reads = HostReads(recorder)
     per_micro: list[list[str]] = []
+    between: list[list[str]] = []  # from the end of a micro-batch to the next one's forward
 
     def start(module, inputs):
+        if module.training and recorder.region:
+            between.append(recorder.found)
         recorder.active, recorder.found = True, []
         recorder.region += 1
 
@@ -143,8 +146,8 @@ def _count_syncs(rank, world, spec_name, args):
 
         def after_micro_batch(self, trainer, state, batch, outputs):
             if trainer.ds.module.training:
-                recorder.active = False
                 per_micro.append(recorder.found)
+                recorder.found = []  # recording on: the step's end, up to the next forward
 
     def build(ctx, recipe=spec.build):
         parts = recipe(ctx)
@@ -156,7 +159,7 @@ def _count_syncs(rank, world, spec_name, args):
                                  device_type="cpu")  # fmt: skip
     with recorder, reads:
         assert pretrain(cfg, spec, keep_process_group=True) == 0
-    return per_micro
+    return per_micro, between
 
 
 @pytest.mark.parametrize("model", ["taco", "sas", "sas_da"])
@@ -174,10 +177,15 @@ def test_no_host_sync_inside_a_micro_batch(model, botchan_dataset, tmp_path):
     if model == "sas_da":
         args.append("--disentangled-attention")
     spec = "TACO" if model == "taco" else "SAS"
-    (per_micro,) = run_distributed(_count_syncs, 1, spec, args)
+    ((per_micro, between),) = run_distributed(_count_syncs, 1, spec, args)
     assert len(per_micro) == 4  # 2 iterations x 2 micro-batches
     # Step 2's first micro-batch: steady state (caches built), not a step boundary.
     assert per_micro[2] == []
+    # Between two micro-batches of a step nothing; at the end of step 1 (which logs nothing:
+    # --log-interval 100) one read, of the flags and the gradient norm after their all-reduce.
+    assert between[0] == [] and between[2] == []
+    assert [site.split(" at ")[0] for site in between[1]] == ["Tensor.tolist"], between[1]
+    assert "training/loop.py" in between[1][0]
 
 
 def _syncs_in_a_step(model, batch) -> list[str]:

@@ -226,6 +226,44 @@ def test_tracker_fork_isolation_and_states():
         torch.testing.assert_close(torch.rand(4), first)
 
 
+# CUDA's generator state: Philox seed and offset, 8 bytes each.
+CUDA_FORMAT_STATE = torch.arange(16, dtype=torch.uint8)
+
+
+def test_checkpointed_tracker_of_another_device_type_keeps_its_seeded_stream(caplog):
+    """A checkpoint saved on a GPU resumed on CPU (and back): the tracker's saved generator
+    state is of the other kind (16 vs 5056 bytes) and would make fork() raise; it is detected,
+    the stream keeps its seeded state, and the log says so. Same-kind states still restore."""
+    from megatron_taco.training.checkpointing import get_rng_states, set_rng_states
+
+    tracker = RNGTracker("cpu")
+    tracker.add(MODEL_PARALLEL_RNG, 5)
+    seeded = tracker.get_states()
+    with tracker.fork():
+        advanced_draw = torch.rand(3)
+    saved = get_rng_states(tracker)
+    with tracker.fork():
+        after_save = torch.rand(3)
+    set_rng_states(saved, tracker)  # same device type: restored exactly
+    with tracker.fork():
+        assert torch.equal(torch.rand(3), after_save)
+    assert not torch.equal(after_save, advanced_draw)
+
+    saved["tracker"] = {MODEL_PARALLEL_RNG: CUDA_FORMAT_STATE}
+    tracker.set_states(seeded)
+    with caplog.at_level("WARNING"):
+        set_rng_states(saved, tracker)
+    assert "model-parallel-rng were saved by a generator of another device type" in caplog.text
+    with tracker.fork():
+        assert torch.equal(torch.rand(3), advanced_draw)  # the seeded stream, from its start
+
+    # The other way: a CPU generator's state offered to a CUDA tracker (no CUDA call needed).
+    on_gpu = RNGTracker(torch.device("cuda", 0))
+    on_gpu.states = {MODEL_PARALLEL_RNG: CUDA_FORMAT_STATE.clone()}
+    assert on_gpu.load_states({MODEL_PARALLEL_RNG: torch.get_rng_state()}) == [MODEL_PARALLEL_RNG]
+    assert torch.equal(on_gpu.states[MODEL_PARALLEL_RNG], CUDA_FORMAT_STATE)
+
+
 def test_model_parallel_seed(state):
     tracker = model_parallel_seed(42, state, device="cpu")
     torch.testing.assert_close(torch.rand(3), _rand(42))

@@ -309,6 +309,18 @@ def test_no_json_means_zero0_fp32():
     assert (s.zero_stage, s.precision, s.source) == (0, "fp32", "<default>")
 
 
+def test_throughput_timer_off_unless_the_json_turns_it_on():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    def resolved(ds_json):
+        config = resolve_deepspeed_config(cfg(), 1, device_type="cpu", ds_json=ds_json).config
+        return DeepSpeedConfig(config, mpu=single_process_state()).timers_config
+
+    assert not resolved({}).enabled
+    assert not resolved({"timers": {"throughput": {"synchronized": False}}}).enabled
+    assert resolved({"timers": {"throughput": {"enabled": True}}}).enabled
+
+
 SHIPPED = sorted(DS_CONFIGS.glob("*.json"))
 
 
@@ -335,6 +347,9 @@ def test_shipped_ds_configs_are_valid_for_deepspeed(path):
     ) == (8, 4, 2)
     assert ds.bfloat16_config.enabled == (precision == "bf16")
     assert ds.float16_config.enabled == (precision == "fp16")
+    # DeepSpeed's throughput timer would synchronise the device around every micro-batch.
+    assert not ds.timers_config.enabled
+    assert not json.loads(path.read_text())["timers"]["throughput"]["enabled"]
     if precision == "fp16":
         assert ds.float16_config.loss_scale == 0  # dynamic loss scaling: overflow steps are skipped
     if precision != "fp16":

@@ -328,6 +328,13 @@ class SasModel(nn.Module):
             compile_layers(self.layers, "SAS layers")
         self._index_cache: dict[tuple[int, str], tuple[int, int, torch.Tensor, torch.Tensor]] = {}
 
+    def relative_rows_used(self, s: int) -> int:
+        """How many relative-table rows a length-s batch projects (0 without SAS^DA)."""
+        if not self.config.disentangled_attention:
+            return 0
+        lo, hi, _, _ = self.relative_index(s, "cpu")
+        return hi - lo + 1
+
     def relative_index(self, s: int, device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """(lo, hi, index, index_t): the table rows lo..hi that a length-s batch uses and the
         row of every pair relative to lo ([1, s, s] and its transpose). Depends on s only:
