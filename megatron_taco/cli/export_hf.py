@@ -29,7 +29,12 @@ import shutil
 import sys
 
 from megatron_taco.arguments import ConfigError, program_name, run_cli
-from megatron_taco.recipes.registry import model_builder
+from megatron_taco.recipes.registry import (
+    FINETUNED,
+    checkpoint_tokenizer,
+    finetuned_task,
+    model_builder,
+)
 from megatron_taco.training.consolidate import (
     CheckpointError,
     ModelLayout,
@@ -50,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].replace("\n", " "),
         allow_abbrev=False,
     )
-    p.add_argument("--load", required=True, help="SAS or TACO checkpoint directory (a --save).")
+    p.add_argument(
+        "--load",
+        required=True,
+        help="SAS or TACO checkpoint directory: a pretraining --save (any ZeRO stage) or a "
+        "fine-tuning run's OUTPUT/checkpoints.",
+    )
     p.add_argument("--ckpt-step", type=int, help="Iteration to export (default: the latest).")
     p.add_argument("--output", required=True, help="New directory for the transformers files.")
     p.add_argument(
@@ -185,39 +195,68 @@ def save_model(config, state_dict, out: str) -> list[str]:
     return sorted(os.listdir(out))
 
 
-def export(args: argparse.Namespace) -> str:
+def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
     info = find_checkpoint(args.load, args.ckpt_step)
     if os.path.exists(args.output) and os.listdir(args.output):
         raise ConfigError(f"--output: {args.output} exists and is not empty")
     config, build = model_builder(info, args.tokenizer_model)
     states = read_states(info, ModelLayout(build, info.tp_size, config.vocab_size))
-    spm = args.tokenizer_model or info.configs["data"]["tokenizer_model"]
-    tmp = f"{args.output.rstrip(os.sep)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    spm = checkpoint_tokenizer(info, args.tokenizer_model)
+    task = finetuned_task(info) if info.model == FINETUNED else None
+    encoder = task.encoder if task else info.model
+    written: dict[str, str] = {}
+
+    def write(tmp: str) -> None:
         save_tokenizer(spm, tmp, config.max_position_embeddings)
-        if info.model == "TACO":
-            from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
+        if encoder == "TACO":
+            from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs
+
+            restrict_tokenizer_inputs(tmp)
+        if task is not None:
+            from megatron_taco.cli import export_finetuned as ft
+
+            dropout = (info.configs.get("finetune") or {}).get("classifier_dropout")
+            name = ft.save_task_model(config, task, states.full_state_dict(), tmp, dropout)
+            written["kind"] = f"{name}, {ft.FAMILY_NAME[ft.family_of(encoder, config)]}"
+            files = sorted([*os.listdir(tmp), "README.md"])
+            card = ft.model_card(info, task, config, name, files, argv or [])
+            with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+                f.write(card)
+        elif encoder == "TACO":
+            from megatron_taco.cli.export_taco_hf import save_taco_model
 
             save_taco_model(config, states.full_state_dict(), tmp)
-            restrict_tokenizer_inputs(tmp)
-            files = sorted(os.listdir(tmp))
         else:
-            files = save_model(config, states.full_state_dict(), tmp)
-        for name in files:  # safetensors writes 0600: others on the cluster could not read it
-            umask_mode(os.path.join(tmp, name))
-        if os.path.isdir(args.output):
-            os.rmdir(args.output)
-        os.rename(tmp, args.output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if info.model == "TACO":
+            save_model(config, states.full_state_dict(), tmp)
+
+    files = write_folder(args.output, write)
+    if "kind" in written:
+        kind = written["kind"]
+    elif encoder == "TACO":
         kind = "TACO (trust_remote_code=True)"
     else:
         kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
     return f"{info.iter_dir} -> {args.output} as {kind}: {', '.join(files)}"
+
+
+def write_folder(output: str, write) -> list[str]:
+    """``write(tmp)`` into a temporary folder beside ``output``, renamed to ``output`` once
+    complete (removed on failure); returns the files' names."""
+    tmp = f"{output.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        files = sorted(os.listdir(tmp))
+        for name in files:  # safetensors writes 0600: others on the cluster could not read it
+            umask_mode(os.path.join(tmp, name))
+        if os.path.isdir(output):
+            os.rmdir(output)
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(
         build_parser(),
         argv,
-        lambda args: print(export(args)),
+        lambda args: print(export(args, sys.argv[1:] if argv is None else argv)),
         user_errors=(CheckpointError, ImportError),
     )
 

@@ -727,7 +727,13 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
                 else []
             ),  # fmt: skip
         ],
-        metadata={"task": info.name, "pretrained": dataclasses.asdict(cfg.task["pretrained"])},
+        # The labels too: a custom task's are read from its train.tsv, which export_hf.py
+        # (id2label) does not have.
+        metadata={
+            "task": info.name,
+            "labels": list(info.labels),
+            "pretrained": dataclasses.asdict(cfg.task["pretrained"]),
+        },  # fmt: skip
     )
 
 
