@@ -177,21 +177,32 @@ def model_card(info, task, config, class_name: str, files: list[str], argv: list
         f"tags: [megatron_taco, {encoder.lower().replace('^', '-')}, {task.task}]",
         "---",
     ]
-    usage = [
-        "```python",
-        "from transformers import pipeline",
-        "",
-        f'pipe = pipeline("{PIPELINE_TAG[task.kind]}", model="PATH/TO/THIS/FOLDER"{trust})',
-        "```",
-    ]
-    if task.kind == "multiple_choice":  # no pipeline for it
+    if task.kind in ("classification", "regression"):
         usage = [
-            "```python",
+            "from transformers import pipeline",
+            "",
+            f'pipe = pipeline("text-classification", model="PATH/TO/THIS/FOLDER"{trust})',
+            'pipe("A sentence.")  # pairs: pipe({"text": "...", "text_pair": "..."})',
+        ]
+    else:  # transformers 5 has no question-answering or multiple-choice pipeline
+        usage = [
             f"from transformers import {AUTO_CLASS[task.kind]}, AutoTokenizer",
             "",
             f'model = {AUTO_CLASS[task.kind]}.from_pretrained("PATH/TO/THIS/FOLDER"{trust})',
-            "```",
+            f'tokenizer = AutoTokenizer.from_pretrained("PATH/TO/THIS/FOLDER"{trust})',
         ]
+        if task.kind == "span":
+            usage += [
+                'batch = tokenizer("Question?", "Context.", return_tensors="pt")',
+                "out = model(**batch)  # start_logits, end_logits per token",
+            ]
+        else:
+            usage += [
+                'batch = tokenizer(["Question? Option A", "Question? Option B"], padding=True,',
+                '                  return_tensors="pt")',
+                "out = model(**{k: v[None] for k, v in batch.items()})  # logits [1, options]",
+            ]
+    usage = ["```python", *usage, "```"]
     body = [
         f"# {encoder} fine-tuned on {task.task}",
         "",

@@ -1,7 +1,12 @@
-"""Export a SAS or TACO checkpoint (any tensor-parallel size, ZeRO 0-2) to a transformers
-model directory (taco-export-hf, tools/export_hf.py).
+"""Export a SAS or TACO checkpoint, pretrained or fine-tuned (any tensor-parallel size and
+ZeRO stage), to a transformers model directory (taco-export-hf, tools/export_hf.py).
 
     python tools/export_hf.py --load ckpt --output sas_small_hf
+    python tools/export_hf.py --load runs/cola/checkpoints --output sas_small_cola_hf
+
+A fine-tuned checkpoint (tools/finetune.py's OUTPUT/checkpoints) becomes the task class of
+its encoder's family, with the task's labels and a model card (cli/export_finetuned.py);
+a pretrained one:
 
 SAS / SAS^c -> ELECTRA: config.json + model.safetensors for ElectraForPreTraining (its
 discriminator head is our RTD head: a positive logit means "replaced"); the same file
@@ -11,8 +16,8 @@ legacy ``cls.predictions`` MLM head, DebertaV2ForMaskedLM; DeBERTa has no RTD he
 is saved beside them as rtd_head.safetensors (ELECTRA's discriminator_predictions names:
 dense, dense_prediction). Weights are the fp32 master weights where the optimizer kept them.
 
-Tokenizer: tokenizer.json + tokenizer_config.json so that ``AutoTokenizer.from_pretrained``
-loads a fast tokenizer equal to ours (sentencepiece unigram and BPE models, with or without
+Tokenizer (save_tokenizer, in every export): tokenizer.json + tokenizer_config.json so that
+``AutoTokenizer.from_pretrained`` loads a fast tokenizer equal to ours (sentencepiece unigram and BPE models, with or without
 byte fallback: same normalisation, pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
 [MASK]=4; it adds [CLS] ... [SEP]), plus the sentencepiece model itself as spm.model.
 TACO -> its own modeling code (cli/export_taco_hf.py): configuration_taco.py and

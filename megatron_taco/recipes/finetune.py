@@ -64,8 +64,8 @@ class FinetuneConfig:
     load: str | None = option(
         None,
         "Pretrained checkpoint directory (a --save of pretrain_taco.py or pretrain_sas.py; any "
-        "tensor-parallel size, ZeRO stage 0-2). The model kind and its configuration are read "
-        "from its metadata.json.",
+        "tensor-parallel size and ZeRO stage, ZeRO-3 through DeepSpeed's zero_to_fp32). The "
+        "model kind and its configuration are read from its metadata.json.",
         flag="--load",
     )
     ckpt_step: int | None = option(

@@ -135,7 +135,7 @@ def read_checkpoint(
     optimizer: bool = True,
 ) -> tuple[TrainingStates, Any, ModelBuilder]:
     """(every tensor of the checkpoint merged to full size, model config, builder), whatever
-    tensor-parallel size and ZeRO stage (0-2) wrote it; ``load`` is a --load directory or a
+    tensor-parallel size and ZeRO stage (0-3) wrote it; ``load`` is a --load directory or a
     checkpoint already found. ``optimizer=False`` reads only the model files (the fp32
     master weights of ZeRO 1-2 live in the optimizer files)."""
     info = load if isinstance(load, CheckpointInfo) else find_checkpoint(load, ckpt_step)
@@ -148,7 +148,7 @@ def read_checkpoint(
 
 def load_pretraining_model(path: str, tokenizer_model: str | None = None):
     """(the pretraining model of a --load directory, whatever tensor-parallel size and ZeRO
-    stage 0-2 wrote it, rebuilt at tp=1 in eval mode without dropout; the checkpoint's
+    stage wrote it, rebuilt at tp=1 in eval mode without dropout; the checkpoint's
     info). Reads the optimizer files too: under ZeRO 1-2 with bf16 the fp32 master weights
     live there, the model files hold only bf16 copies."""
     from megatron_taco.parallel.state import single_process_state

@@ -685,7 +685,10 @@ def _model_file(states, module: Tensors, optimizer: Any, target: TargetLayout) -
 
 def check_target(states: TrainingStates, target: TargetLayout) -> None:
     if target.zero_stage not in (0, 1, 2):
-        raise ConfigError(f"ZeRO stage {target.zero_stage}: only stages 0, 1 and 2 are written")
+        raise ConfigError(
+            f"ZeRO stage {target.zero_stage}: only stages 0, 1 and 2 are written (ZeRO-3 "
+            "checkpoints are read); give --deepspeed-config with a stage 0-2 config"
+        )
     info = states.info
     same_kind = info.precision == "fp16" and (info.zero_stage > 0) == (target.zero_stage > 0)
     if target.precision == "fp16" and not same_kind:
@@ -785,10 +788,14 @@ def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: 
             f"{saved_tp}, this run uses {tp_size}; convert it: {convert}"
         )
     if 3 in (saved_stage, zero_stage) and (saved_stage, saved_dp) != (zero_stage, dp):
+        # The converter reads ZeRO-3 checkpoints but writes only stages 0-2.
+        how = f"; convert it: {convert}" if zero_stage != 3 else (
+            f"; convert it into ZeRO stage 0-2 ({CONVERTER}) and resume with a stage 0-2 config"
+        )  # fmt: skip
         raise ConfigError(
             f"--load: {iter_dir} (ZeRO stage {saved_stage}, data parallel {saved_dp}) cannot be "
             f"resumed with ZeRO stage {zero_stage} at data parallel {dp}: ZeRO-3 checkpoints "
-            "resume only at their own layout"
+            f"resume only at their own layout{how}"
         )
     # A checkpoint that does not say how it was saved is left to DeepSpeed.
     if not training.no_load_optim and isinstance(saved_ds, dict):
