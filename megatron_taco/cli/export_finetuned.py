@@ -88,6 +88,21 @@ def save_task_model(config, task, state_dict: dict[str, torch.Tensor], out: str,
     return name
 
 
+def describe(task, config) -> str:
+    family = family_of(task.encoder, config)
+    return f"{hf_class_name(family, task.kind)}, {FAMILY_NAME[family]}"
+
+
+def save_finetuned(info, config, task, state_dict, out: str, argv: list[str]) -> None:
+    """The task model and its model card into ``out`` (which holds the tokenizer)."""
+    dropout = (info.configs.get("finetune") or {}).get("classifier_dropout")
+    name = save_task_model(config, task, state_dict, out, dropout)
+    files = sorted([*os.listdir(out), "README.md"])
+    card = model_card(info, task, config, name, files, argv)
+    with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
+        f.write(card)
+
+
 def read_results(load: str, task: str) -> tuple[dict[str, Any] | None, str]:
     """The run's results.json (beside --load, the run's checkpoints/ folder), if it is this
     task's; and where it was looked for."""

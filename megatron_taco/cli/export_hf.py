@@ -176,6 +176,16 @@ def save_tokenizer(spm_path: str, out: str, max_length: int) -> None:
     shutil.copy(spm_path, os.path.join(out, "spm.model"))
 
 
+def write_tokenizer(spm_path: str, out: str, max_length: int, encoder: str) -> None:
+    """The tokenizer files of every export (pretrained or fine-tuned) of an ``encoder``
+    ("TACO" | "SAS") model."""
+    save_tokenizer(spm_path, out, max_length)
+    if encoder == "TACO":
+        from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs
+
+        restrict_tokenizer_inputs(out)
+
+
 def save_model(config, state_dict, out: str) -> list[str]:
     """config.json + model.safetensors (+ rtd_head.safetensors for SAS^DA)."""
     import transformers
@@ -209,24 +219,13 @@ def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
     spm = checkpoint_tokenizer(info, args.tokenizer_model)
     task = finetuned_task(info) if info.model == FINETUNED else None
     encoder = task.encoder if task else info.model
-    written: dict[str, str] = {}
 
     def write(tmp: str) -> None:
-        save_tokenizer(spm, tmp, config.max_position_embeddings)
-        if encoder == "TACO":
-            from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs
-
-            restrict_tokenizer_inputs(tmp)
+        write_tokenizer(spm, tmp, config.max_position_embeddings, encoder)
         if task is not None:
-            from megatron_taco.cli import export_finetuned as ft
+            from megatron_taco.cli.export_finetuned import save_finetuned
 
-            dropout = (info.configs.get("finetune") or {}).get("classifier_dropout")
-            name = ft.save_task_model(config, task, states.full_state_dict(), tmp, dropout)
-            written["kind"] = f"{name}, {ft.FAMILY_NAME[ft.family_of(encoder, config)]}"
-            files = sorted([*os.listdir(tmp), "README.md"])
-            card = ft.model_card(info, task, config, name, files, argv or [])
-            with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-                f.write(card)
+            save_finetuned(info, config, task, states.full_state_dict(), tmp, argv or [])
         elif encoder == "TACO":
             from megatron_taco.cli.export_taco_hf import save_taco_model
 
@@ -235,8 +234,10 @@ def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
             save_model(config, states.full_state_dict(), tmp)
 
     files = write_folder(args.output, write)
-    if "kind" in written:
-        kind = written["kind"]
+    if task is not None:
+        from megatron_taco.cli.export_finetuned import describe
+
+        kind = describe(task, config)
     elif encoder == "TACO":
         kind = "TACO (trust_remote_code=True)"
     else:

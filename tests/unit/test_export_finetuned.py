@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from megatron_taco.cli.export_finetuned import save_task_model
-from megatron_taco.cli.export_hf import save_tokenizer
-from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs
+from megatron_taco.cli.export_hf import write_tokenizer
 from megatron_taco.models.finetune_hf import AUTO_CLASS, task_head
 from megatron_taco.recipes.registry import FinetunedTask
 from megatron_taco.tasks import load_task
@@ -66,9 +65,7 @@ def export(encoder: str, data, tokenizer_model: str, out) -> tuple[torch.nn.Modu
     task = FinetunedTask(FINETUNE_ENCODERS[encoder][0], info.name, info.kind, info.num_labels,
                          info.labels)  # fmt: skip
     out.mkdir()
-    save_tokenizer(tokenizer_model, str(out), config.max_position_embeddings)
-    if encoder == "TACO":
-        restrict_tokenizer_inputs(str(out))
+    write_tokenizer(tokenizer_model, str(out), config.max_position_embeddings, task.encoder)
     save_task_model(config, task, model.state_dict(), str(out))
     return model, task
 
