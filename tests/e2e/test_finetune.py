@@ -161,6 +161,10 @@ def test_zero3_fine_tunes_the_pretrained_weights(pretrained, tasks, tmp_path):
     random, _ = losses(tmp_path / "r0", "--random-init")
     assert zero3 == pytest.approx(zero0, rel=1e-5)
     assert zero0[0] != pytest.approx(random[0], rel=1e-3)  # the comparison can tell them apart
+    # Its ZeRO-3 checkpoint exports (zero_to_fp32's reassembly) and serves its dev accuracy.
+    assert_pipeline_reproduces_dev_accuracy(
+        tmp_path / "z3", tasks["marker"], tmp_path / "hf", "sas"
+    )
 
 
 def test_span_task_is_learnt(pretrained, tasks, tokenizer, tmp_path):
