@@ -78,8 +78,12 @@ def _worker(
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
-    """``fn`` must be importable (module level) so spawned processes can unpickle it."""
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 300, exit_timeout: float = 30
+) -> list[Any]:
+    """``fn`` must be importable (module level) so spawned processes can unpickle it.
+    ``exit_timeout``: seconds each rank has to exit after reporting (more ranks than cores
+    tear down slowly)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -103,7 +107,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 break
     finally:
         for p in procs:
-            p.join(timeout=30 if not errors else 5)
+            p.join(timeout=exit_timeout if not errors else 5)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -457,6 +457,11 @@ def _zero3(info: CheckpointInfo, layout: ModelLayout, tp_rank: int, optimizer: b
             frozen_param_fragments=m.get("frozen_param_fragments"),
         ))  # fmt: skip
     names = [n for group in models[0]["param_shapes"] for n in group]
+    if set(names) != set(layout.params):
+        odd = sorted(set(names) ^ set(layout.params))[:3]
+        raise CheckpointError(
+            f"{what}: its parameters differ from the model's in metadata.json ({', '.join(odd)})"
+        )
 
     def gathered(flat_groups: list[list[torch.Tensor]]) -> Tensors:
         # zero_to_fp32 prints its progress (and tqdm bars): not this command's output.
@@ -470,17 +475,13 @@ def _zero3(info: CheckpointInfo, layout: ModelLayout, tp_rank: int, optimizer: b
         weights = gathered([o["fp32_flat_groups"] for o in osds])
     except (ValueError, RuntimeError) as e:
         raise CheckpointError(f"{what}: zero_to_fp32 cannot reassemble it ({e})") from None
-    expected = {n for n, lay in layout.params.items()}
-    if set(names) != expected:
-        odd = sorted(set(names) ^ expected)[:3]
-        raise CheckpointError(
-            f"{what}: its parameters differ from the model's in metadata.json ({', '.join(odd)})"
-        )
     out = _RankStates(families={"module": weights, "master": {n: weights[n] for n in names}})
     base = [o["optimizer_state_dict"] for o in osds]
     state = [b["state"] for b in base]
     out.step = state[0].get(0, {}).get("step")
-    out.param_groups = _hyper(base[0]["param_groups"])
+    # ZeRO-3 cuts a large group into sub-groups (sub_group_size), each with its settings.
+    hyper = _hyper(base[0]["param_groups"])
+    out.param_groups = list({h.get("name", i): h for i, h in enumerate(hyper)}.values())
     keys = ("loss_scaler", "dynamic_loss_scale", "overflow")
     out.extras = {k: osds[0][k] for k in keys if k in osds[0]}
     if optimizer:

@@ -49,7 +49,8 @@ def train_args(dataset, save: Path, *extra: str) -> list[str]:
 
 
 def train(module: str, world: int, argv: list[str], timeout: float = 240) -> None:
-    assert run_distributed(pretrain, world, module, argv, timeout=timeout) == [0] * world
+    codes = run_distributed(pretrain, world, module, argv, timeout=timeout, exit_timeout=timeout)
+    assert codes == [0] * world
 
 
 TACO = ("--deepspeed-config", "ds_configs/zero1_fp32.json")
