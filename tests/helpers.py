@@ -88,10 +88,16 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo"
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 300,
+    backend: str = "gloo",
+    exit_timeout: float = 30,
 ) -> list[Any]:
     """``fn`` must be importable (module level) so spawned processes can unpickle it.
-    ``backend="nccl"``: rank r on GPU r (tests/gpu)."""
+    ``backend="nccl"``: rank r on GPU r (tests/gpu). ``exit_timeout``: seconds each rank
+    has to exit after reporting (more ranks than cores tear down slowly)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -117,7 +123,7 @@ def run_distributed(
                 break
     finally:
         for p in procs:
-            p.join(timeout=30 if not errors else 5)
+            p.join(timeout=exit_timeout if not errors else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -441,6 +447,24 @@ def write_marker_task(directory, *, dev_fraction: float = 0.25, seed: int = 0) -
     return {"train": len(rows) - n_dev, "dev": n_dev}
 
 
+def write_similarity_task(directory, *, seed: int = 0) -> None:
+    """STS-B's GLUE layout (train.tsv/dev.tsv, header sentence1, sentence2, score): pairs of
+    Botchan sentences scored 0-5 (5: the same sentence twice)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sentences = botchan_sentences()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", sentences[:40]), ("dev", sentences[40:80])):
+        with open(directory / f"{name}.tsv", "w", encoding="utf-8") as f:
+            f.write("sentence1\tsentence2\tscore\n")
+            for i, s in enumerate(part):
+                same = i % 2 == 0
+                other = s if same else part[(i + 7) % len(part)]
+                f.write(f"{s}\t{other}\t{5.0 if same else rng.uniform(0, 2):.3f}\n")
+
+
 _PLACES = ("Tokyo", "Kyushu", "Kamakura", "Echigo", "Azabu")
 _SITES = ("school", "hotel", "garden", "house", "street")
 
@@ -584,13 +608,15 @@ def finetune_features(task_kind: str, n: int = 11, seed: int = 0):
     return FeatureDataset(ids, lengths, targets)
 
 
-def finetune_model(encoder: str, task_kind: str, seed: int = 0):
+def finetune_model(encoder: str, task_kind: str, seed: int = 0, vocab_size: int | None = None,
+                   num_labels: int | None = None):  # fmt: skip
     from megatron_taco.models.finetune import TaskModel
 
     kind, make = FINETUNE_ENCODERS[encoder]
+    config = make() if vocab_size is None else make().with_vocab_size(vocab_size)
     torch.manual_seed(seed)
-    model = TaskModel(kind, make(), single_process_state(), task_kind=task_kind,
-                      num_labels=FINETUNE_HEADS[task_kind]).double().eval()  # fmt: skip
+    model = TaskModel(kind, config, single_process_state(), task_kind=task_kind,
+                      num_labels=num_labels or FINETUNE_HEADS[task_kind]).double().eval()  # fmt: skip
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # every parameter far from its init, 1-D ones too
         for p in model.parameters():

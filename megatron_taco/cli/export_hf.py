@@ -1,7 +1,12 @@
-"""Export a SAS or TACO checkpoint (any tensor-parallel size, ZeRO 0-2) to a transformers
-model directory (taco-export-hf, tools/export_hf.py).
+"""Export a SAS or TACO checkpoint, pretrained or fine-tuned (any tensor-parallel size and
+ZeRO stage), to a transformers model directory (taco-export-hf, tools/export_hf.py).
 
     python tools/export_hf.py --load ckpt --output sas_small_hf
+    python tools/export_hf.py --load runs/cola/checkpoints --output sas_small_cola_hf
+
+A fine-tuned checkpoint (tools/finetune.py's OUTPUT/checkpoints) becomes the task class of
+its encoder's family, with the task's labels and a model card (cli/export_finetuned.py);
+a pretrained one:
 
 SAS / SAS^c -> ELECTRA: config.json + model.safetensors for ElectraForPreTraining (its
 discriminator head is our RTD head: a positive logit means "replaced"); the same file
@@ -11,8 +16,8 @@ legacy ``cls.predictions`` MLM head, DebertaV2ForMaskedLM; DeBERTa has no RTD he
 is saved beside them as rtd_head.safetensors (ELECTRA's discriminator_predictions names:
 dense, dense_prediction). Weights are the fp32 master weights where the optimizer kept them.
 
-Tokenizer: tokenizer.json + tokenizer_config.json so that ``AutoTokenizer.from_pretrained``
-loads a fast tokenizer equal to ours (sentencepiece unigram and BPE models, with or without
+Tokenizer (save_tokenizer, in every export): tokenizer.json + tokenizer_config.json so that
+``AutoTokenizer.from_pretrained`` loads a fast tokenizer equal to ours (sentencepiece unigram and BPE models, with or without
 byte fallback: same normalisation, pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
 [MASK]=4; it adds [CLS] ... [SEP]), plus the sentencepiece model itself as spm.model.
 TACO -> its own modeling code (cli/export_taco_hf.py): configuration_taco.py and
@@ -29,7 +34,12 @@ import shutil
 import sys
 
 from megatron_taco.arguments import ConfigError, program_name, run_cli
-from megatron_taco.recipes.registry import model_builder
+from megatron_taco.recipes.registry import (
+    FINETUNED,
+    checkpoint_tokenizer,
+    finetuned_task,
+    model_builder,
+)
 from megatron_taco.training.consolidate import (
     CheckpointError,
     ModelLayout,
@@ -50,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].replace("\n", " "),
         allow_abbrev=False,
     )
-    p.add_argument("--load", required=True, help="SAS or TACO checkpoint directory (a --save).")
+    p.add_argument(
+        "--load",
+        required=True,
+        help="SAS or TACO checkpoint directory: a pretraining --save (any ZeRO stage) or a "
+        "fine-tuning run's OUTPUT/checkpoints.",
+    )
     p.add_argument("--ckpt-step", type=int, help="Iteration to export (default: the latest).")
     p.add_argument("--output", required=True, help="New directory for the transformers files.")
     p.add_argument(
@@ -161,6 +176,16 @@ def save_tokenizer(spm_path: str, out: str, max_length: int) -> None:
     shutil.copy(spm_path, os.path.join(out, "spm.model"))
 
 
+def write_tokenizer(spm_path: str, out: str, max_length: int, encoder: str) -> None:
+    """The tokenizer files of every export (pretrained or fine-tuned) of an ``encoder``
+    ("TACO" | "SAS") model."""
+    save_tokenizer(spm_path, out, max_length)
+    if encoder == "TACO":
+        from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs
+
+        restrict_tokenizer_inputs(out)
+
+
 def save_model(config, state_dict, out: str) -> list[str]:
     """config.json + model.safetensors (+ rtd_head.safetensors for SAS^DA)."""
     import transformers
@@ -185,39 +210,59 @@ def save_model(config, state_dict, out: str) -> list[str]:
     return sorted(os.listdir(out))
 
 
-def export(args: argparse.Namespace) -> str:
+def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
     info = find_checkpoint(args.load, args.ckpt_step)
     if os.path.exists(args.output) and os.listdir(args.output):
         raise ConfigError(f"--output: {args.output} exists and is not empty")
     config, build = model_builder(info, args.tokenizer_model)
     states = read_states(info, ModelLayout(build, info.tp_size, config.vocab_size))
-    spm = args.tokenizer_model or info.configs["data"]["tokenizer_model"]
-    tmp = f"{args.output.rstrip(os.sep)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        save_tokenizer(spm, tmp, config.max_position_embeddings)
-        if info.model == "TACO":
-            from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
+    spm = checkpoint_tokenizer(info, args.tokenizer_model)
+    task = finetuned_task(info) if info.model == FINETUNED else None
+    encoder = task.encoder if task else info.model
+
+    def write(tmp: str) -> None:
+        write_tokenizer(spm, tmp, config.max_position_embeddings, encoder)
+        if task is not None:
+            from megatron_taco.cli.export_finetuned import save_finetuned
+
+            save_finetuned(info, config, task, states.full_state_dict(), tmp, argv or [])
+        elif encoder == "TACO":
+            from megatron_taco.cli.export_taco_hf import save_taco_model
 
             save_taco_model(config, states.full_state_dict(), tmp)
-            restrict_tokenizer_inputs(tmp)
-            files = sorted(os.listdir(tmp))
         else:
-            files = save_model(config, states.full_state_dict(), tmp)
-        for name in files:  # safetensors writes 0600: others on the cluster could not read it
-            umask_mode(os.path.join(tmp, name))
-        if os.path.isdir(args.output):
-            os.rmdir(args.output)
-        os.rename(tmp, args.output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if info.model == "TACO":
+            save_model(config, states.full_state_dict(), tmp)
+
+    files = write_folder(args.output, write)
+    if task is not None:
+        from megatron_taco.cli.export_finetuned import describe
+
+        kind = describe(task, config)
+    elif encoder == "TACO":
         kind = "TACO (trust_remote_code=True)"
     else:
         kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
     return f"{info.iter_dir} -> {args.output} as {kind}: {', '.join(files)}"
+
+
+def write_folder(output: str, write) -> list[str]:
+    """``write(tmp)`` into a temporary folder beside ``output``, renamed to ``output`` once
+    complete (removed on failure); returns the files' names."""
+    tmp = f"{output.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        files = sorted(os.listdir(tmp))
+        for name in files:  # safetensors writes 0600: others on the cluster could not read it
+            umask_mode(os.path.join(tmp, name))
+        if os.path.isdir(output):
+            os.rmdir(output)
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(
         build_parser(),
         argv,
-        lambda args: print(export(args)),
+        lambda args: print(export(args, sys.argv[1:] if argv is None else argv)),
         user_errors=(CheckpointError, ImportError),
     )
 

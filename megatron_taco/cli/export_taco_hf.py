@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 import torch
 
@@ -33,15 +34,27 @@ AUTO_MAP = {
 }
 
 
-def save_taco_model(config: TacoConfig, state_dict: dict[str, torch.Tensor], out: str) -> None:
+def save_taco_model(
+    config: TacoConfig,
+    state_dict: dict[str, torch.Tensor],
+    out: str,
+    *,
+    task: tuple[str, dict[str, Any], dict[str, torch.Tensor]] | None = None,
+) -> None:
+    """TacoForMaskedLM from a TacoForPretraining state dict; with ``task`` = (class name,
+    config kwargs, head tensors), that task class from a fine-tuned encoder's state dict."""
     from safetensors.torch import save_file
 
     # configuration_taco imports only transformers; importing it here lets transformers
     # serialise config.json exactly as it will read it back.
     from megatron_taco.models.taco.hf_remote.configuration_taco import TacoConfig as HfConfig
 
-    state = hf_state_dict(config, state_dict)
-    hf = HfConfig(**hf_config_kwargs(config), architectures=["TacoForMaskedLM"])
+    state = hf_state_dict(config, state_dict, heads=task is None)
+    architecture, kwargs = "TacoForMaskedLM", {}
+    if task is not None:
+        architecture, kwargs, head = task
+        state.update(head)
+    hf = HfConfig(**hf_config_kwargs(config), **kwargs, architectures=[architecture])
     hf.auto_map = dict(AUTO_MAP)
     hf.save_pretrained(out)
     for name in REMOTE_FILES:

@@ -12,7 +12,7 @@ Written: a table on stdout, word_order_probe.json and .csv, and word_order_probe
 style of Figure 1, one column per model (words of --plot-pair on top, [CLS] of every pair
 below).
 
-Models: our checkpoints (TACO, SAS; any tensor-parallel size, ZeRO 0-2; the latest
+Models: our checkpoints (TACO, SAS; any tensor-parallel size and ZeRO stage; the latest
 iteration) and transformers model directories (BERT, DeBERTa, an exported TACO with
 --trust-remote-code), read from disk only.
 

@@ -65,8 +65,8 @@ class FinetuneConfig:
     load: str | None = option(
         None,
         "Pretrained checkpoint directory (a --save of pretrain_taco.py or pretrain_sas.py; any "
-        "tensor-parallel size, ZeRO stage 0-2). The model kind and its configuration are read "
-        "from its metadata.json.",
+        "tensor-parallel size and ZeRO stage, ZeRO-3 through DeepSpeed's zero_to_fp32). The "
+        "model kind and its configuration are read from its metadata.json.",
         flag="--load",
     )
     ckpt_step: int | None = option(
@@ -749,7 +749,13 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
                 else []
             ),  # fmt: skip
         ],
-        metadata={"task": info.name, "pretrained": dataclasses.asdict(cfg.task["pretrained"])},
+        # The labels too: a custom task's are read from its train.tsv, which export_hf.py
+        # (id2label) does not have.
+        metadata={
+            "task": info.name,
+            "labels": list(info.labels),
+            "pretrained": dataclasses.asdict(cfg.task["pretrained"]),
+        },  # fmt: skip
         # OUTPUT/checkpoints is empty until the first save: not a run "from scratch".
         initialised_from="a random initialisation"
         if ft.random_init

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_taco.arguments import ConfigError
+from megatron_taco.training.checkpointing import METADATA_FILENAME as METADATA
 from megatron_taco.training.consolidate import (
     CheckpointError,
     CheckpointInfo,
@@ -17,6 +18,8 @@ from megatron_taco.training.consolidate import (
     find_checkpoint,
     read_states,
 )
+
+FINETUNED = "finetune"  # metadata.json's "model" in a fine-tuning run's checkpoints
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,37 @@ def model_kind(name: str, where: str = "metadata.json") -> ModelKind:
     raise CheckpointError(f"{where}: unknown model {name!r} (expected TACO or SAS)")
 
 
+@dataclass(frozen=True)
+class FinetunedTask:
+    """What a fine-tuned checkpoint's metadata.json says about its task head."""
+
+    encoder: str  # "TACO" | "SAS"
+    task: str
+    kind: str  # tasks.KINDS
+    num_labels: int  # TaskModel's: classes; regression 1; span 2; choices per question
+    labels: tuple[str, ...]  # class names in label-id order (classification)
+
+
+def finetuned_task(info: CheckpointInfo) -> FinetunedTask:
+    from megatron_taco.tasks import TASKS
+
+    where = f"{info.iter_dir}/{METADATA}"
+    task = info.meta.get("task")
+    encoder = (info.meta.get("pretrained") or {}).get("model")
+    if task not in TASKS:
+        raise CheckpointError(f"{where}: unknown task {task!r} (expected one of {sorted(TASKS)})")
+    model_kind(str(encoder), f"{where} 'pretrained'")
+    known = TASKS[task]
+    labels = tuple(info.meta.get("labels") or known.labels)
+    if known.kind == "classification" and not labels:
+        raise CheckpointError(
+            f"{where}: no label names for task {task} (checkpoints record them since the "
+            "fine-tuned export exists); fine-tune it again to export it"
+        )
+    num_labels = len(labels) if known.kind == "classification" else known.num_labels
+    return FinetunedTask(str(encoder), task, known.kind, num_labels, labels)
+
+
 def checkpoint_tokenizer(info: CheckpointInfo, tokenizer_model: str | None) -> str:
     """The sentencepiece model of a checkpoint: the flag's, else the one its metadata names."""
     path = tokenizer_model or (info.configs.get("data") or {}).get("tokenizer_model")
@@ -55,7 +89,8 @@ def checkpoint_model_config(info: CheckpointInfo, tokenizer_model: str | None) -
     """(ModelKind, model config with its vocabulary size) from a checkpoint's metadata."""
     from megatron_taco.data.tokenizer import Tokenizer
 
-    kind = model_kind(info.model, f"{info.iter_dir}/metadata.json")
+    name = finetuned_task(info).encoder if info.model == FINETUNED else info.model
+    kind = model_kind(name, f"{info.iter_dir}/{METADATA}")
     path = checkpoint_tokenizer(info, tokenizer_model)
     names = {f.name for f in dataclasses.fields(kind.config_cls)}
     saved = info.configs.get("model") or {}
@@ -69,8 +104,9 @@ def checkpoint_model_config(info: CheckpointInfo, tokenizer_model: str | None) -
 
 def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
     """(model config with its vocabulary size, builder(parallel, vocab_size) of the
-    pretraining model) from the checkpoint's metadata."""
+    pretraining model, or of the fine-tuned TaskModel) from the checkpoint's metadata."""
     kind, config = checkpoint_model_config(info, tokenizer_model)
+    task = finetuned_task(info) if info.model == FINETUNED else None
 
     def build(parallel, vocab_size: int):
         # Dropout changes no parameter, and at tp > 1 it would need the RNG tracker; the
@@ -81,6 +117,11 @@ def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
             attention_dropout=0.0,
             compile=False,
         )
+        if task is not None:
+            from megatron_taco.models.finetune import TaskModel
+
+            return TaskModel(kind.name, cfg, parallel, task_kind=task.kind,
+                             num_labels=task.num_labels, classifier_dropout=0.0)  # fmt: skip
         return kind.pretraining_cls(cfg, parallel)
 
     return config, build
@@ -94,7 +135,7 @@ def read_checkpoint(
     optimizer: bool = True,
 ) -> tuple[TrainingStates, Any, ModelBuilder]:
     """(every tensor of the checkpoint merged to full size, model config, builder), whatever
-    tensor-parallel size and ZeRO stage (0-2) wrote it; ``load`` is a --load directory or a
+    tensor-parallel size and ZeRO stage (0-3) wrote it; ``load`` is a --load directory or a
     checkpoint already found. ``optimizer=False`` reads only the model files (the fp32
     master weights of ZeRO 1-2 live in the optimizer files)."""
     info = load if isinstance(load, CheckpointInfo) else find_checkpoint(load, ckpt_step)
@@ -107,7 +148,7 @@ def read_checkpoint(
 
 def load_pretraining_model(path: str, tokenizer_model: str | None = None):
     """(the pretraining model of a --load directory, whatever tensor-parallel size and ZeRO
-    stage 0-2 wrote it, rebuilt at tp=1 in eval mode without dropout; the checkpoint's
+    stage wrote it, rebuilt at tp=1 in eval mode without dropout; the checkpoint's
     info). Reads the optimizer files too: under ZeRO 1-2 with bf16 the fp32 master weights
     live there, the model files hold only bf16 copies."""
     from megatron_taco.parallel.state import single_process_state

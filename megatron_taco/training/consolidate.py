@@ -15,16 +15,26 @@ partitions of stages 1-2); fp16 only from fp16, whose loss scale cannot be made 
     mp_rank_XX_model_states.pt                      module, client state, stage-0 optimizer
     [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt  stage 1-2 optimizer partition D
 
+ZeRO-3 checkpoints (parameters partitioned over the data-parallel ranks, saved empty) are
+read too, never written: DeepSpeed's own zero_to_fp32 reassembles each tensor-parallel
+rank's parameters and optimizer moments from its data-parallel partitions (the files are
+loaded here with weights_only=True, not by zero_to_fp32's unrestricted torch.load), and the
+tp ranks are then merged like the others':
+
+    zero_pp_rank_D_mp_rank_XX_model_states.pt        client state, parameter shapes
+    [bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt  fp32 partition D and its moments
+
 Every tensor of a checkpoint is kept by *family*: ``module`` (the module state dict, in the
 dtype it was saved in), ``master`` (fp32 master weights, where the optimizer keeps them) and
 the optimizer moments (``exp_avg``, ``exp_avg_sq``, ...), each a {name: full tensor} dict.
-ZeRO-3 checkpoints (parameters partitioned over data-parallel ranks) are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
+import io
 import math
 import os
 import re
@@ -55,7 +65,8 @@ Tensors = dict[str, torch.Tensor]
 # The command that converts a checkpoint; error messages name it.
 CONVERTER = "taco-convert-checkpoint"
 _VOCAB_UNIT = 128  # pad_vocab_size's multiple per tp rank
-_MODEL_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_(\d+)_model_states\.pt$")
 
 
 class CheckpointError(Exception):
@@ -86,6 +97,10 @@ class CheckpointInfo:
 
     def model_file(self, tp_rank: int) -> str:
         return os.path.join(self.iter_dir, f"mp_rank_{tp_rank:02d}_model_states.pt")
+
+    def zero3_model_file(self, dp_rank: int, tp_rank: int) -> str:
+        name = f"zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_model_states.pt"
+        return os.path.join(self.iter_dir, name)
 
     def zero_file(self, dp_rank: int, tp_rank: int) -> str:
         prefix = "bf16_" if self.precision == "bf16" else ""
@@ -411,10 +426,76 @@ def _zero(info: CheckpointInfo, layout: ModelLayout, tp_rank: int) -> _RankState
     return out
 
 
+def _zero3(info: CheckpointInfo, layout: ModelLayout, tp_rank: int, optimizer: bool):
+    """Tensor-parallel rank ``tp_rank`` of a ZeRO-3 checkpoint: its parameters (fp32, as the
+    optimizer keeps them; the model files hold empty placeholders) and, with ``optimizer``,
+    its moments, each reassembled from the data-parallel partitions by zero_to_fp32."""
+    from deepspeed.utils import zero_to_fp32
+
+    dp = info.dp_size
+    models = [load_file(info.zero3_model_file(d, tp_rank)) for d in range(dp)]
+    what = info.zero_file(0, tp_rank)
+    files = [load_file(info.zero_file(d, tp_rank)) for d in range(dp)]
+    osds = [f.get("optimizer_state_dict") if isinstance(f, dict) else None for f in files]
+    if any(not isinstance(o, dict) or "fp32_flat_groups" not in o for o in osds):
+        raise CheckpointError(f"{what}: not a ZeRO stage 3 optimizer partition")
+    if any(o.get("partition_count") != dp for o in osds):
+        raise CheckpointError(
+            f"{what}: partitioned over {osds[0].get('partition_count')} ranks, metadata.json "
+            f"says data parallel size {dp}"
+        )
+    shapes = []
+    for m in models:
+        if not all(k in m for k in ("param_shapes", "buffer_names", "shared_params")):
+            raise CheckpointError(f"{what}: its model states file has no ZeRO-3 parameter shapes")
+        buffers = {k: v.float() if v.is_floating_point() else v
+                   for k, v in m["module"].items() if k in m["buffer_names"]}  # fmt: skip
+        shapes.append(zero_to_fp32.zero_model_state(
+            buffers=buffers, param_shapes=m["param_shapes"],
+            shared_params=list(m["shared_params"].items()), ds_version=m.get("ds_version"),
+            frozen_param_shapes=m.get("frozen_param_shapes"),
+            frozen_param_fragments=m.get("frozen_param_fragments"),
+        ))  # fmt: skip
+    names = [n for group in models[0]["param_shapes"] for n in group]
+    if set(names) != set(layout.params):
+        odd = sorted(set(names) ^ set(layout.params))[:3]
+        raise CheckpointError(
+            f"{what}: its parameters differ from the model's in metadata.json ({', '.join(odd)})"
+        )
+
+    def gathered(flat_groups: list[list[torch.Tensor]]) -> Tensors:
+        # zero_to_fp32 prints its progress (and tqdm bars): not this command's output.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            merged = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(
+                dp, flat_groups, shapes, exclude_frozen_parameters=False
+            )
+            return {k: v.detach() for k, v in zero_to_fp32.to_torch_tensor(merged).items()}
+
+    try:
+        weights = gathered([o["fp32_flat_groups"] for o in osds])
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{what}: zero_to_fp32 cannot reassemble it ({e})") from None
+    out = _RankStates(families={"module": weights, "master": {n: weights[n] for n in names}})
+    base = [o["optimizer_state_dict"] for o in osds]
+    state = [b["state"] for b in base]
+    out.step = state[0].get(0, {}).get("step")
+    # ZeRO-3 cuts a large group into sub-groups (sub_group_size), each with its settings.
+    hyper = _hyper(base[0]["param_groups"])
+    out.param_groups = list({h.get("name", i): h for i, h in enumerate(hyper)}.values())
+    keys = ("loss_scaler", "dynamic_loss_scale", "overflow")
+    out.extras = {k: osds[0][k] for k in keys if k in osds[0]}
+    if optimizer:
+        groups = range(len(osds[0]["fp32_flat_groups"]))
+        moments = [k for k, v in state[0].get(0, {}).items() if torch.is_tensor(v) and v.dim() > 0]
+        for key in moments:
+            merged = gathered([[s[g][key].reshape(-1) for g in groups] for s in state])
+            out.families[key] = {n: merged[n] for n in names}
+    return out
+
+
 def _check_model_files(info: CheckpointInfo) -> None:
-    found = sorted(
-        int(m.group(1)) for f in os.listdir(info.iter_dir) if (m := _MODEL_FILE.match(f))
-    )
+    pattern = _ZERO3_MODEL_FILE if info.zero_stage == 3 else _MODEL_FILE
+    found = sorted({int(m.group(1)) for f in os.listdir(info.iter_dir) if (m := pattern.match(f))})
     if found != list(range(info.tp_size)):
         raise CheckpointError(
             f"{info.iter_dir}: expected DeepSpeed model files mp_rank_00..{info.tp_size - 1:02d} "
@@ -425,27 +506,24 @@ def _check_model_files(info: CheckpointInfo) -> None:
 def read_states(info: CheckpointInfo, layout: ModelLayout, *, optimizer: bool = True):
     """Every tensor of the checkpoint, merged over tensor-parallel ranks. ``optimizer=False``
     reads the model files only (no moments; fp32 masters of stage 0 bf16/fp16 included)."""
-    if info.zero_stage == 3:
-        raise CheckpointError(
-            f"{info.iter_dir}: ZeRO-3 checkpoints partition the parameters themselves and are "
-            "not supported; resume with ZeRO-3 at the same sizes, or train with stage 0-2"
-        )
     if layout.tp_size != info.tp_size:
         raise ValueError("the layout must be built at the checkpoint's tensor parallel size")
     _check_model_files(info)
     ranks, client = [], {}
     for r in range(info.tp_size):
-        path = info.model_file(r)
+        path = info.zero3_model_file(0, r) if info.zero_stage == 3 else info.model_file(r)
         sd = load_file(path)
         if not isinstance(sd, dict) or not isinstance(sd.get("module"), dict):
             raise CheckpointError(f"{path}: no 'module' state dict in it")
-        if info.zero_stage > 0:
+        if info.zero_stage == 3:
+            rank = _zero3(info, layout, r, optimizer)
+        elif info.zero_stage > 0:
             rank = _zero(info, layout, r) if optimizer else _RankStates(families={})
         elif sd.get("optimizer") is not None and (optimizer or info.precision != "fp32"):
             rank = _stage0(sd["optimizer"], layout, path)
         else:
             rank = _RankStates(families={})
-        rank.families["module"] = sd["module"]
+        rank.families.setdefault("module", sd["module"])
         ranks.append(rank)
         if r == 0:
             client = {**sd, "module": None, "optimizer": None}
@@ -608,7 +686,10 @@ def _model_file(states, module: Tensors, optimizer: Any, target: TargetLayout) -
 
 def check_target(states: TrainingStates, target: TargetLayout) -> None:
     if target.zero_stage not in (0, 1, 2):
-        raise ConfigError(f"ZeRO stage {target.zero_stage}: only stages 0, 1 and 2 are written")
+        raise ConfigError(
+            f"ZeRO stage {target.zero_stage}: only stages 0, 1 and 2 are written (ZeRO-3 "
+            "checkpoints are read); give --deepspeed-config with a stage 0-2 config"
+        )
     info = states.info
     same_kind = info.precision == "fp16" and (info.zero_stage > 0) == (target.zero_stage > 0)
     if target.precision == "fp16" and not same_kind:
@@ -708,10 +789,14 @@ def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: 
             f"{saved_tp}, this run uses {tp_size}; convert it: {convert}"
         )
     if 3 in (saved_stage, zero_stage) and (saved_stage, saved_dp) != (zero_stage, dp):
+        # The converter reads ZeRO-3 checkpoints but writes only stages 0-2.
+        how = f"; convert it: {convert}" if zero_stage != 3 else (
+            f"; convert it into ZeRO stage 0-2 ({CONVERTER}) and resume with a stage 0-2 config"
+        )  # fmt: skip
         raise ConfigError(
             f"--load: {iter_dir} (ZeRO stage {saved_stage}, data parallel {saved_dp}) cannot be "
             f"resumed with ZeRO stage {zero_stage} at data parallel {dp}: ZeRO-3 checkpoints "
-            "resume only at their own layout"
+            f"resume only at their own layout{how}"
         )
     # A checkpoint that does not say how it was saved is left to DeepSpeed.
     if not training.no_load_optim and isinstance(saved_ds, dict):

@@ -25,7 +25,7 @@ from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.convert_checkpoint import main as convert_main
 from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import ModelLayout, load_file
-from tests.helpers import TACO_METRIC_KEYS, run, run_distributed, train_records
+from tests.helpers import REPO, TACO_METRIC_KEYS, run, run_distributed, train_records
 
 pytestmark = pytest.mark.e2e
 
@@ -48,8 +48,9 @@ def train_args(dataset, save: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def train(module: str, world: int, argv: list[str]) -> None:
-    assert run_distributed(pretrain, world, module, argv, timeout=240) == [0] * world
+def train(module: str, world: int, argv: list[str], timeout: float = 240) -> None:
+    codes = run_distributed(pretrain, world, module, argv, timeout=timeout, exit_timeout=timeout)
+    assert codes == [0] * world
 
 
 TACO = ("--deepspeed-config", "ds_configs/zero1_fp32.json")
@@ -448,3 +449,94 @@ def test_the_layout_checked_is_that_of_the_checkpoint_load_fallback_picks(
     cfg = configs(botchan_dataset, tmp_path / "new", 2, *TACO, "--load", str(load),
                   "--load-fallback")  # fmt: skip
     assert cfg.load_iteration == 2  # iteration 2 has this run's layout: nothing to refuse
+
+
+# ---------------------------------------------------------------------------------------
+# ZeRO-3: consolidated through DeepSpeed's zero_to_fp32, then like any other checkpoint
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(botchan_dataset, tmp_path_factory) -> dict[str, Path]:
+    """TACO at tensor parallel 2, 2 iterations: at data parallel 2 under ZeRO-3 with a
+    persistence threshold of 0 (every parameter partitioned, even the tiny model's), and at
+    data parallel 1 under ZeRO-0 (the same batches; sums in another order)."""
+    root = tmp_path_factory.mktemp("zero3")
+    ds = json.loads((REPO / "ds_configs" / "zero3_fp32.json").read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (root / "zero3.json").write_text(json.dumps(ds))
+    runs = {"zero3": root / "zero3", "zero0": root / "zero0"}
+    for name, world, config in (("zero3", 4, str(root / "zero3.json")),
+                                ("zero0", 2, "ds_configs/zero0_fp32.json")):  # fmt: skip
+        argv = train_args(botchan_dataset, runs[name], "--train-iters", "2",
+                          "--tensor-model-parallel-size", "2", "--deepspeed-config", config)  # fmt: skip
+        train("pretrain_taco", world, argv, timeout=900)
+    return runs
+
+
+def assert_states_close(got: dict, want: dict, rtol: float, what: str) -> None:
+    assert sorted(got) == sorted(want), (what, sorted(set(got) ^ set(want))[:3])
+    for name, tensor in want.items():
+        scale = tensor.abs().max().item()
+        err = (got[name].double() - tensor.double()).abs().max().item()
+        assert err <= rtol * scale + 1e-30, f"{what} {name}: error {err:.3e}, scale {scale:.3e}"
+
+
+def test_zero3_checkpoints_consolidate_export_convert_and_fine_tune(
+    zero3_runs, botchan_dataset, tmp_path
+):
+    from safetensors.torch import load_file as load_safetensors
+
+    from tests.helpers import write_marker_task
+
+    zero3 = zero3_runs["zero3"] / "iter_0000002"
+    files = sorted(p.name for p in zero3.glob("zero_pp_rank_*_model_states.pt"))
+    assert files == [f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt"
+                     for d in (0, 1) for t in (0, 1)]  # fmt: skip
+    # The parameters really are partitioned: the model files hold empty placeholders.
+    module = load_file(str(zero3 / files[0]))["module"]
+    assert module and all(t.numel() == 0 for t in module.values())
+
+    # The same weights and Adam moments as the ZeRO-0 run's (fp32; reduction order differs).
+    states, config, _ = read_checkpoint(str(zero3_runs["zero3"]))
+    reference, _, _ = read_checkpoint(str(zero3_runs["zero0"]))
+    assert states.info.zero_stage == 3 and (states.info.tp_size, states.info.dp_size) == (2, 2)
+    assert reference.info.zero_stage == 0
+    full = states.full_state_dict()
+    assert_states_close(full, reference.full_state_dict(), 1e-5, "weights")
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_states_close(states.families[key], reference.families[key], 1e-4, key)
+    assert float(states.step) == 2.0
+
+    # Exported: the file's tensors are the consolidated ones.
+    from megatron_taco.cli.export_hf import main as export_main
+
+    assert export_main(["--load", str(zero3_runs["zero3"]), "--output", str(tmp_path / "hf")]) == 0
+    exported = load_safetensors(str(tmp_path / "hf" / "model.safetensors"))
+    word = "taco.embeddings.word_embeddings.weight"
+    assert torch.equal(exported[word], full[word][: config.vocab_size])
+
+    # Converted to ZeRO-1 at tp 1 x dp 2: every tensor and moment carried over bitwise.
+    out = tmp_path / "zero1"
+    assert convert_main(["--load", str(zero3_runs["zero3"]), "--save", str(out),
+                         "--tensor-model-parallel-size", "1", "--data-parallel-size", "2",
+                         "--deepspeed-config", "ds_configs/zero1_fp32.json"]) == 0  # fmt: skip
+    converted, _, _ = read_checkpoint(str(out))
+    assert converted.info.zero_stage == 1
+    assert_states_close(converted.full_state_dict(), full, 0.0, "converted weights")
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_states_close(converted.families[key], states.families[key], 0.0, key)
+
+    # Fine-tuned: the first steps are those from the ZeRO-0 checkpoint.
+    write_marker_task(tmp_path / "marker")
+
+    def losses(name: str) -> list[float]:
+        output = tmp_path / f"ft_{name}"
+        run([sys.executable, "tools/finetune.py", "--load", str(zero3_runs[name]),
+             "--task", "custom", "--data-dir", str(tmp_path / "marker"), "--output",
+             str(output), "--seq-length", "64", "--micro-batch-size", "16",
+             "--global-batch-size", "16", "--epochs", "1", "--num-workers", "0",
+             "--log-interval", "1"], timeout=600)  # fmt: skip
+        records = map(json.loads, (output / "metrics.jsonl").open())
+        return [r["loss"] for r in records if r["split"] == "train"][:4]
+
+    assert losses("zero3") == pytest.approx(losses("zero0"), rel=1e-5)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import (
     BIN,
@@ -115,6 +116,43 @@ def test_classification_is_learnt(pretrained, tasks, tmp_path, model):
     assert (out / "loss_curve.png").stat().st_size > 0
     dev = [json.loads(line) for line in (out / "metrics.jsonl").open() if '"dev"' in line]
     assert [d["epoch"] for d in dev] == [1, 2, 3]
+    assert_pipeline_reproduces_dev_accuracy(out, tasks["marker"], tmp_path / "hf", model)
+
+
+# ---------------------------------------------------------------------------------------
+# Fine-tuned runs exported (tools/export_hf.py) and served by transformers
+
+
+def export_run(output: Path, dest: Path) -> dict:
+    """OUTPUT/checkpoints exported to ``dest``; the results.json entry of the epoch whose
+    checkpoint it is (the run keeps only the newest)."""
+    from megatron_taco.cli.export_hf import main as export_main
+
+    assert export_main(["--load", str(output / "checkpoints"), "--output", str(dest)]) == 0
+    iteration = int((output / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    (epoch,) = [e for e in results(output)["epochs"] if e["iteration"] == iteration]
+    card = (dest / "README.md").read_text()
+    assert "| this model |" in card and f"--load {output / 'checkpoints'}" in card
+    return epoch
+
+
+def assert_pipeline_reproduces_dev_accuracy(output: Path, data: Path, dest: Path, model: str):
+    """pipeline("text-classification") on the exported folder labels dev.tsv's sentences
+    with the run's own dev accuracy for that epoch (its label names are the task's)."""
+    import csv
+
+    transformers = pytest.importorskip("transformers")
+    epoch = export_run(output, dest)
+    with open(data / "dev.tsv", encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    pipe = transformers.pipeline("text-classification", model=str(dest),
+                                 trust_remote_code=model == "taco")  # fmt: skip
+    # --seq-length 64: the features were cut there
+    got = pipe([r["sentence"] for r in rows], truncation=True, max_length=64)
+    right = sum(g["label"] == r["label"] for g, r in zip(got, rows))
+    assert {g["label"] for g in got} <= {"neg", "pos"}
+    # fp32 on both sides, summed in other orders: a near-tie may flip one sentence
+    assert abs(100.0 * right / len(rows) - epoch["acc"]) <= 100.0 / len(rows) + 1e-9, epoch
 
 
 def test_zero3_fine_tunes_the_pretrained_weights(pretrained, tasks, tmp_path):
@@ -136,9 +174,13 @@ def test_zero3_fine_tunes_the_pretrained_weights(pretrained, tasks, tmp_path):
     random, _ = losses(tmp_path / "r0", "--random-init")
     assert zero3 == pytest.approx(zero0, rel=1e-5)
     assert zero0[0] != pytest.approx(random[0], rel=1e-3)  # the comparison can tell them apart
+    # Its ZeRO-3 checkpoint exports (zero_to_fp32's reassembly) and serves its dev accuracy.
+    assert_pipeline_reproduces_dev_accuracy(
+        tmp_path / "z3", tasks["marker"], tmp_path / "hf", "sas"
+    )
 
 
-def test_span_task_is_learnt(pretrained, tasks, tmp_path):
+def test_span_task_is_learnt(pretrained, tasks, tokenizer, tmp_path):
     out = tmp_path / "squad"
     run([PY, *finetune_args(pretrained["sas"], "squad_v1", tasks["squad"], out,
                             "--doc-stride", "24", "--epochs", "2", "--lr", "3e-3")],
@@ -150,6 +192,21 @@ def test_span_task_is_learnt(pretrained, tasks, tmp_path):
         (out / "predictions" / "dev" / "epoch2" / "predictions.json").read_text()
     )
     assert len(predictions) == r["dev"]["total"]
+    # Exported (epoch 2's checkpoint): AutoModelForQuestionAnswering's logits on the dev
+    # features, decoded as the run decodes them, give its answers. (transformers 5 has no
+    # question-answering pipeline any more.)
+    transformers = pytest.importorskip("transformers")
+    assert export_run(out, tmp_path / "hf")["epoch"] == 2
+    model = transformers.AutoModelForQuestionAnswering.from_pretrained(str(tmp_path / "hf"))
+    data, batch = dev_features("squad_v1", tasks["squad"], tokenizer, doc_stride=24)
+    with torch.no_grad():
+        got = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long())
+    pad = ~batch["attention_mask"].bool()
+    outputs = {k: getattr(got, k).masked_fill(pad, torch.finfo(torch.float32).min).numpy()
+               for k in ("start_logits", "end_logits")}  # fmt: skip
+    answers = data.predict("dev", outputs)["predictions"]
+    same = sum(answers[q] == predictions[q] for q in predictions)
+    assert same >= len(predictions) - 1, (same, len(predictions))  # fp32 near-ties
 
 
 def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
@@ -201,7 +258,7 @@ def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
     assert all(text in contexts[qid] for qid, text in predictions.items())
 
 
-def test_multiple_choice_is_learnt(pretrained, tasks, tmp_path):
+def test_multiple_choice_is_learnt(pretrained, tasks, tokenizer, tmp_path):
     out = tmp_path / "race"
     run([PY, *finetune_args(pretrained["sas"], "race", tasks["race"], out, "--epochs", "1",
                             "--global-batch-size", "8", "--micro-batch-size", "8")],
@@ -209,6 +266,26 @@ def test_multiple_choice_is_learnt(pretrained, tasks, tmp_path):
     dev = results(out)["dev"]
     assert {"acc", "acc_middle", "acc_high"} <= set(dev)
     assert min(dev["acc"], dev["acc_middle"], dev["acc_high"]) >= 90.0, dev  # chance: 25%
+    # Exported: AutoModelForMultipleChoice scores the dev questions with the run's accuracy.
+    transformers = pytest.importorskip("transformers")
+    epoch = export_run(out, tmp_path / "hf")
+    model = transformers.AutoModelForMultipleChoice.from_pretrained(str(tmp_path / "hf"))
+    _, batch = dev_features("race", tasks["race"], tokenizer)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"],
+                       attention_mask=batch["attention_mask"].long()).logits  # fmt: skip
+    acc = 100.0 * (logits.argmax(-1) == batch["labels"]).double().mean().item()
+    assert abs(acc - epoch["acc"]) <= 100.0 / len(logits) + 1e-9, (acc, epoch)
+
+
+def dev_features(task: str, folder: Path, tokenizer, **options):
+    """The task's dev features as the runs above build them, in one padded batch."""
+    from megatron_taco.tasks import load_task
+    from megatron_taco.tasks.base import Collate
+
+    data = load_task(task, folder, tokenizer, seq_length=64, splits=("dev",), **options)
+    dev = data.dev["dev"]
+    return data, Collate(dynamic=False)([dev[i] for i in range(len(dev))])
 
 
 def _kill_after(cmd: list[str], metrics: Path, iteration: int, timeout: float = 600) -> None:
@@ -256,6 +333,8 @@ def test_killed_run_resumes_to_the_same_dev_metrics_at_tp2(pretrained, tasks, tm
     train = [[r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())
               if r["split"] == "train" and r["iteration"] > 41] for out in (full, crashed)]  # fmt: skip
     assert train[0] == train[1][-len(train[0]) :]  # epochs 2 and 3: the same losses
+    # A tensor-parallel-2 ZeRO-1 fine-tuned checkpoint exports and serves like a tp=1 one.
+    assert_pipeline_reproduces_dev_accuracy(full, tasks["marker"], tmp_path / "hf", "taco")
 
 
 def test_predict_test_writes_the_glue_servers_file_of_the_chosen_epoch(pretrained, tasks, tmp_path):

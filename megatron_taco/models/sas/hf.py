@@ -139,10 +139,11 @@ def _rtd_head(state: Tensors, prefix: str) -> Tensors:
 
 
 def electra_config_and_state(
-    config: SasConfig, state_dict: Tensors
+    config: SasConfig, state_dict: Tensors, heads: bool = True
 ) -> tuple[dict[str, Any], Tensors]:
     """SAS / SAS^c -> (ElectraConfig kwargs, state dict for ElectraForPreTraining that also
-    carries the generator (MLM) head for ElectraForMaskedLM)."""
+    carries the generator (MLM) head for ElectraForMaskedLM). ``heads=False``: the encoder
+    alone (a fine-tuned model's, which has no pre-training heads), under ``electra.``."""
     if config.disentangled_attention:
         raise ValueError("SAS^DA exports to DeBERTa-v2: use deberta_v2_config_and_state")
     kwargs = _common_kwargs(config) | {"type_vocab_size": 2} | _tying(config)
@@ -160,6 +161,8 @@ def electra_config_and_state(
     names = {"prefix": "electra.", "q": "query", "k": "key", "v": "value"}
     for i in range(config.num_layers):
         out.update(_layer(state_dict, i, config, names))
+    if not heads:
+        return kwargs, out
     out.update(_rtd_head(state_dict, "discriminator_predictions."))
     out.update(
         _mlm_transform(state_dict, "generator_predictions.dense", "generator_predictions.LayerNorm")
@@ -170,11 +173,12 @@ def electra_config_and_state(
 
 
 def deberta_v2_config_and_state(
-    config: SasConfig, state_dict: Tensors
+    config: SasConfig, state_dict: Tensors, heads: bool = True
 ) -> tuple[dict[str, Any], Tensors, Tensors]:
     """SAS^DA -> (DebertaV2Config kwargs, state dict for DebertaV2ForMaskedLM (legacy head;
     DebertaV2Model loads it too, ignoring ``cls.*``), RTD head dict {dense,
-    dense_prediction}.{weight, bias})."""
+    dense_prediction}.{weight, bias}). ``heads=False``: the encoder alone, under
+    ``deberta.``, and an empty RTD dict."""
     if not config.disentangled_attention:
         raise ValueError("SAS without disentangled attention exports to ELECTRA")
     kwargs = _common_kwargs(config) | dict(
@@ -205,6 +209,8 @@ def deberta_v2_config_and_state(
     names = {"prefix": "deberta.", "q": "query_proj", "k": "key_proj", "v": "value_proj"}
     for i in range(config.num_layers):
         out.update(_layer(state_dict, i, config, names))
+    if not heads:
+        return kwargs, out, {}
     p = "cls.predictions."
     out.update(_mlm_transform(state_dict, p + "transform.dense", p + "transform.LayerNorm"))
     bias = _vocab_rows(state_dict, _HEADS + "mlm_bias", config)

@@ -135,8 +135,10 @@ def _renamed(name: str) -> str:
     return name
 
 
-def hf_state_dict(config: TacoConfig, state: Tensors) -> Tensors:
-    """Our TacoForPretraining full state dict -> hf_remote TacoForMaskedLM's state dict."""
+def hf_state_dict(config: TacoConfig, state: Tensors, heads: bool = True) -> Tensors:
+    """Our TacoForPretraining full state dict -> hf_remote TacoForMaskedLM's state dict.
+    ``heads=False``: a state dict of the encoder alone (``taco.*``, a fine-tuned model's)
+    -> the encoder's ``taco.*`` tensors."""
     take = _Reader(state)
     vocab, positions = config.vocab_size, config.max_position_embeddings
     emb = "taco.embeddings."
@@ -144,9 +146,10 @@ def hf_state_dict(config: TacoConfig, state: Tensors) -> Tensors:
         emb + "word_embeddings.weight": take(emb + "word_embeddings.weight", vocab),
         emb + "position_embeddings.weight": take(emb + "position_embeddings"),
         emb + "relative_embeddings.weight": take(emb + "relative_embeddings"),
-        "mlm_head.bias": take("heads.mlm_bias", vocab),
-        "mpm_head.bias": take("heads.mpm_bias", positions),
     }
+    if heads:
+        out["mlm_head.bias"] = take("heads.mlm_bias", vocab)
+        out["mpm_head.bias"] = take("heads.mpm_bias", positions)
     for i in range(config.num_layers):
         src = f"taco.layers.{i}.attention."
         out.update(_attention(take, src, src, config, first=i == 0))
