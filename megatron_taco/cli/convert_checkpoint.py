@@ -204,7 +204,9 @@ def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[
             _fsync(os.path.join(tmp, name))
             size, crc = file_checksum(os.path.join(tmp, name))
             files[name] = {"bytes": size, "crc32": crc}
-        _write_metadata(tmp, _metadata(states, target, args, rng=bool(rng)), files)
+        meta = _metadata(states, target, args, rng=bool(rng))
+        meta["tokenizer"] = _copy_tokenizer(states.info, args.tokenizer_model, save)
+        _write_metadata(tmp, meta, files)
         _fsync(tmp)
         os.rename(tmp, os.path.join(save, tag))
         _fsync(save)
@@ -223,6 +225,21 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _copy_tokenizer(info: CheckpointInfo, tokenizer_model: str | None, save: str) -> dict:
+    """The new --save holds the tokenizer too (metadata.json "tokenizer" names the copy)."""
+    from megatron_taco.data.tokenizer import (
+        load_tokenizer,
+        save_tokenizer_copy,
+        saved_tokenizer_record,
+    )
+    from megatron_taco.recipes.registry import checkpoint_tokenizer
+
+    tokenizer = load_tokenizer(*checkpoint_tokenizer(info, tokenizer_model))
+    record = saved_tokenizer_record(tokenizer)
+    save_tokenizer_copy(save, tokenizer, record)
+    return record
 
 
 def _copy_store(load: str, save: str) -> str:

@@ -14,7 +14,10 @@ dense, dense_prediction). Weights are the fp32 master weights where the optimize
 Tokenizer: tokenizer.json + tokenizer_config.json so that ``AutoTokenizer.from_pretrained``
 loads a fast tokenizer equal to ours (sentencepiece unigram and BPE models, with or without
 byte fallback: same normalisation, pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
-[MASK]=4; it adds [CLS] ... [SEP]), plus the sentencepiece model itself as spm.model.
+[MASK]=4; it adds [CLS] ... [SEP]), plus the sentencepiece model itself as spm.model. A
+WordPiece checkpoint (--tokenizer-type BertWordPiece*) gets BertTokenizerFast's files
+(vocab.txt, tokenizer.json, tokenizer_config.json) with its lower-casing. The tokenizer is
+the copy in the checkpoint's --save directory (or the file its metadata.json names).
 TACO -> its own modeling code (cli/export_taco_hf.py): configuration_taco.py and
 modeling_taco.py beside config.json (auto_map) and model.safetensors, loaded with
 ``trust_remote_code=True`` by AutoModel, AutoModelForMaskedLM (MLM and MPM heads) and the
@@ -29,7 +32,7 @@ import shutil
 import sys
 
 from megatron_taco.arguments import ConfigError, program_name, run_cli
-from megatron_taco.recipes.registry import model_builder
+from megatron_taco.recipes.registry import checkpoint_tokenizer, model_builder
 from megatron_taco.training.consolidate import (
     CheckpointError,
     ModelLayout,
@@ -55,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="New directory for the transformers files.")
     p.add_argument(
         "--tokenizer-model",
-        help="The run's sentencepiece model (default: the one its metadata.json names).",
+        help="The run's tokenizer file, sentencepiece model or WordPiece vocab.txt (default: "
+        "its copy in the checkpoint's --save directory, else the file metadata.json names).",
     )
     return p
 
@@ -136,10 +140,34 @@ def hf_tokenizer(spm_path: str):
     return tok
 
 
-def save_tokenizer(spm_path: str, out: str, max_length: int) -> None:
+def save_wordpiece_tokenizer(vocab_file: str, tokenizer_type: str, out: str, max_length: int):
+    """BertTokenizerFast's files, checked to give our ids on a sample text."""
+    from transformers import BertTokenizerFast
+
+    from megatron_taco.data.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(vocab_file, tokenizer_type)
+    # Positional: transformers 5.23's BertTokenizerFast(vocab_file=...) ignores the file
+    # and maps every word to [UNK].
+    tok = BertTokenizerFast(vocab_file, do_lower_case=ours.lower_case, model_max_length=max_length)
+    if tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"] != ours.encode(SAMPLE_TEXT):
+        raise ConfigError(
+            f"--tokenizer-model: {vocab_file}: the exported BertTokenizerFast's ids differ from "
+            "ours on a sample text"
+        )
+    tok.save_pretrained(out)
+
+
+def save_tokenizer(
+    spm_path: str, out: str, max_length: int, tokenizer_type: str = "SentencePiece"
+) -> None:
     import json
 
-    from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.data.tokenizer import WORDPIECE_TYPES, Tokenizer
+
+    if tokenizer_type in WORDPIECE_TYPES:
+        save_wordpiece_tokenizer(spm_path, tokenizer_type, out, max_length)
+        return
 
     tok = hf_tokenizer(spm_path)
     ours = Tokenizer(spm_path)
@@ -191,12 +219,12 @@ def export(args: argparse.Namespace) -> str:
         raise ConfigError(f"--output: {args.output} exists and is not empty")
     config, build = model_builder(info, args.tokenizer_model)
     states = read_states(info, ModelLayout(build, info.tp_size, config.vocab_size))
-    spm = args.tokenizer_model or info.configs["data"]["tokenizer_model"]
+    tokenizer_path, tokenizer_type = checkpoint_tokenizer(info, args.tokenizer_model)
     tmp = f"{args.output.rstrip(os.sep)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        save_tokenizer(spm, tmp, config.max_position_embeddings)
+        save_tokenizer(tokenizer_path, tmp, config.max_position_embeddings, tokenizer_type)
         if info.model == "TACO":
             from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
 

@@ -12,6 +12,7 @@ A WordPiece vocabulary (BERT's vocab.txt, Megatron-LM's --tokenizer-type BertWor
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import unicodedata
 from collections.abc import Iterable
@@ -374,6 +375,98 @@ def tokenizer_record(tokenizer: AnyTokenizer) -> dict[str, Any]:
         "sha256": file_sha256(tokenizer.model_path),
         "vocab_size": int(tokenizer.vocab_size),
     }
+
+
+# -- checkpoints carry their tokenizer ----------------------------------------------------
+
+TOKENIZER_DIR = "tokenizer"  # in --save
+
+
+def saved_tokenizer_record(tokenizer: AnyTokenizer) -> dict[str, Any]:
+    """metadata.json's "tokenizer": tokenizer_record() and "file", the copy's path relative
+    to the --save directory (one folder per content, so a save directory reused with another
+    tokenizer never changes the copy its older checkpoints name)."""
+    record = tokenizer_record(tokenizer)
+    name = os.path.basename(tokenizer.model_path)
+    record["file"] = f"{TOKENIZER_DIR}/{record['sha256'][:16]}/{name}"
+    return record
+
+
+def save_tokenizer_copy(save_dir: str, tokenizer: AnyTokenizer, record: dict[str, Any]) -> str:
+    """Copy the tokenizer's file to save_dir/record["file"] (atomically, unless already
+    there); returns the copy's path."""
+    import shutil
+
+    dest = os.path.join(save_dir, *record["file"].split("/"))
+    if os.path.isfile(dest) and file_sha256(dest) == record["sha256"]:
+        return dest
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    shutil.copyfile(tokenizer.model_path, tmp)
+    os.replace(tmp, dest)
+    return dest
+
+
+# -- datasets bound to their tokenizer ----------------------------------------------------
+
+SUMMARY_SUFFIX = "_summary.json"  # taco-preprocess-data's OUTPUT_PREFIX_summary.json
+
+
+def dataset_summary(prefix: str) -> tuple[str, dict] | None:
+    """(path, contents) of the preprocessing summary that lists dataset ``prefix``
+    (OUTPUT_PREFIX_{key}_{level} -> OUTPUT_PREFIX_summary.json, keys may hold "_"); None for
+    a dataset made otherwise (merged, Megatron-LM's)."""
+    folder, base = os.path.split(os.path.abspath(prefix))
+    cut = len(base)
+    while (cut := base.rfind("_", 0, cut)) > 0:
+        path = os.path.join(folder, base[:cut] + SUMMARY_SUFFIX)
+        try:
+            with open(path, encoding="utf-8") as f:
+                summary = json.load(f)
+        except (OSError, ValueError):
+            continue
+        datasets = summary.get("datasets") if isinstance(summary, dict) else None
+        if isinstance(datasets, dict) and any(
+            isinstance(d, dict) and os.path.basename(str(d.get("prefix", ""))) == base
+            for d in datasets.values()
+        ):
+            return path, summary
+    return None
+
+
+def check_dataset_tokenizer(prefixes: Iterable[str], tokenizer: AnyTokenizer) -> None:
+    """ConfigError (one line, naming the flag) when a dataset's summary says it was made with
+    another tokenizer: a different file content or kind, or (summaries written before the
+    hash was recorded) a different vocabulary size. Datasets without a summary pass."""
+    flag = "--tokenizer-model" if tokenizer.tokenizer_type == SENTENCEPIECE else "--vocab-file"
+    mine: dict[str, Any] | None = None
+    for prefix in prefixes:
+        found = dataset_summary(prefix)
+        if found is None:
+            continue
+        path, summary = found
+        made = summary.get("tokenizer")
+        if isinstance(made, dict) and isinstance(made.get("sha256"), str):
+            mine = mine or tokenizer_record(tokenizer)
+            if (made["sha256"], made.get("type")) == (mine["sha256"], mine["type"]):
+                continue
+            raise ConfigError(
+                f"{flag}: {tokenizer.model_path} ({_describe(mine)}) is not the tokenizer "
+                f"{prefix} was made with ({_describe(made)}, says {path})"
+            )
+        size = summary.get("vocab_size")
+        if isinstance(size, int) and size != tokenizer.vocab_size:
+            raise ConfigError(
+                f"{flag}: {tokenizer.model_path} has {tokenizer.vocab_size} pieces, {prefix} "
+                f"was made with a tokenizer of {size} (says {path})"
+            )
+
+
+def _describe(record: dict) -> str:
+    return (
+        f"{record.get('type', '?')}, {record.get('vocab_size', '?')} pieces, "
+        f"sha256 {str(record.get('sha256', '?'))[:12]}"
+    )
 
 
 # -- the tokenizer flags, shared by every config that names a tokenizer --------------------
