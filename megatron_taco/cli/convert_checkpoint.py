@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from megatron_taco.arguments import ConfigError, program_name, run_cli
+from megatron_taco.cli.hf_extra import MissingExtra, require_hf_extra
 from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -319,6 +320,8 @@ def _describe(tp: int, dp: int, stage: int, precision: str) -> str:
 
 
 def convert(args: argparse.Namespace) -> str:
+    if args.consolidate and args.consolidate.endswith(".safetensors"):
+        require_hf_extra(f"--consolidate {args.consolidate}", ("safetensors",))
     if args.save is not None:
         check_save(args.save)
     states, config, build = read_checkpoint(args.load, args.ckpt_step, args.tokenizer_model)
@@ -341,7 +344,10 @@ def convert(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(
-        build_parser(), argv, lambda args: print(convert(args)), user_errors=(CheckpointError,)
+        build_parser(),
+        argv,
+        lambda args: print(convert(args)),
+        user_errors=(CheckpointError, MissingExtra),
     )
 
 

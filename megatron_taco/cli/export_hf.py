@@ -32,6 +32,7 @@ import shutil
 import sys
 
 from megatron_taco.arguments import ConfigError, program_name, run_cli
+from megatron_taco.cli.hf_extra import require_hf_extra
 from megatron_taco.recipes.registry import checkpoint_tokenizer, model_builder
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -214,6 +215,7 @@ def save_model(config, state_dict, out: str) -> list[str]:
 
 
 def export(args: argparse.Namespace) -> str:
+    require_hf_extra(program_name(PROG))
     info = find_checkpoint(args.load, args.ckpt_step)
     if os.path.exists(args.output) and os.listdir(args.output):
         raise ConfigError(f"--output: {args.output} exists and is not empty")
