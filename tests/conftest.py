@@ -32,6 +32,29 @@ def tokenizer_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def wordpiece_vocab(tmp_path_factory) -> str:
+    """A real WordPiece vocab.txt (BertWordPieceLowerCase) trained on the Botchan excerpt by
+    taco-train-tokenizer, laid out as BERT's: [PAD]=0, [unused0..98], [UNK] [CLS] [SEP]
+    [MASK] at 100..103, then 795 pieces."""
+    from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
+    from tests.helpers import bert_layout
+
+    out = tmp_path_factory.mktemp("wordpiece")
+    trained = train_tokenizer(
+        TrainTokenizerConfig(
+            input=(str(BOTCHAN),),
+            model_prefix=str(out / "wp"),
+            tokenizer_type="BertWordPieceLowerCase",
+            vocab_size=TOKENIZER_VOCAB_SIZE,
+            quiet=True,
+        )
+    )
+    pieces = Path(trained).read_text(encoding="utf-8").splitlines()
+    (out / "vocab.txt").write_text("".join(p + "\n" for p in bert_layout(pieces)), "utf-8")
+    return str(out / "vocab.txt")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tokenizer_model):
     from megatron_taco.data.tokenizer import Tokenizer
 

@@ -23,7 +23,7 @@ from megatron_taco.data.tokenizer import (
     WordPieceTokenizer,
     load_tokenizer,
 )
-from tests.helpers import botchan_sentences
+from tests.helpers import bert_layout, botchan_sentences
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,13 +34,6 @@ EXTRA_TEXTS = [
     'Mr. Yamaarashi’s "Hubbard Squash"--said he--was 3.14159 km away!!',
     "ÉCOLE Élève über STRASSE Ångström",
 ]
-
-
-def bert_layout(pieces: list[str]) -> list[str]:
-    """BERT's vocab.txt layout: [PAD], [unused0..98], [UNK] [CLS] [SEP] [MASK] at 100..103."""
-    rest = [p for p in pieces if p not in SPECIAL_PIECES]
-    unused = [f"[unused{i}]" for i in range(99)]
-    return ["[PAD]", *unused, "[UNK]", "[CLS]", "[SEP]", "[MASK]", *rest]
 
 
 @pytest.fixture(scope="module", params=["BertWordPieceLowerCase", "BertWordPieceCase"])
