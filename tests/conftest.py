@@ -64,11 +64,26 @@ def tokenizer(tokenizer_model):
 @pytest.fixture(scope="session")
 def botchan_dataset(tmp_path_factory, tokenizer_model) -> dict:
     """The Botchan excerpt preprocessed by the real tool: ~46 documents of 20 lines."""
+    tmp = tmp_path_factory.mktemp("data")
+    return {
+        **preprocess_botchan(tmp, tokenizer_model=tokenizer_model),
+        "tokenizer": tokenizer_model,
+    }
+
+
+@pytest.fixture(scope="session")
+def wordpiece_dataset(tmp_path_factory, wordpiece_vocab) -> dict:
+    """botchan_dataset's documents tokenized with the WordPiece vocab.txt."""
+    tmp = tmp_path_factory.mktemp("wordpiece_data")
+    flags = {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": wordpiece_vocab}
+    return {**preprocess_botchan(tmp, **flags), "vocab_file": wordpiece_vocab}
+
+
+def preprocess_botchan(tmp: Path, **tokenizer_flags) -> dict:
     import json
 
     from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
 
-    tmp = tmp_path_factory.mktemp("data")
     lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
     with open(tmp / "botchan.jsonl", "w", encoding="utf-8") as f:
         for i in range(0, len(lines), 20):
@@ -77,13 +92,9 @@ def botchan_dataset(tmp_path_factory, tokenizer_model) -> dict:
         PreprocessConfig(
             input=(str(tmp / "botchan.jsonl"),),
             output_prefix=str(tmp / "botchan"),
-            tokenizer_model=tokenizer_model,
             split_sentences=True,
+            **tokenizer_flags,
         ),
         progress=False,
     )
-    return {
-        "prefix": summary["datasets"]["text"]["prefix"],
-        "tokenizer": tokenizer_model,
-        "dir": tmp,
-    }
+    return {"prefix": summary["datasets"]["text"]["prefix"], "dir": tmp}

@@ -16,7 +16,7 @@ loads a fast tokenizer equal to ours (sentencepiece unigram and BPE models, with
 byte fallback: same normalisation, pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
 [MASK]=4; it adds [CLS] ... [SEP]), plus the sentencepiece model itself as spm.model. A
 WordPiece checkpoint (--tokenizer-type BertWordPiece*) gets BertTokenizerFast's files
-(vocab.txt, tokenizer.json, tokenizer_config.json) with its lower-casing. The tokenizer is
+(tokenizer.json, tokenizer_config.json, with its lower-casing) and the vocab.txt. The tokenizer is
 the copy in the checkpoint's --save directory (or the file its metadata.json names).
 TACO -> its own modeling code (cli/export_taco_hf.py): configuration_taco.py and
 modeling_taco.py beside config.json (auto_map) and model.safetensors, loaded with
@@ -157,6 +157,8 @@ def save_wordpiece_tokenizer(vocab_file: str, tokenizer_type: str, out: str, max
             "ours on a sample text"
         )
     tok.save_pretrained(out)
+    # tokenizer.json holds the vocabulary too; vocab.txt is for BERT's and Megatron-LM's tools
+    shutil.copy(vocab_file, os.path.join(out, "vocab.txt"))
 
 
 def save_tokenizer(
