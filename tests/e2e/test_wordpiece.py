@@ -116,3 +116,18 @@ def test_finetuning_tokenizes_with_the_copy(runs, wordpiece_vocab, tmp_path):
     with pytest.raises(ConfigError, match=r"^--vocab-file: .* is not the tokenizer .* sha256"):
         finetune_configs(runs["taco"], tmp_path / "marker", tmp_path / "ft2", "--vocab-file",
                          str(other))  # fmt: skip
+
+
+def test_exported_wordpiece_tokenizer_encodes_like_ours(wordpiece_vocab, tmp_path):
+    """The export's tokenizer files alone (no checkpoint), on 300 real sentences."""
+    from megatron_taco.cli.export_hf import save_tokenizer
+    from tests.helpers import botchan_sentences
+
+    save_tokenizer(wordpiece_vocab, str(tmp_path), 64, TYPE)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = WordPieceTokenizer(wordpiece_vocab, lower_case=True)
+    texts = [*botchan_sentences()[:300], *TEXTS]
+    assert [tok(t)["input_ids"] for t in texts] == [[101, *ours.encode(t), 102] for t in texts]
+    assert tok.model_max_length == 64 and tok.decode(tok(TEXTS[0])["input_ids"][1:-1]) == (
+        ours.decode(ours.encode(TEXTS[0]))
+    )
