@@ -62,10 +62,10 @@ def checkpoint_tokenizer(
         candidates = [os.path.join(root, *copy.split("/")) if copy else None, named]
     path = next((c for c in candidates if c and os.path.isfile(c)), None)
     if path is None:
+        tried = ", ".join(c for c in candidates if c) or "none recorded"
         raise ConfigError(
-            f"{flag}: {' nor '.join(c for c in candidates if c) or 'no tokenizer'} (named by "
-            f"{info.iter_dir}/metadata.json) exists; give the tokenizer the checkpoint was "
-            "trained with"
+            f"{flag}: the tokenizer named by {info.iter_dir}/metadata.json is missing "
+            f"({tried}); give the one the checkpoint was trained with"
         )
     want = record.get("sha256")
     if want and file_sha256(path) != want:
