@@ -74,7 +74,8 @@ class PretrainConfigs:
     parallel: ParallelConfig
     model: Any  # the spec's model config (a PresetConfig dataclass)
     # DataConfig for pretraining; any config with seed, the tokenizer flags (tokenizer_type,
-    # tokenizer_model, vocab_file), num_workers and seq_length for other recipes (fine-tuning reads a benchmark's files instead).
+    # tokenizer_model, vocab_file), num_workers and seq_length for other recipes
+    # (fine-tuning reads a benchmark's files instead).
     data: Any
     task: dict[str, Any]  # the spec's other config groups by name (e.g. "masking")
     training: TrainingConfig
