@@ -127,7 +127,12 @@ class TrainTokenizerConfig:
     )
     min_chars: int = option(0, help="Skip documents shorter than this many characters")
     num_threads: int = option(os.cpu_count() or 1, help="Training threads")
-    seed: int = option(1234, help="Seed of the sentence sampling (reproducible models)")
+    seed: int = option(
+        1234,
+        help="Seed of the sentence sampling (reproducible sentencepiece models; the tokenizers "
+        "library's WordPiece trainer breaks ties between equally frequent pairs in hash order, "
+        "so a rerun may differ in a few rare pieces)",
+    )
     quiet: bool = option(False, help="Hide sentencepiece's progress log")
 
     def __post_init__(self) -> None:
