@@ -86,7 +86,7 @@ def tokenizer_model(sentences: list[str], out_dir: str) -> str:
         f.write("\n".join(sentences))
     try:
         config = TrainTokenizerConfig(input=(f.name,), model_prefix=prefix, vocab_size=PIECES,
-                                      num_threads=1, quiet=True)  # fmt: skip
+                                      num_threads=1)  # fmt: skip
         return train_tokenizer(config)
     finally:
         os.unlink(f.name)

@@ -47,6 +47,7 @@ import gzip
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -57,6 +58,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 CACHE = os.path.join(REPO, "build", "bench_data", "learning")
+COLD_STARTS = ("unigram", "uniform", "mask", "mlm")  # data/sas_collator.py's, for --help
 OURS = {
     "taco": ("pretrain_taco.py", ["--model-size", "small"]),
     "sas": ("pretrain_sas.py", ["--model-size", "small", "--num-layers", "4"]),
@@ -75,8 +77,24 @@ LABELS = {
     "sas_ref": "SAS objective on transformers' ELECTRA encoder",
     "sas_c": "SAS^c (ours)",
     "sas_da": "SAS^DA (ours)",
+    "sas_paper": "SAS, the paper's recipe (ours)",
 }
 SAS_LIKE = ("sas", "sas_ref", "sas_c", "sas_da")
+# --with may add curves of other runs under their own names; "sas..." names are SAS-like.
+WITH_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def sas_like(name: str) -> bool:
+    return name in SAS_LIKE or name.startswith("sas")
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def colour(name: str, names: list[str]) -> str:
+    known = MODELS.index(name) if name in MODELS else len(MODELS) + names.index(name)
+    return f"C{known % 10}"
 
 
 def log(msg: str) -> None:
@@ -131,7 +149,7 @@ def prepare_data(corpus: str, mb: float, vocab: int) -> dict:
     tok = os.path.join(root, "tok")
     subprocess.run([py, os.path.join(REPO, "tools", "train_tokenizer.py"), "--input", jsonl,
                     "--model-prefix", tok, "--vocab-size", str(vocab), "--split-sentences",
-                    "--quiet"], check=True, cwd=REPO)  # fmt: skip
+                   ], check=True, cwd=REPO)  # fmt: skip
     subprocess.run([py, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", jsonl,
                     "--tokenizer-model", tok + ".model", "--output-prefix", prefix,
                     "--split-sentences", "--workers", "2"],
@@ -165,6 +183,19 @@ class Setting:
     split: str
     seed: int
     cold_start: str = "unigram"  # SAS's first-epoch replacements (ours and the reference)
+    layers: int = 4  # the encoders' depth and width (SAS and the peers; TACO-small's own)
+    hidden: int = 256
+
+    def size(self):
+        from learning_peers import Size
+
+        return Size(self.layers, self.hidden, max(self.hidden // 64, 1), 4 * self.hidden)
+
+    def sas_size_flags(self) -> list[str]:
+        size = self.size()
+        return ["--num-layers", str(size.layers), "--hidden-size", str(size.hidden),
+                "--ffn-hidden-size", str(size.ffn), "--num-attention-heads", str(size.heads),
+                "--embedding-size", str(size.hidden)]  # fmt: skip
 
     def driver_flags(self) -> list[str]:
         return [
@@ -200,7 +231,7 @@ def job_command(
         cmd = [sys.executable, os.path.join(REPO, script), *extra, *s.driver_flags(),
                "--metrics-file", metrics, *flags.get(script, [])]  # fmt: skip
         if model.startswith("sas"):
-            cmd += ["--replacement-store", os.path.join(workdir, "store"),
+            cmd += [*s.sas_size_flags(), "--replacement-store", os.path.join(workdir, "store"),
                     "--cold-start", s.cold_start]  # fmt: skip
         return cmd
     return [sys.executable, os.path.abspath(__file__), "--peer", model,
@@ -235,10 +266,10 @@ def _peer_data(model: str, s: Setting, tokenizer):
     from learning_peers import SampledStore
 
     from megatron_taco.data.sas_collator import (
-        ColdStart,
         ReplacementConfig,
         SasCollator,
         cold_start_probs,
+        make_cold_start,
     )
     from megatron_taco.recipes.sas import make_instances
 
@@ -246,7 +277,8 @@ def _peer_data(model: str, s: Setting, tokenizer):
                                train_samples=s.iters * s.batch)  # fmt: skip
     replacement = ReplacementConfig(cold_start=s.cold_start)
     probs = cold_start_probs(replacement, [s.prefix], [1.0], tokenizer.is_special_mask())
-    store = SampledStore(ColdStart(probs, s.seed), s.seq_length, seed=s.seed)
+    cold = make_cold_start(replacement, probs, s.seed, mask_id=tokenizer.mask_id)
+    store = SampledStore(cold, s.seq_length, seed=s.seed)
     collator = SasCollator(pad_id=tokenizer.pad_id, seq_length=s.seq_length, seed=s.seed,
                            config=replacement, source=store)  # fmt: skip
     return instances, instances.valid, collator, store
@@ -266,7 +298,7 @@ def evaluate(model, valid, collator, s: Setting) -> dict:
 
 def run_peer(model: str, s: Setting, metrics_file: str) -> None:
     import torch
-    from learning_peers import BertMlm, Electra, SasObjective, Size, rtd_weight, whole_epochs
+    from learning_peers import BertMlm, Electra, SasObjective, rtd_weight, whole_epochs
 
     from megatron_taco.data.tokenizer import Tokenizer
     from megatron_taco.training.optim import build_optimizer, build_scheduler
@@ -274,8 +306,11 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
     torch.manual_seed(s.seed)
     tokenizer = Tokenizer(s.tokenizer)
     stream, valid, collator, store = _peer_data(model, s, tokenizer)
-    vocab, size = tokenizer.vocab_size, Size()
-    net = {"bert": BertMlm, "electra": Electra, "sas_ref": SasObjective}[model](vocab, size)
+    vocab, size = tokenizer.vocab_size, s.size()
+    if model == "electra":  # ELECTRA-small's factorised embedding: half the hidden width
+        net = Electra(vocab, size, embedding=size.hidden // 2)
+    else:
+        net = {"bert": BertMlm, "sas_ref": SasObjective}[model](vocab, size)
     training = s.training_config()
     optimizer, _ = build_optimizer(net, training)
     scheduler = build_scheduler(optimizer, training)
@@ -286,7 +321,10 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
             samples = [train[g] for g in range(it * s.batch, (it + 1) * s.batch)]
             batch = collator(samples)
             if store is not None:
-                net.rtd_weight = rtd_weight(int(batch["epoch"][0]), epochs)
+                epoch = int(batch["epoch"][0])
+                # The release's mlm cold start: MLM alone in the first epoch.
+                first_mlm = epoch == 0 and s.cold_start == "mlm"
+                net.rtd_weight = 0.0 if first_mlm else rtd_weight(epoch, epochs)
             result = net(batch)
             result["loss"].backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), training.clip_grad)
@@ -309,9 +347,20 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
 # running the jobs, two at a time (one core each)
 
 
-def run_jobs(
-    jobs: list[tuple[str, int]], s0: Setting, out_dir: str, parallel: int, flags: dict
-) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run: ``model`` (OURS or PEERS) under the name ``name`` (its folder and its
+    curve), with ``flags`` added to our driver's (per script) and ``cold_start`` for SAS."""
+
+    name: str
+    model: str
+    seed: int
+    cold_start: str = "unigram"
+    flags: tuple[str, ...] = ()
+
+
+def run_jobs(jobs: list[Job], s0: Setting, out_dir: str, parallel: int) -> dict:
+    """Runs ``parallel`` jobs at a time; {(name, seed): metrics.jsonl} of those that ended well."""
     # The cores shared out between the runs that go at once (one each with two of them).
     threads = max(1, (os.cpu_count() or 1) // max(1, min(parallel, len(jobs))))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
@@ -321,32 +370,33 @@ def run_jobs(
     pending, running, done = list(jobs), [], {}
     while pending or running:
         while pending and len(running) < parallel:
-            model, seed = pending.pop(0)
-            s = dataclasses.replace(s0, seed=seed)
-            work = os.path.join(out_dir, f"{model}_s{seed}")
+            job = pending.pop(0)
+            s = dataclasses.replace(s0, seed=job.seed, cold_start=job.cold_start)
+            work = os.path.join(out_dir, f"{job.name}_s{job.seed}")
             os.makedirs(work, exist_ok=True)
             metrics = os.path.join(work, "metrics.jsonl")
             if os.path.exists(metrics):
                 os.remove(metrics)
             logf = open(os.path.join(work, "log.txt"), "w")  # noqa: SIM115
-            proc = subprocess.Popen(job_command(model, s, metrics, work, flags), cwd=REPO, env=env,
-                                    stdout=logf, stderr=subprocess.STDOUT)  # fmt: skip
-            running.append((model, seed, proc, logf, metrics, time.time()))
-            log(f"  started {model} (seed {seed})")
+            script = OURS[job.model][0] if job.model in OURS else None
+            cmd = job_command(job.model, s, metrics, work, {script: list(job.flags)})
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
+            running.append((job, proc, logf, metrics, time.time()))
+            log(f"  started {job.name} (seed {job.seed})")
         time.sleep(1)
-        for job in list(running):
-            model, seed, proc, logf, metrics, start = job
+        for entry in list(running):
+            job, proc, logf, metrics, start = entry
             if proc.poll() is None:
                 continue
             logf.close()
-            running.remove(job)
+            running.remove(entry)
             minutes = (time.time() - start) / 60
             if proc.returncode != 0:
-                log(f"  {model} (seed {seed}) FAILED (exit {proc.returncode}) after "
+                log(f"  {job.name} (seed {job.seed}) FAILED (exit {proc.returncode}) after "
                     f"{minutes:.1f} min; see {os.path.dirname(metrics)}/log.txt")  # fmt: skip
                 continue
-            log(f"  {model} (seed {seed}) done in {minutes:.1f} min")
-            done[(model, seed)] = metrics
+            log(f"  {job.name} (seed {job.seed}) done in {minutes:.1f} min")
+            done[(job.name, job.seed)] = metrics
     return done
 
 
@@ -376,7 +426,7 @@ def _spread(records: list[dict], key: str) -> float | None:
 
 
 def _family_baseline(curves, models, it, sas: bool) -> float | None:
-    records = [r for m in models if (m in SAS_LIKE) == sas for r in curves[m].get(it, [])]
+    records = [r for m in models if sas_like(m) == sas for r in curves[m].get(it, [])]
     return _mean(records, "mlm_baseline_acc")
 
 
@@ -393,7 +443,7 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
     from results import Result
 
     tokens = s.batch * s.seq_length
-    models = [m for m in MODELS if m in curves]
+    models = [m for m in MODELS if m in curves] + [m for m in curves if m not in MODELS]
     iters = sorted({it for m in models for it in curves[m]})
     print(f"\nheld-out MLM accuracy (mean over seeds) by training tokens; batch {s.batch} x "
           f"seq {s.seq_length}, lr {s.lr:g}, warm-up {s.warmup_fraction:g} of {s.iters} "
@@ -417,7 +467,7 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
                    f"original {_mean(last, 'rtd_acc_original'):.3f}")  # fmt: skip
         collapse = _mean(last, "collapse_cosine")
         shown = "-" if collapse is None else f"{collapse:.4f}"
-        print(f"  {m:>8}: collapse {shown}{rtd}  ({LABELS[m]})")
+        print(f"  {m:>8}: collapse {shown}{rtd}  ({label(m)})")
     results = []
     if "taco" in curves and "bert" in curves:
         common = [it for it in iters if it in curves["taco"] and it in curves["bert"]]
@@ -474,10 +524,10 @@ def plot(curves: dict, models: list[str], s: Setting, path: str) -> None:
     for m in models:
         its = sorted(curves[m])
         x = [it * tokens for it in its]
-        style = dict(marker="o", color=f"C{MODELS.index(m)}")  # one colour per model
-        axes[0].plot(x, [_mean(curves[m][it], "mlm_acc") for it in its], label=LABELS[m], **style)
+        style = dict(marker="o", color=colour(m, models))  # one colour per model
+        axes[0].plot(x, [_mean(curves[m][it], "mlm_acc") for it in its], label=label(m), **style)
         axes[1].plot(x, [_mean(curves[m][it], "collapse_cosine") for it in its], label=m, **style)
-        if m in SAS_LIKE or m == "electra":
+        if sas_like(m) or m == "electra":
             axes[2].plot(x, [_mean(curves[m][it], "rtd_acc_replaced") for it in its],
                          label=f"{m} replaced", **style)  # fmt: skip
     base_its = sorted({it for m in models for it in curves[m]})
@@ -504,6 +554,10 @@ def main(argv=None) -> int:
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=8, help="Held-out batches per evaluation.")
     p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4, help="Depth of SAS and the peers.")
+    p.add_argument("--hidden", type=int, default=256,
+                   help="Width of SAS and the peers (FFN 4x, heads of 64; TACO keeps its "
+                   "small preset's widths).")  # fmt: skip
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-fraction", type=float, default=0.1)
@@ -514,7 +568,7 @@ def main(argv=None) -> int:
     p.add_argument("--data-cache-path", help="Sample-index cache for --data-path.")
     p.add_argument("--split", default="949,50,1")
     p.add_argument("--seed", type=int, default=1234, help="The first seed.")
-    p.add_argument("--cold-start", choices=("unigram", "uniform"), default="unigram",
+    p.add_argument("--cold-start", choices=COLD_STARTS, default="unigram",
                    help="SAS's first-epoch replacements, for ours and the reference.")  # fmt: skip
     p.add_argument("--with", dest="existing", nargs="*", default=[], metavar="MODEL=METRICS",
                    help="Curves of runs made elsewhere with the same settings (e.g. the "
@@ -542,11 +596,14 @@ def main(argv=None) -> int:
         model, sep, path = item.partition("=")
         if not sep or not path:
             p.error(f"--with {item}: expected MODEL=METRICS (a metrics.jsonl)")
-        if model not in MODELS:
-            p.error(f"--with {item}: {model} is not one of {', '.join(MODELS)}")
+        if not WITH_NAME.fullmatch(model):
+            p.error(f"--with {item}: {model} is not a name (lower-case letters, digits, _)")
         if not os.path.isfile(path):
             p.error(f"--with {item}: {path} is not a file")
         existing[model] = path
+    if (args.layers, args.hidden) != (4, 256) and "taco" in args.models:
+        p.error("--layers/--hidden size SAS and the peers; TACO keeps TACO-small's widths: "
+                "leave taco out of --models")  # fmt: skip
     if args.data_path and not args.tokenizer_model:
         p.error("--data-path needs --tokenizer-model (the tokenizer the dataset was made with)")
     from results import write_results
@@ -561,15 +618,16 @@ def main(argv=None) -> int:
                 seq_length=args.seq_length, batch=args.batch, iters=args.iters, lr=args.lr,
                 warmup_fraction=args.warmup_fraction, eval_interval=args.eval_interval,
                 eval_iters=args.eval_iters, split=args.split, seed=args.seed,
-                cold_start=args.cold_start)  # fmt: skip
+                cold_start=args.cold_start, layers=args.layers, hidden=args.hidden)  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     # The slowest first, so that the two workers finish together.
     order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert"]
-    jobs = [(m, args.seed + k) for m in order if m in args.models and m not in existing
+    flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
+    jobs = [Job(m, m, args.seed + k, args.cold_start, tuple(flags.get(OURS.get(m, ("",))[0], ())))
+            for m in order if m in args.models and m not in existing
             for k in range(args.seeds)]  # fmt: skip
     start = time.time()
-    flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
-    done = run_jobs(jobs, s, args.out, args.jobs, flags)
+    done = run_jobs(jobs, s, args.out, args.jobs)
     log(f"all runs: {(time.time() - start) / 60:.1f} min")
     done.update({(model, args.seed): path for model, path in existing.items()})
     curves = load_curves(done)

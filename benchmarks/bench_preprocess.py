@@ -249,7 +249,6 @@ def get_tokenizer(corpus: str, vocab_size: int) -> str:
             model_prefix=model[: -len(".model")],
             vocab_size=vocab_size,
             input_sentence_size=200_000,
-            quiet=True,
         )
     )
 

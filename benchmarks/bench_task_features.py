@@ -117,7 +117,6 @@ def main(argv=None) -> int:
                     model_prefix=os.path.join(tmp, "spm"),
                     vocab_size=800,
                     num_threads=1,
-                    quiet=True,
                 )
             )
         tokenizer = Tokenizer(model)

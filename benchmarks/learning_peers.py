@@ -250,6 +250,9 @@ class SampledStore:
     def reads_store(self, epoch: int) -> bool:
         return epoch > 0
 
+    def detects(self, epoch: int) -> bool:
+        return epoch > 0 or self.cold.detects(epoch)
+
     def add(self, batch: dict, logits: torch.Tensor) -> None:
         """Sample at S (rows of ``logits`` follow S in row-major position order)."""
         with torch.no_grad():

@@ -8,7 +8,8 @@ training), with evaluations a random encoder cannot win from a labelled set:
 2. zero-shot word order: for each held-out sentence and a shuffle of its words, does the
    model's own pretraining head prefer the original? TACO: the pseudo-log-likelihood of the
    words under its MLM head (every 5th word [MASK]ed per pass, 5 passes); SAS: its RTD head
-   (mean "replaced" logit over the words: a shuffled sentence should look more replaced).
+   (mean "replaced" logit over the words: a shuffled sentence should look more replaced),
+   and beside it the pseudo-log-likelihood under its MLM head (the heads' two signals).
    No labels at all, so nothing to learn from: a random encoder is at 50% by construction,
    and so is a model that learned only which words are frequent (the shuffle keeps them);
 3. a frozen-feature probe: logistic regression on mean-pooled last-layer vectors, trained on
@@ -106,16 +107,18 @@ def _collator(info, data, tokenizer, model_config):
             num_positions=model_config.max_position_embeddings,
         )
     from megatron_taco.data.sas_collator import (
-        ColdStart,
         ReplacementConfig,
         SasCollator,
         cold_start_probs,
+        make_cold_start,
     )
 
     replacement = ReplacementConfig(**cfg["replacement"])
     probs = cold_start_probs(replacement, data.prefixes, data.weights, tokenizer.is_special_mask())
     return SasCollator(pad_id=tokenizer.pad_id, seq_length=data.seq_length, seed=data.seed,
-                       config=replacement, source=ColdStart(probs, data.seed))  # fmt: skip
+                       config=replacement,
+                       source=make_cold_start(replacement, probs, data.seed,
+                                              mask_id=tokenizer.mask_id))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,13 +155,28 @@ def encode_vectors(model, kind: str, rows: list[list[int]], pad: int, batch: int
     return torch.cat(out).double().numpy()
 
 
-@torch.no_grad()
-def originality_scores(model, kind: str, rows: list[list[int]], tok: Tokenizer, batch: int = 64):
-    """Higher = the model finds the sentence more like real text. TACO: pseudo-log-likelihood
-    per word from its MLM head; SAS: minus the mean RTD ("replaced") logit."""
-    scores = np.zeros(len(rows))
+def _masked_nll(model, kind: str, ids, pos, mask, labels) -> torch.Tensor:
+    """float64 negative log-likelihood of every labelled token under the MLM head."""
+    at = labels != -100
     if kind == "TACO":
+        we, pe = model.taco(ids, pos, mask)
         word = model.taco.embeddings.word_embeddings.weight
+        nll, _ = model.heads.mlm(torch.cat([we, pe], -1)[at], labels[at], word)
+        return nll.double()
+    word = model.sas.embeddings.word_embeddings.weight
+    logits = model.heads.mlm_logits(model.sas(ids, mask)[at], word)[:, : model.config.vocab_size]
+    return torch.nn.functional.cross_entropy(logits.double(), labels[at], reduction="none")
+
+
+@torch.no_grad()
+def originality_scores(
+    model, kind: str, rows: list[list[int]], tok: Tokenizer, head: str = "mlm", batch: int = 64
+):
+    """Higher = the model finds the sentence more like real text. ``head`` "mlm": the
+    pseudo-log-likelihood per word from the MLM head (every 5th word [MASK]ed per pass);
+    "rtd" (SAS): minus the mean RTD ("replaced") logit."""
+    scores = np.zeros(len(rows))
+    if head == "mlm":
         passes = [(i, j) for i in range(len(rows)) for j in range(MASK_EVERY)]
         for k in range(0, len(passes), batch):
             chunk = passes[k : k + batch]
@@ -168,12 +186,9 @@ def originality_scores(model, kind: str, rows: list[list[int]], tok: Tokenizer, 
                 at = torch.arange(1 + j, len(rows[i]) - 1, MASK_EVERY)
                 labels[r, at] = ids[r, at]
                 ids[r, at] = tok.mask_id
-            we, pe = model.taco(ids, pos, mask)
-            at = labels != -100
-            x = torch.cat([we, pe], -1)[at]
-            nll, _ = model.heads.mlm(x, labels[at], word)
-            owner = torch.tensor([i for i, _ in chunk]).unsqueeze(1).expand_as(labels)[at]
-            np.add.at(scores, owner.numpy(), -nll.double().numpy())
+            nll = _masked_nll(model, kind, ids, pos, mask, labels)
+            owner = torch.tensor([i for i, _ in chunk]).unsqueeze(1).expand_as(labels)
+            np.add.at(scores, owner[labels != -100].numpy(), -nll.numpy())
         return scores / np.array([max(len(r) - 2, 1) for r in rows])
     for k in range(0, len(rows), batch):
         ids, mask, _ = _pad(rows[k : k + batch], tok.pad_id)
@@ -221,8 +236,9 @@ class Row:
     mlm_acc: float
     baseline: float
     collapse: float
-    zero_shot: list[float]
+    zero_shot: list[float]  # the pretraining head's: TACO's MLM, SAS's RTD
     probe: dict[int, list[float]]
+    zero_shot_mlm: list[float] | None = None  # SAS: its MLM head's pseudo-log-likelihood
 
 
 def _ms(values: list[float]) -> str:
@@ -261,20 +277,25 @@ def evaluate_checkpoint(path: str, args, sentences: list[str]) -> list[Row]:
     rows = []
     for name, models in (("pretrained", [pretrained]), (f"random x{len(randoms)}", randoms)):
         held = [held_out_metrics(m, info, tok) for m in models]
-        zs, probes = [], {n: [] for n in PROBE_SIZES}
+        heads = ("mlm",) if kind == "TACO" else ("rtd", "mlm")
+        zs = {head: [] for head in heads}
+        probes = {n: [] for n in PROBE_SIZES}
         for m in models:
             f_orig = encode_vectors(m, kind, originals, tok.pad_id)
-            s_orig = originality_scores(m, kind, originals, tok)
+            s_orig = {head: originality_scores(m, kind, originals, tok, head) for head in heads}
             for seed, shuffled in enumerate(shuffles):
-                zs.append(zero_shot(s_orig, originality_scores(m, kind, shuffled, tok)))
+                for head in heads:
+                    s_shuf = originality_scores(m, kind, shuffled, tok, head)
+                    zs[head].append(zero_shot(s_orig[head], s_shuf))
                 f_shuf = encode_vectors(m, kind, shuffled, tok.pad_id)
                 for n in PROBE_SIZES:
                     if n not in skipped:
                         probes[n].append(probe(f_orig, f_shuf, n, seed))
         rows.append(Row(kind, name, float(np.mean([h["mlm_acc"] for h in held])),
                         float(np.mean([h["mlm_baseline_acc"] for h in held])),
-                        float(np.mean([h["collapse_cosine"] for h in held])), zs,
-                        {n: v for n, v in probes.items() if v}))  # fmt: skip
+                        float(np.mean([h["collapse_cosine"] for h in held])), zs[heads[0]],
+                        {n: v for n, v in probes.items() if v},
+                        zs["mlm"] if kind != "TACO" else None))  # fmt: skip
     return rows
 
 
@@ -330,10 +351,12 @@ def evaluate(args) -> int:
     rows = [row for path in args.load for row in evaluate_checkpoint(path, args, sentences)]
     sizes = [n for n in PROBE_SIZES if any(n in r.probe for r in rows)]
     print(f"\n{'model':<6} {'init':<12} {'MLM acc':>8} {'baseline':>8} {'collapse':>8} "
-          f"{'zero-shot order %':>18} " + " ".join(f"{f'probe n={n} %':>15}" for n in sizes))  # fmt: skip
+          f"{'zero-shot order %':>18} {'(SAS: MLM head)':>16} "
+          + " ".join(f"{f'probe n={n} %':>15}" for n in sizes))  # fmt: skip
     for r in rows:
+        pll = _ms(r.zero_shot_mlm) if r.zero_shot_mlm else "-"
         print(f"{r.model:<6} {r.init:<12} {100 * r.mlm_acc:8.2f} {100 * r.baseline:8.2f} "
-              f"{r.collapse:8.3f} {_ms(r.zero_shot):>18} "
+              f"{r.collapse:8.3f} {_ms(r.zero_shot):>18} {pll:>16} "
               + " ".join(f"{_ms(r.probe[n]) if n in r.probe else '-':>15}" for n in sizes))  # fmt: skip
     print("\n(MLM acc and baseline in %: the held-out accuracy of the pretraining head and the "
           "most frequent target's share; zero-shot: a random encoder is at 50 by construction)")  # fmt: skip

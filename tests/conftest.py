@@ -26,7 +26,6 @@ def tokenizer_model(tmp_path_factory) -> str:
         vocab_size=TOKENIZER_VOCAB_SIZE,
         model_type="unigram",
         num_threads=1,
-        quiet=True,
     )
     return train_tokenizer(config)
 
@@ -46,7 +45,6 @@ def wordpiece_vocab(tmp_path_factory) -> str:
             model_prefix=str(out / "wp"),
             tokenizer_type="BertWordPieceLowerCase",
             vocab_size=TOKENIZER_VOCAB_SIZE,
-            quiet=True,
         )
     )
     pieces = Path(trained).read_text(encoding="utf-8").splitlines()

@@ -598,3 +598,55 @@ class EngineLike(torch.nn.Module):
 
     def forward(self, batch):
         return self.module(batch)
+
+
+def wandb_offline_runs(directory) -> list[dict]:
+    """The offline W&B runs under ``directory`` (its wandb/offline-run-*/run-<id>.wandb
+    transaction logs, oldest first), read record by record: {"id", "name", "config" (key ->
+    JSON text), "history" (step -> {key: value}), "images" ((step, key) of each image)}.
+
+    The file is W&B's LevelDB-style log: a 7-byte ":W&B" header, then 32 KiB blocks of
+    records (4-byte checksum, 2-byte little-endian length, 1-byte type: 1 full, 2 first,
+    3 middle, 4 last) that carry wandb_internal_pb2.Record messages."""
+    import json as _json
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    runs = []
+    for path in sorted(Path(directory).glob("wandb/offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B", path
+        run: dict[str, Any] = {"id": None, "name": None, "config": {}, "history": {},
+                               "images": set()}  # fmt: skip
+        pos, pending, block = 7, b"", 32768
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header: padding
+                pos += block - pos % block
+                continue
+            length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+            pending += data[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            if kind not in (1, 4):
+                continue
+            record, pending = pb.Record.FromString(pending), b""
+            which = record.WhichOneof("record_type")
+            if which == "run":
+                run["id"], run["name"] = record.run.run_id, record.run.display_name
+                for item in record.run.config.update:
+                    run["config"][item.key] = item.value_json
+            elif which == "config":
+                for item in record.config.update:
+                    run["config"][item.key] = item.value_json
+            elif which == "history":
+                items = {(i.key or "/".join(i.nested_key)): _json.loads(i.value_json)
+                         for i in record.history.item}  # fmt: skip
+                step = items.pop("_step", record.history.step.num)
+                # An image arrives as its fields: "<key>/_type": "image-file", "<key>/path", ...
+                images = {k[: -len("/_type")] for k, v in items.items()
+                          if k.endswith("/_type") and v == "image-file"}  # fmt: skip
+                run["images"] |= {(step, key) for key in images}
+                for key, value in items.items():
+                    if not key.startswith("_") and key.rsplit("/", 1)[0] not in images:
+                        run["history"].setdefault(step, {})[key] = value
+        runs.append(run)
+    return runs

@@ -133,7 +133,11 @@ class TrainTokenizerConfig:
         "library's WordPiece trainer breaks ties between equally frequent pairs in hash order, "
         "so a rerun may differ in a few rare pieces)",
     )
-    quiet: bool = option(False, help="Hide sentencepiece's progress log")
+    verbose: bool = option(
+        False,
+        help="Show the trainer's log (sentencepiece: some hundred lines; WordPiece: a "
+        "progress bar); hidden by default",
+    )
 
     def __post_init__(self) -> None:
         cls = TrainTokenizerConfig
@@ -302,7 +306,7 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
             # Exactly --vocab-size pieces: the embedding table and every dataset's unigram
             # counts are sized from it. A corpus too small for it is reported below.
             hard_vocab_limit=True,
-            minloglevel=1 if config.quiet else 0,
+            minloglevel=0 if config.verbose else 1,
         )
     except RuntimeError as e:
         message = str(e)
@@ -341,7 +345,7 @@ def _train_wordpiece(config: TrainTokenizerConfig, stream: _SentenceStream) -> s
         vocab_size=config.vocab_size,
         min_frequency=2,
         special_tokens=list(SPECIAL_PIECES),
-        show_progress=not config.quiet,
+        show_progress=config.verbose,
     )
     if stream.sampled == 0:
         raise ConfigError(f"--input: no text found in {len(config.input)} input(s)")

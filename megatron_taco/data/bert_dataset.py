@@ -4,7 +4,7 @@ and the train/valid/test datasets (blended when several --data-path prefixes are
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -175,9 +175,10 @@ def get_sample_index(
     num_samples: int | None,
     cache_dir: str | None,
     num_epochs: int | None = None,
+    barrier: Callable[[], None] | None = None,
 ) -> CacheEntry:
     """The (cached) sample index of one split of one dataset: ``num_samples`` samples, or
-    ``num_epochs`` whole passes over the split's documents."""
+    ``num_epochs`` whole passes over the split's documents. ``barrier``: cache.load_or_build's."""
     description = {
         "kind": "bert_sample_index",
         "version": SAMPLE_INDEX_VERSION,
@@ -212,10 +213,17 @@ def get_sample_index(
         log_stats(stats, f"{ds.path_prefix} {split_name}")
         return {"sample_index": index}, stats.to_dict()
 
-    return load_or_build("bert_sample_index", description, ("sample_index",), build, cache_dir)
+    return load_or_build(
+        "bert_sample_index", description, ("sample_index",), build, cache_dir, barrier
+    )
 
 
-def get_blend_index(weights: Sequence[float], size: int, cache_dir: str | None) -> CacheEntry:
+def get_blend_index(
+    weights: Sequence[float],
+    size: int,
+    cache_dir: str | None,
+    barrier: Callable[[], None] | None = None,
+) -> CacheEntry:
     description = {
         "kind": "blend_index",
         "version": BLEND_INDEX_VERSION,
@@ -228,7 +236,12 @@ def get_blend_index(weights: Sequence[float], size: int, cache_dir: str | None) 
         return {"dataset_index": d, "dataset_sample_index": s}, {}
 
     return load_or_build(
-        "blend_index", description, ("dataset_index", "dataset_sample_index"), build, cache_dir
+        "blend_index",
+        description,
+        ("dataset_index", "dataset_sample_index"),
+        build,
+        cache_dir,
+        barrier,
     )
 
 
@@ -247,10 +260,12 @@ def _check_num_samples(train_valid_test_num_samples) -> list[int]:
     return out
 
 
-def train_samples_per_dataset(config: DataConfig) -> list[int]:
+def train_samples_per_dataset(
+    config: DataConfig, barrier: Callable[[], None] | None = None
+) -> list[int]:
     """Samples in one pass of the BERT sample mapping over each --data-path dataset's train
     split, in --data-path order (their sum is SAS's instance count before rounding to whole
-    batches). Call it on every rank (it synchronises on the cache)."""
+    batches). Call it on every rank (it synchronises on the cache with ``barrier``)."""
     config.validate_files()
     counts = []
     for prefix in config.prefixes:
@@ -261,7 +276,14 @@ def train_samples_per_dataset(config: DataConfig) -> list[int]:
                 f"--split: {config.split!r} gives the train split none of the documents of {prefix}"
             )
         entry = get_sample_index(
-            ds, config, SPLIT_NAMES[0], doc_range, None, config.cache_dir(), num_epochs=1
+            ds,
+            config,
+            SPLIT_NAMES[0],
+            doc_range,
+            None,
+            config.cache_dir(),
+            num_epochs=1,
+            barrier=barrier,
         )
         counts.append(int(entry.arrays["sample_index"].shape[0]))
     return counts
@@ -282,13 +304,15 @@ def build_train_valid_test_datasets(
     config: DataConfig,
     tokenizer: Any,
     train_valid_test_num_samples: Sequence[int | None],
+    barrier: Callable[[], None] | None = None,
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test): a BertSampleDataset per split (a BlendedDataset of them with several
     prefixes), or None for a split with 0 samples requested. A valid or test split that --split
     leaves without documents is None too, with a one-line note; an empty train split is an error.
 
-    Call it on every rank (it synchronises on the cache); the index files are built once, by
-    global rank 0, and memory-mapped everywhere else.
+    Call it on every rank (it synchronises on the cache with ``barrier``, which several ranks
+    need: parallel/comm.py's); the index files are built once, by global rank 0, and
+    memory-mapped everywhere else.
     """
     config.validate_files()
     counts = _check_num_samples(train_valid_test_num_samples)
@@ -315,7 +339,9 @@ def build_train_valid_test_datasets(
         ds = datasets[k]
         doc_range = ranges[k][split]
         name = SPLIT_NAMES[split]
-        entry = get_sample_index(ds, config, name, doc_range, num_samples, cache_dir)
+        entry = get_sample_index(
+            ds, config, name, doc_range, num_samples, cache_dir, barrier=barrier
+        )
         info = dict(entry.info, doc_range=list(doc_range), split=name, status=entry.status)
         return BertSampleDataset(
             ds, entry.arrays["sample_index"], name=f"{ds.path_prefix} [{name}]", info=info, **common
@@ -343,7 +369,7 @@ def build_train_valid_test_datasets(
         elif len(datasets) == 1:
             result.append(one(0, split, n))
         else:
-            blend = get_blend_index(weights, n, cache_dir)
+            blend = get_blend_index(weights, n, cache_dir, barrier)
             d_index = blend.arrays["dataset_index"]
             s_index = blend.arrays["dataset_sample_index"]
             per_dataset = samples_per_dataset(weights, n, d_index)

@@ -15,7 +15,8 @@ checked before the entry is used: a file cut short anyway is rebuilt, not truste
 
 With torch.distributed initialised, global rank 0 builds and writes while the other ranks
 wait at a barrier, then everyone memory-maps the files. Every rank must therefore call
-:func:`load_or_build` for the same entries in the same order. A rank that finds no files
+:func:`load_or_build` for the same entries in the same order. The barrier is the caller's
+(``barrier=``, e.g. parallel/comm.py's): data/ depends on no other layer of the package. A rank that finds no files
 after the barrier (the directory is not writable, or not shared between nodes) builds the
 arrays in memory itself, with a warning.
 """
@@ -62,19 +63,14 @@ def file_identity(path: str) -> dict[str, Any]:
 
 
 def _distributed() -> tuple[bool, int]:
+    """(several ranks share the cache, this rank)."""
     try:
         import torch.distributed as dist
     except ImportError:  # data tools work without torch.distributed
         return False, 0
     if dist.is_available() and dist.is_initialized():
-        return True, dist.get_rank()
+        return dist.get_world_size() > 1, dist.get_rank()
     return False, 0
-
-
-def _barrier() -> None:
-    from megatron_taco.parallel import comm  # the collectives' one module (torch only)
-
-    comm.barrier()
 
 
 def _paths(cache_dir: str, kind: str, key: str, names) -> tuple[str, dict[str, str]]:
@@ -133,14 +129,19 @@ def load_or_build(
     names: tuple[str, ...],
     build: BuildFn,
     cache_dir: str | None,
+    barrier: Callable[[], None] | None = None,
 ) -> CacheEntry:
     """Arrays ``names`` for ``description``: loaded from ``cache_dir`` or built (and saved).
 
     ``build()`` returns ``(arrays, info)``: the arrays by name and JSON-able statistics kept
     beside them. ``cache_dir=None`` disables the cache (every rank builds in memory).
+    ``barrier``: waits for every rank; needed when several ranks share the cache.
     """
     key = description_key(description)
     distributed, rank = _distributed()
+    if distributed and cache_dir is not None and barrier is None:
+        # A bug, not a user error: without it ranks > 0 would read half-written files.
+        raise ValueError(f"load_or_build({kind!r}): several ranks share the cache; pass barrier=")
     if cache_dir is None:
         arrays, info = build()
         return CacheEntry(arrays, "memory", key, info)
@@ -158,7 +159,7 @@ def load_or_build(
             # so they fail on their own instead of hanging until the process-group timeout.
             error = e
     if distributed:
-        _barrier()
+        barrier()
     if error is not None:
         raise error
     if entry is not None:

@@ -13,7 +13,8 @@ The tokens placed at S come from a ``ReplacementSource``: the cold-start distrib
 flattened to p^power for the run's first iterations, the reference release's warm-up), or
 in later epochs the tokens the model itself sampled (the self-augmentation store). With
 ``drop_hits`` a stored token equal to the original drops its position from S (the reference
-release). No [MASK] token: SAS never uses it.
+release). The paper's SAS never reads [MASK]; the reference release's ``mask`` and ``mlm``
+cold starts put it at S in the first epoch only (``MaskedColdStart``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ from megatron_taco.arguments import ConfigError, option, require
 from megatron_taco.data.indexed_dataset import unigram_path
 from megatron_taco.data.masking import IGNORE_INDEX, sample_spans, word_units
 
-COLD_STARTS = ("unigram", "uniform")
+COLD_STARTS = ("unigram", "uniform", "mask", "mlm")
+# The reference release's cold starts that put [MASK] at S (not the paper's text).
+MASKED_COLD_STARTS = ("mask", "mlm")
 SELECT_STREAM = 2  # TACO's collator uses streams 0 and 1
 COLD_STREAM = 3
+MASK_SHARE_STREAM = 4
+KEEP = -1  # a source's "leave the original token here" (BERT's 10% kept)
+# BERT's split of the selected positions under the ``mlm`` cold start: [MASK], random, kept.
+BERT_MASK_SHARE, BERT_RANDOM_SHARE = 0.8, 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +52,13 @@ class ReplacementConfig:
     )
     cold_start: str = option(
         "unigram",
-        "Distribution of the first epoch's replacements: the corpus's unigram token counts "
-        "(the {prefix}_unigram.npy files of --data-path, blended by their weights) or uniform "
-        "over the non-special vocabulary.",
+        "The first epoch's replacements at S: 'unigram' draws from the corpus's unigram token "
+        "counts (the {prefix}_unigram.npy files of --data-path, blended by their weights; the "
+        "paper), 'uniform' over the non-special vocabulary (the paper's Table 4 alternative). "
+        "The reference release's options, not the paper's text: 'mask' puts [MASK] at every "
+        "position of S (RTD label 1 there); 'mlm' is BERT's masked LM over S (80%% [MASK], 10%% "
+        "a uniform random token, 10%% kept), with MLM labels only: no RTD loss in the first "
+        "epoch. From epoch 2 the model's own samples replace S whichever is chosen.",
         flag="--cold-start",
         choices=COLD_STARTS,
     )
@@ -64,7 +75,24 @@ class ReplacementConfig:
         flag="--cold-start-warmup-power",
     )
 
+    stored_mask_share: float = option(
+        0.0,
+        "A departure from the paper, off by default (SCRIPT keeps [MASK] in the MLM pass of a "
+        "single-network generator/critic): in the epochs that read the self-augmentation "
+        "store, this share of each instance's S reads [MASK] instead of its stored sample "
+        "(MLM label kept; no RTD label there, a [MASK] being trivially replaced), the rest the "
+        "stored sample. The model's softmax at every position of S is sampled and stored as "
+        "always (at a [MASK], a generator's sample).",
+        flag="--stored-mask-share",
+    )
+
     def __post_init__(self) -> None:
+        require(
+            0.0 <= self.stored_mask_share <= 1.0,
+            type(self),
+            "stored_mask_share",
+            f"must be in [0, 1], got {self.stored_mask_share}",
+        )
         require(
             0.0 < self.mask_prob < 1.0,
             type(self),
@@ -82,6 +110,13 @@ class ReplacementConfig:
             type(self),
             "cold_start_warmup_iters",
             f"must be an integer >= 0, got {self.cold_start_warmup_iters!r}",
+        )
+        require(
+            self.cold_start not in MASKED_COLD_STARTS or self.cold_start_warmup_iters == 0,
+            type(self),
+            "cold_start_warmup_iters",
+            f"flattens a sampled cold start; --cold-start {self.cold_start} draws no cold-start "
+            "samples to flatten (drop --cold-start-warmup-iters)",
         )
         power = self.cold_start_warmup_power
         require(
@@ -128,11 +163,12 @@ def cold_start_probs(
     weights: Sequence[float],
     special: np.ndarray,
 ) -> np.ndarray:
-    """float64 [vocab] probabilities of the first epoch's replacements; specials get 0.
-    Unigram: each dataset's counts normalised, then mixed by the --data-path weights."""
+    """float64 [vocab] probabilities of the first epoch's sampled replacements; specials get
+    0. Unigram: each dataset's counts normalised, then mixed by the --data-path weights. The
+    masked cold starts' random tokens are uniform, as BERT's."""
     special = np.asarray(special, dtype=bool)
     vocab = special.shape[0]
-    if config.cold_start == "uniform":
+    if config.cold_start != "unigram":
         probs = (~special).astype(np.float64)
     else:
         probs = np.zeros(vocab, dtype=np.float64)
@@ -183,6 +219,9 @@ class ReplacementSource(Protocol):
     def reads_store(self, epoch: int) -> bool:
         """Whether the tokens of ``epoch`` come from the self-augmentation store."""
 
+    def detects(self, epoch: int) -> bool:
+        """Whether ``epoch``'s batches carry RTD labels (False: MLM only, no RTD term)."""
+
 
 def _cdf(probs: np.ndarray) -> np.ndarray:
     cdf = np.cumsum(np.asarray(probs, dtype=np.float64))
@@ -220,6 +259,58 @@ class ColdStart:
     def reads_store(self, epoch: int) -> bool:
         return False
 
+    def detects(self, epoch: int) -> bool:
+        return True
+
+
+class MaskedColdStart:
+    """The reference release's ``mask`` and ``mlm`` cold starts: [MASK] at every position of
+    S, or BERT's 80% [MASK] / 10% a token drawn from ``probs`` / 10% KEEP (the collator puts
+    the original back), seeded by (seed, instance, epoch). ``mlm`` batches carry no RTD
+    labels."""
+
+    def __init__(self, kind: str, probs: np.ndarray, mask_id: int, seed: int) -> None:
+        if kind not in MASKED_COLD_STARTS:
+            raise ValueError(f"not a masked cold start: {kind!r}")
+        self.kind, self.cdf = kind, _cdf(probs)
+        self.mask_id, self.seed = int(mask_id), int(seed)
+
+    def replacements(
+        self, instance: int, epoch: int, positions: np.ndarray, global_index: int | None = None
+    ) -> np.ndarray:
+        n = positions.shape[0]
+        out = np.full(n, self.mask_id, dtype=np.int64)
+        if self.kind == "mask":
+            return out
+        rng = np.random.default_rng([self.seed, int(instance), COLD_STREAM, int(epoch)])
+        u, r = rng.random(n), rng.random(n)
+        random_token = np.minimum(np.searchsorted(self.cdf, r, side="right"), self.cdf.shape[0] - 1)
+        share = BERT_MASK_SHARE + BERT_RANDOM_SHARE
+        out = np.where(u >= BERT_MASK_SHARE, random_token, out)
+        return np.where(u >= share, KEEP, out).astype(np.int64)
+
+    def reads_store(self, epoch: int) -> bool:
+        return False
+
+    def detects(self, epoch: int) -> bool:
+        return self.kind != "mlm"
+
+
+def make_cold_start(
+    config: ReplacementConfig,
+    probs: np.ndarray,
+    seed: int,
+    *,
+    mask_id: int,
+    warmup_samples: int = 0,
+) -> ColdStart | MaskedColdStart:
+    """The first epoch's ``ReplacementSource`` for --cold-start (``probs`` from
+    cold_start_probs); ``warmup_samples`` training samples from probs^power first."""
+    if config.cold_start in MASKED_COLD_STARTS:
+        return MaskedColdStart(config.cold_start, probs, mask_id, seed)
+    warmup = tempered(probs, config.cold_start_warmup_power) if warmup_samples else None
+    return ColdStart(probs, seed, warmup_probs=warmup, warmup_samples=warmup_samples)
+
 
 class SasCollator:
     """DataLoader collate_fn: samples (with ``index`` = instance id, ``epoch`` and
@@ -242,7 +333,11 @@ class SasCollator:
         source: ReplacementSource,
         fixed_positions: bool = True,
         drop_hits: bool = False,
+        mask_id: int | None = None,
     ) -> None:
+        if config.stored_mask_share and mask_id is None:
+            raise ValueError("--stored-mask-share needs the tokenizer's [MASK] id (mask_id)")
+        self.mask_id = mask_id
         self.pad_id, self.seq_length, self.seed = int(pad_id), int(seq_length), int(seed)
         self.config = config
         self.source = source
@@ -260,6 +355,11 @@ class SasCollator:
             sample["index"],
             None if self.fixed_positions else int(sample.get("epoch", 0)),
         )
+
+    def _stored_masks(self, instance: int, epoch: int, where, drop) -> np.ndarray | None:
+        share = self.config.stored_mask_share
+        masked = _stored_mask_choice(share, self.seed, instance, epoch, where.shape[0])
+        return None if masked is None else masked & ~drop
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         b, s = len(samples), self.seq_length
@@ -279,20 +379,29 @@ class SasCollator:
             instance, epoch = int(sample["index"]), int(sample.get("epoch", 0))
             where = self.positions(sample)
             placed = self.source.replacements(instance, epoch, where, sample.get("global_index"))
+            placed = np.where(placed == KEEP, tokens[where], placed)
             stored = self.source.reads_store(epoch)
             hits = placed == tokens[where]
             drop = hits if (stored and self.drop_hits) else np.zeros_like(hits)
             kept = where[~drop]
+            masked = self._stored_masks(instance, epoch, where, drop) if stored else None
+            if masked is not None:
+                placed = np.where(masked, self.mask_id, placed)
             replaced = tokens.copy()
             replaced[where] = placed  # a dropped hit places the original: unchanged
             input_ids[i] = replaced
             mlm_labels[i, kept] = tokens[kept]
             # RTD over every real token ([CLS]/[SEP] included, as ELECTRA): 1 = replaced. A
-            # replacement equal to the original is "original" (paper, eq. 5).
-            rtd_labels[i, :length] = replaced[:length] != tokens[:length]
+            # replacement equal to the original is "original" (paper, eq. 5). None in the
+            # ``mlm`` cold start's epoch: MLM only; none at a [MASK] of --stored-mask-share.
+            if self.source.detects(epoch):
+                rtd_labels[i, :length] = replaced[:length] != tokens[:length]
+                if masked is not None:
+                    rtd_labels[i, where[masked]] = IGNORE_INDEX
             positions[i, : where.shape[0]] = where
             dropped[i, : where.shape[0]] = drop
-            from_store[i] = kept.shape[0] if stored else 0
+            read = kept.shape[0] - (0 if masked is None else int(masked.sum()))
+            from_store[i] = read if stored else 0
             instances[i], epochs[i] = instance, epoch
         return {
             "input_ids": torch.from_numpy(input_ids),
@@ -305,6 +414,17 @@ class SasCollator:
             "dropped_slots": torch.from_numpy(dropped),
             "from_store": torch.from_numpy(from_store),
         }
+
+
+def _stored_mask_choice(
+    share: float, seed: int, instance: int, epoch: int, n: int
+) -> np.ndarray | None:
+    """Which of the n slots of S read [MASK] in a self-augmentation epoch (None: none),
+    seeded by (seed, instance, epoch)."""
+    if share <= 0:
+        return None
+    rng = np.random.default_rng([seed, int(instance), MASK_SHARE_STREAM, int(epoch)])
+    return rng.random(n) < share
 
 
 def _lengths(samples: Sequence[Mapping[str, Any]]) -> np.ndarray:

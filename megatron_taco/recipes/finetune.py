@@ -39,6 +39,7 @@ from megatron_taco.data.tokenizer import (
     vocab_file_option,
 )
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
+from megatron_taco.tasks import TASKS
 from megatron_taco.training.checkpointing import CheckpointConfig, prepare_checkpoints
 from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
 from megatron_taco.training.pretrain import (
@@ -126,7 +127,12 @@ class FinetuneConfig:
 
 @dataclass(frozen=True)
 class TaskDataConfig:
-    task: str = option(None, "Downstream task (tasks.TASKS).", flag="--task")
+    task: str = option(
+        None,
+        f"Downstream task: one of {', '.join(TASKS)}; several separated by commas, or glue "
+        "(every GLUE task), run one after the other.",
+        flag="--task",
+    )
     data_dir: str = option(
         None,
         "The task's data as its benchmark distributes it (GLUE: the task's folder, e.g. "
@@ -137,7 +143,8 @@ class TaskDataConfig:
     seq_length: int | None = option(
         None,
         "Tokens per sequence including [CLS]/[SEP] (default: 128 for GLUE, 384 for SQuAD, "
-        "512 for RACE; at most the model's position table).",
+        "512 for RACE; capped at the model's position table, which an explicit value may not "
+        "exceed).",
         flag="--seq-length",
     )
     doc_stride: int = option(128, "SQuAD: tokens between context windows.", flag="--doc-stride")
@@ -245,6 +252,9 @@ DEFAULT_SEQ_LENGTH = {"span": 384, "multiple_choice": 512}
 _OWN_TRAINING_FIELDS = (
     "train_iters",
     "train_epochs",
+    "total_train_samples",
+    "lr_warmup_samples",
+    "lr_decay_samples",
     "save",
     "load",
     "ckpt_step",
@@ -341,7 +351,12 @@ class FinetuneSpec(ModelSpec):
             model_size=model.model_size,
         )
         model.validate_parallel(tp)
-        seq = data.seq_length or DEFAULT_SEQ_LENGTH.get(data.info.kind, 128)
+        # The default is capped at the model's positions (a tiny model has 64); an explicit
+        # --seq-length beyond them is an error.
+        default_seq = min(
+            DEFAULT_SEQ_LENGTH.get(data.info.kind, 128), model.max_position_embeddings
+        )
+        seq = data.seq_length or default_seq
         if seq > model.max_position_embeddings:
             raise ConfigError(
                 f"--seq-length: {seq} exceeds the pretrained model's position table "
@@ -355,6 +370,8 @@ class FinetuneSpec(ModelSpec):
             args,
             train_epochs=args.train_epochs,
             eval_iters=0,
+            bf16=bool(getattr(args, "bf16", False)),
+            fp16=bool(getattr(args, "fp16", False)),
             **output_paths(ft.output),
         )
         checkpoint = dataclass_from_args(CheckpointConfig, args)
@@ -771,6 +788,10 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
             ),  # fmt: skip
         ],
         metadata={"task": info.name, "pretrained": dataclasses.asdict(cfg.task["pretrained"])},
+        # OUTPUT/checkpoints is empty until the first save: not a run "from scratch".
+        initialised_from="a random initialisation"
+        if ft.random_init
+        else f"the pretrained {cfg.task['pretrained'].model} encoder",
     )
 
 

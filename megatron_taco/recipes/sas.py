@@ -42,11 +42,25 @@ class RtdScheduleConfig:
         "between (paper's SAS: 200; SAS^c: set it equal to --rtd-weight for a constant lambda).",
         flag="--rtd-weight-final",
     )
+    rtd_weight_warmup_iters: int = option(
+        0,
+        "A departure from the paper, off by default (ELECTRA's authors' advice for a "
+        "discriminator that learns nothing): lambda 0 for the run's first N iterations, the "
+        "per-epoch schedule after.",
+        flag="--rtd-weight-warmup-iters",
+    )
 
     def __post_init__(self) -> None:
         for name in ("rtd_weight", "rtd_weight_final"):
             value = getattr(self, name)
             require(value >= 0, type(self), name, f"must be >= 0, got {value}")
+        warmup = self.rtd_weight_warmup_iters
+        require(
+            isinstance(warmup, int) and warmup >= 0,
+            type(self),
+            "rtd_weight_warmup_iters",
+            f"must be an integer >= 0, got {warmup!r}",
+        )
 
     def weight(self, epoch: int, whole_epochs: int) -> float:
         """lambda of 0-based ``epoch`` in a run of ``whole_epochs`` whole epochs (and maybe a
@@ -66,6 +80,8 @@ class RtdScheduleConfig:
             values = [*values[:3], "...", *values[-2:]]
         tail = epochs - whole
         note = f" (epoch {count} is {float(tail):.2f} of an epoch)" if tail > 0 else ""
+        if self.rtd_weight_warmup_iters:
+            note += f"; 0 for the first {self.rtd_weight_warmup_iters} iterations"
         return f"lambda per epoch {', '.join(values)}{note}"
 
 
@@ -77,11 +93,27 @@ class RtdWeightSchedule(Callback):
 
     def __init__(self, model, config: RtdScheduleConfig, whole_epochs: int) -> None:
         self.model, self.config, self.whole_epochs = model, config, whole_epochs
+        self.epoch_weight = config.rtd_weight
 
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
-        value = self.config.weight(epoch, self.whole_epochs)
-        self.model.set_rtd_weight(value)
-        trainer.logger.print(f" epoch {epoch + 1}/{trainer.num_epochs()}: lambda {value:g}")
+        self.epoch_weight = self.config.weight(epoch, self.whole_epochs)
+        self.model.set_rtd_weight(self.epoch_weight)
+        warm = self.config.rtd_weight_warmup_iters
+        note = f" (0 until iteration {warm})" if state.iteration < warm else ""
+        trainer.logger.print(
+            f" epoch {epoch + 1}/{trainer.num_epochs()}: lambda {self.epoch_weight:g}{note}"
+        )
+
+    def on_step_start(self, trainer, state) -> None:
+        # The warm-up is a function of the iteration alone, so a resume needs no state.
+        warming = state.iteration < self.config.rtd_weight_warmup_iters
+        self.model.set_rtd_weight(0.0 if warming else self.epoch_weight)
+
+
+COLD_START_NOTES = {
+    "mask": " (the reference release: [MASK] at S in epoch 1)",
+    "mlm": " (the reference release: BERT's 80/10/10 masked LM at S in epoch 1, no RTD loss)",
+}
 
 
 def check_sas(cfg: PretrainConfigs) -> None:
@@ -146,6 +178,8 @@ class Instances:
 
 
 def build_instances(ctx: BuildContext) -> Instances:
+    from megatron_taco.parallel import comm
+
     cfg = ctx.configs
     t = cfg.training
     return make_instances(
@@ -155,6 +189,7 @@ def build_instances(ctx: BuildContext) -> Instances:
         t.eval_samples(ctx.parallel.dp_size),
         train_epochs=t.train_epochs,
         train_samples=None if t.train_epochs is not None else t.train_samples(ctx.parallel.dp_size),
+        barrier=comm.barrier,
     )
 
 
@@ -166,9 +201,11 @@ def make_instances(
     *,
     train_epochs: int | None = None,
     train_samples: int | None = None,
+    barrier=None,
 ) -> Instances:
     """The fixed instances of a SAS run and its train/valid/test streams (one of
-    ``train_epochs``, ``train_samples`` gives its length)."""
+    ``train_epochs``, ``train_samples`` gives its length; ``barrier``: the data cache's, see
+    data/cache.py)."""
     from megatron_taco.data.bert_dataset import (
         build_train_valid_test_datasets,
         train_samples_per_dataset,
@@ -177,7 +214,7 @@ def make_instances(
     from megatron_taco.data.epochs import InstanceEpochDataset
 
     gbs = global_batch_size
-    per_dataset = train_samples_per_dataset(data)
+    per_dataset = train_samples_per_dataset(data, barrier)
     per_pass = sum(per_dataset)
     # Whole global batches per epoch, so that no batch straddles two epochs (epoch t+1 reads
     # what epoch t wrote); the few instances cut are the same ones in every epoch.
@@ -188,7 +225,7 @@ def make_instances(
             "fewer than one global batch"
         )
     train, valid, test = build_train_valid_test_datasets(
-        data, tokenizer, (per_pass, eval_samples, eval_samples)
+        data, tokenizer, (per_pass, eval_samples, eval_samples), barrier
     )
     if train_epochs is not None:
         epochs = Fraction(train_epochs)
@@ -233,12 +270,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     import numpy as np
 
     from megatron_taco.data.replacement_store import StoreLayout
-    from megatron_taco.data.sas_collator import (
-        ColdStart,
-        SasCollator,
-        cold_start_probs,
-        tempered,
-    )
+    from megatron_taco.data.sas_collator import SasCollator, cold_start_probs, make_cold_start
     from megatron_taco.models.common.host import WithHost
     from megatron_taco.models.flops import sas_train_flops
     from megatron_taco.models.sas.model import SasForPretraining
@@ -252,10 +284,11 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     )
     augmentation = cfg.task["self_augmentation"]
     warmup_samples = replacement.cold_start_warmup_iters * cfg.deepspeed.global_batch_size
-    cold = ColdStart(
+    cold = make_cold_start(
+        replacement,
         probs,
         ctx.seed,
-        warmup_probs=tempered(probs, replacement.cold_start_warmup_power),
+        mask_id=ctx.tokenizer.mask_id,
         warmup_samples=warmup_samples,
     )
     callbacks: list[Callback] = []
@@ -289,6 +322,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         # S must stay put only when epoch t+1 reads what epoch t sampled at S.
         fixed_positions=augmentation.self_augmentation,
         drop_hits=augmentation.drop_replacement_hits,
+        mask_id=ctx.tokenizer.mask_id,
     )
     model = SasForPretraining(model_config, ctx.parallel, ctx.rng_tracker)
     shape = sas_shape(model_config, data.seq_length)
@@ -339,7 +373,8 @@ def build_sas(ctx: BuildContext) -> ModelParts:
             f"embedding {model_config.embedding_size}; LayerNorm eps "
             f"{model_config.norm_epsilon:g}; output-layer init {model_config.output_layer_init}",
             f"replacements: {replacement.mask_prob:g} of each instance's tokens; cold start "
-            f"{replacement.cold_start}{warmup}; {source_line}",
+            f"{replacement.cold_start}{COLD_START_NOTES.get(replacement.cold_start, '')}"
+            f"{warmup}; {source_line}",
             schedule.describe(instances.epochs),
             *data_lines,
         ],

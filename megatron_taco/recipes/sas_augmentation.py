@@ -45,7 +45,7 @@ from megatron_taco.data.replacement_store import (
     commit_generation,
     delete_generations,
 )
-from megatron_taco.data.sas_collator import ColdStart
+from megatron_taco.data.sas_collator import ReplacementSource
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
 from megatron_taco.training.callbacks import Callback
@@ -125,7 +125,7 @@ class StoreSource:
     """The collator's replacements: the cold start in epoch 0, generation t-1 of the store
     in epoch t. Picklable (DataLoader workers reopen the store lazily)."""
 
-    def __init__(self, cold: ColdStart, root: str) -> None:
+    def __init__(self, cold: ReplacementSource, root: str) -> None:
         self.cold, self.root = cold, root
         self._readers: dict[int, GenerationReader] = {}
 
@@ -143,6 +143,9 @@ class StoreSource:
 
     def reads_store(self, epoch: int) -> bool:
         return epoch >= 1
+
+    def detects(self, epoch: int) -> bool:
+        return self.reads_store(epoch) or self.cold.detects(epoch)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"cold": self.cold, "root": self.root, "_readers": {}}

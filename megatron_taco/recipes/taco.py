@@ -24,13 +24,14 @@ def build_taco(ctx: BuildContext) -> ModelParts:
     from megatron_taco.models.common.host import WithHost
     from megatron_taco.models.flops import taco_electra_train_flops, taco_train_flops
     from megatron_taco.models.taco.model import TacoForPretraining
+    from megatron_taco.parallel import comm
 
     cfg, model_config = ctx.configs, ctx.model_config
     data, t, dp = cfg.data, cfg.training, ctx.parallel.dp_size
     masking, position_masking = cfg.task["masking"], cfg.task["position_masking"]
     eval_samples = t.eval_samples(dp)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
-        data, ctx.tokenizer, (t.train_samples(dp), eval_samples, eval_samples)
+        data, ctx.tokenizer, (t.train_samples(dp), eval_samples, eval_samples), comm.barrier
     )
     collator = TacoMaskingCollator.from_tokenizer(
         ctx.tokenizer,

@@ -7,8 +7,9 @@ self-augmentation store). The trainer calls, in order:
     on_epoch_start(epoch)                before the first step of each epoch, including the
                                          epoch a resumed run restarts in the middle of
     after_micro_batch(batch, outputs)    after each training forward/backward (never in eval)
-    on_epoch_end(epoch)                  after the last step of an epoch, before that
-                                         iteration's log, evaluation and checkpoint
+    on_epoch_end(epoch)                  after the last step of an epoch and that
+                                         iteration's train log line, before its
+                                         evaluation and checkpoint
     on_save                              before a checkpoint's files are written (flush)
     metrics()                            extra values for the training log line
     state_dict / load_state_dict         JSON-serialisable state, stored in the checkpoint's
@@ -31,6 +32,9 @@ class Callback:
 
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
         pass
+
+    def on_step_start(self, trainer, state) -> None:
+        """Before the first micro-batch of iteration ``state.iteration`` (0-based)."""
 
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
         pass

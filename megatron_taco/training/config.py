@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +36,7 @@ DEFAULT_WARMUP_ITERS = 10000
 DEFAULT_WARMUP_FRACTION = 0.1
 DECAY_STYLES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 def _is_int(value: Any) -> bool:
@@ -50,8 +52,16 @@ class TrainingConfig:
     train_iters: int | None = option(
         None,
         "Number of optimizer steps (iterations) to train for, counted from 0 (a resumed "
-        "run continues up to this number). Give this or --train-epochs.",
+        "run continues up to this number). Give this, --train-samples or --train-epochs.",
         flag="--train-iters",
+    )
+    total_train_samples: int | None = option(
+        None,
+        "Megatron's sample-based training: --train-samples // global batch size iterations, "
+        "and the LR schedule counts samples (--lr-warmup-samples, --lr-decay-samples), so a "
+        "run resumed with another global batch size stays on its schedule. Exclusive with "
+        "--train-iters and --train-epochs.",
+        flag="--train-samples",
     )
     train_epochs: int | None = option(
         None,
@@ -80,8 +90,16 @@ class TrainingConfig:
     )
     lr_warmup_fraction: float | None = option(
         None,
-        "Warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters).",
+        "Warmup as a fraction of --lr-decay-iters (or --lr-decay-samples; exclusive with "
+        "--lr-warmup-iters and --lr-warmup-samples).",
         flag="--lr-warmup-fraction",
+    )
+    lr_warmup_samples: int | None = option(
+        None,
+        f"With --train-samples: linear warmup over this many samples (default: "
+        f"{DEFAULT_WARMUP_FRACTION:g} of --lr-decay-samples, at most {DEFAULT_WARMUP_ITERS} "
+        "global batches).",
+        flag="--lr-warmup-samples",
     )
     lr_decay_style: str = option(
         "linear", "Decay after warmup.", flag="--lr-decay-style", choices=DECAY_STYLES
@@ -90,6 +108,12 @@ class TrainingConfig:
         None,
         "Iteration at which the decay reaches --min-lr (default: --train-iters).",
         flag="--lr-decay-iters",
+    )
+    lr_decay_samples: int | None = option(
+        None,
+        "With --train-samples: sample at which the decay reaches --min-lr (default: "
+        "--train-samples).",
+        flag="--lr-decay-samples",
     )
     weight_decay: float = option(
         0.01,
@@ -155,6 +179,20 @@ class TrainingConfig:
     no_load_rng: bool = option(
         False, "Do not load the RNG states.", flag="--no-load-rng", cli=False
     )
+    bf16: bool = option(
+        False,
+        "Train in bf16: enables the DeepSpeed config's 'bf16' section (the default config's or "
+        "--deepspeed-config's, which must not enable fp16).",
+        flag="--bf16",
+        cli=False,
+    )
+    fp16: bool = option(
+        False,
+        "Train in fp16 with a dynamic loss scale (GPUs only): enables the DeepSpeed config's "
+        "'fp16' section (which must not enable bf16).",
+        flag="--fp16",
+        cli=False,
+    )
     finetune: bool = option(
         False,
         "Load only the model weights from --load and start at iteration 0 with fresh "
@@ -169,6 +207,33 @@ class TrainingConfig:
     )
     tensorboard_dir: str | None = option(
         None, "Write TensorBoard scalars here (rank 0).", flag="--tensorboard-dir"
+    )
+    wandb_project: str | None = option(
+        None,
+        "Log to this Weights & Biases project (rank 0): the TensorBoard scalars, the run's "
+        "configuration and the loss- and learning-curve images; a resumed run continues the "
+        "W&B run its checkpoint names. Needs the wandb extra (pip install "
+        "'megatron_taco[wandb]').",
+        flag="--wandb-project",
+    )
+    wandb_exp_name: str | None = option(
+        None, "Name of the W&B run (default: one W&B makes up).", flag="--wandb-exp-name"
+    )
+    wandb_save_dir: str | None = option(
+        None,
+        "Directory W&B writes its wandb/ folder in (default: the metrics file's, i.e. "
+        "--tensorboard-dir or --save).",
+        flag="--wandb-save-dir",
+    )
+    wandb_entity: str | None = option(
+        None, "W&B team or user that owns the run (default: the API key's).", flag="--wandb-entity"
+    )
+    wandb_mode: str | None = option(
+        None,
+        "online; offline (files only, uploaded later by `wandb sync`); or disabled (default: "
+        "the WANDB_MODE environment variable, else online).",
+        flag="--wandb-mode",
+        choices=WANDB_MODES,
     )
     metrics_file: str | None = option(
         None,
@@ -211,16 +276,17 @@ class TrainingConfig:
                 f"must be an integer >= {minimum}, got {value!r}",
             )
 
+        lengths = (self.train_iters, self.train_epochs, self.total_train_samples)
         require(
-            (self.train_iters is None) != (self.train_epochs is None),
+            sum(x is not None for x in lengths) == 1 or self._samples_resolved,
             cls,
             "train_iters",
-            "give exactly one of --train-iters and --train-epochs",
+            "give exactly one of --train-iters, --train-samples and --train-epochs",
         )
-        if self.train_iters is not None:
-            positive_int("train_iters", self.train_iters)
-        else:
-            positive_int("train_epochs", self.train_epochs)
+        for name, value in zip(("train_iters", "train_epochs", "total_train_samples"), lengths):
+            if value is not None:
+                positive_int(name, value)
+        require(not (self.bf16 and self.fp16), cls, "fp16", "give --bf16 or --fp16, not both")
         positive_int("micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
             positive_int("global_batch_size", self.global_batch_size)
@@ -238,14 +304,20 @@ class TrainingConfig:
             "min_lr",
             f"must be in [0, --lr {self.lr}], got {self.min_lr!r}",
         )
+        self._check_schedule_units()
         if self.lr_warmup_iters is not None:
             positive_int("lr_warmup_iters", self.lr_warmup_iters, 0)
+        if self.lr_warmup_samples is not None:
+            positive_int("lr_warmup_samples", self.lr_warmup_samples, 0)
+        if self.lr_decay_samples is not None:
+            positive_int("lr_decay_samples", self.lr_decay_samples)
         if self.lr_warmup_fraction is not None:
+            warmup = "lr_warmup_samples" if self.sample_based else "lr_warmup_iters"
             require(
-                self.lr_warmup_iters is None,
+                getattr(self, warmup) is None,
                 cls,
                 "lr_warmup_fraction",
-                "give either --lr-warmup-fraction or --lr-warmup-iters, not both",
+                f"give either --lr-warmup-fraction or {flag_of(cls, warmup)}, not both",
             )
             require(
                 _is_number(self.lr_warmup_fraction) and 0 <= self.lr_warmup_fraction <= 1,
@@ -261,7 +333,17 @@ class TrainingConfig:
         )
         if self.lr_decay_iters is not None:
             positive_int("lr_decay_iters", self.lr_decay_iters)
-        if self.decay_iters is None:
+        if self.sample_based:
+            if self.lr_decay_style != "constant" and self.warmup_samples > 0:
+                require(
+                    self.warmup_samples < self.decay_samples,
+                    cls,
+                    "lr_warmup_samples",
+                    f"{self.warmup_samples} warmup samples must be fewer than the "
+                    f"{self.decay_samples} decay samples (--lr-decay-samples, default "
+                    "--train-samples)",
+                )
+        elif self.decay_iters is None:
             pass  # --train-epochs: checked again once the iterations are known
         elif self.lr_decay_style != "constant" and self.warmup_iters > 0:
             # Megatron's scheduler divides by (decay - warmup).
@@ -321,7 +403,9 @@ class TrainingConfig:
         if self.ckpt_step is not None:
             positive_int("ckpt_step", self.ckpt_step, 0)
             require(self.load is not None, cls, "ckpt_step", "needs --load")
-        for name in ("save", "load", "tensorboard_dir", "metrics_file", "deepspeed_config"):
+        self._check_wandb()
+        for name in ("save", "load", "tensorboard_dir", "metrics_file", "deepspeed_config",
+                     "wandb_save_dir"):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 require(
@@ -332,7 +416,67 @@ class TrainingConfig:
                 )
                 object.__setattr__(self, name, os.fspath(value))
 
-    _SWITCHES = ("no_load_optim", "no_load_rng", "finetune")
+    def _check_wandb(self) -> None:
+        cls = TrainingConfig
+        if self.wandb_project is None:
+            for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity", "wandb_mode"):
+                require(getattr(self, name) is None, cls, name, "needs --wandb-project")
+            return
+        require(
+            isinstance(self.wandb_project, str) and self.wandb_project.strip() != "",
+            cls,
+            "wandb_project",
+            f"expected a project name, got {self.wandb_project!r}",
+        )
+        require(
+            self.wandb_mode is None or self.wandb_mode in WANDB_MODES,
+            cls,
+            "wandb_mode",
+            f"must be online, offline or disabled, got {self.wandb_mode!r}",
+        )
+        require(
+            importlib.util.find_spec("wandb") is not None,
+            cls,
+            "wandb_project",
+            "the wandb package is not installed: pip install 'megatron_taco[wandb]'",
+        )
+
+    @property
+    def resolved_wandb_dir(self) -> str | None:
+        if self.wandb_save_dir is not None:
+            return self.wandb_save_dir
+        metrics = self.resolved_metrics_file  # W&B adds its own wandb/ below it
+        return None if metrics is None else os.path.dirname(metrics)
+
+    def _check_schedule_units(self) -> None:
+        """Megatron's rule: iteration-based runs take the -iters forms of the schedule,
+        sample-based runs (--train-samples) the -samples forms."""
+        cls = TrainingConfig
+        wrong = ("lr_warmup_iters", "lr_decay_iters") if self.sample_based else (
+            "lr_warmup_samples", "lr_decay_samples")  # fmt: skip
+        for name in wrong:
+            right = name.replace("iters", "samples") if self.sample_based else None
+            require(
+                getattr(self, name) is None,
+                cls,
+                name,
+                f"the schedule counts samples with --train-samples: give {flag_of(cls, right)}"
+                if right
+                else "needs --train-samples (with --train-iters or --train-epochs the schedule "
+                f"counts iterations: give {flag_of(cls, name.replace('samples', 'iters'))})",
+            )
+
+    @property
+    def _samples_resolved(self) -> bool:
+        """--train-samples turned into iterations at a known global batch (resolve_length)."""
+        return (
+            self.total_train_samples is not None
+            and self.train_epochs is None
+            and self.global_batch_size is not None
+            and self.train_iters == self.total_train_samples // self.global_batch_size
+        )
+
+    _SWITCHES = ("no_load_optim", "no_load_rng", "finetune", "bf16", "fp16")
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:
@@ -352,8 +496,68 @@ class TrainingConfig:
     # -- derived values -----------------------------------------------------------------
 
     @property
+    def sample_based(self) -> bool:
+        return self.total_train_samples is not None
+
+    @property
     def decay_iters(self) -> int | None:
+        if self.sample_based:
+            return (
+                None
+                if self.global_batch_size is None
+                else -(-self.decay_samples // self.global_batch_size)
+            )
         return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+    @property
+    def decay_samples(self) -> int | None:
+        if not self.sample_based:
+            return None
+        return (
+            self.lr_decay_samples if self.lr_decay_samples is not None else self.total_train_samples
+        )
+
+    @property
+    def warmup_samples(self) -> int | None:
+        if not self.sample_based:
+            return None
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * self.decay_samples)
+        if self.lr_warmup_samples is not None:
+            return self.lr_warmup_samples
+        default = int(DEFAULT_WARMUP_FRACTION * self.decay_samples)
+        if self.global_batch_size is not None:
+            default = min(default, DEFAULT_WARMUP_ITERS * self.global_batch_size)
+        return default
+
+    def schedule(self) -> tuple[int, int, int]:
+        """The LR schedule in its units: (warmup, decay, units per optimizer step): iterations
+        and 1, or with --train-samples samples and the global batch size (Megatron's
+        OptimizerParamScheduler stepped by the samples of each step)."""
+        if not self.sample_based:
+            return self.warmup_iters, self.decay_iters, 1
+        if self.global_batch_size is None:
+            raise ValueError("--train-samples: call resolve_length(data_parallel_size) first")
+        return self.warmup_samples, self.decay_samples, self.global_batch_size
+
+    def describe_schedule(self) -> str:
+        warmup, decay, _ = self.schedule()
+        unit = "samples" if self.sample_based else "iters"
+        return f"warmup {warmup} {unit}, {self.lr_decay_style} decay over {decay} {unit}"
+
+    def resolve_length(self, data_parallel_size: int) -> TrainingConfig:
+        """--train-samples as Megatron turns it into iterations (train_samples // global
+        batch size), with the global batch size made explicit; other configs unchanged."""
+        if not self.sample_based or self._samples_resolved:
+            return self
+        global_batch = self.batch_layout(data_parallel_size)[0]
+        iters = self.total_train_samples // global_batch
+        if iters == 0:
+            raise ConfigError(
+                f"--train-samples: {self.total_train_samples} is fewer than one global batch "
+                f"({global_batch})"
+            )
+        return dataclasses.replace(self, train_iters=iters, global_batch_size=global_batch)
 
     def with_train_iters(self, train_iters: int) -> TrainingConfig:
         """--train-epochs resolved into iterations (validated again)."""
@@ -361,6 +565,9 @@ class TrainingConfig:
 
     @property
     def warmup_iters(self) -> int:
+        if self.sample_based:  # whole iterations that cover the warmup samples
+            gbs = self.global_batch_size or 1
+            return -(-self.warmup_samples // gbs)
         if self.lr_warmup_fraction is not None:
             return int(self.lr_warmup_fraction * self.decay_iters)
         if self.lr_warmup_iters is not None:
@@ -418,7 +625,10 @@ _OWNED_BATCH_KEYS = (
 # the scheduler follows Megatron's schedule).
 _OWNED_SECTIONS = (
     ("optimizer", "--lr, --weight-decay, --adam-beta1/2, --adam-eps"),
-    ("scheduler", "--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr"),
+    (
+        "scheduler",
+        "--lr-warmup-iters/-samples, --lr-decay-style, --lr-decay-iters/-samples, --min-lr",
+    ),
 )
 # Large enough that DeepSpeed never prints its own progress lines; the loop logs instead.
 _QUIET_STEPS_PER_PRINT = 2**31 - 1
@@ -489,6 +699,14 @@ def resolve_deepspeed_config(
                 f"--deepspeed-config: {source}: key {key!r} is not allowed: the {key} is built "
                 f"from {flags} (remove the section from the JSON)"
             )
+    if "wandb" in config:
+        # DeepSpeed's own monitor would log only samples and lr (and needs wandb on every rank).
+        raise ConfigError(
+            f"--deepspeed-config: {source}: key 'wandb' is not supported: Weights & Biases is "
+            "set with --wandb-project, --wandb-exp-name, --wandb-save-dir, --wandb-entity, "
+            "--wandb-mode (remove the section from the JSON)"
+        )
+    _apply_precision_flag(config, source, training)
     if _enabled(config.get("amp")):
         raise ConfigError(
             f"--deepspeed-config: {source}: key 'amp' (apex AMP) is not supported; use 'bf16' or 'fp16'"
@@ -500,9 +718,10 @@ def resolve_deepspeed_config(
         )
     precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
     if precision == "fp16" and device_type == "cpu":
+        where = "--fp16" if training.fp16 else f"--deepspeed-config: {source}"
         raise ConfigError(
-            f"--deepspeed-config: {source}: fp16 needs a GPU; use a bf16 or fp32 config "
-            "(e.g. ds_configs/zero2_bf16.json)"
+            f"{where}: fp16 needs a GPU; use a bf16 or fp32 config (--bf16, or e.g. "
+            "ds_configs/zero2_bf16.json)"
         )
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
@@ -528,6 +747,23 @@ def resolve_deepspeed_config(
         global_batch_size=global_batch,
         grad_accum_steps=accum,
     )
+
+
+def _apply_precision_flag(config: dict[str, Any], source: str, training: TrainingConfig):
+    """--bf16/--fp16 enable their section of the DeepSpeed config (keeping its other keys,
+    e.g. fp16's loss-scale settings), overriding a JSON in fp32; a JSON that enables the
+    other half precision contradicts the flag."""
+    flag = "bf16" if training.bf16 else "fp16" if training.fp16 else None
+    if flag is None:
+        return
+    other = "fp16" if flag == "bf16" else "bf16"
+    if _enabled(config.get(other)):
+        raise ConfigError(
+            f"--{flag}: --deepspeed-config {source} enables {other}; drop the flag or use a "
+            f"{flag} config (e.g. ds_configs/zero2_{flag}.json)"
+        )
+    section = config.get(flag)
+    config[flag] = {**(section if isinstance(section, dict) else {}), "enabled": True}
 
 
 def _check_grad_accum_dtype(config: dict[str, Any], source: str, precision: str, stage: int):

@@ -1,5 +1,12 @@
-"""Rank-0 outputs of a run: console lines, a tqdm progress bar, TensorBoard scalars and the
-metrics JSON-lines file (one object per logged step or evaluation; plots and tests read it).
+"""Rank-0 outputs of a run: console lines, a tqdm progress bar, TensorBoard scalars, the
+metrics JSON-lines file (one object per logged step or evaluation; plots and tests read it)
+and, with --wandb-project, Weights & Biases (training/tracking.py).
+
+Every train line also says where the run is, for a person reading a SLURM log: the wall
+time since this process started training (``elapsed_s``), the time left to --train-iters at
+the pace so far, evaluations and saves included (``eta_s``), and this rank's memory since
+the previous line (CUDA: peak allocated and reserved; CPU: the process's resident set).
+All outputs get the same record.
 
 Every method is a no-op on ranks other than 0, so the loop calls them unconditionally.
 """
@@ -10,23 +17,81 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 from tqdm import tqdm
 
+from megatron_taco.model_outputs import COUNT_SUFFIX
+
 # Order of the well-known fields on the console line; model keys follow alphabetically.
-_CONSOLE_FIRST = ("consumed_samples", "elapsed_ms", "lr", "global_batch_size", "loss")
+_CONSOLE_FIRST = (
+    "elapsed_s",
+    "eta_s",
+    "consumed_samples",
+    "elapsed_ms",
+    "lr",
+    "global_batch_size",
+    "loss",
+)
 _CONSOLE_LAST = (
     "grad_norm",
     "skipped_iterations",
     "samples_per_s",
     "tokens_per_s",
     "tflops_per_rank",
+    "mfu",  # model FLOPs utilisation, where the model and the device's peak are known
+    "mem_max_allocated_gib",
+    "mem_max_reserved_gib",
+    "host_rss_gib",
 )
 _NOT_ON_CONSOLE = ("split", "iteration")
+_DURATIONS = {"elapsed_s": "elapsed", "eta_s": "ETA"}  # shown as [d-]h:mm:ss
+GIB = 2**30
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return str(seconds)
+    days, rest = divmod(round(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    text = f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
+
+
+def memory_metrics() -> dict[str, float]:
+    """This process's memory since the previous call: the CUDA caching allocator's peak
+    allocated and reserved GiB on the current device (the peaks are reset for the next
+    call), or on CPU the resident set. Host-side counters only: no device sync."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out = {
+            "mem_max_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+            "mem_max_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        }
+        torch.cuda.reset_peak_memory_stats()
+        return out
+    return {"host_rss_gib": _resident_bytes() / GIB}
+
+
+def _resident_bytes() -> int:
+    try:  # Linux: the current resident set (ru_maxrss is the peak since start)
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak * (1 if sys.platform == "darwin" else 1024)
 
 
 def _fmt(key: str, value: Any) -> str:
+    if key in _DURATIONS and isinstance(value, (int, float)):
+        return _duration(value)
+    if key.endswith(COUNT_SUFFIX) and isinstance(value, float) and math.isfinite(value):
+        # A count per iteration (a mean over the interval): read as a whole number.
+        return str(round(value))
     if isinstance(value, float):
         if key == "lr":
             return f"{value:.4e}"
@@ -53,10 +118,16 @@ class TrainingLogger:
         tensorboard_dir: str | None = None,
         metrics_file: str | None = None,
         progress_bar: bool = True,
+        tracker: Any = None,
     ) -> None:
+        """``tracker``: rank 0's experiment tracker (tracking.WandbRun), given the same
+        records as TensorBoard, and the plots by image()."""
         self.active = rank == 0
         self.train_iters = train_iters
         self.metrics_file = metrics_file
+        self.tracker = tracker if self.active else None
+        self._start = time.perf_counter()
+        self._start_iteration = start_iteration
         self._writer = None
         self._metrics = None
         self._bar = None
@@ -96,10 +167,23 @@ class TrainingLogger:
         if self._bar is not None:
             self._bar.update(iterations)
 
+    def progress(self, iteration: int) -> dict[str, float]:
+        """elapsed_s, eta_s (once an iteration was trained) and memory_metrics() for the
+        train line of ``iteration``."""
+        elapsed = time.perf_counter() - self._start
+        out = {"elapsed_s": elapsed}
+        done = iteration - self._start_iteration
+        if done > 0:
+            out["eta_s"] = elapsed / done * max(self.train_iters - iteration, 0)
+        out.update(memory_metrics())
+        return out
+
     def log(self, split: str, iteration: int, metrics: dict[str, Any]) -> None:
         """One logged step (split "train") or one evaluation ("valid", "test")."""
         if not self.active:
             return
+        if split == "train":
+            metrics = {**metrics, **self.progress(iteration)}
         record = {"split": split, "iteration": iteration, **metrics}
         if self._metrics is not None:
             self._metrics.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
@@ -109,6 +193,8 @@ class TrainingLogger:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._writer.add_scalar(f"{split}/{key}", value, iteration)
             self._writer.flush()
+        if self.tracker is not None:
+            self.tracker.log(split, iteration, metrics)
         self.print(self._console_line(split, iteration, record))
         if split == "train" and self._bar is not None and "loss" in metrics:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
@@ -125,7 +211,14 @@ class TrainingLogger:
             k for k in record if k not in _CONSOLE_FIRST + _CONSOLE_LAST + _NOT_ON_CONSOLE
         )
         keys += [k for k in _CONSOLE_LAST if k in record]
-        return " | ".join([head, *(f"{k}: {_fmt(k, record[k])}" for k in keys)]) + " |"
+        fields = (f"{_DURATIONS.get(k, k)}: {_fmt(k, record[k])}" for k in keys)
+        return " | ".join([head, *fields]) + " |"
+
+    def image(self, name: str, path: str, iteration: int) -> None:
+        """A plot (PNG) for the experiment tracker; the files themselves are beside the
+        metrics file already."""
+        if self.tracker is not None:
+            self.tracker.image(name, path, iteration)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -137,6 +230,9 @@ class TrainingLogger:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

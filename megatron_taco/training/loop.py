@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taco.data.sampler import PretrainingSampler
+from megatron_taco.model_outputs import COUNT_SUFFIX
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
@@ -36,8 +37,6 @@ from megatron_taco.training.engine import Engine, gradient_norm, to_device, unsc
 from megatron_taco.training.logging import TrainingLogger
 from megatron_taco.training.monitor import EvaluationStatistics, LearningMonitor
 from megatron_taco.training.signals import ExitMonitor
-
-COUNT_SUFFIX = "_tokens"
 
 
 class NonFiniteLossError(RunError):
@@ -221,6 +220,7 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns (learning
         rate used, whether DeepSpeed skipped the step, gradient norm: None for a skipped
         step, possibly inf/NaN for one DeepSpeed applied)."""
+        self.callbacks.on_step_start(self, state)
         lr = float(self.ds.get_lr()[0])
         skipped_before = self.ds.skipped_steps
         own_norm = None
@@ -413,19 +413,20 @@ class Trainer:
             state.consumed_samples += self.global_batch_size
             self.logger.advance()
             epoch_ended = self.epoch_of(state.consumed_samples) != epoch
-            if epoch_ended:
-                self.callbacks.on_epoch_end(self, state, epoch)
-                self.logger.print(
-                    f" epoch {epoch + 1}/{self.num_epochs()} ended at iteration {state.iteration}"
-                )
-
             # The window also closes at an epoch boundary: values that change per epoch (a
             # loss weight scheduled by epoch, a data source) are never averaged across two.
+            # Logged before the epoch's end work, so that a dev evaluation's line follows
+            # the train line of the same iteration.
             log_now = state.iteration % t.log_interval == 0 or epoch_ended
             if log_now or state.iteration == t.train_iters:
                 metrics = self._train_metrics(state, interval, lr, epoch)
                 self.logger.log("train", state.iteration, metrics)
                 interval = _Interval()
+            if epoch_ended:
+                self.callbacks.on_epoch_end(self, state, epoch)
+                self.logger.print(
+                    f" epoch {epoch + 1}/{self.num_epochs()} ended at iteration {state.iteration}"
+                )
             if stop is not None:
                 # Before this iteration's validation and periodic save: a launcher or a
                 # scheduler allows a bounded time after its signal, and the save is what

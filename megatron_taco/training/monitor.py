@@ -3,8 +3,8 @@
 A pretraining run can end in an encoder that gives the same vector for every input, or
 whose MLM head predicts the corpus's most frequent token everywhere, while its loss still
 falls (it learns the unigram distribution). Neither shows in a loss curve, so every
-evaluation measures both, from two optional eval-mode outputs of the model
-(models/common/monitoring.py):
+evaluation measures both, from two optional eval-mode outputs of the model (named in
+model_outputs.py; models/common/monitoring.py builds them):
 
 - ``representation`` [rows, s, H] with ``representation_mask`` [rows, s] (real tokens):
   the last-layer vectors. ``collapse_cosine`` is the mean pairwise cosine similarity of
@@ -33,16 +33,13 @@ from typing import Any
 import torch
 
 from megatron_taco.arguments import option, require
-from megatron_taco.models.common.monitoring import (
-    LABEL_COUNTS_SUFFIX,
-    REPRESENTATION,
-    REPRESENTATION_MASK,
-)
+from megatron_taco.model_outputs import LABEL_COUNTS_SUFFIX, REPRESENTATION, REPRESENTATION_MASK
 from megatron_taco.parallel import comm
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import RunError
 
 COLLAPSE = "collapse_cosine"
+BASELINE_SUFFIX = "_baseline_acc"  # "<name>_baseline_acc", beside the head's "<name>_acc"
 
 
 class CollapseError(RunError):
@@ -136,7 +133,7 @@ class EvaluationStatistics:
             offset += c.numel()
             total = float(c.sum())
             if total > 0:
-                out[f"{name}_baseline_acc"] = float(c.max()) / total
+                out[name + BASELINE_SUFFIX] = float(c.max()) / total
         if self.unit_sum is not None:
             unit_sum, n = flat[offset:-1], float(flat[-1])
             if n > 1:
@@ -234,9 +231,9 @@ class LearningMonitor(Callback):
 
     def _check_plateau(self, iteration: int, metrics: dict[str, float]) -> None:
         for key in sorted(metrics):
-            if not key.endswith("_baseline_acc"):
+            if not key.endswith(BASELINE_SUFFIX):
                 continue
-            name = key[: -len("_baseline_acc")]
+            name = key[: -len(BASELINE_SUFFIX)]
             acc, base = metrics.get(f"{name}_acc"), metrics[key]
             if acc is not None and acc < self.config.plateau_margin * base:
                 self.emit(

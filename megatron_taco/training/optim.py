@@ -173,13 +173,24 @@ class AnnealingLR(LRScheduler):
         warmup_steps: int,
         decay_steps: int,
         decay_style: str,
+        step_size: int = 1,
     ) -> None:
         self.max_lr = max_lr
         self.min_lr = min_lr
         self.warmup_steps = warmup_steps
         self.decay_steps = decay_steps
         self.decay_style = decay_style
+        self.step_size = step_size
+        # Schedule units taken: optimizer steps (step_size 1) or, with --train-samples,
+        # samples (Megatron's num_steps, stepped by the global batch size), which stay right
+        # when a resumed run changes the global batch size.
+        self.num_steps = 0
         super().__init__(optimizer)
+
+    def step(self, epoch: int | None = None) -> None:
+        if self.last_epoch >= 0:  # not torch's initial call from __init__
+            self.num_steps += self.step_size
+        super().step(epoch)
 
     def lr_at(self, step: int) -> float:
         return annealing_lr(
@@ -192,16 +203,18 @@ class AnnealingLR(LRScheduler):
         )
 
     def get_lr(self) -> list[float]:
-        lr = self.lr_at(self.last_epoch)
+        lr = self.lr_at(self.num_steps)
         return [lr * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
 
-    _SCHEDULE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+    _SCHEDULE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "step_size")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the step count; the schedule itself comes from this run's flags, so a
         resumed run may e.g. train longer (--train-iters, --lr-decay-iters). A changed
         schedule is reported, not silently taken from the checkpoint."""
         ours = {k: getattr(self, k) for k in self._SCHEDULE}
+        # A checkpoint from before num_steps was kept counted optimizer steps only.
+        state_dict = {"num_steps": state_dict["last_epoch"], "step_size": 1, **state_dict}
         super().load_state_dict(state_dict)
         changed = {k: (state_dict.get(k), v) for k, v in ours.items() if state_dict.get(k) != v}
         for k, v in ours.items():
@@ -222,11 +235,13 @@ class AnnealingLR(LRScheduler):
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig) -> AnnealingLR:
+    warmup, decay, step_size = training.schedule()
     return AnnealingLR(
         optimizer,
         max_lr=training.lr,
         min_lr=training.min_lr,
-        warmup_steps=training.warmup_iters,
-        decay_steps=training.decay_iters,
+        warmup_steps=warmup,
+        decay_steps=decay,
         decay_style=training.lr_decay_style,
+        step_size=step_size,
     )

@@ -139,6 +139,10 @@ class ModelParts:
     banner: list[str] = field(default_factory=list)  # model-specific start-up lines
     title: str | None = None  # the banner's first line (default "<spec name> pretraining")
     metadata: dict[str, Any] = field(default_factory=dict)  # extra metadata.json entries
+    # What the weights start from when --load holds no checkpoint of this run yet (fine-tuning:
+    # the pretrained encoder build() loaded); None: a fresh initialisation, which --load
+    # without a checkpoint warns about.
+    initialised_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -173,8 +177,16 @@ class ModelSpec:
         add_dataclass_args(parser, ExitConfig, "preemption, time limits and failures")
         add_dataclass_args(parser, LearningMonitorConfig, "learning monitor")
         add_launcher_compat_args(parser)
-        # --lr: the model size's (models/*/config.py DEFAULT_LR), resolved in configs_from_args.
-        set_parser_defaults(parser, {"lr": None}, {"lr": self.model_config.default_lr_help()})
+        # --lr: the model size's (models/*/config.py DEFAULT_LR); --seq-length: the model's
+        # position table (a preset's own, e.g. tiny's 64); both resolved in flag_configs.
+        set_parser_defaults(
+            parser,
+            {"lr": None, "seq_length": None},
+            {
+                "lr": self.model_config.default_lr_help(),
+                "seq_length": "the model's --max-position-embeddings, its preset's unless given",
+            },
+        )
         return parser
 
     def flag_configs(self, args: argparse.Namespace, *, world_size: int, device_type: str):
@@ -186,14 +198,16 @@ class ModelSpec:
         model = self.model_config.from_args(args)
         if getattr(args, "lr", None) is None:
             args = argparse.Namespace(**{**vars(args), "lr": model.default_lr()})
+        if getattr(args, "seq_length", None) is None:
+            args = argparse.Namespace(**{**vars(args), "seq_length": model.max_position_embeddings})
         data = dataclass_from_args(DataConfig, args)
         task = {name: dataclass_from_args(cls, args) for name, cls, _ in self.task_configs}
-        training = TrainingConfig.from_args(args)
+        tp = parallel.tensor_model_parallel_size
+        check_world_size(world_size, tp)
+        training = TrainingConfig.from_args(args).resolve_length(world_size // tp)
         checkpoint = dataclass_from_args(CheckpointConfig, args)
         exit_config = dataclass_from_args(ExitConfig, args)
         monitor = dataclass_from_args(LearningMonitorConfig, args)
-        tp = parallel.tensor_model_parallel_size
-        check_world_size(world_size, tp)
         model.validate_parallel(tp)
         if monitor.exit_on_collapse and (
             training.eval_iters == 0 or not parse_split(data.split)[1]
@@ -377,9 +391,8 @@ def _banner(
         f"{m.num_layers} layers, {parameters:,} parameters",
         *(f"  {line}" for line in parts.banner),
         f"  LayerNorm: {', '.join(norms) or 'none'}",
-        f"  optimizer: {optimizer}; lr {t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_iters} iters, "
-        f"{t.lr_decay_style} decay over {t.decay_iters} iters; weight decay {t.weight_decay:g}; "
-        f"clip grad {t.clip_grad:g}",
+        f"  optimizer: {optimizer}; lr {t.lr:g} -> {t.min_lr:g}, {t.describe_schedule()}; "
+        f"weight decay {t.weight_decay:g}; clip grad {t.clip_grad:g}",
     ]
     if parts.samples_per_epoch:
         steps = parts.samples_per_epoch // ds.global_batch_size
@@ -426,26 +439,43 @@ def check_resume(cfg: PretrainConfigs, iteration: int | None) -> None:
                         iteration=iteration, optimizer=optimizer_implementation())  # fmt: skip
 
 
-def _keep_lr_schedule(engine) -> None:
+def _open_wandb(cfg: PretrainConfigs, run_id: str | None):
+    """Rank 0's W&B run (--wandb-project), or None."""
+    t = cfg.training
+    if t.wandb_project is None:
+        return None
+    from megatron_taco.training.tracking import WandbRun
+
+    return WandbRun(project=t.wandb_project, name=t.wandb_exp_name, save_dir=t.resolved_wandb_dir,
+                    entity=t.wandb_entity, mode=t.wandb_mode, config=cfg.as_dict(),
+                    run_id=run_id)  # fmt: skip
+
+
+def _keep_lr_schedule(engine, state) -> None:
     # Without the optimizer DeepSpeed restores its step counters but not the LR scheduler:
-    # continue the schedule at the checkpoint's optimizer step instead of restarting it.
-    ds = engine.engine
-    engine.scheduler.last_epoch = ds.global_steps - ds.skipped_steps
-    engine.scheduler.apply()
+    # continue the schedule at the checkpoint's optimizer step instead of restarting it (a
+    # sample-based one at the consumed samples, skipped steps' included).
+    ds, scheduler = engine.engine, engine.scheduler
+    scheduler.last_epoch = ds.global_steps - ds.skipped_steps
+    scheduler.num_steps = (
+        scheduler.last_epoch if scheduler.step_size == 1 else state.consumed_samples
+    )
+    scheduler.apply()
 
 
-def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parallel, rng_tracker):
+def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parts: ModelParts, parallel, rng_tracker):
     from megatron_taco.training.checkpointing import TrainingState, load_fitting_checkpoint
 
     t = cfg.training
+    fresh = f"starting from {parts.initialised_from or 'scratch'}"
     if t.load is None or cfg.load is None:
         # No tracker when the ranks verified --load: every rank starts from scratch, even
         # if one appeared since.
-        if t.load is not None and parallel.rank == 0:
+        if t.load is not None and parallel.rank == 0 and parts.initialised_from is None:
             logger.warning(
                 "--load %s: no %s found, training from scratch", t.load, TRACKER_FILENAME
             )
-        return TrainingState(), "starting from scratch"
+        return TrainingState(), fresh
 
     def check_layout(iteration: int) -> None:  # of a fallback chosen now
         check_resume(cfg, iteration)
@@ -464,11 +494,11 @@ def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parallel, rng_tracker):
         finetune=t.finetune,
     )
     if loaded is None:
-        return TrainingState(), "starting from scratch"
+        return TrainingState(), fresh
     if t.finetune:
         return loaded, f"fine-tuning from {t.load}"
     if t.no_load_optim:
-        _keep_lr_schedule(engine)
+        _keep_lr_schedule(engine, loaded)
     return loaded, (
         f"resumed from {t.load} at iteration {loaded.iteration} "
         f"({loaded.consumed_samples} samples consumed)"
@@ -525,7 +555,8 @@ def _pretrain(
     from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import PretrainTask, Trainer
     from megatron_taco.training.monitor import LearningMonitor
-    from megatron_taco.training.plots import plot_loss_curves
+    from megatron_taco.training.plots import plot_learning_curves, plot_loss_curves
+    from megatron_taco.training.tracking import WandbRunState, saved_run_id
 
     apply_numerics(cfg.training)  # before any CUDA work, the model's included
     # DeepSpeed's INFO output (config dumps, per-step notes) drowns the training log.
@@ -577,7 +608,9 @@ def _pretrain(
         parameters = count_parameters(parts.model, parallel)
         norms = norm_implementations(parts.model)
         engine = initialize_engine(parts.model, t, cfg.deepspeed, parallel)
-        state, resumed = _load(engine, cfg, spec, parallel, rng_tracker)
+        state, resumed = _load(engine, cfg, spec, parts, parallel, rng_tracker)
+        wandb_run_id = saved_run_id(state.callback_states)
+        tracker = _open_wandb(cfg, wandb_run_id) if parallel.rank == 0 else None
         train_logger = TrainingLogger(
             rank=parallel.rank,
             train_iters=t.train_iters,
@@ -585,6 +618,7 @@ def _pretrain(
             tensorboard_dir=t.tensorboard_dir,
             metrics_file=t.resolved_metrics_file,
             progress_bar=t.progress_bar,
+            tracker=tracker,
         )
         train_logger.print(
             _banner(
@@ -606,7 +640,15 @@ def _pretrain(
             tokens_per_sample=parts.tokens_per_sample,
             train_flops=parts.train_flops,
             samples_per_epoch=parts.samples_per_epoch,
-            callbacks=parts.callbacks,
+            callbacks=[
+                *parts.callbacks,
+                # The W&B run id travels in the checkpoints, also through runs without W&B.
+                *(
+                    [WandbRunState(tracker, wandb_run_id)]
+                    if t.wandb_project or wandb_run_id
+                    else []
+                ),
+            ],
         )
         trainer = Trainer(
             engine,
@@ -632,12 +674,14 @@ def _pretrain(
         )
         trainer.train(state)
         monitor.phase = "teardown"
-        train_logger.close()
         metrics_file = t.resolved_metrics_file
         if parallel.rank == 0 and metrics_file is not None and os.path.isfile(metrics_file):
-            png = plot_loss_curves(metrics_file)
-            if png is not None:
-                train_logger.print(f" loss curves: {png}")
+            for name, plot in (("loss_curve", plot_loss_curves), ("learning_curve", plot_learning_curves)):  # fmt: skip
+                png = plot(metrics_file)
+                if png is not None:
+                    train_logger.print(f" {name.replace('_', ' ')}s: {png}")
+                    train_logger.image(name, png, state.iteration)
+        train_logger.close()
         if torch.distributed.is_initialized():
             comm.barrier()
         return 0

@@ -37,6 +37,7 @@ def digest(arr):
 def build_on_all_ranks(rank, world_size, data_path, tokenizer_model, cache_dir):
     from megatron_taco.data.bert_dataset import build_train_valid_test_datasets
     from megatron_taco.data.config import DataConfig
+    from megatron_taco.parallel import comm
 
     cfg = DataConfig(
         data_path=tuple(data_path),
@@ -47,7 +48,9 @@ def build_on_all_ranks(rank, world_size, data_path, tokenizer_model, cache_dir):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train, valid, _ = build_train_valid_test_datasets(cfg, FakeTokenizer(), (500, 50, 0))
+        train, valid, _ = build_train_valid_test_datasets(
+            cfg, FakeTokenizer(), (500, 50, 0), comm.barrier
+        )
     parts = train.datasets if hasattr(train, "datasets") else [train]
     return {
         "statuses": [p.info["status"] for p in parts]
@@ -64,6 +67,7 @@ def build_on_all_ranks(rank, world_size, data_path, tokenizer_model, cache_dir):
 
 def count_builds(rank, world_size, cache_dir):
     from megatron_taco.data.cache import load_or_build
+    from megatron_taco.parallel import comm
 
     builds = []
 
@@ -72,7 +76,7 @@ def count_builds(rank, world_size, cache_dir):
         time.sleep(0.5)  # rank 1 must wait at the barrier, not find half-written files
         return {"x": np.arange(1000) * 7}, {}
 
-    entry = load_or_build("probe", {"what": "distributed"}, ("x",), build, cache_dir)
+    entry = load_or_build("probe", {"what": "distributed"}, ("x",), build, cache_dir, comm.barrier)
     return len(builds), entry.status, digest(entry.arrays["x"]), time.time()
 
 

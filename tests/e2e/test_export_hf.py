@@ -321,7 +321,6 @@ def test_autotokenizer_gives_our_ids(tmp_path, botchan_path, model_type, byte_fa
             model_type=model_type,
             byte_fallback=byte_fallback,
             num_threads=1,
-            quiet=True,
         )
     )
     (tmp_path / "hf").mkdir()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,7 +44,7 @@ PY = sys.executable
 
 def pretrain_args(dataset, save: Path, iters: int) -> list[str]:
     return [
-        "--model-size", "tiny", "--seq-length", "64",
+        "--model-size", "tiny",  # its sequence length: the preset's 64 positions
         "--data-path", dataset["prefix"], "--tokenizer-model", dataset["tokenizer"],
         "--data-cache-path", str(dataset["dir"] / "cache"), "--split", "90,5,5",
         "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", str(iters),
@@ -77,7 +78,9 @@ def tasks(tmp_path_factory) -> dict[str, Path]:
 def finetune_args(load, task: str, data: Path, output: Path, *extra: str) -> list[str]:
     return [
         "tools/finetune.py", "--load", str(load), "--task", task, "--data-dir", str(data),
-        "--output", str(output), "--seq-length", "64", "--micro-batch-size", "16",
+        # No --seq-length: each task's default (128, SQuAD 384, RACE 512) is capped at the
+        # tiny model's 64 positions.
+        "--output", str(output), "--micro-batch-size", "16",
         "--global-batch-size", "16", "--lr", "2e-3", "--num-workers", "0",
         "--log-interval", "10", *extra,
     ]  # fmt: skip
@@ -93,12 +96,22 @@ def test_classification_is_learnt(pretrained, tasks, tmp_path, model):
     res = run([PY, *finetune_args(pretrained[model], "custom", tasks["marker"], out,
                                   "--epochs", "3")], timeout=600)  # fmt: skip
     assert f"fine-tuning {model.upper()} on custom" in res.stdout
+    # The pretrained weights were loaded: no "training from scratch" warning.
+    assert "training from scratch" not in res.stderr
+    assert f"starting from the pretrained {model.upper()} encoder" in res.stdout
+    # Each epoch's dev line follows the train line of its iteration.
+    lines = res.stdout.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(" dev at iteration "):
+            iteration = int(line.split()[3])
+            assert any(re.match(rf" iteration +{iteration}/", p) for p in lines[:i]), line
     r = results(out)
     assert r["finished"] and r["pretrained"]["model"] == model.upper()
     assert [e["epoch"] for e in r["epochs"]] == [1, 2, 3]
     assert r["dev"]["acc"] >= 90.0, r["epochs"]
     assert r["dev"] == {"acc": max(e["acc"] for e in r["epochs"])}  # best epoch chosen
     assert r["hyperparameters"]["lr"] == 2e-3 and r["data"]["examples"]["dev"] == 221
+    assert r["hyperparameters"]["seq_length"] == 64  # the task's 128, capped
     assert (out / "loss_curve.png").stat().st_size > 0
     dev = [json.loads(line) for line in (out / "metrics.jsonl").open() if '"dev"' in line]
     assert [d["epoch"] for d in dev] == [1, 2, 3]

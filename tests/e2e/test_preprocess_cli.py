@@ -134,7 +134,7 @@ def test_cli_end_to_end_and_megatron_core_reads_it(tmp_path):
     # The tokenizer is trained by the sibling tool, as a user would.
     spm = subprocess.run(
         [sys.executable, "tools/train_tokenizer.py", "--input", str(BOTCHAN), "--model-prefix",
-         str(tmp_path / "spm"), "--vocab-size", "800", "--quiet"],
+         str(tmp_path / "spm"), "--vocab-size", "800"],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert spm.returncode == 0, spm.stderr

@@ -206,7 +206,7 @@ class InputRecorder(Callback):
     exactly the batch the forward pass read)."""
 
     name = "input_recorder"
-    KEYS = ("epoch", "instance_ids", "input_ids", "mlm_labels", "replaced_positions")
+    KEYS = ("epoch", "instance_ids", "input_ids", "mlm_labels", "rtd_labels", "replaced_positions")
 
     def __init__(self, directory: str) -> None:
         self.directory, self.batches = directory, []
@@ -332,6 +332,96 @@ def test_model_reads_the_committed_generation_and_logs_per_epoch_values(
     # Every epoch committed its generation, the last one's too (a finished run can be
     # extended), and each is kept: the checkpoints at the epoch ends need them all.
     assert all((store / f"gen_{g:05d}" / "manifest.json").is_file() for g in range(3))
+
+
+def _by_instance(rec: dict) -> dict:
+    import numpy as np
+
+    order = np.argsort(rec["instance_ids"])
+    return {k: v[order] for k, v in rec.items()}
+
+
+def test_mlm_cold_start_then_the_models_own_samples_and_exact_resume_across_epochs(
+    botchan_dataset, tmp_path
+):
+    """--cold-start mlm (the reference release) on 2 ranks for 2 epochs: in epoch 1 every
+    position of S has its MLM label, ~80% of them read [MASK], the rest a non-special token,
+    no token has an RTD label and the logged RTD loss is 0; in epoch 2 S reads the
+    generation the model sampled in epoch 1 (no [MASK], no special token: the model's
+    softmax, not the cold start) and RTD is back. A run resumed from a checkpoint in the
+    middle of epoch 1 (--exit-interval) logs the same losses through the epoch boundary and
+    commits the same store, byte for byte."""
+    import numpy as np
+
+    from megatron_taco.data.replacement_store import GenerationReader
+    from megatron_taco.data.tokenizer import Tokenizer
+    from tests.helpers import run_distributed
+
+    def argv(save, *extra):
+        return sas_args(
+            botchan_dataset,
+            "--cold-start", "mlm", "--micro-batch-size", "8", "--global-batch-size", "16",
+            "--train-epochs", "2", "--eval-iters", "0", "--save", str(save),
+            "--save-interval", "5", "--deepspeed-config", "ds_configs/zero0_fp32.json",
+            "--replacement-store-shards", "3", *extra,
+        )  # fmt: skip
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    records = tmp_path / "inputs"
+    records.mkdir()
+    assert run_distributed(recorded_pretrain, 2, argv(full), str(records), timeout=600) == [0, 0]
+    epochs = [_by_instance(rec) for rec in recorded_epochs(records, 2)]
+    tokenizer = Tokenizer(botchan_dataset["tokenizer"])
+    special = tokenizer.is_special_mask()
+    n = epochs[0]["instance_ids"].shape[0]
+    rows = GenerationReader(str(full / "replacement_store"), 0).read(np.arange(n))
+    masks = total = 0
+    for i in range(n):
+        slots = epochs[0]["replaced_positions"][i]
+        where = slots[slots >= 0]
+        first, second = epochs[0], epochs[1]
+        original = first["mlm_labels"][i][where]
+        assert (original >= 0).all() and not special[original].any()
+        read = first["input_ids"][i][where]
+        is_mask = read == tokenizer.mask_id
+        assert not special[read[~is_mask]].any()
+        masks, total = masks + int(is_mask.sum()), total + where.size
+        assert (first["rtd_labels"][i] == -100).all()
+        # Epoch 2: the model's own samples at the same S, RTD labels where they differ.
+        sampled = rows[i, : where.size]
+        assert not special[sampled].any()
+        np.testing.assert_array_equal(second["input_ids"][i][where], sampled)
+        np.testing.assert_array_equal(
+            second["rtd_labels"][i][where], (sampled != original).astype(np.int64)
+        )
+    # Binomial(total, 0.8): 5 standard deviations either side.
+    sd = (total * 0.8 * 0.2) ** 0.5
+    assert abs(masks - 0.8 * total) < 5 * sd, (masks, total)
+
+    logged = train_records(full / "metrics.jsonl")
+    steps = n // 16
+    for it, r in logged.items():
+        if it <= steps:
+            assert r["rtd_loss"] == 0.0 and r["rtd_tokens"] == 0, it
+        else:
+            assert r["rtd_loss"] > 0 and r["rtd_weight"] == 200.0, it
+
+    assert steps > 5  # the exit at iteration 5 is in epoch 1
+    for extra in (("--exit-interval", "5"), ("--load", str(resumed))):
+        scratch = tmp_path / f"inputs{extra[0]}"
+        scratch.mkdir()
+        args = argv(resumed, *extra)
+        assert run_distributed(recorded_pretrain, 2, args, str(scratch), timeout=600) == [0, 0]
+    again = train_records(resumed / "metrics.jsonl")
+    assert sorted(again) == list(range(1, 2 * steps + 1))
+    for it in again:
+        for key in (*SAS_METRIC_KEYS, "lr", "epoch"):
+            assert again[it][key] == logged[it][key], (it, key)
+    a = _store_bytes(full / "replacement_store")
+    b = _store_bytes(resumed / "replacement_store")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name] == b[name], name
 
 
 def test_ablation_redraws_s_per_epoch_and_reports_blended_passes(botchan_dataset, tmp_path, capfd):

@@ -20,6 +20,7 @@ from tests.helpers import (
     free_port,
     run,
     train_records,
+    wandb_offline_runs,
 )
 
 pytestmark = pytest.mark.e2e
@@ -47,6 +48,7 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
         "--tensor-model-parallel-size", "2", "--train-iters", "6",
         "--eval-interval", "3", "--eval-iters", "1", "--save-interval", "3",
         "--num-workers", "1", "--deepspeed_config", "ds_configs/zero2_fp32.json",
+        "--wandb-project", "taco-e2e", "--wandb-exp-name", "tp2", "--wandb-mode", "offline",
     )  # fmt: skip
     res = deepspeed(
         "pretrain_taco.py",
@@ -55,6 +57,7 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
         str(full_dir),
         "--tensorboard-dir",
         str(full_dir / "tb"),
+        timeout=900,  # W&B's import, start and finish take minutes on a loaded machine
     )
     out = res.stdout
     assert "world size 2 = tensor parallel 2 x data parallel 1" in out
@@ -88,6 +91,19 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
     for r in valid:  # the learning monitor's figures (issue 19)
         assert 0 < r["collapse_cosine"] < 0.99, r
         assert 0 < r["mlm_baseline_acc"] < 1 and 0 < r["mpm_baseline_acc"] < 1, r
+    assert (full_dir / "tb" / "learning_curve.png").stat().st_size > 0
+    # Where the run is, in every train line (issue 30): elapsed, ETA, memory.
+    assert all({"elapsed_s", "eta_s", "host_rss_gib"} <= set(full[i]) for i in full)
+    assert full[6]["eta_s"] == 0 and " | ETA: 0:00:00 |" in out
+    # W&B (offline): the metrics file's scalars at their iterations, the config, the plots;
+    # the run id kept in the checkpoints.
+    (wb,) = wandb_offline_runs(full_dir / "tb")
+    assert wb["name"] == "tp2" and json.loads(wb["config"]["training"])["train_iters"] == 6
+    assert sorted(wb["history"]) == [1, 2, 3, 4, 5, 6]
+    assert all(wb["history"][i]["train/loss"] == full[i]["loss"] for i in full)
+    assert [i for i in wb["history"] if "valid/loss" in wb["history"][i]] == [3, 6]
+    assert wb["images"] == {(6, "plots/loss_curve"), (6, "plots/learning_curve")}
+    assert meta["callbacks"]["wandb"] == {"run_id": wb["id"]}
 
     # Resume from the step-3 checkpoint: steps 4-6 must log exactly the same values.
     res = deepspeed(
@@ -99,6 +115,7 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
         "3",
         "--save",
         str(resumed_dir),
+        timeout=900,
     )
     assert f"resumed from {full_dir} at iteration 3 (12 samples consumed)" in res.stdout
     resumed = train_records(resumed_dir / "metrics.jsonl")
@@ -106,6 +123,10 @@ def test_deepspeed_launcher_tp2_and_exact_resume(dataset, tmp_path):
     for it in (4, 5, 6):
         for key in (*TACO_METRIC_KEYS, "lr", "grad_norm", "consumed_samples"):
             assert resumed[it][key] == full[it][key], (it, key)
+    # The resumed run continues the W&B run of the checkpoint it resumed from.
+    (wb_resumed,) = wandb_offline_runs(resumed_dir)
+    assert wb_resumed["id"] == wb["id"] and sorted(wb_resumed["history"]) == [4, 5, 6]
+    assert wb_resumed["history"][4]["train/loss"] == resumed[4]["loss"]
 
 
 def test_plain_python_single_process(dataset, tmp_path):
@@ -115,7 +136,8 @@ def test_plain_python_single_process(dataset, tmp_path):
         [
             sys.executable, "pretrain_taco.py",
             *common_args(dataset, "--train-iters", "2", "--eval-iters", "0", "--num-workers", "0"),
-            "--deepspeed-config", "ds_configs/zero0_bf16.json",
+            # Megatron's --bf16 over an fp32 JSON: the flag sets the precision.
+            "--deepspeed-config", "ds_configs/zero0_fp32.json", "--bf16",
             "--load", str(empty), "--save", str(tmp_path / "ckpt"),
         ],
         timeout=180,

@@ -24,7 +24,6 @@ def demo_dataset(tmp_path_factory) -> dict:
             vocab_size=1000,  # learns in a few hundred steps at seq 32 (4000: twice as slow)
             split_sentences=True,
             num_threads=1,
-            quiet=True,
         )
     )
     summary = preprocess(

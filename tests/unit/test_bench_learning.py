@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
     ("given", "says"),
     [("taco={missing}", "--with taco={missing}: {missing} is not a file"),
      ("taco", "--with taco: expected MODEL=METRICS"),
-     ("gpt={file}", "--with gpt={file}: gpt is not one of taco, bert"),
+     ("GPT-2={file}", "--with GPT-2={file}: GPT-2 is not a name (lower-case letters, digits, _)"),
      ("taco=", "--with taco=: expected MODEL=METRICS")],
 )  # fmt: skip
 def test_bad_with_is_one_line_before_any_run(tmp_path, capsys, given, says):

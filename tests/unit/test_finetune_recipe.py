@@ -444,3 +444,16 @@ def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path)
                     {"selection": "last", "finished": False}, None):  # fmt: skip
         cfg, _ = command(results)
         check_test_predictable(cfg.task["finetune"].output)
+
+
+def test_task_help_lists_every_task_and_the_parser_takes_megatrons_precision_flags():
+    from megatron_taco.recipes.finetune import SPEC
+
+    parser = SPEC.build_parser()
+    text = " ".join(parser.format_help().split())
+    assert all(name in text for name in TASKS), text  # it used to say "(tasks.TASKS)"
+    args = parser.parse_args(["--load", "x", "--task", "cola", "--data-dir", "d", "--bf16"])
+    assert args.bf16 and not args.fp16
+    # Sample-based training is pretraining's: fine-tuning counts epochs.
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--load", "x", "--task", "cola", "--train-samples", "100"])

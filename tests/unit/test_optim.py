@@ -207,3 +207,74 @@ def test_resumed_scheduler_keeps_this_runs_schedule(caplog):
     assert "decay_steps 10 -> 20" in caplog.text
     assert sched2.last_epoch == 6
     assert opt2.param_groups[0]["lr"] == pytest.approx(1.0 - 4 / 18)
+
+
+# -- sample-based schedule (--train-samples) ------------------------------------------------
+
+
+def _megatron_lrs(batches, *, warmup, decay, style, max_lr=1.0, min_lr=0.1):
+    """Megatron-LM's OptimizerParamScheduler (megatron-core), stepped as its train_step does
+    (by the step's samples): the LR each step trains at."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = tiny_optimizer()
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=max_lr, min_lr=min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=style, start_wd=0.0, end_wd=0.0,
+        wd_incr_steps=decay, wd_incr_style="constant",
+    )  # fmt: skip
+    seen = []
+    for batch in batches:
+        seen.append(opt.param_groups[0]["lr"])
+        sched.step(increment=batch)
+    return seen
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_sample_schedule_is_megatrons_across_a_global_batch_change(style):
+    # 10 steps of 16 samples, saved, resumed with a global batch of 48 (a sample-based
+    # schedule is how a recipe survives the change): the LRs are Megatron-LM's, and they
+    # reach the end of the decay at --lr-decay-samples, not at an iteration count.
+    def config(global_batch):
+        return TrainingConfig(
+            total_train_samples=1000, lr_warmup_samples=96, lr_decay_samples=900,
+            lr_decay_style=style, lr=1.0, min_lr=0.1, micro_batch_size=16,
+            global_batch_size=global_batch,
+        ).resolve_length(1)  # fmt: skip
+
+    first, second = config(16), config(48)
+    assert (first.train_iters, second.train_iters) == (62, 20)  # 1000 // global batch
+    opt = tiny_optimizer()
+    sched = build_scheduler(opt, first)
+    seen = []
+    for _ in range(10):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    opt2 = tiny_optimizer()
+    sched2 = build_scheduler(opt2, second)
+    sched2.load_state_dict(sched.state_dict())
+    for _ in range(20):
+        seen.append(opt2.param_groups[0]["lr"])
+        opt2.step()
+        sched2.step()
+    want = _megatron_lrs([16] * 10 + [48] * 20, warmup=96, decay=900, style=style)
+    assert seen == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert seen[6] == 1.0  # the warmup ends at sample 96 = step 6 of 16
+    assert seen[-1] == pytest.approx(0.1)  # 160 + 18 * 48 = 1024 > 900 samples: min_lr
+    assert sched2.num_steps == 160 + 20 * 48
+
+
+def test_iteration_schedule_counts_optimizer_steps_as_before(caplog):
+    # An iteration-based run steps by 1 per optimizer step; a checkpoint written before the
+    # sample count existed (no num_steps) resumes at its optimizer step.
+    training = TrainingConfig(train_iters=20, lr=1.0, lr_warmup_iters=2)
+    sched = build_scheduler(tiny_optimizer(), training)
+    assert (sched.warmup_steps, sched.decay_steps, sched.step_size) == (2, 20, 1)
+    state = {k: v for k, v in sched.state_dict().items() if k not in ("num_steps", "step_size")}
+    state["last_epoch"] = 6
+    opt = tiny_optimizer()
+    resumed = build_scheduler(opt, training)
+    resumed.load_state_dict(state)
+    assert resumed.num_steps == 6
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0 - 4 / 18)

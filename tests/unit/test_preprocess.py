@@ -270,7 +270,7 @@ def test_unk_rate_per_input(tmp_path, botchan_path, capsys):
             TrainTokenizerConfig(
                 input=(str(botchan_path),), model_prefix=str(tmp_path / f"spm{byte_fallback}"),
                 vocab_size=600, byte_fallback=byte_fallback, character_coverage=1.0,
-                num_threads=1, quiet=True,
+                num_threads=1,
             )
         )  # fmt: skip
         tok = Tokenizer(model)

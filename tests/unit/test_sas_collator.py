@@ -10,9 +10,11 @@ from megatron_taco.arguments import ConfigError
 from megatron_taco.data.masking import IGNORE_INDEX
 from megatron_taco.data.sas_collator import (
     ColdStart,
+    MaskedColdStart,
     ReplacementConfig,
     SasCollator,
     cold_start_probs,
+    make_cold_start,
     replaced_positions,
     tempered,
 )
@@ -234,6 +236,9 @@ class FakeStore:
     def reads_store(self, epoch):
         return epoch >= 1
 
+    def detects(self, epoch):
+        return True
+
 
 def test_store_tokens_are_counted_and_hits_dropped_on_request():
     samples = {i: make_sample(i, length=36) for i in range(12)}
@@ -295,3 +300,143 @@ def test_hit_dropping_needs_self_augmentation():
     assert SelfAugmentationConfig(drop_replacement_hits=True).drop_replacement_hits
     with pytest.raises(ConfigError, match="^--drop-replacement-hits: .*no store"):
         SelfAugmentationConfig(self_augmentation=False, drop_replacement_hits=True)
+
+
+MASK = 4  # the tokenizer's [MASK] id (data/tokenizer.py)
+
+
+def masked_collator(kind, **kwargs):
+    config = ReplacementConfig(cold_start=kind, **kwargs)
+    probs = cold_start_probs(config, [], [], SPECIAL)
+    return SasCollator(
+        pad_id=PAD, seq_length=SEQ, seed=7, config=config,
+        source=make_cold_start(config, probs, 7, mask_id=MASK),
+    )  # fmt: skip
+
+
+def test_mask_cold_start_puts_mask_at_every_position_of_s_with_rtd_label_1():
+    samples = [make_sample(i) for i in range(20)]
+    c = masked_collator("mask")
+    batch = c(samples)
+    for i, sample in enumerate(samples):
+        where = c.positions(sample)
+        check_replaced_set(sample, where)
+        ids, tokens = batch["input_ids"][i].numpy(), sample["tokens"]
+        assert (ids[where] == MASK).all()
+        outside = np.setdiff1d(np.arange(sample["length"]), where)
+        np.testing.assert_array_equal(ids[outside], tokens[outside])
+        np.testing.assert_array_equal(batch["mlm_labels"][i].numpy()[where], tokens[where])
+        rtd = batch["rtd_labels"][i].numpy()
+        assert (rtd[where] == 1).all() and (rtd[outside] == 0).all()
+        assert (rtd[sample["length"] :] == IGNORE_INDEX).all()
+
+
+def test_mlm_cold_start_is_berts_80_10_10_with_mlm_labels_only():
+    """Over ~2,400 positions of S: the share of [MASK], random and kept tokens is BERT's
+    (chi-square), the random ones are uniform over the non-special vocabulary, every
+    position of S (kept ones included) has its MLM label, and no token has an RTD label."""
+    samples = [make_sample(i, length=SEQ) for i in range(400)]
+    c = masked_collator("mlm")
+    batch = c(samples)
+    kinds = np.zeros(3)
+    randoms = []
+    for i, sample in enumerate(samples):
+        where = c.positions(sample)
+        ids, tokens = batch["input_ids"][i].numpy()[where], sample["tokens"][where]
+        np.testing.assert_array_equal(batch["mlm_labels"][i].numpy()[where], tokens)
+        is_mask = ids == MASK
+        # A random draw equal to the original is indistinguishable from a kept token.
+        kept = ids == tokens
+        kinds += [is_mask.sum(), (~is_mask & ~kept).sum(), kept.sum()]
+        randoms.extend(ids[~is_mask & ~kept].tolist())
+    assert (batch["rtd_labels"] == IGNORE_INDEX).all()
+    n = kinds.sum()
+    p_equal = 1 / (~SPECIAL).sum()  # a random token that happens to be the original
+    expected = n * np.array([0.8, 0.1 * (1 - p_equal), 0.1 + 0.1 * p_equal])
+    assert chi2_goodness_of_fit(kinds, expected)[1] > 1e-3, kinds
+    counts = np.bincount(randoms, minlength=VOCAB)
+    assert counts[SPECIAL].sum() == 0
+    assert (
+        chi2_goodness_of_fit(
+            counts[~SPECIAL], np.full((~SPECIAL).sum(), len(randoms) / (~SPECIAL).sum())
+        )[1]
+        > 1e-3
+    )
+
+
+def test_masked_cold_starts_are_for_the_first_epoch_only():
+    """From epoch 2 the store's tokens (here FakeStore's) are read and RTD labels are back,
+    whatever the cold start was."""
+    from megatron_taco.recipes.sas_augmentation import StoreSource
+
+    config = ReplacementConfig(cold_start="mlm")
+    cold = make_cold_start(config, cold_start_probs(config, [], [], SPECIAL), 7, mask_id=MASK)
+    source = StoreSource(cold, "unused")
+    assert not source.detects(0) and source.detects(1) and not source.reads_store(0)
+    samples = [make_sample(i, epoch=0) for i in range(8)]
+    c = SasCollator(pad_id=PAD, seq_length=SEQ, seed=7, config=config, source=source)
+    assert (c(samples)["rtd_labels"] == IGNORE_INDEX).all()
+    assert (c(samples)["input_ids"] == MASK).any()
+
+
+def test_masked_cold_starts_refuse_the_sampling_warmup():
+    with pytest.raises(ConfigError, match="--cold-start-warmup-iters: flattens"):
+        ReplacementConfig(cold_start="mlm", cold_start_warmup_iters=10)
+    with pytest.raises(ValueError, match="not a masked cold start"):
+        MaskedColdStart("unigram", np.ones(3) / 3, MASK, 0)
+
+
+def test_a_higher_replacement_rate_replaces_more_of_each_instance():
+    """--mask-prob 0.3 (a departure, ELECTRA issue 49): |S| = ceil(0.3 k), whole words, and
+    the store rows are as wide as the largest S."""
+    c15, c30 = collator(mask_prob=0.15), collator(mask_prob=0.3)
+    assert c30.width == math.ceil(0.3 * (SEQ - 2)) > c15.width
+    for index in range(50):
+        sample = make_sample(index)
+        check_replaced_set(sample, c30.positions(sample), mask_prob=0.3)
+        batch = c30([sample])
+        assert (batch["rtd_labels"][0] == 1).sum() <= (batch["mlm_labels"][0] >= 0).sum()
+        assert (batch["mlm_labels"][0] >= 0).sum() == math.ceil(0.3 * (sample["length"] - 2))
+
+
+def test_stored_mask_share_puts_mask_at_part_of_s_in_the_store_epochs_only():
+    """--stored-mask-share 0.5 (a departure): in epoch 2 about half of each S reads [MASK]
+    (seeded per instance and epoch) with its MLM label and no RTD label, the rest the stored
+    token with both; from_store counts only the slots that read the store; epoch 1 (the cold
+    start) is untouched; share 0 is the paper."""
+    samples = {i: make_sample(i, length=SEQ) for i in range(200)}
+    store = FakeStore(lambda i: samples[i]["tokens"])
+    config = ReplacementConfig(cold_start="uniform", stored_mask_share=0.5)
+    probs = (~SPECIAL) / (~SPECIAL).sum()
+    half = SasCollator(pad_id=PAD, seq_length=SEQ, seed=7, config=config,
+                       source=ColdStart(probs, 7), mask_id=MASK)  # fmt: skip
+    half.source = store
+    paper = collator(source=store)
+    first = half([{**samples[i], "epoch": 0} for i in range(200)])
+    assert not (first["input_ids"] == MASK).any()
+    batch = [{**samples[i], "epoch": 1} for i in range(200)]
+    out, plain = half(batch), paper(batch)
+    masks = total = 0
+    for i in range(200):
+        where = out["replaced_positions"][i]
+        where = where[where >= 0]
+        is_mask = out["input_ids"][i][where] == MASK
+        masks, total = masks + int(is_mask.sum()), total + where.numel()
+        assert torch.equal(out["mlm_labels"][i], plain["mlm_labels"][i])
+        assert (out["rtd_labels"][i][where[is_mask]] == IGNORE_INDEX).all()
+        assert torch.equal(
+            out["rtd_labels"][i][where[~is_mask]], plain["rtd_labels"][i][where[~is_mask]]
+        )
+        assert torch.equal(
+            out["input_ids"][i][where[~is_mask]], plain["input_ids"][i][where[~is_mask]]
+        )
+        assert out["from_store"][i] == int((~is_mask).sum())
+    sd = (total * 0.25) ** 0.5
+    assert abs(masks - 0.5 * total) < 5 * sd, (masks, total)
+    assert torch.equal(half(batch)["input_ids"], out["input_ids"])  # seeded
+    again = half([{**samples[i], "epoch": 2} for i in range(200)])
+    assert not torch.equal(again["input_ids"], out["input_ids"])  # redrawn per epoch
+    with pytest.raises(ValueError, match="mask_id"):
+        SasCollator(pad_id=PAD, seq_length=SEQ, seed=7, config=config, source=store)
+    with pytest.raises(ConfigError, match="--stored-mask-share"):
+        ReplacementConfig(stored_mask_share=1.5)

@@ -77,6 +77,8 @@ def _deberta(kwargs, state, cls):
 ELECTRA_CASES = {
     "embedding_32_hidden_48": {},
     "embedding_equals_hidden": {"embedding_size": 48},
+    # GDES: the input reads E + E_delta, the decoder E: exported untied.
+    "gradient_disentangled_embedding": {"gradient_disentangled_embedding": True},
 }
 
 
@@ -137,6 +139,7 @@ DEBERTA_CASES = {
         "max_relative_positions": 10,
         "embedding_size": 48,
     },
+    "gradient_disentangled_embedding": {"gradient_disentangled_embedding": True},
 }
 
 

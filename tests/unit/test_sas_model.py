@@ -1,6 +1,7 @@
 import argparse
 import dataclasses
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -449,3 +450,78 @@ def test_attention_dropout_is_drawn_inside_sdpa_from_the_tracker_stream():
 
     torch.testing.assert_close(out, by_hand(stream[MODEL_PARALLEL_RNG]), rtol=1e-12, atol=0)
     assert not torch.allclose(out, by_hand(default))
+
+
+# ---------------------------------------------------------------------------------------
+# Departures from the paper (off by default)
+
+
+def test_gradient_disentangled_embedding_keeps_the_rtd_loss_out_of_the_word_embedding():
+    """GDES: with E_delta = 0 the model computes what SAS computes; the RTD loss's gradient
+    reaches E_delta and never E; E's gradient is the tied decoder's alone, and E's plus
+    E_delta's is what plain SAS gives E (float64, exact up to summation order)."""
+    no_dropout = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    plain = build_sas(tiny_sas_config(**no_dropout)).double()
+    gdes = build_sas(tiny_sas_config(gradient_disentangled_embedding=True, **no_dropout)).double()
+    result = gdes.load_state_dict(plain.state_dict(), strict=False)
+    assert result.missing_keys == ["sas.embeddings.word_embeddings_delta.weight"]
+    delta = gdes.sas.embeddings.word_embeddings_delta.weight
+    assert (delta == 0).all()
+    batch = make_sas_batch()
+    word = {m: m.sas.embeddings.word_embeddings.weight for m in (plain, gdes)}
+
+    out_plain, out_gdes = plain(batch), gdes(batch)
+    assert out_gdes["loss"].item() == out_plain["loss"].item()
+    out_gdes["rtd_loss"].backward(retain_graph=True)
+    assert word[gdes].grad is None or not word[gdes].grad.any()
+    assert delta.grad.abs().sum() > 0
+    out_plain["rtd_loss"].backward(retain_graph=True)
+    torch.testing.assert_close(delta.grad, word[plain].grad, rtol=1e-12, atol=1e-15)
+
+    for model in (plain, gdes):
+        model.zero_grad(set_to_none=True)
+    out_plain["mlm_loss"].backward()
+    out_gdes["mlm_loss"].backward()
+    assert word[gdes].grad.abs().sum() > 0  # through the tied decoder
+    torch.testing.assert_close(
+        word[gdes].grad + delta.grad, word[plain].grad, rtol=1e-12, atol=1e-15
+    )
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def print(self, line):
+        self.lines.append(line)
+
+
+def test_rtd_weight_warmup_is_zero_for_the_first_iterations_then_the_schedule():
+    from types import SimpleNamespace
+
+    from megatron_taco.recipes.sas import RtdScheduleConfig, RtdWeightSchedule
+
+    model = build_sas(tiny_sas_config())
+    config = RtdScheduleConfig(rtd_weight_warmup_iters=3)
+    trainer = SimpleNamespace(logger=_Log(), num_epochs=lambda: 3)
+    schedule = RtdWeightSchedule(model, config, whole_epochs=3)
+    state = SimpleNamespace(iteration=0)
+    schedule.on_epoch_start(trainer, state, 0)
+    assert trainer.logger.lines == [" epoch 1/3: lambda 50 (0 until iteration 3)"]
+    seen = []
+    for it in range(6):
+        state.iteration = it
+        if it == 4:  # a new epoch: its own lambda, still after the warm-up
+            schedule.on_epoch_start(trainer, state, 1)
+        schedule.on_step_start(trainer, state)
+        seen.append(model(make_sas_batch())["rtd_weight"].item())
+    assert seen == [0.0, 0.0, 0.0, 50.0, 125.0, 125.0]
+    assert "0 for the first 3 iterations" in config.describe(Fraction(3))
+    # Off (the paper): the schedule from the first iteration.
+    plain = RtdWeightSchedule(model, RtdScheduleConfig(), whole_epochs=3)
+    plain.on_epoch_start(trainer, state, 0)
+    state.iteration = 0
+    plain.on_step_start(trainer, state)
+    assert model.rtd_weight == 50.0
+    with pytest.raises(ConfigError, match="--rtd-weight-warmup-iters"):
+        RtdScheduleConfig(rtd_weight_warmup_iters=-1)

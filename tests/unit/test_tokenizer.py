@@ -73,7 +73,6 @@ def test_unknown_characters_map_to_unk_without_byte_fallback(tmp_path, botchan_p
             vocab_size=300,
             byte_fallback=False,
             num_threads=1,
-            quiet=True,
         )
     )
     tok = Tokenizer(model)

@@ -43,7 +43,6 @@ def other_model(tmp_path_factory, botchan_path) -> str:
             vocab_size=800,
             model_type="bpe",
             num_threads=1,
-            quiet=True,
         )
     )
 
@@ -93,7 +92,6 @@ def test_old_summary_checks_only_the_vocabulary_size(
             model_prefix=str(tmp_path / "small"),
             vocab_size=500,
             num_threads=1,
-            quiet=True,
         )
     )
     with pytest.raises(ConfigError, match=r"^--tokenizer-model: .* has 500 pieces, .* of 800"):

@@ -46,7 +46,6 @@ def vocab(request, tmp_path_factory, botchan_path) -> tuple[str, str]:
             model_prefix=str(out / "wp"),
             tokenizer_type=request.param,
             vocab_size=700,
-            quiet=True,
         )
     )
     pieces = Path(trained).read_text(encoding="utf-8").splitlines()

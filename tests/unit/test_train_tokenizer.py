@@ -37,7 +37,7 @@ def jsonl_corpus(tmp_path_factory, botchan_path):
     return path
 
 
-def test_unigram_from_txt_via_cli(tmp_path, botchan_path):
+def test_unigram_from_txt_via_cli(tmp_path, botchan_path, capfd):
     prefix = tmp_path / "out" / "uni"
     rc = cli.main(
         [
@@ -49,10 +49,11 @@ def test_unigram_from_txt_via_cli(tmp_path, botchan_path):
             "400",
             "--num-threads",
             "1",
-            "--quiet",
         ]
     )
     assert rc == 0
+    # sentencepiece's own log (C++ stderr, some hundred lines) only with --verbose.
+    assert "trainer_interface.cc" not in capfd.readouterr().err
     tok = Tokenizer(str(prefix) + ".model")
     assert tok.vocab_size == 400
     assert Path(str(prefix) + ".vocab").read_text(encoding="utf-8").count("\n") == 400
@@ -62,7 +63,7 @@ def test_unigram_from_txt_via_cli(tmp_path, botchan_path):
     assert tok.decode(tok.encode("He was a man of honor.")) == "He was a man of honor."
 
 
-def test_bpe_from_jsonl_with_sentence_splitting(tmp_path, jsonl_corpus):
+def test_bpe_from_jsonl_with_sentence_splitting(tmp_path, jsonl_corpus, capfd):
     prefix = tmp_path / "bpe"
     cli.main(
         [
@@ -81,9 +82,10 @@ def test_bpe_from_jsonl_with_sentence_splitting(tmp_path, jsonl_corpus):
             "1.0",
             "--num-threads",
             "1",
-            "--quiet",
+            "--verbose",
         ]
     )
+    assert "trainer_interface.cc" in capfd.readouterr().err  # sentencepiece's log, asked for
     model = str(prefix) + ".model"
     proto = _model_proto(model)
     assert proto.trainer_spec.model_type == model_pb2.TrainerSpec.BPE
@@ -103,7 +105,6 @@ def test_json_keys_select_fields(tmp_path, jsonl_corpus):
             vocab_size=500,
             character_coverage=1.0,
             num_threads=1,
-            quiet=True,
         )
     )
     assert "\u6f22" in {p.piece for p in _model_proto(str(prefix) + ".model").pieces}
@@ -124,7 +125,6 @@ def test_sampling_is_seeded_and_bounded(tmp_path, botchan_path, caplog):
                     shuffle_input_sentence=shuffle,
                     seed=seed,
                     num_threads=1,
-                    quiet=True,
                 )
             )
         used = re.search(r"on (\d+) of the (\d+) sentences", caplog.text)
@@ -166,7 +166,6 @@ def test_sampling_is_reproducible_across_processes(tmp_path, botchan_path):
                 "150",
                 "--num-threads",
                 "1",
-                "--quiet",
             ],
             cwd=REPO,
             capture_output=True,
@@ -234,7 +233,6 @@ def test_vocabulary_too_large_for_corpus(tmp_path, botchan_path):
                 model_prefix=str(tmp_path / "m"),
                 vocab_size=20000,
                 num_threads=1,
-                quiet=True,
             )
         )
 
@@ -250,7 +248,6 @@ def test_corpus_without_text(tmp_path):
                 vocab_size=100,
                 byte_fallback=False,
                 num_threads=1,
-                quiet=True,
             )
         )
 
@@ -259,7 +256,7 @@ def test_sentence_splitter_choice(tmp_path, botchan_path):
     for name in ("punkt", "blingfire"):
         config = cli.TrainTokenizerConfig(
             input=(str(botchan_path),), model_prefix=str(tmp_path / name), vocab_size=400,
-            split_sentences=True, sentence_splitter=name, num_threads=1, quiet=True,
+            split_sentences=True, sentence_splitter=name, num_threads=1,
         )  # fmt: skip
         stream = cli._SentenceStream(config, [(str(botchan_path), "bookcorpus")])
         assert stream.splitter.name == name
@@ -284,7 +281,6 @@ def test_byte_fallback_needs_room_and_says_so(tmp_path, botchan_path):
                 vocab_size=300,
                 character_coverage=1.0,
                 num_threads=1,
-                quiet=True,
             )  # fmt: skip
         )
 
@@ -299,7 +295,7 @@ def test_wordpiece_vocabulary_via_cli(tmp_path, jsonl_corpus, kind):
 
     prefix = tmp_path / "wp"
     argv = ["--input", str(jsonl_corpus), "--model-prefix", str(prefix),
-            "--tokenizer-type", kind, "--vocab-size", "200", "--quiet"]  # fmt: skip
+            "--tokenizer-type", kind, "--vocab-size", "200"]  # fmt: skip
     assert cli.main(argv) == 0
     path = Path(str(prefix) + "-vocab.txt")
     pieces = path.read_text(encoding="utf-8").splitlines()

@@ -82,6 +82,38 @@ def test_global_batch_must_be_a_multiple_of_micro_batch():
         (dict(ckpt_step=3), "--ckpt-step"),
         (dict(lr_warmup_fraction=0.1), "--lr-warmup-fraction"),  # with --lr-warmup-iters
         (dict(lr_warmup_iters=100), "--lr-warmup-iters"),  # not fewer than the decay iters
+        # Megatron's sample-based flags: exclusive with the -iters forms.
+        (dict(total_train_samples=100), "--train-iters"),  # with --train-iters
+        (dict(train_iters=None, total_train_samples=0), "--train-samples"),
+        (dict(lr_warmup_iters=None, lr_warmup_samples=8), "--lr-warmup-samples"),
+        (dict(lr_warmup_iters=None, lr_decay_samples=80), "--lr-decay-samples"),
+        (dict(train_iters=None, total_train_samples=800), "--lr-warmup-iters"),
+        (
+            dict(
+                train_iters=None, total_train_samples=800, lr_warmup_iters=None, lr_decay_iters=50
+            ),
+            "--lr-decay-iters",
+        ),  # fmt: skip
+        (
+            dict(
+                train_iters=None,
+                total_train_samples=800,
+                lr_warmup_iters=None,
+                lr_warmup_samples=800,
+            ),
+            "--lr-warmup-samples",
+        ),  # not fewer than the decay  # fmt: skip
+        (
+            dict(
+                train_iters=None,
+                total_train_samples=800,
+                lr_warmup_iters=None,
+                lr_warmup_samples=8,
+                lr_warmup_fraction=0.1,
+            ),
+            "--lr-warmup-fraction",
+        ),  # fmt: skip
+        (dict(bf16=True, fp16=True), "--fp16"),
     ],
 )
 def test_invalid_values_name_their_flag(kw, flag):
@@ -101,6 +133,24 @@ def test_default_warmup_is_a_tenth_of_a_short_run():
 def test_warmup_fraction_is_of_the_decay_iters():
     c = TrainingConfig(train_iters=100, lr_decay_iters=80, lr_warmup_fraction=0.25)
     assert (c.warmup_iters, c.decay_iters) == (20, 80)
+
+
+def test_train_samples_become_megatrons_iterations_and_sample_schedule():
+    c = TrainingConfig(total_train_samples=1000, micro_batch_size=4, lr_warmup_samples=60)
+    # Megatron's update_train_iters: train_samples // global batch size, here 4 x dp 3.
+    r = c.resolve_length(3)
+    assert (r.train_iters, r.global_batch_size, r.total_train_samples) == (83, 12, 1000)
+    assert r.schedule() == (60, 1000, 12) and r.warmup_iters == 5
+    assert r.describe_schedule() == "warmup 60 samples, linear decay over 1000 samples"
+    assert r.resolve_length(3) is r and r.train_samples(3) == 83 * 12
+    # The default warm-up: 10% of the decay samples, at most 10000 global batches.
+    assert TrainingConfig(total_train_samples=500, lr_decay_samples=400).warmup_samples == 40
+    with pytest.raises(ConfigError, match=r"^--train-samples: 10 is fewer than one global batch"):
+        TrainingConfig(
+            total_train_samples=10, global_batch_size=16, micro_batch_size=8
+        ).resolve_length(1)
+    # An iteration-based config is unchanged, its schedule in iterations.
+    assert cfg().resolve_length(4) == cfg() and cfg().schedule() == (10, 100, 1)
 
 
 def test_metrics_file_defaults():
@@ -157,6 +207,52 @@ def test_conflicting_json_values_name_file_key_and_flag(tmp_path, key, value, fl
         resolve_deepspeed_config(c, 2, device_type="cpu")
     msg = str(e.value)
     assert path in msg and repr(key) in msg and flag in msg
+
+
+@pytest.mark.parametrize(
+    ("flag", "data", "want"),
+    [("bf16", None, "bf16"),  # no JSON: the flag chooses
+     ("fp16", None, "fp16"),
+     ("bf16", "zero0_fp32.json", "bf16"),  # an fp32 JSON: the flag overrides it
+     ("bf16", "zero2_bf16.json", "bf16"),
+     ("fp16", "zero1_fp16.json", "fp16")],
+)  # fmt: skip
+def test_precision_flags_choose_or_override_the_json(flag, data, want):
+    path = None if data is None else str(DS_CONFIGS / data)
+    settings = resolve_deepspeed_config(
+        cfg(**{flag: True}, deepspeed_config=path), 1, device_type="cuda"
+    )
+    assert settings.precision == want and settings.config[want]["enabled"] is True
+    if data == "zero1_fp16.json":  # the JSON's own keys of the section are kept
+        assert settings.config["fp16"]["loss_scale"] == json.loads(
+            (DS_CONFIGS / data).read_text())["fp16"]["loss_scale"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flag", "data"), [("bf16", "zero2_fp16.json"), ("fp16", "zero2_bf16.json")]
+)
+def test_a_precision_flag_contradicting_the_json_is_one_line(flag, data):
+    other = "fp16" if flag == "bf16" else "bf16"
+    with pytest.raises(ConfigError) as e:
+        resolve_deepspeed_config(cfg(**{flag: True}, deepspeed_config=str(DS_CONFIGS / data)), 1,
+                                 device_type="cuda")  # fmt: skip
+    assert str(e.value) == (
+        f"--{flag}: --deepspeed-config {DS_CONFIGS / data} enables {other}; drop the flag or "
+        f"use a {flag} config (e.g. ds_configs/zero2_{flag}.json)"
+    )
+
+
+def test_fp16_flag_on_cpu_names_the_flag():
+    with pytest.raises(ConfigError, match=r"^--fp16: fp16 needs a GPU"):
+        resolve_deepspeed_config(cfg(fp16=True), 1, device_type="cpu")
+
+
+def test_a_wandb_section_is_refused_pointing_at_the_flags(tmp_path):
+    path = write_json(tmp_path, {"wandb": {"enabled": True, "project": "x"}})
+    with pytest.raises(ConfigError) as e:
+        resolve_deepspeed_config(cfg(deepspeed_config=path), 1, device_type="cpu")
+    assert "\n" not in str(e.value) and f"{path}: key 'wandb' is not supported" in str(e.value)
+    assert "--wandb-project" in str(e.value)
 
 
 @pytest.mark.parametrize("section", ["optimizer", "scheduler"])
@@ -319,6 +415,30 @@ def test_cli_checks_seq_length_against_positions(tmp_path):
         parse(tmp_path, "--seq-length", "128")
 
 
+@pytest.mark.parametrize(
+    ("spec_module", "extra", "want"),
+    [("pretrain_taco", ("--model-size", "tiny"), 64),
+     ("pretrain_sas", ("--model-size", "tiny"), 64),
+     ("pretrain_taco", ("--model-size", "small"), 512),
+     ("pretrain_taco", ("--model-size", "tiny", "--max-position-embeddings", "48",
+                       "--max-relative-distance", "40"), 48),
+     ("pretrain_taco", ("--model-size", "tiny", "--seq-length", "32"), 32)],
+)  # fmt: skip
+def test_seq_length_defaults_to_the_models_positions(tmp_path, spec_module, extra, want):
+    # A preset brings its sequence length: `--model-size tiny` alone used to keep 512 and
+    # fail against its 64 positions.
+    import importlib
+
+    spec = importlib.import_module(f"megatron_taco.cli.{spec_module}").SPEC
+    args = spec.build_parser().parse_args(
+        ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "t.model"),
+         "--train-iters", "10", "--lr-warmup-iters", "1", *extra]
+    )  # fmt: skip
+    data = spec.flag_configs(args, world_size=1, device_type="cpu")[2]
+    assert data.seq_length == want
+    assert "its preset's unless given" in " ".join(spec.build_parser().format_help().split())
+
+
 def test_cli_checks_files_last(tmp_path):
     with pytest.raises(ConfigError, match="^--data-path: dataset"):
         parse(tmp_path)
@@ -336,6 +456,25 @@ def test_cli_accepts_deepspeed_launcher_flags(tmp_path):
     assert args.deepspeed_config == path
 
 
+def test_cli_precision_and_sample_flags(tmp_path):
+    # Megatron's spelling is accepted (it used to print the usage and "unrecognized
+    # arguments: --bf16"); --train-samples resolves at the launcher's data-parallel size.
+    args = SPEC.build_parser().parse_args(
+        [a for a in cli_args(tmp_path, "--bf16", "--train-samples", "100", "--lr-warmup-samples",
+                             "8") if a not in ("--train-iters", "4", "--lr-warmup-iters", "1")]
+    )  # fmt: skip
+    *_, training, _, _, _, deepspeed = SPEC.flag_configs(args, world_size=2, device_type="cpu")
+    assert deepspeed.precision == "bf16" and training.bf16
+    assert (training.train_iters, training.global_batch_size) == (25, 4)  # 100 // (2 x 2)
+    with pytest.raises(
+        ConfigError, match="^--train-iters: give exactly one of --train-iters, --train-samples"
+    ):
+        SPEC.flag_configs(
+            SPEC.build_parser().parse_args(cli_args(tmp_path, "--train-samples", "100")),
+            world_size=1, device_type="cpu",
+        )  # fmt: skip
+
+
 def test_cli_checkpoint_switches(tmp_path):
     args = SPEC.build_parser().parse_args(
         cli_args(tmp_path, "--lr", "1e-4", "--load", "ck", "--no-load-optim", "--no-load-rng",
@@ -350,10 +489,13 @@ def test_cli_checkpoint_switches(tmp_path):
 
 
 def test_train_iters_or_epochs_exactly_one():
-    with pytest.raises(ConfigError, match="exactly one of --train-iters and --train-epochs"):
+    one = "exactly one of --train-iters, --train-samples and --train-epochs"
+    with pytest.raises(ConfigError, match=one):
         TrainingConfig()
-    with pytest.raises(ConfigError, match="exactly one of --train-iters and --train-epochs"):
+    with pytest.raises(ConfigError, match=one):
         TrainingConfig(train_iters=5, train_epochs=2)
+    with pytest.raises(ConfigError, match=one):
+        TrainingConfig(total_train_samples=50, train_epochs=2)
     t = TrainingConfig(train_epochs=3, lr_warmup_iters=10)
     assert t.train_iters is None and t.decay_iters is None
     with pytest.raises(ConfigError, match="--train-epochs: this model has no fixed epochs"):

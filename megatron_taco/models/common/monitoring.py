@@ -1,13 +1,12 @@
 """What a pretraining model returns in eval mode for training/monitor.py's learning figures
-(collapse of its vectors, accuracy against the most-frequent-target baseline)."""
+(collapse of its vectors, accuracy against the most-frequent-target baseline), under the
+names of megatron_taco/model_outputs.py."""
 
 from __future__ import annotations
 
 import torch
 
-REPRESENTATION = "representation"  # [rows, s, H] last-layer vectors
-REPRESENTATION_MASK = "representation_mask"  # [rows, s] bool: real tokens
-LABEL_COUNTS_SUFFIX = "_label_counts"  # "<name>_label_counts": [C] int64 target counts
+from megatron_taco.model_outputs import LABEL_COUNTS_SUFFIX, REPRESENTATION, REPRESENTATION_MASK
 
 
 def label_counts(labels: torch.Tensor, num_classes: int, ignore_index: int = -100) -> torch.Tensor:

@@ -117,6 +117,15 @@ class SasConfig(EncoderConfig):
         "--output-layer-init",
         choices=OUTPUT_LAYER_INITS,
     )
+    gradient_disentangled_embedding: bool = _opt(
+        False,
+        "A departure from the paper, off by default: DeBERTaV3's gradient-disentangled "
+        "embedding sharing for one network. The encoder reads stop_gradient(E) + E_delta "
+        "(E_delta initialised to 0), so the word embedding E is trained only through the "
+        "tied MLM decoder and the RTD loss never reaches it (nor does the MLM loss through "
+        "the input: it trains E_delta).",
+        "--gradient-disentangled-embedding",
+    )
     model_size: str | None = _opt(
         None,
         "Start from a preset (Table 5); explicitly given flags override it.",

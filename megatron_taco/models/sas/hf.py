@@ -63,6 +63,19 @@ def _vocab_rows(state: Tensors, key: str, config: SasConfig) -> torch.Tensor:
     return _take(state, key, config.vocab_size)
 
 
+def _words(state: Tensors, config: SasConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input word embedding, MLM decoder weight): the same tied matrix E, except under GDES,
+    where the encoder reads E + E_delta and the decoder E (the export is then untied)."""
+    word = _vocab_rows(state, _ENC + "word_embeddings.weight", config)
+    if not config.gradient_disentangled_embedding:
+        return word, word.clone()
+    return word + _vocab_rows(state, _ENC + "word_embeddings_delta.weight", config), word
+
+
+def _tying(config: SasConfig) -> dict[str, Any]:
+    return {"tie_word_embeddings": False} if config.gradient_disentangled_embedding else {}
+
+
 def _positions(state: Tensors, config: SasConfig, dtype: torch.dtype) -> torch.Tensor:
     # ELECTRA always adds absolute positions: a SAS built without them exports zero rows.
     if config.uses_position_embeddings:
@@ -132,8 +145,8 @@ def electra_config_and_state(
     carries the generator (MLM) head for ElectraForMaskedLM)."""
     if config.disentangled_attention:
         raise ValueError("SAS^DA exports to DeBERTa-v2: use deberta_v2_config_and_state")
-    kwargs = _common_kwargs(config) | {"type_vocab_size": 2}
-    word = _vocab_rows(state_dict, _ENC + "word_embeddings.weight", config)
+    kwargs = _common_kwargs(config) | {"type_vocab_size": 2} | _tying(config)
+    word, decoder = _words(state_dict, config)
     e = "electra.embeddings."
     out: Tensors = {
         e + "word_embeddings.weight": word,
@@ -151,7 +164,7 @@ def electra_config_and_state(
     out.update(
         _mlm_transform(state_dict, "generator_predictions.dense", "generator_predictions.LayerNorm")
     )
-    out["generator_lm_head.weight"] = word.clone()  # tied to the word embedding
+    out["generator_lm_head.weight"] = decoder  # tied to the word embedding (but under GDES)
     out["generator_lm_head.bias"] = _vocab_rows(state_dict, _HEADS + "mlm_bias", config)
     return kwargs, out
 
@@ -175,8 +188,9 @@ def deberta_v2_config_and_state(
         position_biased_input=config.uses_position_embeddings,
         conv_kernel_size=0,
         legacy=True,
+        **_tying(config),
     )
-    word = _vocab_rows(state_dict, _ENC + "word_embeddings.weight", config)
+    word, decoder = _words(state_dict, config)
     e = "deberta.embeddings."
     out: Tensors = {
         e + "word_embeddings.weight": word,
@@ -195,6 +209,6 @@ def deberta_v2_config_and_state(
     out.update(_mlm_transform(state_dict, p + "transform.dense", p + "transform.LayerNorm"))
     bias = _vocab_rows(state_dict, _HEADS + "mlm_bias", config)
     out[p + "bias"] = bias
-    out[p + "decoder.weight"] = word.clone()  # tied to the word embedding
+    out[p + "decoder.weight"] = decoder  # tied to the word embedding (but under GDES)
     out[p + "decoder.bias"] = bias.clone()  # tied to cls.predictions.bias
     return kwargs, out, _rtd_head(state_dict, "")

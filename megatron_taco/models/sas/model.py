@@ -93,6 +93,12 @@ class SasEmbeddings(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, emb, parallel, init_method=init_method_normal(std)
         )
+        # GDES (DeBERTaV3): the input reads sg(E) + E_delta; E_delta starts at 0.
+        self.word_embeddings_delta = None
+        if config.gradient_disentangled_embedding:
+            self.word_embeddings_delta = VocabParallelEmbedding(
+                config.vocab_size, emb, parallel, init_method=nn.init.zeros_
+            )
         self.position_embeddings = None
         if config.uses_position_embeddings:
             self.position_embeddings = nn.Parameter(
@@ -114,6 +120,9 @@ class SasEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
         x = self.word_embeddings(input_ids)  # [b, s, E]
+        if self.word_embeddings_delta is not None:
+            # sg(E)[ids] is E[ids] detached: the lookup is linear in E.
+            x = x.detach() + self.word_embeddings_delta(input_ids)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings[:s]
         # Replicated activations: dropout under the default RNG (same mask on every tp rank).

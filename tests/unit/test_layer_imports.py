@@ -1,0 +1,121 @@
+"""The package's layers import only downward: parallel/ -> models/ -> training/ (the generic
+driver, which knows no model), data/ depends on none of them, preprocessing/ and tasks/
+stand apart (tasks/ may read data/), recipes/ wires models and tasks into the driver, cli/ parses flags. Every
+import counts, also those inside functions (the lazy ones that keep --help fast).
+Package-level modules (arguments.py, model_outputs.py) sit below every subpackage."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import megatron_taco
+
+PACKAGE = Path(megatron_taco.__file__).parent
+ROOT = "<root>"  # package-level modules
+# What each layer may import besides itself and the package-level modules.
+ALLOWED = {
+    ROOT: set(),
+    "parallel": set(),
+    "models": {"parallel"},
+    "data": set(),
+    "training": {"parallel", "data"},
+    "preprocessing": {"data"},
+    "tasks": {"data"},
+    "recipes": {"parallel", "models", "data", "training", "tasks"},
+    "cli": {"parallel", "models", "data", "training", "tasks", "recipes", "preprocessing"},
+}
+
+
+def layer_of(module: str) -> str | None:
+    """``megatron_taco.x.y`` -> "x" for a subpackage, ROOT for a package-level module."""
+    parts = module.split(".")
+    if parts[0] != "megatron_taco" or len(parts) < 2:
+        return None
+    return parts[1] if (PACKAGE / parts[1]).is_dir() else ROOT
+
+
+def imported_layers(path: Path, package: str) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the module's own package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # "from megatron_taco import arguments" names a module in ``names``.
+            modules = (
+                [f"{base}.{a.name}" for a in node.names] if base == "megatron_taco" else [base]
+            )
+        else:
+            continue
+        found |= {layer for m in modules if (layer := layer_of(m)) is not None}
+    return found
+
+
+def violations(root: Path = PACKAGE) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        layer = rel.parts[0] if len(rel.parts) > 1 else ROOT
+        package = ".".join(["megatron_taco", *rel.parts[:-1]])
+        allowed = ALLOWED[layer] | {layer, ROOT}
+        for bad in sorted(imported_layers(path, package) - allowed):
+            out.append(f"{rel} ({layer}) imports {bad}")
+    return out
+
+
+def test_layers_import_only_downward():
+    assert set(ALLOWED) - {ROOT} == {p.name for p in PACKAGE.iterdir() if p.is_dir()} - {
+        "__pycache__"
+    }, "a new subpackage needs its place in ALLOWED"
+    assert violations() == []
+
+
+def _copy_package(tmp_path: Path) -> Path:
+    root = tmp_path / "megatron_taco"
+    for path in PACKAGE.rglob("*.py"):
+        target = root / path.relative_to(PACKAGE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    return root
+
+
+@pytest.mark.parametrize(
+    "module, planted, expected",
+    [
+        # The two edges this test was written for: the monitor reading the model's output
+        # names from models/, the data cache taking its barrier from parallel/.
+        (
+            "training/monitor.py",
+            "from megatron_taco.models.common.monitoring import REPRESENTATION",
+            "training/monitor.py (training) imports models",
+        ),
+        (
+            "data/cache.py",
+            "from megatron_taco.parallel import comm",
+            "data/cache.py (data) imports parallel",
+        ),
+        # Relative imports and imports inside a function count too.
+        (
+            "data/cache.py",
+            "def _f():\n    from ..parallel.comm import barrier",
+            "data/cache.py (data) imports parallel",
+        ),
+        (
+            "model_outputs.py",
+            "from megatron_taco import training",
+            "model_outputs.py (<root>) imports training",
+        ),
+    ],
+)
+def test_the_check_sees_an_edge_coming_back(tmp_path, module, planted, expected):
+    root = _copy_package(tmp_path)
+    with open(root / module, "a", encoding="utf-8") as f:
+        f.write(f"\n\n{planted}\n")
+    assert expected in violations(root)
