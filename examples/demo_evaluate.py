@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_word_order_task import held_out_sentences, shuffle_words
 
-from megatron_taco.data.tokenizer import Tokenizer
+from megatron_taco.data.tokenizer import Tokenizer, load_tokenizer
 
 MASK_EVERY = 5  # zero-shot pseudo-log-likelihood: every 5th word [MASK]ed per pass
 PROBE_SIZES = (32, 64, 128)
@@ -261,7 +261,7 @@ def evaluate_checkpoint(path: str, args, sentences: list[str]) -> list[Row]:
     from megatron_taco.recipes.registry import checkpoint_tokenizer
 
     info, pretrained, randoms = twins(path, args.tokenizer_model, args.random_twins)
-    tok = Tokenizer(checkpoint_tokenizer(info, args.tokenizer_model))
+    tok = load_tokenizer(*checkpoint_tokenizer(info, args.tokenizer_model))
     kind = info.model
     limit = pretrained.config.max_position_embeddings
     originals, shuffles = fitting(tok, sentences, args.seeds, limit)
@@ -330,11 +330,11 @@ def main(argv=None) -> int:
 def evaluate(args) -> int:
     from megatron_taco.arguments import ConfigError
 
-    tok_path, split = _tokenizer_and_split_of(args.load[0], args.tokenizer_model)
+    tok_file, split = _tokenizer_and_split_of(args.load[0], args.tokenizer_model)
     split = args.split or split
     if split is None:
         raise ConfigError(f"--split: {args.load[0]} records none; give the one it trained with")
-    sentences = held_out_sentences(args.data_path, Tokenizer(tok_path), split)
+    sentences = held_out_sentences(args.data_path, load_tokenizer(*tok_file), split)
     if not sentences:
         raise ConfigError(
             f"--data-path: {args.data_path} has no held-out sentence of 8-40 words in the "
@@ -366,7 +366,7 @@ def evaluate(args) -> int:
     return 0
 
 
-def _tokenizer_and_split_of(path: str, tokenizer_model: str | None) -> tuple[str, str | None]:
+def _tokenizer_and_split_of(path: str, tokenizer_model: str | None):
     from megatron_taco.recipes.registry import checkpoint_tokenizer
     from megatron_taco.training.consolidate import find_checkpoint
 

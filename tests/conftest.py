@@ -31,6 +31,28 @@ def tokenizer_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def wordpiece_vocab(tmp_path_factory) -> str:
+    """A real WordPiece vocab.txt (BertWordPieceLowerCase) trained on the Botchan excerpt by
+    taco-train-tokenizer, laid out as BERT's: [PAD]=0, [unused0..98], [UNK] [CLS] [SEP]
+    [MASK] at 100..103, then 795 pieces."""
+    from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
+    from tests.helpers import bert_layout
+
+    out = tmp_path_factory.mktemp("wordpiece")
+    trained = train_tokenizer(
+        TrainTokenizerConfig(
+            input=(str(BOTCHAN),),
+            model_prefix=str(out / "wp"),
+            tokenizer_type="BertWordPieceLowerCase",
+            vocab_size=TOKENIZER_VOCAB_SIZE,
+        )
+    )
+    pieces = Path(trained).read_text(encoding="utf-8").splitlines()
+    (out / "vocab.txt").write_text("".join(p + "\n" for p in bert_layout(pieces)), "utf-8")
+    return str(out / "vocab.txt")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tokenizer_model):
     from megatron_taco.data.tokenizer import Tokenizer
 
@@ -40,11 +62,26 @@ def tokenizer(tokenizer_model):
 @pytest.fixture(scope="session")
 def botchan_dataset(tmp_path_factory, tokenizer_model) -> dict:
     """The Botchan excerpt preprocessed by the real tool: ~46 documents of 20 lines."""
+    tmp = tmp_path_factory.mktemp("data")
+    return {
+        **preprocess_botchan(tmp, tokenizer_model=tokenizer_model),
+        "tokenizer": tokenizer_model,
+    }
+
+
+@pytest.fixture(scope="session")
+def wordpiece_dataset(tmp_path_factory, wordpiece_vocab) -> dict:
+    """botchan_dataset's documents tokenized with the WordPiece vocab.txt."""
+    tmp = tmp_path_factory.mktemp("wordpiece_data")
+    flags = {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": wordpiece_vocab}
+    return {**preprocess_botchan(tmp, **flags), "vocab_file": wordpiece_vocab}
+
+
+def preprocess_botchan(tmp: Path, **tokenizer_flags) -> dict:
     import json
 
     from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
 
-    tmp = tmp_path_factory.mktemp("data")
     lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
     with open(tmp / "botchan.jsonl", "w", encoding="utf-8") as f:
         for i in range(0, len(lines), 20):
@@ -53,13 +90,9 @@ def botchan_dataset(tmp_path_factory, tokenizer_model) -> dict:
         PreprocessConfig(
             input=(str(tmp / "botchan.jsonl"),),
             output_prefix=str(tmp / "botchan"),
-            tokenizer_model=tokenizer_model,
             split_sentences=True,
+            **tokenizer_flags,
         ),
         progress=False,
     )
-    return {
-        "prefix": summary["datasets"]["text"]["prefix"],
-        "tokenizer": tokenizer_model,
-        "dir": tmp,
-    }
+    return {"prefix": summary["datasets"]["text"]["prefix"], "dir": tmp}

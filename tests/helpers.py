@@ -419,6 +419,15 @@ def botchan_sentences(min_words: int = 8, max_words: int = 30) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+", text) if min_words <= len(s.split()) <= max_words]
 
 
+def bert_layout(pieces: list[str]) -> list[str]:
+    """A WordPiece vocabulary in BERT's vocab.txt layout: [PAD], [unused0..98], then [UNK]
+    [CLS] [SEP] [MASK] at 100..103 and the other pieces."""
+    specials = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+    rest = [p for p in pieces if p not in specials]
+    unused = [f"[unused{i}]" for i in range(99)]
+    return ["[PAD]", *unused, "[UNK]", "[CLS]", "[SEP]", "[MASK]", *rest]
+
+
 def _insert(words: list[str], word: str, rng) -> list[str]:
     i = int(rng.integers(1, len(words)))
     return [*words[:i], word, *words[i:]]

@@ -161,9 +161,7 @@ def _build_and_summarise(args: argparse.Namespace) -> None:
     config = dataclass_from_args(DataConfig, args)
     counts = dataclass_from_args(SampleCounts, args)
     config.validate_files()
-    from megatron_taco.data.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(config.tokenizer_model)
+    tokenizer = config.load_tokenizer()
     requested = (counts.train_samples, counts.valid_samples, counts.test_samples)
     splits = build_train_valid_test_datasets(config, tokenizer, requested)
     print(f"sample indices cached in {config.cache_dir()}")

@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from megatron_taco.arguments import ConfigError, program_name, run_cli
+from megatron_taco.cli.hf_extra import MissingExtra, require_hf_extra
 from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import (
     CheckpointError,
@@ -204,7 +205,9 @@ def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[
             _fsync(os.path.join(tmp, name))
             size, crc = file_checksum(os.path.join(tmp, name))
             files[name] = {"bytes": size, "crc32": crc}
-        _write_metadata(tmp, _metadata(states, target, args, rng=bool(rng)), files)
+        meta = _metadata(states, target, args, rng=bool(rng))
+        meta["tokenizer"] = _copy_tokenizer(states.info, args.tokenizer_model, save)
+        _write_metadata(tmp, meta, files)
         _fsync(tmp)
         os.rename(tmp, os.path.join(save, tag))
         _fsync(save)
@@ -223,6 +226,21 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _copy_tokenizer(info: CheckpointInfo, tokenizer_model: str | None, save: str) -> dict:
+    """The new --save holds the tokenizer too (metadata.json "tokenizer" names the copy)."""
+    from megatron_taco.data.tokenizer import (
+        load_tokenizer,
+        save_tokenizer_copy,
+        saved_tokenizer_record,
+    )
+    from megatron_taco.recipes.registry import checkpoint_tokenizer
+
+    tokenizer = load_tokenizer(*checkpoint_tokenizer(info, tokenizer_model))
+    record = saved_tokenizer_record(tokenizer)
+    save_tokenizer_copy(save, tokenizer, record)
+    return record
 
 
 def _copy_store(load: str, save: str) -> str:
@@ -302,6 +320,8 @@ def _describe(tp: int, dp: int, stage: int, precision: str) -> str:
 
 
 def convert(args: argparse.Namespace) -> str:
+    if args.consolidate and args.consolidate.endswith(".safetensors"):
+        require_hf_extra(f"--consolidate {args.consolidate}", ("safetensors",))
     if args.save is not None:
         check_save(args.save)
     states, config, build = read_checkpoint(args.load, args.ckpt_step, args.tokenizer_model)
@@ -324,7 +344,10 @@ def convert(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(
-        build_parser(), argv, lambda args: print(convert(args)), user_errors=(CheckpointError,)
+        build_parser(),
+        argv,
+        lambda args: print(convert(args)),
+        user_errors=(CheckpointError, MissingExtra),
     )
 
 

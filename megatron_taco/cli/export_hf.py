@@ -19,7 +19,10 @@ dense, dense_prediction). Weights are the fp32 master weights where the optimize
 Tokenizer (save_tokenizer, in every export): tokenizer.json + tokenizer_config.json so that
 ``AutoTokenizer.from_pretrained`` loads a fast tokenizer equal to ours (sentencepiece unigram and BPE models, with or without
 byte fallback: same normalisation, pieces and ids, [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
-[MASK]=4; it adds [CLS] ... [SEP]), plus the sentencepiece model itself as spm.model.
+[MASK]=4; it adds [CLS] ... [SEP]), plus the sentencepiece model itself as spm.model. A
+WordPiece checkpoint (--tokenizer-type BertWordPiece*) gets BertTokenizerFast's files
+(tokenizer.json, tokenizer_config.json, with its lower-casing) and the vocab.txt. The tokenizer is
+the copy in the checkpoint's --save directory (or the file its metadata.json names).
 TACO -> its own modeling code (cli/export_taco_hf.py): configuration_taco.py and
 modeling_taco.py beside config.json (auto_map) and model.safetensors, loaded with
 ``trust_remote_code=True`` by AutoModel, AutoModelForMaskedLM (MLM and MPM heads) and the
@@ -34,6 +37,7 @@ import shutil
 import sys
 
 from megatron_taco.arguments import ConfigError, program_name, run_cli
+from megatron_taco.cli.hf_extra import require_hf_extra
 from megatron_taco.recipes.registry import (
     FINETUNED,
     checkpoint_tokenizer,
@@ -70,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="New directory for the transformers files.")
     p.add_argument(
         "--tokenizer-model",
-        help="The run's sentencepiece model (default: the one its metadata.json names).",
+        help="The run's tokenizer file, sentencepiece model or WordPiece vocab.txt (default: "
+        "its copy in the checkpoint's --save directory, else the file metadata.json names).",
     )
     return p
 
@@ -151,10 +156,36 @@ def hf_tokenizer(spm_path: str):
     return tok
 
 
-def save_tokenizer(spm_path: str, out: str, max_length: int) -> None:
+def save_wordpiece_tokenizer(vocab_file: str, tokenizer_type: str, out: str, max_length: int):
+    """BertTokenizerFast's files, checked to give our ids on a sample text."""
+    from transformers import BertTokenizerFast
+
+    from megatron_taco.data.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(vocab_file, tokenizer_type)
+    # Positional: transformers 5.23's BertTokenizerFast(vocab_file=...) ignores the file
+    # and maps every word to [UNK].
+    tok = BertTokenizerFast(vocab_file, do_lower_case=ours.lower_case, model_max_length=max_length)
+    if tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"] != ours.encode(SAMPLE_TEXT):
+        raise ConfigError(
+            f"--tokenizer-model: {vocab_file}: the exported BertTokenizerFast's ids differ from "
+            "ours on a sample text"
+        )
+    tok.save_pretrained(out)
+    # tokenizer.json holds the vocabulary too; vocab.txt is for BERT's and Megatron-LM's tools
+    shutil.copy(vocab_file, os.path.join(out, "vocab.txt"))
+
+
+def save_tokenizer(
+    spm_path: str, out: str, max_length: int, tokenizer_type: str = "SentencePiece"
+) -> None:
     import json
 
-    from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.data.tokenizer import WORDPIECE_TYPES, Tokenizer
+
+    if tokenizer_type in WORDPIECE_TYPES:
+        save_wordpiece_tokenizer(spm_path, tokenizer_type, out, max_length)
+        return
 
     tok = hf_tokenizer(spm_path)
     ours = Tokenizer(spm_path)
@@ -176,10 +207,12 @@ def save_tokenizer(spm_path: str, out: str, max_length: int) -> None:
     shutil.copy(spm_path, os.path.join(out, "spm.model"))
 
 
-def write_tokenizer(spm_path: str, out: str, max_length: int, encoder: str) -> None:
+def write_tokenizer(
+    path: str, out: str, max_length: int, encoder: str, tokenizer_type: str = "SentencePiece"
+) -> None:
     """The tokenizer files of every export (pretrained or fine-tuned) of an ``encoder``
     ("TACO" | "SAS") model."""
-    save_tokenizer(spm_path, out, max_length)
+    save_tokenizer(path, out, max_length, tokenizer_type)
     if encoder == "TACO":
         from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs
 
@@ -211,17 +244,20 @@ def save_model(config, state_dict, out: str) -> list[str]:
 
 
 def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
+    require_hf_extra(program_name(PROG))
     info = find_checkpoint(args.load, args.ckpt_step)
     if os.path.exists(args.output) and os.listdir(args.output):
         raise ConfigError(f"--output: {args.output} exists and is not empty")
     config, build = model_builder(info, args.tokenizer_model)
     states = read_states(info, ModelLayout(build, info.tp_size, config.vocab_size))
-    spm = checkpoint_tokenizer(info, args.tokenizer_model)
+    tokenizer_path, tokenizer_type = checkpoint_tokenizer(info, args.tokenizer_model)
     task = finetuned_task(info) if info.model == FINETUNED else None
     encoder = task.encoder if task else info.model
 
     def write(tmp: str) -> None:
-        write_tokenizer(spm, tmp, config.max_position_embeddings, encoder)
+        write_tokenizer(
+            tokenizer_path, tmp, config.max_position_embeddings, encoder, tokenizer_type
+        )
         if task is not None:
             from megatron_taco.cli.export_finetuned import save_finetuned
 

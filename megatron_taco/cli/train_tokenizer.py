@@ -1,4 +1,6 @@
-"""Train the sentencepiece model every other tool reads (taco-train-tokenizer).
+"""Train the tokenizer every other tool reads (taco-train-tokenizer): a sentencepiece model,
+or with --tokenizer-type BertWordPieceLowerCase / BertWordPieceCase a WordPiece vocab.txt
+(the ``tokenizers`` library's trainer, BERT's normaliser and specials).
 
 The corpus is streamed, document by document, through a reservoir sampler that keeps at most
 --input-sentence-size sentences, and the sample is handed to sentencepiece through its
@@ -35,7 +37,15 @@ from megatron_taco.arguments import (
     require,
     run_cli,
 )
-from megatron_taco.data.tokenizer import SPECIAL_PIECES, Tokenizer
+from megatron_taco.data.tokenizer import (
+    SENTENCEPIECE,
+    SPECIAL_PIECES,
+    WORDPIECE_TYPES,
+    Tokenizer,
+    WordPieceTokenizer,
+    canonical_tokenizer_type,
+    tokenizer_type_option,
+)
 from megatron_taco.preprocessing.corpora import (
     FORMATS,
     CorpusError,
@@ -65,21 +75,32 @@ class TrainTokenizerConfig:
     input: tuple[str, ...] = option(
         help="Input files, directories or glob patterns (any format taco-preprocess-data reads)"
     )
-    model_prefix: str = option(help="Output prefix: writes PREFIX.model and PREFIX.vocab")
+    model_prefix: str = option(
+        help="Output prefix: writes PREFIX.model and PREFIX.vocab (sentencepiece), or "
+        "PREFIX-vocab.txt (WordPiece)"
+    )
+    tokenizer_type: str = tokenizer_type_option(
+        help="What to train: a sentencepiece model (SentencePiece) or a WordPiece vocab.txt "
+        "whose text is lower-cased and stripped of accents (BertWordPieceLowerCase) or kept "
+        "as written (BertWordPieceCase)"
+    )
     input_format: str = option("auto", help="Input format", choices=FORMATS)
     json_keys: tuple[str, ...] = option(("text",), help="Document fields to train on")
     vocab_size: int = option(32000, help="Vocabulary size, specials included")
-    model_type: str = option("unigram", help="Sentencepiece algorithm", choices=("unigram", "bpe"))
+    model_type: str = option(
+        "unigram", help="Sentencepiece algorithm (SentencePiece only)", choices=("unigram", "bpe")
+    )
     character_coverage: float = option(
         0.9995,
         help="Fraction of characters covered by the alphabet; the rest are spelled as bytes "
-        "(--byte-fallback) or map to [UNK]",
+        "(--byte-fallback) or map to [UNK] (SentencePiece only; WordPiece keeps the 1000 most "
+        "frequent characters)",
     )
     byte_fallback: bool = option(
         True,
         help="Spell characters outside the vocabulary as UTF-8 byte pieces <0x00>..<0xFF> "
         "(256 of the --vocab-size ids) instead of [UNK]: web text is full of emoji, CJK and "
-        "rare symbols the sample never showed the trainer",
+        "rare symbols the sample never showed the trainer (SentencePiece only)",
     )
     input_sentence_size: int = option(
         10_000_000,
@@ -106,9 +127,16 @@ class TrainTokenizerConfig:
     )
     min_chars: int = option(0, help="Skip documents shorter than this many characters")
     num_threads: int = option(os.cpu_count() or 1, help="Training threads")
-    seed: int = option(1234, help="Seed of the sentence sampling (reproducible models)")
+    seed: int = option(
+        1234,
+        help="Seed of the sentence sampling (reproducible sentencepiece models; the tokenizers "
+        "library's WordPiece trainer breaks ties between equally frequent pairs in hash order, "
+        "so a rerun may differ in a few rare pieces)",
+    )
     verbose: bool = option(
-        False, help="Show sentencepiece's training log (some hundred lines); hidden by default"
+        False,
+        help="Show the trainer's log (sentencepiece: some hundred lines; WordPiece: a "
+        "progress bar); hidden by default",
     )
 
     def __post_init__(self) -> None:
@@ -141,13 +169,15 @@ class TrainTokenizerConfig:
             f"{', '.join(SPECIAL_PIECES)}; use at least {MIN_VOCAB_SIZE}",
         )
         require(self.model_type in ("unigram", "bpe"), cls, "model_type", "must be unigram or bpe")
+        # "SentencePieceTokenizer" (Megatron's spelling) -> "SentencePiece"
+        object.__setattr__(self, "tokenizer_type", canonical_tokenizer_type(self.tokenizer_type))
         require(
             self.sentence_splitter in SENTENCE_SPLITTERS,
             cls,
             "sentence_splitter",
             f"must be one of {SENTENCE_SPLITTERS}, got {self.sentence_splitter!r}",
         )
-        if self.byte_fallback:
+        if self.byte_fallback and self.tokenizer_type == SENTENCEPIECE:
             least = MIN_VOCAB_SIZE + BYTE_PIECES
             require(
                 self.vocab_size >= least,
@@ -250,6 +280,11 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
     out_dir = os.path.dirname(os.path.abspath(config.model_prefix))
     os.makedirs(out_dir, exist_ok=True)
     start = time.monotonic()
+    if config.tokenizer_type in WORDPIECE_TYPES:
+        model_path = _train_wordpiece(config, stream)
+        tok = WordPieceTokenizer(model_path, lower_case=WORDPIECE_TYPES[config.tokenizer_type])
+        _report(config, model_path, tok, stream, len(paths), start)
+        return model_path
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(stream),
@@ -294,6 +329,37 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
         raise
     model_path = config.model_prefix + ".model"
     tok = Tokenizer(model_path)  # checks the special-id layout the rest of the package relies on
+    _report(config, model_path, tok, stream, len(paths), start)
+    return model_path
+
+
+def _train_wordpiece(config: TrainTokenizerConfig, stream: _SentenceStream) -> str:
+    """PREFIX-vocab.txt trained by the tokenizers library on the sampled sentences, with the
+    specials first ([PAD]=0 ... [MASK]=4) as BertWordPieceTokenizer's trainer puts them."""
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    lower_case = WORDPIECE_TYPES[config.tokenizer_type]
+    trainer = BertWordPieceTokenizer(lowercase=lower_case)
+    trainer.train_from_iterator(
+        iter(stream),
+        vocab_size=config.vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_PIECES),
+        show_progress=config.verbose,
+    )
+    if stream.sampled == 0:
+        raise ConfigError(f"--input: no text found in {len(config.input)} input(s)")
+    model_path = config.model_prefix + "-vocab.txt"
+    vocab = trainer.get_vocab()
+    pieces = sorted(vocab, key=vocab.__getitem__)
+    tmp = f"{model_path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(p + "\n" for p in pieces))
+    os.replace(tmp, model_path)
+    return model_path
+
+
+def _report(config, model_path: str, tok, stream: _SentenceStream, files: int, start) -> None:
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(stream.skipped.items())) or "none"
     logger.info(
         "trained %s: %d pieces on %d of the %d sentences read from %d documents in %d file(s) "
@@ -303,10 +369,18 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
         stream.sampled,
         stream.sentences,
         stream.documents,
-        len(paths),
+        files,
         time.monotonic() - start,
         skipped,
     )
+    if tok.vocab_size < config.vocab_size:
+        logger.warning(
+            "%s has %d pieces, fewer than --vocab-size %d: the corpus holds no more pieces seen "
+            "at least twice",
+            model_path,
+            tok.vocab_size,
+            config.vocab_size,
+        )
     if stream.skipped["sentence_too_long"]:
         logger.warning(
             "%d sentences longer than --max-sentence-length=%d bytes were left out; consider "
@@ -314,13 +388,13 @@ def train_tokenizer(config: TrainTokenizerConfig) -> str:
             stream.skipped["sentence_too_long"],
             config.max_sentence_length,
         )
-    return model_path
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=program_name("train_tokenizer.py"),
-        description="Train a sentencepiece tokenizer with [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0-4.",
+        description="Train a sentencepiece tokenizer with [PAD] [UNK] [CLS] [SEP] [MASK] at ids "
+        "0-4, or a BERT WordPiece vocabulary (--tokenizer-type BertWordPieceLowerCase).",
     )
     add_dataclass_args(parser, TrainTokenizerConfig, "tokenizer training")
     return parser

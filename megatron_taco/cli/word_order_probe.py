@@ -291,7 +291,13 @@ def our_encoder(path: str, config: ProbeConfig) -> Encoder:
             f"checkpoint we can read ({e})"
         ) from None
     model_config = model.config
-    sp = spm.SentencePieceProcessor(model_file=checkpoint_tokenizer(info, config.tokenizer_model))
+    tokenizer_path, tokenizer_type = checkpoint_tokenizer(info, config.tokenizer_model)
+    if tokenizer_type != "SentencePiece":
+        raise ConfigError(
+            f"--load: {path} was trained with a {tokenizer_type} vocabulary; the probe reads "
+            "sentencepiece pieces only"
+        )
+    sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
     taco = info.model == "TACO"
     limit = model_config.max_position_embeddings
 

@@ -10,6 +10,13 @@ from megatron_taco.arguments import ConfigError, option, require
 from megatron_taco.data.blending import parse_data_path
 from megatron_taco.data.indexed_dataset import data_file_path, index_file_path
 from megatron_taco.data.samples import NUM_SPECIAL_TOKENS, parse_split
+from megatron_taco.data.tokenizer import (
+    check_dataset_tokenizer,
+    check_tokenizer_options,
+    load_config_tokenizer,
+    tokenizer_type_option,
+    vocab_file_option,
+)
 
 MIN_SEQ_LENGTH = 8
 
@@ -21,9 +28,13 @@ class DataConfig:
         "'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...'.",
         flag="--data-path",
     )
-    tokenizer_model: str = option(
-        help="Sentencepiece model the datasets were tokenized with.", flag="--tokenizer-model"
+    tokenizer_model: str | None = option(
+        None,
+        "Sentencepiece model the datasets were tokenized with (--tokenizer-type SentencePiece).",
+        flag="--tokenizer-model",
     )
+    tokenizer_type: str = tokenizer_type_option()
+    vocab_file: str | None = vocab_file_option()
     split: str = option(
         "949,50,1",
         "Train,valid,test proportions of every dataset's documents (normalised).",
@@ -64,14 +75,7 @@ class DataConfig:
         )
         object.__setattr__(self, "data_path", tuple(str(p) for p in data_path))
         parse_data_path(self.data_path)  # raises ConfigError naming --data-path
-        require(
-            isinstance(self.tokenizer_model, (str, os.PathLike))
-            and str(self.tokenizer_model) != "",
-            DataConfig,
-            "tokenizer_model",
-            f"expected a sentencepiece .model path, got {self.tokenizer_model!r}",
-        )
-        object.__setattr__(self, "tokenizer_model", os.fspath(self.tokenizer_model))
+        check_tokenizer_options(self)
         require(
             isinstance(self.split, str),
             DataConfig,
@@ -131,8 +135,9 @@ class DataConfig:
         return os.path.join(os.path.dirname(os.path.abspath(self.prefixes[0])), "cache")
 
     def validate_files(self) -> None:
-        """Check that every dataset and the tokenizer exist; call before any collective so a
-        typo fails fast on every rank instead of hanging the others."""
+        """Check that every dataset and the tokenizer exist, and that the datasets were made
+        with this tokenizer (their summaries say); call before any collective so a typo fails
+        fast on every rank instead of hanging the others."""
         for prefix in self.prefixes:
             for path in (index_file_path(prefix), data_file_path(prefix)):
                 if not os.path.isfile(path):
@@ -140,5 +145,7 @@ class DataConfig:
                         f"--data-path: dataset {prefix!r}: {path} does not exist "
                         "(expected PREFIX.bin and PREFIX.idx from tools/preprocess_data.py)"
                     )
-        if not os.path.isfile(self.tokenizer_model):
-            raise ConfigError(f"--tokenizer-model: {self.tokenizer_model} does not exist")
+        check_dataset_tokenizer(self.prefixes, load_config_tokenizer(self))
+
+    def load_tokenizer(self):
+        return load_config_tokenizer(self)

@@ -65,6 +65,16 @@ from megatron_taco.data.indexed_dataset import (
     unigram_path,
     write_index_header,
 )
+from megatron_taco.data.tokenizer import (
+    SUMMARY_SUFFIX,
+    check_tokenizer_options,
+    load_config_tokenizer,
+    load_tokenizer,
+    tokenizer_file,
+    tokenizer_record,
+    tokenizer_type_option,
+    vocab_file_option,
+)
 from megatron_taco.preprocessing.corpora import (
     FORMATS,
     SKIP_REASONS,
@@ -93,7 +103,6 @@ __all__ = [
     "unigram_path",
 ]
 
-SUMMARY_SUFFIX = "_summary.json"
 # A record whose parsing raised instead of returning Skipped (a bug or a pathological page
 # deep in a 20 GB dump): counted and reported with its source, like any other skip, so one
 # bad page cannot kill a day-long run.
@@ -128,7 +137,11 @@ class PreprocessConfig:
         help="Output prefix: writes PREFIX_{key}_{sentence|document}.bin/.idx, their "
         "_unigram.npy counts and PREFIX_summary.json"
     )
-    tokenizer_model: str = option(help="SentencePiece model (from taco-train-tokenizer)")
+    tokenizer_model: str | None = option(
+        None, help="SentencePiece model (from taco-train-tokenizer; --tokenizer-type SentencePiece)"
+    )
+    tokenizer_type: str = tokenizer_type_option()
+    vocab_file: str | None = vocab_file_option()
     input_format: str = option(
         "auto", help="Corpus format; auto detects it per file", choices=FORMATS
     )
@@ -182,7 +195,7 @@ class PreprocessConfig:
             f"{self.output_prefix!r} names a directory; give a prefix such as "
             f"{os.path.join(self.output_prefix, 'corpus')}",
         )
-        require(bool(self.tokenizer_model), cls, "tokenizer_model", "must not be empty")
+        check_tokenizer_options(self)
         require(self.input_format in FORMATS, cls, "input_format", f"must be one of {FORMATS}")
         require(
             self.sentence_splitter in SENTENCE_SPLITTERS,
@@ -288,19 +301,6 @@ def _check_output(cfg: PreprocessConfig) -> str:
     return out_dir
 
 
-def _load_tokenizer(path: str):
-    # Imported here: spawning workers re-imports this module, and the tokenizer is only
-    # needed where it is used.
-    from megatron_taco.data.tokenizer import Tokenizer, TokenizerError
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"--tokenizer-model: {path} does not exist")
-    try:
-        return Tokenizer(path)
-    except (TokenizerError, OSError) as e:
-        raise ConfigError(f"--tokenizer-model: {e}") from None
-
-
 def _make_splitter(name: str):
     from megatron_taco.preprocessing.text import SplitterUnavailableError, make_sentence_splitter
 
@@ -317,7 +317,8 @@ def _make_splitter(name: str):
 
 @dataclass(frozen=True)
 class _WorkerSpec:
-    tokenizer_model: str
+    tokenizer_model: str  # the file, whatever its type
+    tokenizer_type: str
     json_keys: tuple[str, ...]
     splitter: Any  # a text.make_sentence_splitter() splitter, or None
     append_eod: bool
@@ -527,9 +528,7 @@ def _worker_main(spec: _WorkerSpec, rank: int, tasks, results) -> None:
     # Ctrl-C reaches the whole process group; the main process decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from megatron_taco.data.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer(spec.tokenizer_model)
+        tokenizer = load_tokenizer(spec.tokenizer_model, spec.tokenizer_type)
         encoder = BatchEncoder(
             tokenizer,
             spec.json_keys,
@@ -982,7 +981,7 @@ class Preprocessor:
     # -- validation (before any work) --------------------------------------------------
     def validate(self) -> None:
         cfg = self.cfg
-        self.tokenizer = _load_tokenizer(cfg.tokenizer_model)
+        self.tokenizer = load_config_tokenizer(cfg)
         self.out_dir = _check_output(cfg)
         self.files = _check_inputs(cfg)
         self.splitter = _make_splitter(cfg.sentence_splitter) if cfg.split_sentences else None
@@ -1014,7 +1013,8 @@ class Preprocessor:
                 shard_dir = os.path.join(tmp_dir, "shards")
                 os.mkdir(shard_dir)
                 spec = _WorkerSpec(
-                    tokenizer_model=os.path.abspath(cfg.tokenizer_model),
+                    tokenizer_model=os.path.abspath(tokenizer_file(cfg)),
+                    tokenizer_type=cfg.tokenizer_type,
                     json_keys=tuple(cfg.json_keys),
                     splitter=self.splitter,
                     append_eod=cfg.append_eod,
@@ -1186,6 +1186,11 @@ class Preprocessor:
             "datasets": datasets,
             "unk": _unk_summary(self.files, file_unk),
             "vocab_size": self.tokenizer.vocab_size,
+            # what pretraining and taco-build-samples check the tokenizer they are given against
+            "tokenizer": {
+                **tokenizer_record(self.tokenizer),
+                "path": os.path.abspath(self.tokenizer.model_path),
+            },
             "dtype": str(self.dtype),
             "workers": cfg.workers,
             "elapsed_s": round(elapsed, 3),

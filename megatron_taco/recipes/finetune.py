@@ -30,6 +30,14 @@ from megatron_taco.arguments import (
     require,
     set_parser_defaults,
 )
+from megatron_taco.data.tokenizer import (
+    WORDPIECE_TYPES,
+    check_tokenizer_options,
+    load_config_tokenizer,
+    tokenizer_file,
+    tokenizer_type_option,
+    vocab_file_option,
+)
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.tasks import TASKS
 from megatron_taco.training.checkpointing import CheckpointConfig, prepare_checkpoints
@@ -147,8 +155,15 @@ class TaskDataConfig:
     n_best_size: int = option(20, "SQuAD: start/end candidates decoded.", flag="--n-best-size")
     tokenizer_model: str | None = option(
         None,
-        "Sentencepiece model (default: the one --load's metadata.json names).",
+        "Sentencepiece model (default: the copy of the tokenizer in --load's checkpoint "
+        "directory, or the file its metadata.json names); must be the one it was trained with.",
         flag="--tokenizer-model",
+    )
+    tokenizer_type: str | None = tokenizer_type_option(
+        None, help="Tokenizer kind (default: the pretrained checkpoint's)"
+    )
+    vocab_file: str | None = vocab_file_option(
+        "WordPiece vocab.txt of a BertWordPiece checkpoint (default: as --tokenizer-model's)"
     )
     pad_to_seq_length: bool = option(
         False,
@@ -186,6 +201,14 @@ class TaskDataConfig:
         for name in ("doc_stride", "max_query_length", "max_answer_length", "n_best_size"):
             require(getattr(self, name) >= 1, cls, name, f"must be >= 1, got {getattr(self, name)}")
         require(self.num_workers >= 0, cls, "num_workers", "must be >= 0")
+        # the type is settled from the checkpoint when not given (configs_from_args)
+        check_tokenizer_options(self, required=False)
+        require(
+            not (self.tokenizer_model and self.vocab_file),
+            cls,
+            "vocab_file",
+            "give --tokenizer-model or --vocab-file, not both",
+        )
         if self.predict_test:
             require(
                 bool(TASKS[self.task].test_splits),
@@ -200,6 +223,27 @@ class TaskDataConfig:
         from megatron_taco.tasks import TASKS
 
         return TASKS[self.task]
+
+
+def _checkpoint_tokenizer_data(data: TaskDataConfig, info) -> TaskDataConfig:
+    """``data`` with the tokenizer flags resolved against the pretrained checkpoint: the file
+    given (checked to be the checkpoint's) or the checkpoint's own copy, and its type."""
+    from megatron_taco.recipes.registry import checkpoint_tokenizer
+
+    flag = "--vocab-file" if data.vocab_file else "--tokenizer-model"
+    path, kind = checkpoint_tokenizer(info, data.vocab_file or data.tokenizer_model, flag)
+    if data.tokenizer_type not in (None, kind):
+        raise ConfigError(
+            f"--tokenizer-type: {data.tokenizer_type}, but {info.iter_dir} was trained with {kind}"
+        )
+    path = os.path.abspath(path)
+    wordpiece = kind in WORDPIECE_TYPES
+    return dataclasses.replace(
+        data,
+        tokenizer_type=kind,
+        tokenizer_model=None if wordpiece else path,
+        vocab_file=path if wordpiece else None,
+    )
 
 
 DEFAULT_SEQ_LENGTH = {"span": 384, "multiple_choice": 512}
@@ -296,7 +340,8 @@ class FinetuneSpec(ModelSpec):
         iteration = once_per_node(PRETRAINED, verify)
         try:
             info = find_checkpoint(ft.load, iteration, verify=False)
-            kind, model = checkpoint_model_config(info, data.tokenizer_model)
+            data = _checkpoint_tokenizer_data(data, info)
+            kind, model = checkpoint_model_config(info, tokenizer_file(data))
         except CheckpointError as e:
             raise load_error(e) from None
         pretrained = PretrainedCheckpoint(
@@ -317,8 +362,7 @@ class FinetuneSpec(ModelSpec):
                 f"--seq-length: {seq} exceeds the pretrained model's position table "
                 f"({model.max_position_embeddings})"
             )
-        tokenizer = data.tokenizer_model or info.configs["data"]["tokenizer_model"]
-        data = dataclasses.replace(data, seq_length=seq, tokenizer_model=tokenizer)
+        data = dataclasses.replace(data, seq_length=seq)
         if not os.path.isdir(data.data_dir):
             raise ConfigError(f"--data-dir: {data.data_dir} is not a directory")
         training = dataclass_from_args(
@@ -523,7 +567,6 @@ def _first_difference(a: Any, b: Any, where: str = "") -> str:
 
 
 def load_task_data(data: TaskDataConfig):
-    from megatron_taco.data.tokenizer import Tokenizer
     from megatron_taco.tasks import TaskDataError, load_task
 
     info = data.info
@@ -532,7 +575,7 @@ def load_task_data(data: TaskDataConfig):
         return load_task(
             data.task,
             data.data_dir,
-            Tokenizer(data.tokenizer_model),
+            load_config_tokenizer(data),
             seq_length=data.seq_length,
             doc_stride=data.doc_stride,
             max_query_length=data.max_query_length,
@@ -630,7 +673,7 @@ def load_pretrained_encoder(model, cfg: PretrainConfigs, parallel) -> str:
     # ZeRO 1-2 keep the fp32 master weights in the optimizer files: read them, so a bf16
     # run is fine-tuned from its exact weights rather than their bf16 rounding.
     masters = info.zero_stage > 0 and info.precision != "fp32"
-    states, config, _ = read_checkpoint(info, tokenizer_model=cfg.data.tokenizer_model,
+    states, config, _ = read_checkpoint(info, tokenizer_model=tokenizer_file(cfg.data),
                                         optimizer=masters)  # fmt: skip
     full = encoder_state_from_pretraining(ref.model, states.full_state_dict())
     load_encoder_state(model, ref.model, config, full, parallel, where=info.iter_dir)

@@ -74,29 +74,59 @@ def finetuned_task(info: CheckpointInfo) -> FinetunedTask:
     return FinetunedTask(str(encoder), task, known.kind, num_labels, labels)
 
 
-def checkpoint_tokenizer(info: CheckpointInfo, tokenizer_model: str | None) -> str:
-    """The sentencepiece model of a checkpoint: the flag's, else the one its metadata names."""
-    path = tokenizer_model or (info.configs.get("data") or {}).get("tokenizer_model")
-    if not path or not os.path.isfile(path):
+def checkpoint_tokenizer(
+    info: CheckpointInfo, tokenizer_model: str | None, flag: str = "--tokenizer-model"
+) -> tuple[str, str]:
+    """(file, --tokenizer-type) of a checkpoint's tokenizer: ``tokenizer_model`` (the
+    ``flag``'s) when given, else the copy in the checkpoint's --save directory, else the file
+    its configs name (checkpoints written before the copy). A file whose content is not the
+    one the checkpoint recorded is refused."""
+    from megatron_taco.data.tokenizer import SENTENCEPIECE, WORDPIECE_TYPES, file_sha256
+
+    data = info.configs.get("data") or {}
+    record = info.meta.get("tokenizer")
+    record = record if isinstance(record, dict) else {}
+    kind = record.get("type") or data.get("tokenizer_type") or SENTENCEPIECE
+    named = data.get("vocab_file" if kind in WORDPIECE_TYPES else "tokenizer_model")
+    if tokenizer_model:
+        candidates = [tokenizer_model]
+    else:
+        copy = record.get("file")
+        root = os.path.dirname(os.path.abspath(info.iter_dir))
+        candidates = [os.path.join(root, *copy.split("/")) if copy else None, named]
+    path = next((c for c in candidates if c and os.path.isfile(c)), None)
+    if path is None:
+        tried = ", ".join(c for c in candidates if c) or "none recorded"
         raise ConfigError(
-            f"--tokenizer-model: {path or 'no tokenizer'} (named by {info.iter_dir}/metadata.json) "
-            "does not exist; give the tokenizer the checkpoint was trained with"
+            f"{flag}: the tokenizer named by {info.iter_dir}/metadata.json is missing "
+            f"({tried}); give the one the checkpoint was trained with"
         )
-    return path
+    want = record.get("sha256")
+    if want and file_sha256(path) != want:
+        raise ConfigError(
+            f"{flag}: {path} is not the tokenizer {info.iter_dir} was trained with (its "
+            f"metadata.json records {kind}, {record.get('vocab_size')} pieces, sha256 "
+            f"{want[:12]})"
+        )
+    return path, kind
 
 
 def checkpoint_model_config(info: CheckpointInfo, tokenizer_model: str | None) -> tuple[Any, Any]:
     """(ModelKind, model config with its vocabulary size) from a checkpoint's metadata."""
-    from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.data.tokenizer import load_tokenizer
 
     name = finetuned_task(info).encoder if info.model == FINETUNED else info.model
     kind = model_kind(name, f"{info.iter_dir}/{METADATA}")
-    path = checkpoint_tokenizer(info, tokenizer_model)
+    path, tokenizer_type = checkpoint_tokenizer(info, tokenizer_model)
+    try:
+        vocab_size = load_tokenizer(path, tokenizer_type).vocab_size
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer-model: {e}") from None
     names = {f.name for f in dataclasses.fields(kind.config_cls)}
     saved = info.configs.get("model") or {}
     try:
         config = kind.config_cls(**{k: v for k, v in saved.items() if k in names})
-        config = config.with_vocab_size(Tokenizer(path).vocab_size)
+        config = config.with_vocab_size(vocab_size)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{info.iter_dir}/metadata.json: bad model config ({e})") from None
     return kind, config

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.data.tokenizer import tokenizer_file
 from megatron_taco.tasks.metrics import GLUE_SCORE_TASKS
 
 # The 8 tasks of the GLUE score (WNLI excluded), as tasks.metrics defines them.
@@ -348,7 +349,7 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
             if not dropout_checked and rank0:
                 _warn_encoder_dropout(cfg.model)
                 dropout_checked = True
-            key = (cfg.data.task, cfg.data.data_dir, cfg.data.seq_length, cfg.data.tokenizer_model)
+            key = (cfg.data.task, cfg.data.data_dir, cfg.data.seq_length, tokenizer_file(cfg.data))
             if key not in features:
                 features = {key: spec.load_features(cfg)}  # keep one task's at a time
             if rank0:

@@ -459,6 +459,7 @@ _OPTIONAL_FIELDS: dict[str, type] = {
     "epoch": int,
     "rng_states": bool,
     "converted_from": dict,
+    "tokenizer": dict,  # the copy in --save (data/tokenizer.py saved_tokenizer_record)
 }
 
 

@@ -73,8 +73,9 @@ logger = logging.getLogger("megatron_taco.pretrain")
 class PretrainConfigs:
     parallel: ParallelConfig
     model: Any  # the spec's model config (a PresetConfig dataclass)
-    # DataConfig for pretraining; any config with seed, tokenizer_model, num_workers and
-    # seq_length for other recipes (fine-tuning reads a benchmark's files instead).
+    # DataConfig for pretraining; any config with seed, the tokenizer flags (tokenizer_type,
+    # tokenizer_model, vocab_file), num_workers and seq_length for other recipes
+    # (fine-tuning reads a benchmark's files instead).
     data: Any
     task: dict[str, Any]  # the spec's other config groups by name (e.g. "masking")
     training: TrainingConfig
@@ -536,7 +537,11 @@ def _pretrain(
     import deepspeed  # noqa: F401  (creates DeepSpeed's logger, tuned below)
     import torch
 
-    from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.data.tokenizer import (
+        load_config_tokenizer,
+        save_tokenizer_copy,
+        saved_tokenizer_record,
+    )
     from megatron_taco.parallel import comm
     from megatron_taco.training.engine import (
         apply_numerics,
@@ -574,7 +579,12 @@ def _pretrain(
             logging.getLogger().setLevel(logging.WARNING)
         seed = cfg.data.seed
         rng_tracker = _seed_everything(seed, parallel)
-        tokenizer = Tokenizer(cfg.data.tokenizer_model)
+        tokenizer = load_config_tokenizer(cfg.data)
+        # --save holds the tokenizer, so that its checkpoints load, export and fine-tune
+        # after the original file moved
+        tokenizer_meta = saved_tokenizer_record(tokenizer)
+        if parallel.rank == 0 and t.save is not None:
+            save_tokenizer_copy(t.save, tokenizer, tokenizer_meta)
         ctx = BuildContext(
             configs=cfg,
             model_config=cfg.model.with_vocab_size(tokenizer.vocab_size),
@@ -653,6 +663,7 @@ def _pretrain(
                 "model": spec.name,
                 "configs": cfg.as_dict(),
                 "optimizer": optimizer_implementation(),
+                "tokenizer": tokenizer_meta,
                 **parts.metadata,
             },
             save_retain=cfg.checkpoint.save_retain,

@@ -23,6 +23,7 @@ import torch
 
 from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.convert_checkpoint import main as convert_main
+from megatron_taco.data.tokenizer import file_sha256
 from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.consolidate import ModelLayout, load_file
 from tests.helpers import REPO, TACO_METRIC_KEYS, run, run_distributed, train_records
@@ -118,6 +119,10 @@ def round_trip(load: Path, tmp_path: Path, there: tuple, back: tuple) -> Path:
     assert convert_main(["--load", str(mid), "--save", str(out), *tp, "1", *back]) == 0
     meta = json.loads((out / "iter_0000002" / "metadata.json").read_text())
     assert meta["tensor_model_parallel_size"] == 1 and meta["converted_from"]["load"] == str(mid)
+    # the new --save holds the tokenizer too, as the run's did
+    record = json.loads((load / "iter_0000002" / "metadata.json").read_text())["tokenizer"]
+    assert meta["tokenizer"] == record
+    assert file_sha256(out / record["file"]) == record["sha256"]
     return out
 
 

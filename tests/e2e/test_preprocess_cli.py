@@ -178,6 +178,11 @@ def test_cli_end_to_end_and_megatron_core_reads_it(tmp_path):
             ["--output-prefix", "/nonexistent_dir_xyz/out"],
             "--output-prefix: directory /nonexistent_dir_xyz",
         ),
+        (
+            ["--tokenizer-type", "BertWordPieceLowerCase"],
+            "--tokenizer-model: not read by --tokenizer-type BertWordPieceLowerCase, which "
+            "reads --vocab-file",
+        ),
         (["--dataset-impl", "lazy"], "--dataset-impl: invalid choice"),
         (["--keep-newlines"], "--keep-newlines: not supported"),
     ],

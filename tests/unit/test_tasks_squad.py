@@ -422,6 +422,17 @@ def _peaked(features, n_rows=None):
 
 
 def test_answers_map_through_sentencepiece_offsets_exactly(tmp_path, tokenizer):
+    _answers_map_through_offsets_exactly(tmp_path, tokenizer)
+
+
+def test_answers_map_through_wordpiece_offsets_exactly(tmp_path, wordpiece_vocab):
+    from megatron_taco.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(wordpiece_vocab, "BertWordPieceLowerCase")
+    _answers_map_through_offsets_exactly(tmp_path, tokenizer)
+
+
+def _answers_map_through_offsets_exactly(tmp_path, tokenizer):
     qas = [(f"q{i}", f"question {i}?", qa_with(CONTEXT, [a]), False) for i, a in enumerate(ANSWERS)]
     doc = squad_json([(CONTEXT, qas)])
     _write(tmp_path, "train-v1.1.json", doc)

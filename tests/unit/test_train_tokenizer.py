@@ -283,3 +283,24 @@ def test_byte_fallback_needs_room_and_says_so(tmp_path, botchan_path):
                 num_threads=1,
             )  # fmt: skip
         )
+
+
+@pytest.mark.parametrize("kind", ["BertWordPieceLowerCase", "BertWordPieceCase"])
+def test_wordpiece_vocabulary_via_cli(tmp_path, jsonl_corpus, kind):
+    """--tokenizer-type BertWordPiece*: PREFIX-vocab.txt from the tokenizers library's trainer,
+    specials first, sized by --vocab-size (sentencepiece's byte-fallback room not required),
+    cased or not as the type says. (Not reproducible bit for bit: the tokenizers trainer breaks
+    ties between equally frequent pairs in hash order.)"""
+    from megatron_taco.data.tokenizer import load_tokenizer
+
+    prefix = tmp_path / "wp"
+    argv = ["--input", str(jsonl_corpus), "--model-prefix", str(prefix),
+            "--tokenizer-type", kind, "--vocab-size", "200"]  # fmt: skip
+    assert cli.main(argv) == 0
+    path = Path(str(prefix) + "-vocab.txt")
+    pieces = path.read_text(encoding="utf-8").splitlines()
+    assert len(pieces) == 200 and pieces[:5] == list(SPECIAL_PIECES)
+    assert any(p.startswith("##") for p in pieces)
+    assert any(p != p.lower() for p in pieces[5:]) is (kind == "BertWordPieceCase")
+    tok = load_tokenizer(path, kind)
+    assert tok.unk_id not in tok.encode("the and of")

@@ -1,0 +1,172 @@
+"""A tokenizer is bound to the datasets made with it and to the checkpoints trained with it.
+
+Datasets: taco-preprocess-data's summary records the tokenizer's kind, content hash and
+vocabulary size; pretraining and taco-build-samples refuse another tokenizer in one line
+before any process group (a summary written before the hash: only the size is checked).
+Checkpoints: metadata.json's "tokenizer" names the copy in --save; the readers (export,
+conversion, fine-tuning) take the copy, so the original may move or go, and refuse a
+tokenizer file whose content is not the recorded one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
+from megatron_taco.data.config import DataConfig
+from megatron_taco.data.tokenizer import (
+    Tokenizer,
+    dataset_summary,
+    file_sha256,
+    save_tokenizer_copy,
+    saved_tokenizer_record,
+)
+from megatron_taco.recipes.registry import checkpoint_tokenizer
+from megatron_taco.training.checkpointing import FORMAT, _write_metadata
+from megatron_taco.training.consolidate import find_checkpoint
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory, botchan_path) -> str:
+    """Another sentencepiece model of the same size (BPE): only the hash tells them apart."""
+    out = tmp_path_factory.mktemp("other")
+    return train_tokenizer(
+        TrainTokenizerConfig(
+            input=(str(botchan_path),),
+            model_prefix=str(out / "bpe"),
+            vocab_size=800,
+            model_type="bpe",
+            num_threads=1,
+        )
+    )
+
+
+def test_summary_records_the_tokenizer(botchan_dataset):
+    path, summary = dataset_summary(botchan_dataset["prefix"])
+    assert path == str(botchan_dataset["dir"] / "botchan_summary.json")
+    record = summary["tokenizer"]
+    assert record["type"] == "SentencePiece" and record["vocab_size"] == 800
+    assert record["sha256"] == file_sha256(botchan_dataset["tokenizer"])
+
+
+def test_another_tokenizer_of_the_same_size_is_refused(botchan_dataset, other_model):
+    config = DataConfig(data_path=(botchan_dataset["prefix"],), tokenizer_model=other_model)
+    with pytest.raises(ConfigError) as info:
+        config.validate_files()
+    message = str(info.value)
+    assert message.startswith(f"--tokenizer-model: {other_model} (SentencePiece, 800 pieces")
+    assert "is not the tokenizer" in message and "botchan_summary.json" in message
+    assert "\n" not in message
+
+
+def test_a_moved_copy_is_the_same_tokenizer(botchan_dataset, tmp_path):
+    copy = shutil.copy(botchan_dataset["tokenizer"], tmp_path / "renamed.model")
+    DataConfig(data_path=(botchan_dataset["prefix"],), tokenizer_model=str(copy)).validate_files()
+
+
+def _old_dataset(botchan_dataset, tmp_path) -> str:
+    """The dataset as preprocessing wrote it before the hash was recorded."""
+    src = Path(botchan_dataset["prefix"])
+    for f in src.parent.glob(src.name + "*"):
+        shutil.copy(f, tmp_path / f.name)
+    summary = json.loads((src.parent / "botchan_summary.json").read_text())
+    del summary["tokenizer"]
+    (tmp_path / "botchan_summary.json").write_text(json.dumps(summary))
+    return str(tmp_path / src.name)
+
+
+def test_old_summary_checks_only_the_vocabulary_size(
+    botchan_dataset, other_model, tmp_path, botchan_path
+):
+    prefix = _old_dataset(botchan_dataset, tmp_path)
+    DataConfig(data_path=(prefix,), tokenizer_model=other_model).validate_files()  # same size
+    smaller = train_tokenizer(
+        TrainTokenizerConfig(
+            input=(str(botchan_path),),
+            model_prefix=str(tmp_path / "small"),
+            vocab_size=500,
+            num_threads=1,
+        )
+    )
+    with pytest.raises(ConfigError, match=r"^--tokenizer-model: .* has 500 pieces, .* of 800"):
+        DataConfig(data_path=(prefix,), tokenizer_model=smaller).validate_files()
+
+
+def test_build_samples_refuses_in_one_line(botchan_dataset, other_model, capsys):
+    from megatron_taco.cli.build_samples import main
+
+    argv = ["--data-path", botchan_dataset["prefix"], "--tokenizer-model", other_model,
+            "--data-cache-path", str(botchan_dataset["dir"] / "cache"), "--train-samples", "4"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "is not the tokenizer" in errors[0], errors
+
+
+def test_pretraining_refuses_before_any_process_group(botchan_dataset, other_model, tmp_path):
+    from megatron_taco.cli.pretrain_taco import SPEC
+
+    argv = ["--model-size", "tiny", "--seq-length", "64", "--data-path", botchan_dataset["prefix"],
+            "--tokenizer-model", other_model, "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "2", "--save", str(tmp_path / "s")]  # fmt: skip
+    args = SPEC.build_parser().parse_args(argv)
+    with pytest.raises(ConfigError, match="^--tokenizer-model: .* is not the tokenizer"):
+        SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+    assert not torch.distributed.is_initialized()
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+
+def _checkpoint(save: Path, tokenizer: Tokenizer, *, record: bool = True) -> None:
+    """A checkpoint's metadata.json as the driver writes it (no tensors: the tokenizer is
+    resolved from the metadata alone), with the tokenizer copied into --save."""
+    iter_dir = save / "iter_0000002"
+    iter_dir.mkdir(parents=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("2\n")
+    meta = {"format": FORMAT, "iteration": 2, "consumed_samples": 8, "world_size": 1,
+            "tensor_model_parallel_size": 1, "data_parallel_size": 1, "model": "TACO",
+            "configs": {"data": {"tokenizer_model": tokenizer.model_path,
+                                 "tokenizer_type": "SentencePiece", "vocab_file": None}}}  # fmt: skip
+    if record:
+        meta["tokenizer"] = saved_tokenizer_record(tokenizer)
+        save_tokenizer_copy(str(save), tokenizer, meta["tokenizer"])
+    _write_metadata(str(iter_dir), meta, {})
+
+
+def test_checkpoint_reads_its_copy_after_the_original_is_gone(tokenizer_model, tmp_path):
+    original = Path(shutil.copy(tokenizer_model, tmp_path / "tok.model"))
+    _checkpoint(tmp_path / "save", Tokenizer(original))
+    original.unlink()
+    info = find_checkpoint(str(tmp_path / "save"), verify=False)
+    path, kind = checkpoint_tokenizer(info, None)
+    record = info.meta["tokenizer"]
+    assert path == str(tmp_path / "save" / record["file"]) and kind == "SentencePiece"
+    assert record["file"].startswith("tokenizer/") and not Path(record["file"]).is_absolute()
+    assert file_sha256(path) == file_sha256(tokenizer_model)
+    # the save directory moved too: the copy is found relative to it
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "save", moved)
+    path, _ = checkpoint_tokenizer(find_checkpoint(str(moved), verify=False), None)
+    assert path.startswith(str(moved))
+
+
+def test_checkpoint_refuses_another_tokenizer(tokenizer_model, other_model, tmp_path):
+    _checkpoint(tmp_path / "save", Tokenizer(tokenizer_model))
+    info = find_checkpoint(str(tmp_path / "save"), verify=False)
+    assert checkpoint_tokenizer(info, tokenizer_model)[0] == tokenizer_model  # the same: fine
+    with pytest.raises(ConfigError, match=r"^--vocab-file: .* is not the tokenizer .* sha256"):
+        checkpoint_tokenizer(info, other_model, "--vocab-file")
+
+
+def test_old_checkpoint_reads_the_file_its_configs_name(tokenizer_model, tmp_path):
+    _checkpoint(tmp_path / "save", Tokenizer(tokenizer_model), record=False)
+    info = find_checkpoint(str(tmp_path / "save"), verify=False)
+    assert checkpoint_tokenizer(info, None) == (tokenizer_model, "SentencePiece")
