@@ -346,6 +346,12 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     )
 
 
+def sas_stores(cfg: PretrainConfigs) -> tuple[tuple[str, str], ...]:
+    augmentation = cfg.task["self_augmentation"]
+    root = augmentation.store_dir(cfg.training.save) if augmentation.self_augmentation else None
+    return () if root is None else (("--replacement-store", root),)
+
+
 SPEC = ModelSpec(
     name="SAS",
     prog="pretrain_sas.py",
@@ -359,4 +365,5 @@ SPEC = ModelSpec(
     build=build_sas,
     check=check_sas,
     has_epochs=True,
+    stores=sas_stores,
 )

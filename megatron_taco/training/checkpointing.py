@@ -37,6 +37,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,6 +115,14 @@ class CheckpointConfig:
         "the newest older checkpoint in --load that verifies instead of stopping.",
         flag="--load-fallback",
     )
+    override_existing_checkpoints: bool = option(
+        False,
+        "Start anew in a --save that holds another run's checkpoints (which a run without "
+        "--load naming --save refuses to do): they, and the stores they need (SAS: the "
+        "replacement store), are moved aside into --save/superseded-<time>/ before the first "
+        "save; nothing is deleted.",
+        flag="--override-existing-checkpoints",
+    )
 
     def __post_init__(self) -> None:
         if self.save_retain is not None:
@@ -125,12 +134,10 @@ class CheckpointConfig:
                 "save_retain",
                 f"must be an integer >= 1, got {self.save_retain!r}",
             )
-        require(
-            isinstance(self.load_fallback, bool),
-            CheckpointConfig,
-            "load_fallback",
-            f"must be true or false, got {self.load_fallback!r}",
-        )
+        for name in ("load_fallback", "override_existing_checkpoints"):
+            value = getattr(self, name)
+            require(isinstance(value, bool), CheckpointConfig, name,
+                    f"must be true or false, got {value!r}")  # fmt: skip
 
 
 @dataclass
@@ -778,6 +785,87 @@ def check_save_dir(save_dir: str) -> None:
         _remove(probe)
 
 
+def existing_checkpoints(directory: str) -> str | None:
+    """What checkpoints ``directory`` already holds ("checkpoints up to iteration 4"), None
+    when it holds none: a tracker (even one that cannot be read) or a complete checkpoint."""
+    complete = complete_iterations(directory)
+    if not complete and not os.path.lexists(tracker_path(directory)):
+        return None
+    tracked = _read_tracker_quietly(directory)
+    newest = max([*complete, *([] if tracked is None else [tracked])], default=None)
+    return "checkpoints" if newest is None else f"checkpoints up to iteration {newest}"
+
+
+def same_directory(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def resumes_save(training) -> bool:
+    """Whether the run continues the checkpoints in --save (--load names --save, not as
+    --finetune, which restarts at iteration 0): only then may its saves replace or retire
+    them."""
+    return not training.finetune and same_directory(training.load, training.save)
+
+
+def check_own_save(training, checkpoint: CheckpointConfig) -> None:
+    """A run never removes, replaces or rewinds checkpoints it did not write: its first save
+    would rewind the tracker, a save at an old iteration would replace that checkpoint and
+    --save-retain would delete the old run's last one. Refused unless it resumes them or
+    --override-existing-checkpoints moves them aside (set_aside, by rank 0 under the lock)."""
+    save = training.save
+    held = existing_checkpoints(save)
+    if held is None:
+        return
+    if checkpoint.override_existing_checkpoints:
+        if resumes_save(training):
+            raise ConfigError(
+                f"--override-existing-checkpoints: --load {training.load} is --save, whose "
+                f"{held} this run would resume: drop --load to start anew, or the flag to resume"
+            )
+        return
+    if not resumes_save(training):
+        raise ConfigError(
+            f"--save: {save} already holds {held} of another run, which this run's saves "
+            f"would replace, rewind or delete: pass --load {save} to resume them, or "
+            "--override-existing-checkpoints to move them aside and start anew"
+        )
+
+
+SUPERSEDED_PREFIX = "superseded-"
+
+
+def _is_checkpoint_entry(name: str) -> bool:
+    return name == TRACKER_FILENAME or bool(_ITER_DIR.match(name) or _LEFTOVER.match(name))
+
+
+def set_aside(save_dir: str, stores: tuple[str, ...] = ()) -> str | None:
+    """--override-existing-checkpoints: move the checkpoints in ``save_dir`` and the
+    non-empty ``stores`` into ``save_dir/superseded-<time>/`` (a store elsewhere: renamed to
+    ``<store>.superseded-<time>``), tracker first so that no moment shows a tracker naming
+    a moved checkpoint. Rank 0 only, holding the save lock, before any save. Returns the
+    directory, None when there was nothing to move."""
+    names = sorted(n for n in os.listdir(save_dir) if _is_checkpoint_entry(n))
+    stores = tuple(s for s in stores if os.path.isdir(s) and os.listdir(s))
+    if not names and not stores:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = os.path.join(save_dir, f"{SUPERSEDED_PREFIX}{stamp}-{os.getpid()}")
+    os.makedirs(aside)
+    names.sort(key=lambda n: n != TRACKER_FILENAME)
+    for name in names:
+        os.rename(os.path.join(save_dir, name), os.path.join(aside, name))
+    for store in stores:
+        inside = same_directory(os.path.dirname(os.path.abspath(store)), save_dir)
+        target = (
+            os.path.join(aside, os.path.basename(store))
+            if inside
+            else f"{store.rstrip(os.sep)}.{SUPERSEDED_PREFIX}{stamp}-{os.getpid()}"
+        )
+        os.rename(store, target)
+    _fsync_dir(save_dir)
+    return aside
+
+
 # DeepSpeed checkpoint options that bypass this module's writer or loader.
 _UNSUPPORTED_DS_CHECKPOINT_KEYS = {
     "writer": "checkpoints are written by megatron_taco's own writer",
@@ -802,6 +890,9 @@ def prepare_checkpoints(
     share it (the driver: once per node) and hands every rank the same result."""
     if checkpoint.save_retain is not None:
         require(training.save is not None, CheckpointConfig, "save_retain", "needs --save")
+    if checkpoint.override_existing_checkpoints:
+        require(training.save is not None, CheckpointConfig, "override_existing_checkpoints",
+                "needs --save")  # fmt: skip
     if checkpoint.load_fallback:
         require(training.load is not None, CheckpointConfig, "load_fallback", "needs --load")
         require(
@@ -816,6 +907,7 @@ def prepare_checkpoints(
             raise ConfigError(f"--deepspeed-config: key 'checkpoint.{key}' is not supported: {why}")
     if training.save is not None:
         check_save_dir(training.save)
+        check_own_save(training, checkpoint)
     if training.load is None:
         return None
     if zero_stage == 3 and (training.finetune or training.no_load_optim):
