@@ -26,7 +26,13 @@ from megatron_taco.data.sas_collator import ReplacementConfig
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.pretrain import BuildContext, ModelParts, ModelSpec, PretrainConfigs
+from megatron_taco.training.pretrain import (
+    BuildContext,
+    ModelParts,
+    ModelSpec,
+    PretrainConfigs,
+    starts_fresh,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,11 @@ def check_sas(cfg: PretrainConfigs) -> None:
             "epochs; give --save (the store goes under it) or --replacement-store DIR, or "
             "--no-self-augmentation"
         )
+    if augmentation.self_augmentation and not starts_fresh(cfg):
+        from megatron_taco.recipes.sas_augmentation import check_store_origin, store_origin
+
+        origin = store_origin(cfg.data, cfg.task["replacement"], augmentation)
+        check_store_origin(augmentation.store_dir(cfg.training.save), origin)
     if cfg.task["replacement"].cold_start == "unigram":
         from megatron_taco.data.indexed_dataset import unigram_path
 
@@ -242,7 +253,11 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     from megatron_taco.models.common.host import WithHost
     from megatron_taco.models.flops import sas_train_flops
     from megatron_taco.models.sas.model import SasForPretraining
-    from megatron_taco.recipes.sas_augmentation import SelfAugmentation, StoreSource
+    from megatron_taco.recipes.sas_augmentation import (
+        SelfAugmentation,
+        StoreSource,
+        store_origin,
+    )
 
     cfg, model_config = ctx.configs, ctx.model_config
     data, replacement = cfg.data, cfg.task["replacement"]
@@ -268,6 +283,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
             width=replacement.width(data.seq_length),
             vocab_size=ctx.tokenizer.vocab_size,
             num_shards=augmentation.replacement_store_shards,
+            origin=store_origin(data, replacement, augmentation),
         )
         special_ids = np.flatnonzero(ctx.tokenizer.is_special_mask())
         callbacks.append(

@@ -28,6 +28,8 @@ replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 from typing import Any
@@ -36,14 +38,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import ConfigError, flag_of, option, require
 from megatron_taco.data.replacement_store import (
+    LAYOUT_NAME,
     GenerationReader,
     GenerationWriter,
     ReplacementStoreError,
     StoreLayout,
+    check_origin,
     commit_generation,
     delete_generations,
+    generation_dir,
+    list_generations,
+    manifest_path,
+    read_layout_file,
 )
 from megatron_taco.data.sas_collator import ColdStart
 from megatron_taco.parallel import comm
@@ -58,6 +66,64 @@ from megatron_taco.training.checkpointing import (
 )
 
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
+# DataConfig fields that do not decide the rows (where files are, how they are read), and
+# those recorded by content instead of by path (the data and the tokenizer may be moved).
+_DATA_NOT_RECORDED = ("data_path", "tokenizer_model", "data_cache_path", "num_workers")
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of a file, or of a directory's files by name (a tokenizer of several files)."""
+    digest = hashlib.sha256()
+    paths = [path] if not os.path.isdir(path) else sorted(
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+    )  # fmt: skip
+    for name in paths:
+        digest.update(os.path.relpath(name, path).encode())
+        with open(name, "rb") as f:
+            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _by_flag(config: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        flag_of(type(config), f.name): getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name not in skip
+    }
+
+
+def store_origin(data, replacement, augmentation: SelfAugmentationConfig) -> tuple:
+    """What decides which instance and slot a store row belongs to, by flag: every field of
+    the data and replacement configs (so a field added later is covered), each --data-path
+    dataset by name, weight and size, the tokenizer by content. StoreLayout.origin."""
+    datasets = [
+        [weight, os.path.basename(prefix), *(os.path.getsize(prefix + ext) for ext in (".bin", ".idx"))]
+        for prefix, weight in zip(data.prefixes, data.weights)
+    ]  # fmt: skip
+    origin = {
+        **_by_flag(data, skip=_DATA_NOT_RECORDED),
+        "--data-path": datasets,
+        "--tokenizer-model": f"sha256:{_file_digest(data.tokenizer_model)}",
+        **_by_flag(replacement),
+        "--drop-replacement-hits": augmentation.drop_replacement_hits,
+    }
+    return tuple((flag, json.dumps(value, sort_keys=True)) for flag, value in origin.items())
+
+
+def check_store_origin(root: str, layout_origin: tuple) -> None:
+    """Before any process group, for a resume: every generation in the store was written
+    with this run's origin, else one line naming the first flag that differs."""
+    probe = StoreLayout(1, 1, 1, 1, origin=layout_origin)
+    for generation in list_generations(root):
+        path = os.path.join(generation_dir(root, generation), LAYOUT_NAME)
+        try:
+            stored = read_layout_file(path)
+        except ReplacementStoreError:
+            continue  # missing or damaged: named by the store's own checks, with the file
+        differs = stored.origin_mismatch(probe)
+        if differs is not None:
+            raise ConfigError(f"{differs} ({path})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +254,15 @@ class SelfAugmentation(Callback):
         batch is built, on every rank, naming the file (rank 0 reads it once)."""
 
         def verify() -> None:
-            GenerationReader(self.root, generation, verify=True).close()
+            reader = GenerationReader(self.root, generation, verify=True)
+            reader.close()
+            path = manifest_path(self.root, generation)
+            if reader.layout.sizes() != self.layout.sizes():  # another data set or rate
+                raise ReplacementStoreError(
+                    f"{path}: generation {generation} was written for "
+                    f"{reader.layout.describe()}, this run has {self.layout.describe()}"
+                )
+            check_origin(path, reader.layout, self.layout)
 
         _agreed(rank == 0, verify, ConfigError, self.root)
 

@@ -157,6 +157,19 @@ def test_a_fresh_run_on_another_runs_save_is_refused_or_moves_it_aside(
         "wrote it to resume that run, or --override-existing-checkpoints to move it aside and "
         "start anew"
     ]
+    # Item 3: a resume whose flags would put the stored rows elsewhere (same store width:
+    # ceil(0.14 * 46) = ceil(0.15 * 46) = 7 slots; same number of instances for --seed).
+    resume = _sas_args(botchan_dataset, tmp_path, "--save", str(save), "--load", str(save),
+                       "--train-iters", "3", "--metrics-file", str(tmp_path / "m3.jsonl"))  # fmt: skip
+    layout = save / "replacement_store" / "gen_00000" / "layout.json"
+    for flag, value, stored in (("--seed", "7", "1234"), ("--mask-prob", "0.14", "0.15")):
+        assert _sas_main([*resume, flag, value]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"pretrain_sas.py: error: {flag}: the store was written with {flag} {stored}, this "
+            f"run has {value}: its rows would be read onto other positions or instances; resume "
+            f"with the store's {flag}, or start anew (--override-existing-checkpoints, without "
+            f"--load) ({layout})"
+        ]
     now = _contents(save)
     assert {name: now.get(name) for name in old} == old  # untouched
 
