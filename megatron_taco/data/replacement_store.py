@@ -190,6 +190,7 @@ class StoreLayout:
         missing = [k for k in (*keys, "dtype") if k not in obj]
         if missing:
             raise ReplacementStoreError(f"layout: missing field(s) {', '.join(missing)}")
+        _refuse_newer(obj.get("version"))
         if obj.get("version") != FORMAT_VERSION:
             raise ReplacementStoreError(
                 f"layout: format version {obj.get('version', 1)!r}, this version reads "
@@ -205,6 +206,15 @@ class StoreLayout:
                 f"(expected {layout.dtype.name!r})"
             )
         return layout
+
+
+def _refuse_newer(version: Any) -> None:
+    # Never "delete it": a newer version's generation is good data this one cannot read.
+    if _is_int(version) and version > FORMAT_VERSION:
+        raise ReplacementStoreError(
+            f"written by a newer megatron_taco (store format version {version}, this version "
+            f"reads {FORMAT_VERSION}): upgrade megatron_taco to read it"
+        )
 
 
 def _instance_ids(instance_ids: Any, layout: StoreLayout, where: str) -> np.ndarray:
@@ -523,6 +533,7 @@ class Manifest:
             raise ReplacementStoreError(
                 f"format is {obj.get('format')!r}, expected {FORMAT_NAME!r}"
             )
+        _refuse_newer(obj.get("version"))
         if obj.get("version") != FORMAT_VERSION:
             raise ReplacementStoreError(
                 f"format version {obj.get('version')!r} is not supported (expected {FORMAT_VERSION})"

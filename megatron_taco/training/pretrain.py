@@ -342,7 +342,8 @@ def lock_save(args: argparse.Namespace, monitor: ExitMonitor):
     save = getattr(args, "save", None)
     if save is not None and launcher_rank() == 0:
         check_save_dir(save)
-    return save_lock(save, launcher_rank(), monitor.exit_actions)
+    return save_lock(save, launcher_rank(), monitor.exit_actions,
+                     flock_local=bool(getattr(args, "save_lock_flock_local", False)))  # fmt: skip
 
 
 def verify_once_per_node(choose: Callable[[], LoadChoice | None]) -> LoadChoice | None:
@@ -552,7 +553,12 @@ def pretrain(
         held_lock = (
             contextlib.nullcontext(lock)
             if lock is not None
-            else save_lock(cfg.training.save, launcher_rank(), monitor.exit_actions)
+            else save_lock(
+                cfg.training.save,
+                launcher_rank(),
+                monitor.exit_actions,
+                flock_local=cfg.checkpoint.save_lock_flock_local,
+            )  # fmt: skip
         )
         with monitor.answering_errors(), held_lock as held:
             if held is not None:
