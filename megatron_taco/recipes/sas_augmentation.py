@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -59,12 +60,15 @@ from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_samp
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
     CheckpointInvalid,
+    CheckpointTooNew,
+    CheckpointUnreadable,
     RunError,
     checkpoint_tag,
     complete_iterations,
     read_metadata,
 )
 
+logger = logging.getLogger(__name__)
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
 # DataConfig fields that do not decide the rows (where files are, how they are read), and
 # those recorded by content instead of by path (the data and the tokenizer may be moved).
@@ -241,6 +245,9 @@ class SelfAugmentation(Callback):
         self.counts: torch.Tensor | None = None
         # The last micro-batch's rows on their way to the host, written at the next one.
         self._pending: HostRows | None = None
+        # A failed row write (a full disk, a quota, EIO): no more rows are written, and every
+        # rank stops at the next save or epoch end, where the ranks agree (_flush_agreed).
+        self._write_error: str | None = None
 
     # -- ownership and layout -----------------------------------------------------------
 
@@ -269,12 +276,12 @@ class SelfAugmentation(Callback):
     def _commit(self, trainer, epoch: int) -> None:
         commit_generation(self.root, epoch, self.layout)
         # Epoch t+1 reads generation t; the checkpoints in --save need theirs.
-        needed = generations_needed(trainer.training.save, self.layout.num_instances)
+        try:
+            needed = generations_needed(trainer.training.save, self.layout.num_instances)
+        except (CheckpointUnreadable, CheckpointTooNew) as e:
+            logger.warning("%s; every generation of %s is kept until it can be read", e, self.root)
+            return
         delete_generations(self.root, keep={epoch} | needed)
-
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            comm.barrier()
 
     # -- hooks --------------------------------------------------------------------------
 
@@ -320,10 +327,37 @@ class SelfAugmentation(Callback):
 
     def _write_pending(self) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None and self.writer is not None:
+        if pending is not None and self.writer is not None and self._write_error is None:
             ids, rows = pending.numpy()
             mine = np.isin(self.layout.shard_of(ids), self.writer.owned_shards)
-            self.writer.write(ids[mine], rows[mine])
+            try:
+                self.writer.write(ids[mine], rows[mine])
+            except OSError as e:
+                # Copy-on-write or compressed storage: the pre-fill reserved nothing.
+                self._write_error = f"{e.filename or self.writer.directory}: {e.strerror or e}"
+
+    def _flush_agreed(self, close: bool = False) -> None:
+        """Collective: the rows written so far made durable on every rank; a write or
+        fsync that failed on any rank stops every rank with its line (RunError), before the
+        checkpoint that would need the rows is written: the last good one stays latest."""
+
+        def flush() -> None:
+            if self._write_error is not None:
+                raise ReplacementStoreError(
+                    f"writing rows failed: {self._write_error} (the last checkpoint is kept: "
+                    "none is saved without its rows)"
+                )
+            if self.writer is not None:
+                self.writer.flush()
+                if close:
+                    self.writer.close()
+
+        self._write_pending()
+        try:
+            _agreed(True, flush, RunError, self.root)
+        finally:
+            if close:
+                self.writer = None
 
     def _count(self, batch: dict) -> None:
         kept = (batch["replaced_positions"] >= 0) & ~batch["dropped_slots"]
@@ -376,17 +410,10 @@ class SelfAugmentation(Callback):
         return torch.where(drawn_slots, drawn, tokens)
 
     def on_save(self, trainer, state) -> None:
-        self._write_pending()
-        if self.writer is not None:
-            self.writer.flush()
+        self._flush_agreed()
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
-        self._write_pending()
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-            self.writer = None
-        self._barrier()  # every owner flushed
+        self._flush_agreed(close=True)  # every owner flushed (the gather is the barrier)
         # A row that changed on disk since it was written (or was never written) stops every
         # rank with one line naming it.
         _agreed(
@@ -440,7 +467,7 @@ def generations_needed(save_dir: str | None, samples_per_epoch: int) -> set[int]
         try:
             meta = read_metadata(os.path.join(save_dir, checkpoint_tag(iteration)))
         except CheckpointInvalid:
-            continue  # not loadable, so it needs nothing
+            continue  # proven corrupt, so it needs nothing (unreadable or newer: raised)
         epoch, into = divmod(int(meta.get("consumed_samples", 0)), samples_per_epoch)
         needed.update(g for g in (epoch - 1, epoch if into else -1) if g >= 0)
     return needed
