@@ -44,6 +44,7 @@ from megatron_taco.training.checkpointing import (
     RunError,
     check_save_dir,
     prepare_checkpoints,
+    resumes_save,
     set_aside,
 )
 from megatron_taco.training.config import (
@@ -312,8 +313,11 @@ def starts_fresh(cfg: PretrainConfigs) -> bool:
 
 def check_own_stores(cfg: PretrainConfigs, stores: tuple[tuple[str, str], ...]) -> None:
     """A fresh run would overwrite another run's store data (and un-commit what that run's
-    checkpoints need): refused, as a --save holding checkpoints is (check_own_save)."""
-    if not starts_fresh(cfg) or cfg.checkpoint.override_existing_checkpoints:
+    checkpoints need): refused, as a --save holding checkpoints is (check_own_save). Not
+    when --load names --save: a requeued run that died before its first checkpoint rewrites
+    its own data, which no checkpoint needs."""
+    own = not starts_fresh(cfg) or resumes_save(cfg.training)
+    if own or cfg.checkpoint.override_existing_checkpoints:
         return
     for flag, directory in stores:
         if os.path.isdir(directory) and os.listdir(directory):

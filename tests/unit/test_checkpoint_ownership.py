@@ -157,6 +157,15 @@ def test_a_fresh_run_on_another_runs_save_is_refused_or_moves_it_aside(
         "wrote it to resume that run, or --override-existing-checkpoints to move it aside and "
         "start anew"
     ]
+    # A requeued run naming its --save in --load that died before its first checkpoint:
+    # its own store data, which no checkpoint needs, is rewritten.
+    requeued = str(tmp_path / "requeued")
+    own = _sas_args(botchan_dataset, tmp_path, "--save", requeued, "--load", requeued,
+                    "--replacement-store", store, "--train-iters", "1")  # fmt: skip
+    from megatron_taco.recipes.sas import SPEC
+
+    SPEC.configs_from_args(SPEC.build_parser().parse_args(own), world_size=1, device_type="cpu")
+
     # Item 3: a resume whose flags would put the stored rows elsewhere (same store width:
     # ceil(0.14 * 46) = ceil(0.15 * 46) = 7 slots; same number of instances for --seed).
     resume = _sas_args(botchan_dataset, tmp_path, "--save", str(save), "--load", str(save),
