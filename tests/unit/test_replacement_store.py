@@ -507,7 +507,9 @@ def test_missing_manifest(tmp_path):
         (lambda p: Path(p).write_text("[1, 2]"), "expected a JSON object"),
         (
             lambda p: _edit_manifest(p, lambda o: o.update(version=7)),
-            r"format version 7 is not supported \(expected 2\)",
+            # Issue 27 item 2: good data of a newer version, never "delete it".
+            r"written by a newer megatron_taco \(store format version 7, this version reads "
+            r"2\): upgrade megatron_taco to read it",
         ),
         (
             lambda p: _edit_manifest(p, lambda o: o.update(complete=False)),
