@@ -42,7 +42,6 @@ from megatron_taco.training.checkpointing import (
     CheckpointConfig,
     LoadChoice,
     RunError,
-    check_save_dir,
     prepare_checkpoints,
     resumes_save,
     set_aside,
@@ -341,11 +340,12 @@ def _set_aside(cfg: PretrainConfigs, spec: ModelSpec) -> None:
 
 
 def lock_save(args: argparse.Namespace, monitor: ExitMonitor):
-    """save_lock of the flags' --save (created and test-written first), held by global
-    rank 0 from before any checkpoint is read to the end of the run."""
+    """save_lock of the flags' --save, held by global rank 0 from before any checkpoint in
+    it is read to the end of the run. A --save that does not exist yet holds none: nothing
+    is created before the flags are checked, and pretrain() takes the lock then."""
     save = getattr(args, "save", None)
-    if save is not None and launcher_rank() == 0:
-        check_save_dir(save)
+    if save is None or not os.path.isdir(save):
+        return contextlib.nullcontext(None)
     return save_lock(save, launcher_rank(), monitor.exit_actions,
                      flock_local=bool(getattr(args, "save_lock_flock_local", False)))  # fmt: skip
 
