@@ -2,6 +2,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_taco.cli.finetune import main
+from megatron_taco.training.signals import tie_at_start
+
+# Before torch and DeepSpeed are imported: a rank whose launcher is gone ends now.
+tie_at_start("finetune.py")
+from megatron_taco.cli.finetune import main  # noqa: E402
 
 sys.exit(main())

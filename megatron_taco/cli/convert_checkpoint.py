@@ -171,10 +171,11 @@ def _copy_checked(src: str, dst: str, entry: dict[str, Any]) -> None:
 
 def check_save(save: str) -> None:
     # Never next to other checkpoints: the tracker written last would roll them back.
-    from megatron_taco.training.checkpointing import complete_iterations, tracker_path
+    from megatron_taco.training.checkpointing import existing_checkpoints
 
-    if os.path.exists(tracker_path(save)) or complete_iterations(save):
-        raise ConfigError(f"--save: {save} already holds checkpoints; give a new directory")
+    held = existing_checkpoints(save)
+    if held is not None:
+        raise ConfigError(f"--save: {save} already holds {held}; give a new directory")
     if os.path.exists(save) and not os.path.isdir(save):
         raise ConfigError(f"--save: {save} exists and is not a directory")
 

@@ -74,6 +74,10 @@ class StoreLayout:
     width: int  # W: replacement slots per instance (rows shorter than W leave the rest as 0)
     vocab_size: int
     num_shards: int
+    # What decided the rows besides the sizes, as (flag, JSON value) pairs the caller records
+    # (SAS: seed, replacement rate, data, tokenizer): a resume with another value would read
+    # rows onto other positions or instances. Empty: not recorded (stores written before).
+    origin: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name, high in (
@@ -87,6 +91,36 @@ class StoreLayout:
                 bound = "an integer >= 1" if high is None else f"an integer in [1, {high}]"
                 raise ReplacementStoreError(f"StoreLayout.{name}: expected {bound}, got {value!r}")
             object.__setattr__(self, name, int(value))  # numpy ints would break JSON and ==
+        origin = tuple(tuple(pair) for pair in self.origin)
+        if not all(len(p) == 2 and all(isinstance(x, str) for x in p) for p in origin):
+            raise ReplacementStoreError(
+                f"StoreLayout.origin: expected (flag, JSON) pairs, got {origin!r}"
+            )
+        object.__setattr__(self, "origin", tuple(sorted(origin)))
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        return self.num_instances, self.width, self.vocab_size, self.num_shards
+
+    def describe(self) -> str:
+        return (f"{self.num_instances} instances x {self.width} slots, vocabulary "
+                f"{self.vocab_size}, {self.num_shards} shards")  # fmt: skip
+
+    def origin_mismatch(self, other: StoreLayout) -> str | None:
+        """How this run's ``other`` differs in origin from this (stored) layout, naming the
+        flag of the first differing entry; None when they agree. An unrecorded origin (a
+        store written before it was recorded) is not compared."""
+        if not self.origin or not other.origin:
+            return None
+        stored, current = dict(self.origin), dict(other.origin)
+        for flag in sorted(stored.keys() | current.keys()):
+            if stored.get(flag) != current.get(flag):
+                return (
+                    f"{flag}: the store was written with {flag} {stored.get(flag, '(unset)')}, "
+                    f"this run has {current.get(flag, '(unset)')}: its rows would be read onto "
+                    f"other positions or instances; resume with the store's {flag}, or start "
+                    "anew (--override-existing-checkpoints, without --load)"
+                )
+        return None
 
     @property
     def dtype(self) -> np.dtype:
@@ -145,6 +179,7 @@ class StoreLayout:
             "num_shards": self.num_shards,
             "dtype": self.dtype.name,
             "version": FORMAT_VERSION,
+            **({"origin": dict(self.origin)} if self.origin else {}),
         }
 
     @classmethod
@@ -155,18 +190,31 @@ class StoreLayout:
         missing = [k for k in (*keys, "dtype") if k not in obj]
         if missing:
             raise ReplacementStoreError(f"layout: missing field(s) {', '.join(missing)}")
+        _refuse_newer(obj.get("version"))
         if obj.get("version") != FORMAT_VERSION:
             raise ReplacementStoreError(
                 f"layout: format version {obj.get('version', 1)!r}, this version reads "
                 f"{FORMAT_VERSION} (rows with checksums); delete the generation to write it anew"
             )
-        layout = cls(**{k: obj[k] for k in keys})
+        origin = obj.get("origin", {})
+        if not isinstance(origin, dict):
+            raise ReplacementStoreError(f"layout: 'origin' must be an object, got {origin!r:.60}")
+        layout = cls(**{k: obj[k] for k in keys}, origin=tuple(origin.items()))
         if obj["dtype"] != layout.dtype.name:
             raise ReplacementStoreError(
                 f"layout: dtype {obj['dtype']!r} does not match vocab_size {layout.vocab_size} "
                 f"(expected {layout.dtype.name!r})"
             )
         return layout
+
+
+def _refuse_newer(version: Any) -> None:
+    # Never "delete it": a newer version's generation is good data this one cannot read.
+    if _is_int(version) and version > FORMAT_VERSION:
+        raise ReplacementStoreError(
+            f"written by a newer megatron_taco (store format version {version}, this version "
+            f"reads {FORMAT_VERSION}): upgrade megatron_taco to read it"
+        )
 
 
 def _instance_ids(instance_ids: Any, layout: StoreLayout, where: str) -> np.ndarray:
@@ -309,12 +357,18 @@ def _load_json(path: str) -> Any:
         ) from None
 
 
-def _read_layout_file(path: str) -> StoreLayout:
+def read_layout_file(path: str) -> StoreLayout:
     obj = _load_json(path)
     try:
         return StoreLayout.from_json(obj)
     except ReplacementStoreError as e:
         raise ReplacementStoreError(f"{path}: {e}") from None
+
+
+def check_origin(path: str, stored: StoreLayout, layout: StoreLayout) -> None:
+    differs = stored.origin_mismatch(layout)
+    if differs is not None:
+        raise ReplacementStoreError(f"{path}: {differs}")
 
 
 def _layout_json_bytes(layout: StoreLayout) -> bytes:
@@ -479,6 +533,7 @@ class Manifest:
             raise ReplacementStoreError(
                 f"format is {obj.get('format')!r}, expected {FORMAT_NAME!r}"
             )
+        _refuse_newer(obj.get("version"))
         if obj.get("version") != FORMAT_VERSION:
             raise ReplacementStoreError(
                 f"format version {obj.get('version')!r} is not supported (expected {FORMAT_VERSION})"
@@ -564,12 +619,13 @@ def _prepare_generation_dir(root: str, generation: int, layout: StoreLayout) -> 
         _fsync_dir(root)
     path = os.path.join(directory, LAYOUT_NAME)
     if os.path.exists(path):
-        stored = _read_layout_file(path)
-        if stored != layout:
+        stored = read_layout_file(path)
+        if stored.sizes() != layout.sizes():
             raise ReplacementStoreError(
                 f"{path}: generation {generation} was started with {stored}, not {layout}; "
                 f"delete {directory} to start it afresh"
             )
+        check_origin(path, stored, layout)
     else:
         _atomic_write(path, _layout_json_bytes(layout))  # racing writers write equal bytes
     return directory
@@ -719,12 +775,13 @@ def commit_generation(root: str | os.PathLike, generation: int, layout: StoreLay
     directory = generation_dir(root, generation)
     if not os.path.isdir(directory):
         raise ReplacementStoreError(f"{directory}: generation directory missing")
-    stored = _read_layout_file(os.path.join(directory, LAYOUT_NAME))
-    if stored != layout:
+    stored = read_layout_file(os.path.join(directory, LAYOUT_NAME))
+    if stored.sizes() != layout.sizes():
         raise ReplacementStoreError(
             f"{os.path.join(directory, LAYOUT_NAME)}: generation was written with {stored}, "
             f"commit was asked for {layout}"
         )
+    check_origin(os.path.join(directory, LAYOUT_NAME), stored, layout)
     records = []
     for k in range(layout.num_shards):
         path = os.path.join(directory, layout.shard_file(k))
@@ -774,7 +831,7 @@ class GenerationReader:
         self.directory = generation_dir(self.root, self.generation)
         self.manifest: Manifest | None = None
         if allow_uncommitted and not os.path.exists(os.path.join(self.directory, MANIFEST_NAME)):
-            self.layout = _read_layout_file(os.path.join(self.directory, LAYOUT_NAME))
+            self.layout = read_layout_file(os.path.join(self.directory, LAYOUT_NAME))
         else:
             self.manifest = read_manifest(self.root, self.generation)
             self.layout = self.manifest.layout

@@ -26,7 +26,13 @@ from megatron_taco.data.sas_collator import ReplacementConfig
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.pretrain import BuildContext, ModelParts, ModelSpec, PretrainConfigs
+from megatron_taco.training.pretrain import (
+    BuildContext,
+    ModelParts,
+    ModelSpec,
+    PretrainConfigs,
+    starts_fresh,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +131,11 @@ def check_sas(cfg: PretrainConfigs) -> None:
             "epochs; give --save (the store goes under it) or --replacement-store DIR, or "
             "--no-self-augmentation"
         )
+    if augmentation.self_augmentation and not starts_fresh(cfg):
+        from megatron_taco.recipes.sas_augmentation import check_store_origin, store_origin
+
+        origin = store_origin(cfg.data, cfg.task["replacement"], augmentation)
+        check_store_origin(augmentation.store_dir(cfg.training.save), origin)
     if cfg.task["replacement"].cold_start == "unigram":
         from megatron_taco.data.indexed_dataset import unigram_path
 
@@ -263,7 +274,11 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         sas_train_flops_executed,
     )
     from megatron_taco.models.sas.model import SasForPretraining
-    from megatron_taco.recipes.sas_augmentation import SelfAugmentation, StoreSource
+    from megatron_taco.recipes.sas_augmentation import (
+        SelfAugmentation,
+        StoreSource,
+        store_origin,
+    )
 
     cfg, model_config = ctx.configs, ctx.model_config
     data, replacement = cfg.data, cfg.task["replacement"]
@@ -290,6 +305,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
             width=replacement.width(data.seq_length),
             vocab_size=ctx.tokenizer.vocab_size,
             num_shards=augmentation.replacement_store_shards,
+            origin=store_origin(data, replacement, augmentation),
         )
         special_ids = np.flatnonzero(ctx.tokenizer.is_special_mask())
         callbacks.append(
@@ -382,6 +398,12 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     )
 
 
+def sas_stores(cfg: PretrainConfigs) -> tuple[tuple[str, str], ...]:
+    augmentation = cfg.task["self_augmentation"]
+    root = augmentation.store_dir(cfg.training.save) if augmentation.self_augmentation else None
+    return () if root is None else (("--replacement-store", root),)
+
+
 SPEC = ModelSpec(
     name="SAS",
     prog="pretrain_sas.py",
@@ -395,4 +417,5 @@ SPEC = ModelSpec(
     build=build_sas,
     check=check_sas,
     has_epochs=True,
+    stores=sas_stores,
 )

@@ -28,6 +28,9 @@ replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
 import os
 import time
 from typing import Any
@@ -36,14 +39,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import ConfigError, flag_of, option, require
 from megatron_taco.data.replacement_store import (
+    LAYOUT_NAME,
     GenerationReader,
     GenerationWriter,
     ReplacementStoreError,
     StoreLayout,
+    check_origin,
     commit_generation,
     delete_generations,
+    generation_dir,
+    list_generations,
+    manifest_path,
+    read_layout_file,
 )
 from megatron_taco.data.sas_collator import ReplacementSource
 from megatron_taco.parallel import comm
@@ -51,13 +60,74 @@ from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_samp
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
     CheckpointInvalid,
+    CheckpointTooNew,
+    CheckpointUnreadable,
     RunError,
     checkpoint_tag,
     complete_iterations,
     read_metadata,
 )
 
+logger = logging.getLogger(__name__)
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
+# DataConfig fields that do not decide the rows (where files are, how they are read), and
+# those recorded by content instead of by path (the data and the tokenizer may be moved).
+_DATA_NOT_RECORDED = ("data_path", "tokenizer_model", "data_cache_path", "num_workers")
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of a file, or of a directory's files by name (a tokenizer of several files)."""
+    digest = hashlib.sha256()
+    paths = [path] if not os.path.isdir(path) else sorted(
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+    )  # fmt: skip
+    for name in paths:
+        digest.update(os.path.relpath(name, path).encode())
+        with open(name, "rb") as f:
+            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _by_flag(config: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        flag_of(type(config), f.name): getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name not in skip
+    }
+
+
+def store_origin(data, replacement, augmentation: SelfAugmentationConfig) -> tuple:
+    """What decides which instance and slot a store row belongs to, by flag: every field of
+    the data and replacement configs (so a field added later is covered), each --data-path
+    dataset by name, weight and size, the tokenizer by content. StoreLayout.origin."""
+    datasets = [
+        [weight, os.path.basename(prefix), *(os.path.getsize(prefix + ext) for ext in (".bin", ".idx"))]
+        for prefix, weight in zip(data.prefixes, data.weights)
+    ]  # fmt: skip
+    origin = {
+        **_by_flag(data, skip=_DATA_NOT_RECORDED),
+        "--data-path": datasets,
+        "--tokenizer-model": f"sha256:{_file_digest(data.tokenizer_model)}",
+        **_by_flag(replacement),
+        "--drop-replacement-hits": augmentation.drop_replacement_hits,
+    }
+    return tuple((flag, json.dumps(value, sort_keys=True)) for flag, value in origin.items())
+
+
+def check_store_origin(root: str, layout_origin: tuple) -> None:
+    """Before any process group, for a resume: every generation in the store was written
+    with this run's origin, else one line naming the first flag that differs."""
+    probe = StoreLayout(1, 1, 1, 1, origin=layout_origin)
+    for generation in list_generations(root):
+        path = os.path.join(generation_dir(root, generation), LAYOUT_NAME)
+        try:
+            stored = read_layout_file(path)
+        except ReplacementStoreError:
+            continue  # missing or damaged: named by the store's own checks, with the file
+        differs = stored.origin_mismatch(probe)
+        if differs is not None:
+            raise ConfigError(f"{differs} ({path})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +248,9 @@ class SelfAugmentation(Callback):
         self.counts: torch.Tensor | None = None
         # The last micro-batch's rows on their way to the host, written at the next one.
         self._pending: HostRows | None = None
+        # A failed row write (a full disk, a quota, EIO): no more rows are written, and every
+        # rank stops at the next save or epoch end, where the ranks agree (_flush_agreed).
+        self._write_error: str | None = None
 
     # -- ownership and layout -----------------------------------------------------------
 
@@ -191,19 +264,27 @@ class SelfAugmentation(Callback):
         batch is built, on every rank, naming the file (rank 0 reads it once)."""
 
         def verify() -> None:
-            GenerationReader(self.root, generation, verify=True).close()
+            reader = GenerationReader(self.root, generation, verify=True)
+            reader.close()
+            path = manifest_path(self.root, generation)
+            if reader.layout.sizes() != self.layout.sizes():  # another data set or rate
+                raise ReplacementStoreError(
+                    f"{path}: generation {generation} was written for "
+                    f"{reader.layout.describe()}, this run has {self.layout.describe()}"
+                )
+            check_origin(path, reader.layout, self.layout)
 
         _agreed(rank == 0, verify, ConfigError, self.root)
 
     def _commit(self, trainer, epoch: int) -> None:
         commit_generation(self.root, epoch, self.layout)
         # Epoch t+1 reads generation t; the checkpoints in --save need theirs.
-        needed = generations_needed(trainer.training.save, self.layout.num_instances)
+        try:
+            needed = generations_needed(trainer.training.save, self.layout.num_instances)
+        except (CheckpointUnreadable, CheckpointTooNew) as e:
+            logger.warning("%s; every generation of %s is kept until it can be read", e, self.root)
+            return
         delete_generations(self.root, keep={epoch} | needed)
-
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            comm.barrier()
 
     # -- hooks --------------------------------------------------------------------------
 
@@ -249,10 +330,37 @@ class SelfAugmentation(Callback):
 
     def _write_pending(self) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None and self.writer is not None:
+        if pending is not None and self.writer is not None and self._write_error is None:
             ids, rows = pending.numpy()
             mine = np.isin(self.layout.shard_of(ids), self.writer.owned_shards)
-            self.writer.write(ids[mine], rows[mine])
+            try:
+                self.writer.write(ids[mine], rows[mine])
+            except OSError as e:
+                # Copy-on-write or compressed storage: the pre-fill reserved nothing.
+                self._write_error = f"{e.filename or self.writer.directory}: {e.strerror or e}"
+
+    def _flush_agreed(self, close: bool = False) -> None:
+        """Collective: the rows written so far made durable on every rank; a write or
+        fsync that failed on any rank stops every rank with its line (RunError), before the
+        checkpoint that would need the rows is written: the last good one stays latest."""
+
+        def flush() -> None:
+            if self._write_error is not None:
+                raise ReplacementStoreError(
+                    f"writing rows failed: {self._write_error} (the last checkpoint is kept: "
+                    "none is saved without its rows)"
+                )
+            if self.writer is not None:
+                self.writer.flush()
+                if close:
+                    self.writer.close()
+
+        self._write_pending()
+        try:
+            _agreed(True, flush, RunError, self.root)
+        finally:
+            if close:
+                self.writer = None
 
     def _count(self, batch: dict) -> None:
         kept = (batch["replaced_positions"] >= 0) & ~batch["dropped_slots"]
@@ -305,17 +413,10 @@ class SelfAugmentation(Callback):
         return torch.where(drawn_slots, drawn, tokens)
 
     def on_save(self, trainer, state) -> None:
-        self._write_pending()
-        if self.writer is not None:
-            self.writer.flush()
+        self._flush_agreed()
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
-        self._write_pending()
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-            self.writer = None
-        self._barrier()  # every owner flushed
+        self._flush_agreed(close=True)  # every owner flushed (the gather is the barrier)
         # A row that changed on disk since it was written (or was never written) stops every
         # rank with one line naming it.
         _agreed(
@@ -369,7 +470,7 @@ def generations_needed(save_dir: str | None, samples_per_epoch: int) -> set[int]
         try:
             meta = read_metadata(os.path.join(save_dir, checkpoint_tag(iteration)))
         except CheckpointInvalid:
-            continue  # not loadable, so it needs nothing
+            continue  # proven corrupt, so it needs nothing (unreadable or newer: raised)
         epoch, into = divmod(int(meta.get("consumed_samples", 0)), samples_per_epoch)
         needed.update(g for g in (epoch - 1, epoch if into else -1) if g >= 0)
     return needed

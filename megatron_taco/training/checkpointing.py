@@ -37,6 +37,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,6 +90,47 @@ class CheckpointInvalid(ConfigError):
     """The checkpoint to load is incomplete or corrupt (an older one may still verify)."""
 
 
+class CheckpointUnreadable(ConfigError):
+    """The checkpoint cannot be read now (an I/O error other than a missing file, after
+    retries: EIO, ESTALE...): not proven corrupt, so never fallen back from or skipped."""
+
+
+class CheckpointTooNew(ConfigError):
+    """Written by a newer version of megatron_taco: upgrade, never fall back from it."""
+
+
+# Seconds before each retry of a read that failed with an I/O error (a network file
+# system's transient EIO or ESTALE); after the last, CheckpointUnreadable.
+IO_RETRY_DELAYS = (1.0, 5.0)
+
+
+def retried_read(path: str, read: Callable[[], Any]) -> Any:
+    """``read()``, retried on I/O errors; a missing file (FileNotFoundError) is raised at
+    once: it is proven absent, not unreadable."""
+    for delay in (*IO_RETRY_DELAYS, None):
+        try:
+            return read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            if delay is None:
+                raise CheckpointUnreadable(
+                    f"--load: {e.filename or path} cannot be read ({e.strerror or e}; "
+                    f"{len(IO_RETRY_DELAYS) + 1} attempts): an I/O error is not a corrupt "
+                    "checkpoint, so no older one is loaded instead; rerun once the file "
+                    "system answers, or pass --ckpt-step N to load another on purpose"
+                ) from None
+            logger.warning("%s: %s; retrying in %g s", path, e.strerror or e, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def format_version(name: Any) -> int | None:
+    """2 for "megatron_taco/2"; None for anything else."""
+    match = re.fullmatch(r"megatron_taco/(\d+)", name) if isinstance(name, str) else None
+    return int(match.group(1)) if match else None
+
+
 class CheckpointMisfit(CheckpointInvalid):
     """A checkpoint that verifies but whose tensors do not fit the model (found after the
     engine exists; --load-fallback falls back from it as from one that does not verify).
@@ -114,6 +156,21 @@ class CheckpointConfig:
         "the newest older checkpoint in --load that verifies instead of stopping.",
         flag="--load-fallback",
     )
+    override_existing_checkpoints: bool = option(
+        False,
+        "Start anew in a --save that holds another run's checkpoints (which a run without "
+        "--load naming --save refuses to do): they, and the stores they need (SAS: the "
+        "replacement store), are moved aside into --save/superseded-<time>/ before the first "
+        "save; nothing is deleted.",
+        flag="--override-existing-checkpoints",
+    )
+    save_lock_flock_local: bool = option(
+        False,
+        "--save's file system keeps flock locks to each host (NFS with local_lock=flock, "
+        "Lustre with -o localflock): a run.lock recorded by another host is then refused "
+        "even when its lock is free, instead of taken over as a gone run's.",
+        flag="--save-lock-flock-local",
+    )
 
     def __post_init__(self) -> None:
         if self.save_retain is not None:
@@ -125,12 +182,10 @@ class CheckpointConfig:
                 "save_retain",
                 f"must be an integer >= 1, got {self.save_retain!r}",
             )
-        require(
-            isinstance(self.load_fallback, bool),
-            CheckpointConfig,
-            "load_fallback",
-            f"must be true or false, got {self.load_fallback!r}",
-        )
+        for name in ("load_fallback", "override_existing_checkpoints", "save_lock_flock_local"):
+            value = getattr(self, name)
+            require(isinstance(value, bool), CheckpointConfig, name,
+                    f"must be true or false, got {value!r}")  # fmt: skip
 
 
 @dataclass
@@ -484,6 +539,14 @@ def _has_type(value: Any, kind: type) -> bool:
 
 
 def _check_schema(path: str, meta: dict[str, Any]) -> None:
+    found = format_version(meta.get("format"))
+    if found is not None and found > format_version(FORMAT):
+        # Its fields and checks may differ: nothing else about it can be judged here.
+        raise CheckpointTooNew(
+            f"--load: {path} was written by a newer megatron_taco (format "
+            f"{meta['format']!r}, this version reads {FORMAT!r}): upgrade megatron_taco to "
+            "load it (no older checkpoint is loaded instead)"
+        )
     for key in _REQUIRED_FIELDS:
         if key not in meta:
             raise CheckpointInvalid(f"{path} lacks the field {key!r}")
@@ -511,13 +574,11 @@ def read_metadata(iter_dir: str) -> dict[str, Any]:
     """metadata.json, read without following links, its schema and checksum checked."""
     path = os.path.join(iter_dir, METADATA_FILENAME)
     try:
-        raw = read_regular(path, _MAX_METADATA_BYTES + 1)
+        raw = retried_read(path, lambda: read_regular(path, _MAX_METADATA_BYTES + 1))
     except FileNotFoundError:
         raise CheckpointInvalid(f"{path} is missing") from None
     except UnsafeFile as e:
         raise CheckpointInvalid(str(e)) from None
-    except OSError as e:
-        raise CheckpointInvalid(f"{path} cannot be read ({e.strerror or e})") from None
     if len(raw) > _MAX_METADATA_BYTES:
         raise CheckpointInvalid(f"{path} is larger than {_MAX_METADATA_BYTES >> 20} MiB")
     try:
@@ -595,11 +656,11 @@ def verify_files(iter_dir: str, meta: dict[str, Any]) -> None:
     manifest = meta["files"]
     paths = {name: _check_manifest_entry(iter_dir, name, entry) for name, entry in manifest.items()}
     try:
-        present = _relative_files(iter_dir)
+        present = retried_read(iter_dir, lambda: _relative_files(iter_dir))
     except UnsafeFile as e:
         raise CheckpointInvalid(str(e)) from None
-    except OSError as e:
-        raise CheckpointInvalid(f"{iter_dir} cannot be listed ({e.strerror or e})") from None
+    except FileNotFoundError as e:
+        raise CheckpointInvalid(f"{e.filename or iter_dir} is missing") from None
     for name in sorted(set(manifest) - present):
         raise CheckpointInvalid(f"{paths[name]} is missing")
     for name in sorted(present - set(manifest)):
@@ -612,13 +673,11 @@ def verify_files(iter_dir: str, meta: dict[str, Any]) -> None:
 
 def _verify_file(path: str, entry: dict[str, Any]) -> None:
     try:
-        size, crc = checksum_regular(path)
+        size, crc = retried_read(path, lambda: checksum_regular(path))
     except FileNotFoundError:
         raise CheckpointInvalid(f"{path} is missing") from None
     except UnsafeFile as e:
         raise CheckpointInvalid(str(e)) from None
-    except OSError as e:
-        raise CheckpointInvalid(f"{path} cannot be read ({e.strerror or e})") from None
     if size != entry["bytes"]:
         raise CheckpointInvalid(
             f"{path} has {size} bytes, the manifest says {entry['bytes']} (truncated "
@@ -670,11 +729,9 @@ def verify_checkpoint(
     ``models`` (checked first) or of another tensor-parallel size is a ConfigError."""
     iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
     try:
-        mode = os.lstat(iter_dir).st_mode
+        mode = retried_read(iter_dir, lambda: os.lstat(iter_dir).st_mode)
     except FileNotFoundError:
         raise CheckpointInvalid(f"checkpoint directory {iter_dir} does not exist") from None
-    except OSError as e:
-        raise CheckpointInvalid(f"{iter_dir} cannot be read ({e.strerror or e})") from None
     if not stat.S_ISDIR(mode):
         raise CheckpointInvalid(f"{iter_dir} is {kind_of(mode)}, not a checkpoint directory")
     meta = read_metadata(iter_dir)
@@ -716,6 +773,8 @@ def newest_verified(
             continue
         try:
             meta = verify_checkpoint(load_dir, iteration, tp_size=tp_size, models=models)
+        except (CheckpointUnreadable, CheckpointTooNew):
+            raise  # not proven corrupt: never skipped
         except ConfigError:
             continue
         return LoadChoice(iteration, meta["checksum"])
@@ -734,6 +793,8 @@ def choose_load(
     kw = dict(tp_size=tp_size, models=models)
     try:
         iteration = ckpt_step if ckpt_step is not None else read_tracker(load_dir)
+    except CheckpointUnreadable:
+        raise
     except ConfigError as e:
         older = newest_verified(load_dir, None, **kw) if fallback else None
         if older is None:
@@ -787,6 +848,87 @@ def check_save_dir(save_dir: str) -> None:
         _remove(probe)
 
 
+def existing_checkpoints(directory: str) -> str | None:
+    """What checkpoints ``directory`` already holds ("checkpoints up to iteration 4"), None
+    when it holds none: a tracker (even one that cannot be read) or a complete checkpoint."""
+    complete = complete_iterations(directory)
+    if not complete and not os.path.lexists(tracker_path(directory)):
+        return None
+    tracked = _read_tracker_quietly(directory)
+    newest = max([*complete, *([] if tracked is None else [tracked])], default=None)
+    return "checkpoints" if newest is None else f"checkpoints up to iteration {newest}"
+
+
+def same_directory(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def resumes_save(training) -> bool:
+    """Whether the run continues the checkpoints in --save (--load names --save, not as
+    --finetune, which restarts at iteration 0): only then may its saves replace or retire
+    them."""
+    return not training.finetune and same_directory(training.load, training.save)
+
+
+def check_own_save(training, checkpoint: CheckpointConfig) -> None:
+    """A run never removes, replaces or rewinds checkpoints it did not write: its first save
+    would rewind the tracker, a save at an old iteration would replace that checkpoint and
+    --save-retain would delete the old run's last one. Refused unless it resumes them or
+    --override-existing-checkpoints moves them aside (set_aside, by rank 0 under the lock)."""
+    save = training.save
+    held = existing_checkpoints(save)
+    if held is None:
+        return
+    if checkpoint.override_existing_checkpoints:
+        if resumes_save(training):
+            raise ConfigError(
+                f"--override-existing-checkpoints: --load {training.load} is --save, whose "
+                f"{held} this run would resume: drop --load to start anew, or the flag to resume"
+            )
+        return
+    if not resumes_save(training):
+        raise ConfigError(
+            f"--save: {save} already holds {held} of another run, which this run's saves "
+            f"would replace, rewind or delete: pass --load {save} to resume them, or "
+            "--override-existing-checkpoints to move them aside and start anew"
+        )
+
+
+SUPERSEDED_PREFIX = "superseded-"
+
+
+def _is_checkpoint_entry(name: str) -> bool:
+    return name == TRACKER_FILENAME or bool(_ITER_DIR.match(name) or _LEFTOVER.match(name))
+
+
+def set_aside(save_dir: str, stores: tuple[str, ...] = ()) -> str | None:
+    """--override-existing-checkpoints: move the checkpoints in ``save_dir`` and the
+    non-empty ``stores`` into ``save_dir/superseded-<time>/`` (a store elsewhere: renamed to
+    ``<store>.superseded-<time>``), tracker first so that no moment shows a tracker naming
+    a moved checkpoint. Rank 0 only, holding the save lock, before any save. Returns the
+    directory, None when there was nothing to move."""
+    names = sorted(n for n in os.listdir(save_dir) if _is_checkpoint_entry(n))
+    stores = tuple(s for s in stores if os.path.isdir(s) and os.listdir(s))
+    if not names and not stores:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = os.path.join(save_dir, f"{SUPERSEDED_PREFIX}{stamp}-{os.getpid()}")
+    os.makedirs(aside)
+    names.sort(key=lambda n: n != TRACKER_FILENAME)
+    for name in names:
+        os.rename(os.path.join(save_dir, name), os.path.join(aside, name))
+    for store in stores:
+        inside = same_directory(os.path.dirname(os.path.abspath(store)), save_dir)
+        target = (
+            os.path.join(aside, os.path.basename(store))
+            if inside
+            else f"{store.rstrip(os.sep)}.{SUPERSEDED_PREFIX}{stamp}-{os.getpid()}"
+        )
+        os.rename(store, target)
+    _fsync_dir(save_dir)
+    return aside
+
+
 # DeepSpeed checkpoint options that bypass this module's writer or loader.
 _UNSUPPORTED_DS_CHECKPOINT_KEYS = {
     "writer": "checkpoints are written by megatron_taco's own writer",
@@ -811,6 +953,9 @@ def prepare_checkpoints(
     share it (the driver: once per node) and hands every rank the same result."""
     if checkpoint.save_retain is not None:
         require(training.save is not None, CheckpointConfig, "save_retain", "needs --save")
+    if checkpoint.override_existing_checkpoints:
+        require(training.save is not None, CheckpointConfig, "override_existing_checkpoints",
+                "needs --save")  # fmt: skip
     if checkpoint.load_fallback:
         require(training.load is not None, CheckpointConfig, "load_fallback", "needs --load")
         require(
@@ -825,6 +970,7 @@ def prepare_checkpoints(
             raise ConfigError(f"--deepspeed-config: key 'checkpoint.{key}' is not supported: {why}")
     if training.save is not None:
         check_save_dir(training.save)
+        check_own_save(training, checkpoint)
     if training.load is None:
         return None
     if zero_stage == 3 and (training.finetune or training.no_load_optim):
@@ -1171,12 +1317,45 @@ def _agree_on_fit(engine, load_dir: str, tag: str) -> None:
         raise CheckpointMisfit(first[0], how=tuple(p and p[1] for p in found))
 
 
+def _agreed_newest_verified(load_dir: str, below: int, **kw) -> LoadChoice | None:
+    """Collective: newest_verified as global rank 0 finds it (every byte read once, not once
+    per rank), the one choice every rank takes; each rank then reads that checkpoint's
+    metadata.json, and one that sees another (a stale network-file-system view) or none
+    stops every rank with its line, rather than ranks loading different iterations."""
+    found: tuple[str, Any] | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            found = ("choice", newest_verified(load_dir, below, **kw))
+        except ConfigError as e:
+            found = ("error", str(e))
+    kind, value = _broadcast(found)
+    if kind == "error":
+        raise ConfigError(value)
+    problem = None
+    if value is not None:
+        iter_dir = os.path.join(load_dir, checkpoint_tag(value.iteration))
+        try:
+            seen = read_metadata(iter_dir)["checksum"]
+            if seen != value.checksum:
+                problem = f"its {METADATA_FILENAME} has checksum {seen}, rank 0's {value.checksum}"
+        except ConfigError as e:
+            problem = str(e)
+    for other, seen in enumerate(_gather(problem)):
+        if seen is not None:
+            raise ConfigError(
+                f"--load-fallback: rank 0 chose iteration {value.iteration}, which rank "
+                f"{other} sees otherwise ({seen}): the ranks see different files in --load "
+                "(a stale network-file-system view?)"
+            )
+    return value
+
+
 def read_tracker(load_dir: str) -> int | None:
     path = tracker_path(load_dir)
     if not os.path.lexists(path):
         return None
     try:
-        raw = read_regular(path, 64)
+        raw = retried_read(path, lambda: read_regular(path, 64))
         text = raw.decode("utf-8").strip()
     except UnsafeFile as e:
         raise ConfigError(f"--load: {e}") from None
@@ -1320,7 +1499,7 @@ def _older_fitting(engine, load_dir: str, below: int, misfit: CheckpointMisfit, 
     One that misfits as ``misfit`` does shows the model is not theirs (its flags differ):
     the walk stops there, before it verifies every byte of every checkpoint to say so."""
     while True:
-        older = newest_verified(load_dir, below, **kw)
+        older = _agreed_newest_verified(load_dir, below, **kw)
         if older is None:
             raise CheckpointInvalid(
                 f"{misfit}; no older checkpoint in {load_dir} verifies and fits this model"

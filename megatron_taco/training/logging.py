@@ -14,6 +14,7 @@ Every method is a no-op on ranks other than 0, so the loop calls them unconditio
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -85,6 +86,8 @@ def _resident_bytes() -> int:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak * (1 if sys.platform == "darwin" else 1024)
 
+logger = logging.getLogger(__name__)
+
 
 def _fmt(key: str, value: Any) -> str:
     if key in _DURATIONS and isinstance(value, (int, float)):
@@ -141,8 +144,11 @@ class TrainingLogger:
         if metrics_file is not None:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             # Appended to: a resumed run continues the same file (plots take the last line
-            # of each iteration).
-            self._metrics = open(metrics_file, "a", encoding="utf-8")  # noqa: SIM115
+            # of each iteration). Unbuffered: each record is one write, or a warning.
+            self._metrics = open(metrics_file, "ab", buffering=0)  # noqa: SIM115
+            # A record cut short (a full disk, a killed run) stays a line of its own.
+            self._metrics_torn = self._metrics.tell() > 0 and not _ends_with_newline(metrics_file)
+            self._metrics_failed = False
         if progress_bar and start_iteration < train_iters:
             # disable=None: no bar when stderr is not a terminal (log files stay clean).
             self._bar = tqdm(
@@ -186,8 +192,8 @@ class TrainingLogger:
             metrics = {**metrics, **self.progress(iteration)}
         record = {"split": split, "iteration": iteration, **metrics}
         if self._metrics is not None:
-            self._metrics.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
-            self._metrics.flush()
+            line = json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n"
+            self._append_metrics(line.encode("utf-8"))
         if self._writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
@@ -198,6 +204,22 @@ class TrainingLogger:
         self.print(self._console_line(split, iteration, record))
         if split == "train" and self._bar is not None and "loss" in metrics:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+
+    def _append_metrics(self, data: bytes) -> None:
+        """A failed write (a full disk, a quota) is a warning: metrics must never stop a
+        run before its checkpoint is written."""
+        try:
+            self._metrics.write(b"\n" + data if self._metrics_torn else data)
+            self._metrics_torn = False
+        except OSError as e:
+            self._metrics_torn = True  # maybe partly written: the next record starts a line
+            if not self._metrics_failed:
+                logger.warning("--metrics-file: writing %s failed (%s); training goes on, "
+                               "the records it misses are lost", self.metrics_file,
+                               e.strerror or e)  # fmt: skip
+            self._metrics_failed = True
+        else:
+            self._metrics_failed = False
 
     def _console_line(self, split: str, iteration: int, record: dict[str, Any]) -> str:
         width = len(str(self.train_iters))
@@ -235,15 +257,28 @@ class TrainingLogger:
             self.tracker = None
 
 
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """The metrics file's records; for an iteration logged more than once (a run resumed
     from an earlier checkpoint into the same file) the last record wins."""
     records: dict[tuple[str, int], dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
-            rec = json.loads(line)
-            records[(rec.get("split", "train"), int(rec["iteration"]))] = rec
+            try:
+                rec = json.loads(line)
+                key = (rec.get("split", "train"), int(rec["iteration"]))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                # A record cut short by a full disk or a killed run: skipped, not fatal.
+                logger.warning("%s:%d: not a whole metrics record, skipped: %.60s", path,
+                               number, line)  # fmt: skip
+                continue
+            records[key] = rec
     return sorted(records.values(), key=lambda r: (r.get("split", "train"), r["iteration"]))

@@ -14,6 +14,7 @@ every rank instead of after a rendezvous.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -42,6 +43,8 @@ from megatron_taco.training.checkpointing import (
     LoadChoice,
     RunError,
     prepare_checkpoints,
+    resumes_save,
+    set_aside,
 )
 from megatron_taco.training.config import (
     DeepSpeedSettings,
@@ -52,7 +55,7 @@ from megatron_taco.training.consolidate import check_resume_layout
 from megatron_taco.training.monitor import LearningMonitorConfig
 from megatron_taco.training.optim import optimizer_implementation
 from megatron_taco.training.rendezvous import agree_on_load, forget_node_results, once_per_node
-from megatron_taco.training.save_lock import save_lock
+from megatron_taco.training.save_lock import SaveLock, save_lock
 from megatron_taco.training.signals import (
     ExitConfig,
     ExitMonitor,
@@ -158,6 +161,10 @@ class ModelSpec:
     has_epochs: bool = False  # trains real epochs over fixed instances (--train-epochs)
     # The "model" names a --load checkpoint may carry (metadata.json); default: ``name``.
     loads: tuple[str, ...] = ()
+    # (flag, directory) of the stores outside the checkpoints that a run writes and its
+    # checkpoints need (SAS: the replacement store): a fresh run refuses one that holds
+    # another run's data, or moves it aside with --override-existing-checkpoints.
+    stores: Callable[[PretrainConfigs], tuple[tuple[str, str], ...]] = lambda cfg: ()
 
     @property
     def loadable_models(self) -> tuple[str, ...]:
@@ -267,6 +274,7 @@ class ModelSpec:
             monitor=monitor,
         )
         check_resume(configs, None if load is None else load.iteration)
+        check_own_stores(configs, self.stores(configs))
         self.check(configs)
         return configs
 
@@ -286,11 +294,19 @@ class ModelSpec:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        from megatron_taco.training.engine import accelerator_name, launcher_world_size
+
         try:
-            cfg = self.parse_configs(argv)
-            # Errors found later (e.g. ranks disagreeing on the checkpoint) are reported the
-            # same way, after pretrain() has torn the process groups down.
-            return pretrain(cfg, self, monitor=monitor)
+            args = self.build_parser().parse_args(argv)
+            # --save is locked before any checkpoint in it (or in --load) is read: a second
+            # run on it is "in use", not a verdict on files the first is writing.
+            with lock_save(args, monitor) as lock:
+                cfg = self.configs_from_args(
+                    args, world_size=launcher_world_size(), device_type=accelerator_name()
+                )
+                # Errors found later (e.g. ranks disagreeing on the checkpoint) are reported
+                # the same way, after pretrain() has torn the process groups down.
+                return pretrain(cfg, self, monitor=monitor, lock=lock)
         except ConfigError as e:
             print(f"{program_name(self.prog)}: error: {e}", file=sys.stderr)
             return 2
@@ -302,6 +318,51 @@ class ModelSpec:
             return 1
         finally:
             monitor.uninstall()
+
+
+def starts_fresh(cfg: PretrainConfigs) -> bool:
+    """Whether the run restores no checkpoint's training state (nothing to resume)."""
+    return cfg.load is None or cfg.training.finetune
+
+
+def check_own_stores(cfg: PretrainConfigs, stores: tuple[tuple[str, str], ...]) -> None:
+    """A fresh run would overwrite another run's store data (and un-commit what that run's
+    checkpoints need): refused, as a --save holding checkpoints is (check_own_save). Not
+    when --load names --save: a requeued run that died before its first checkpoint rewrites
+    its own data, which no checkpoint needs."""
+    own = not starts_fresh(cfg) or resumes_save(cfg.training)
+    if own or cfg.checkpoint.override_existing_checkpoints:
+        return
+    for flag, directory in stores:
+        if os.path.isdir(directory) and os.listdir(directory):
+            raise ConfigError(
+                f"{flag}: {directory} holds another run's data, which this run (it resumes "
+                "no checkpoint) would overwrite: pass the --load of the run that wrote it to "
+                "resume that run, or --override-existing-checkpoints to move it aside and "
+                "start anew"
+            )
+
+
+def _set_aside(cfg: PretrainConfigs, spec: ModelSpec) -> None:
+    """--override-existing-checkpoints, by the holder of the save lock before any save."""
+    if not cfg.checkpoint.override_existing_checkpoints:
+        return
+    stores = tuple(d for _, d in spec.stores(cfg)) if starts_fresh(cfg) else ()
+    aside = set_aside(cfg.training.save, stores)
+    if aside is not None:
+        logger.warning("--override-existing-checkpoints: the previous run's checkpoints and "
+                       "stores were moved to %s", aside)  # fmt: skip
+
+
+def lock_save(args: argparse.Namespace, monitor: ExitMonitor):
+    """save_lock of the flags' --save, held by global rank 0 from before any checkpoint in
+    it is read to the end of the run. A --save that does not exist yet holds none: nothing
+    is created before the flags are checked, and pretrain() takes the lock then."""
+    save = getattr(args, "save", None)
+    if save is None or not os.path.isdir(save):
+        return contextlib.nullcontext(None)
+    return save_lock(save, launcher_rank(), monitor.exit_actions,
+                     flock_local=bool(getattr(args, "save_lock_flock_local", False)))  # fmt: skip
 
 
 def verify_once_per_node(choose: Callable[[], LoadChoice | None]) -> LoadChoice | None:
@@ -511,10 +572,12 @@ def pretrain(
     monitor: ExitMonitor | None = None,
     *,
     keep_process_group: bool = False,
+    lock: SaveLock | None = None,
 ) -> int:
     """One run, from process groups to teardown. ``keep_process_group`` leaves the default
     group up for the next run of a sweep in the same processes (only this run's tensor/data
-    parallel groups are destroyed)."""
+    parallel groups are destroyed). ``lock``: the save lock when the caller took it (else
+    it is taken here, by global rank 0)."""
     # Before the heavy imports: a signal or a dead launcher during start-up ends the rank.
     own_monitor = monitor is None
     monitor = monitor or ExitMonitor()
@@ -522,8 +585,19 @@ def pretrain(
     monitor.phase = "start-up"
     try:
         # Rank 0 holds --save for the run; a second run on it stops before its rendezvous.
-        lock = save_lock(cfg.training.save, launcher_rank(), monitor.exit_actions)
-        with monitor.answering_errors(), lock:
+        held_lock = (
+            contextlib.nullcontext(lock)
+            if lock is not None
+            else save_lock(
+                cfg.training.save,
+                launcher_rank(),
+                monitor.exit_actions,
+                flock_local=cfg.checkpoint.save_lock_flock_local,
+            )  # fmt: skip
+        )
+        with monitor.answering_errors(), held_lock as held:
+            if held is not None:
+                _set_aside(cfg, spec)
             return _pretrain(cfg, spec, monitor, keep_process_group)
     finally:
         if own_monitor:

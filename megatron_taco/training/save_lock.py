@@ -13,8 +13,13 @@ refuse each other.
 * A live holder (the flock is taken) is refused by its host and PID.
 * A record left by a process that died on this host (``kill -9``, a crash) is stale: the
   PID is gone or belongs to another process now. It is taken over, in one line.
-* A record of another host cannot be checked from here (and its file system may not carry
-  locks across hosts): refused, naming the host and PID, with what to do if that run is gone.
+* A record of another host whose flock is free: on file systems that carry flock across
+  hosts (NFSv4, Lustre with ``-o flock``, GPFS) its run is gone (a failed node, a SIGKILL
+  in the scheduler's grace time), so it is taken over in one warning line, and a requeued
+  job or an elastic restart on another node goes on by itself. Where flock is local to each
+  host (``--save-lock-flock-local``) it is refused, naming the host and PID.
+* Without flock at all (Lustre ``noflock``, NFS ``nolock``) the file is created with
+  ``O_EXCL``: of two runs started at once one creates it, the other finds it and is refused.
 * Released (the file removed) when the run ends, also when the exit watchdog ends it.
 """
 
@@ -124,21 +129,38 @@ class SaveLock:
                 self._fd = None
 
 
-def take_save_lock(save_dir: str) -> SaveLock:
+def _open(path: str) -> tuple[int, bool] | None:
+    """(fd, whether this call created the file); None when it vanished meanwhile."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ConfigError(f"--save: cannot open {path}: {e.strerror or e}") from None
+    try:
+        return os.open(path, flags), False
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ConfigError(f"--save: cannot open {path}: {e.strerror or e}") from None
+
+
+def take_save_lock(save_dir: str, *, flock_local: bool = False) -> SaveLock:
     """The lock on ``save_dir`` (which exists: check_save_dir made it), or a ConfigError naming
-    the run that holds it."""
+    the run that holds it. ``flock_local``: this file system's flock does not span hosts."""
     path = os.path.join(save_dir, LOCK_FILENAME)
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise ConfigError(f"--save: cannot open {path}: {e.strerror or e}") from None
+        opened = _open(path)
+        if opened is None:
+            continue  # its holder removed it between our two opens: again
+        fd, created = opened
         try:
             locked = _flock(fd, path)
             if locked and not _same_file(fd, path):
                 os.close(fd)  # its holder removed it between our open and flock: again
                 continue
-            _claim(fd, path, _read(fd), locked)
+            _claim(fd, path, _read(fd), locked, created=created, flock_local=flock_local)
             return SaveLock(path, fd)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -146,26 +168,41 @@ def take_save_lock(save_dir: str) -> SaveLock:
             raise
 
 
-def _claim(fd: int, path: str, record: dict[str, Any] | None, locked: bool | None) -> None:
+def _claim(
+    fd: int,
+    path: str,
+    record: dict[str, Any] | None,
+    locked: bool | None,
+    *,
+    created: bool,
+    flock_local: bool,
+) -> None:
     save_dir = os.path.dirname(path)
-    if locked is False:
+    # Without flock, a file this run did not create and that names no one is another run's
+    # claim being written (it created the file first, O_EXCL).
+    if locked is False or (locked is None and record is None and not created):
+        unlocked = f"; this file system has no locks: if no run uses it, remove {path}"
         raise ConfigError(
             f"--save: {save_dir} is in use by another run ({_holder(record)}; {path}): "
-            "wait for it to end, or give another --save"
+            f"wait for it to end, or give another --save{unlocked if locked is None else ''}"
         )
     if record is not None:
-        if record["host"] != socket.gethostname():
+        if record["host"] != socket.gethostname() and locked and not flock_local:
+            logger.warning("--save: %s was held by %s, whose lock is free: that run is gone "
+                           "(flock spans hosts here; if not, pass --save-lock-flock-local); "
+                           "taking it over", path, _holder(record))  # fmt: skip
+        elif record["host"] != socket.gethostname():
             raise ConfigError(
                 f"--save: {save_dir} is in use by a run on another host ({_holder(record)}; "
                 f"{path}): wait for it to end, or give another --save; if that run is gone "
                 f"(its node failed), remove {path}"
             )
-        if _alive(record) and record["pid"] != os.getpid():
+        elif _alive(record) and record["pid"] != os.getpid():
             raise ConfigError(
                 f"--save: {save_dir} is in use by another run ({_holder(record)}; {path}): "
                 "wait for it to end, or give another --save"
             )
-        if record["pid"] != os.getpid():
+        elif record["pid"] != os.getpid():
             logger.warning("--save: %s was held by %s, which is no longer running; taking it "
                            "over", path, _holder(record))  # fmt: skip
     data = json.dumps(_record()).encode("utf-8")
@@ -175,14 +212,16 @@ def _claim(fd: int, path: str, record: dict[str, Any] | None, locked: bool | Non
 
 
 @contextlib.contextmanager
-def save_lock(save_dir: str | None, rank: int, exit_actions: list | None = None):
+def save_lock(
+    save_dir: str | None, rank: int, exit_actions: list | None = None, *, flock_local: bool = False
+):
     """Held by global rank 0 for the ``with`` block (nothing for other ranks or without
     --save); ``exit_actions``: where an exit watchdog finds what to release before it ends
     the process."""
     if save_dir is None or rank != 0:
         yield None
         return
-    lock = take_save_lock(save_dir)
+    lock = take_save_lock(save_dir, flock_local=flock_local)
     if exit_actions is not None:
         exit_actions.append(lock.release)
     try:

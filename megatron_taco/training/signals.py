@@ -228,6 +228,45 @@ def launched_by_launcher() -> bool:
 _RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
 
 
+# Processes that adopt orphans: a rank whose parent is one of them was left by its launcher.
+_ADOPTERS = {"systemd", "init", "tini", "dumb-init", "catatonit", "docker-init", "s6-svscan"}
+# The parent a rank had at the top of its entry point (tie_at_start): tie_to_launcher ties
+# to it, so that a launcher dying during the imports before main() is seen there too.
+_started_under: int | None = None
+
+
+def tie_at_start(program: str) -> None:
+    """First thing in an entry point, before torch and DeepSpeed are imported (seconds, in
+    which a cancelled or OOM-killed job start can take the launcher away): a rank whose
+    launcher is already gone exits now with one line, exit 1; otherwise the parent-death
+    signal is armed now, and a SIGTERM before main() is one line too."""
+    global _started_under
+    if _started_under is not None or not launched_by_launcher():
+        return
+    parent = os.getppid()
+    if parent != 1 and process_name(parent) not in _ADOPTERS:
+
+        def on_sigterm(signum, frame) -> None:
+            if os.getppid() == parent:
+                _start_line(program, "SIGTERM received before the rank started", 128 + signum)
+            _start_line(program, "its launcher exited before the rank started", 1)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        set_pdeathsig(signal.SIGTERM)
+        if os.getppid() == parent:  # armed while the launcher lived: it fires when it dies
+            _started_under = parent
+            return
+    _start_line(program, "its launcher exited before the rank started", 1)
+
+
+def _start_line(program: str, why: str, code: int) -> None:
+    adopter = os.getppid()
+    parent = f" (its parent is now {process_name(adopter)}, pid {adopter})" if code == 1 else ""
+    print(f"{program}: error: rank {launcher_rank()}: {why}{parent}; exiting", file=sys.stderr,
+          flush=True)  # fmt: skip
+    os._exit(code)
+
+
 def launcher_rank() -> int:
     """This process's global rank as its launcher announced it (0 for plain python): known
     before any process group exists."""
@@ -364,7 +403,7 @@ class ExitMonitor:
         if self._tied or not launched_by_launcher():
             return
         self._tied = True
-        parent = os.getppid()
+        parent = _started_under if _started_under is not None else os.getppid()
         self._links = [(self._pid, parent)]
         stat = proc_stat(parent)
         if stat is not None and _DEEPSPEED_NODE_LAUNCHER in _cmdline(parent):

@@ -402,3 +402,49 @@ def test_a_damaged_generation_being_written_stops_every_rank_when_reopened(tmp_p
             "version reads 2 (rows with checksums); delete the generation to write it anew")  # fmt: skip
     old = run_distributed(_resumed_epoch, 2, str(tmp_path / "v1"), "format 1")
     assert old == [f"--replacement-store: {line}"] * 2
+
+
+def _rows_lost_on_rank_1(rank, world_size, root):
+    """A write of rows that fails on rank 1 alone mid-epoch (a real EFBIG: a file-size limit
+    below its shard's rows, as a full copy-on-write disk fails a write the pre-fill made
+    room for), then the checkpoint's on_save."""
+    import resource
+    import signal
+
+    from megatron_taco.training.checkpointing import RunError
+
+    parallel = init_parallel(1)
+    trainer, state = _trainer(parallel), TrainingState()
+    callback = _callback(root, N)
+    callback.on_train_start(trainer, state)
+    callback.on_epoch_start(trainer, state, 0)
+    order = np.random.default_rng(5).permutation(N).tolist()
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, limit[1]))
+    try:
+        for s in range(0, N, MICRO * parallel.dp_size):  # the whole epoch
+            mine = order[s + parallel.dp_rank * MICRO : s + (parallel.dp_rank + 1) * MICRO]
+            callback.after_micro_batch(trainer, state, *micro_batch(mine, 0, 1))
+        callback.on_save(trainer, state)
+    except RunError as e:
+        return str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    return "saved"
+
+
+def test_a_store_write_failing_on_one_rank_stops_every_rank_before_the_save(tmp_path):
+    # Issue 27 item 5: before, rank 1 raised a traceback mid-epoch and rank 0 waited in the
+    # next collective until "rank 1 died" or the timeout; the exit save was lost.
+    lines = run_distributed(_rows_lost_on_rank_1, 2, str(tmp_path))
+    directory = tmp_path / "gen_00000"
+    assert (
+        lines
+        == [
+            f"--replacement-store: writing rows failed: {directory}: File too large (the last "
+            "checkpoint is kept: none is saved without its rows)"
+        ]
+        * 2
+    )

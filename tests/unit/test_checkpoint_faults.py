@@ -251,7 +251,8 @@ def failing_open(monkeypatch):
     real_os_open, real_open = os.open, builtins.open
 
     def check(path):
-        if state and str(path).endswith(state["suffix"]):
+        if state and str(path).endswith(state["suffix"]) and state["times"] != 0:
+            state["times"] -= 1
             if state["errno"] == errno.ENOENT and os.path.lexists(path):
                 os.unlink(path)
             raise OSError(state["errno"], os.strerror(state["errno"]), str(path))
@@ -268,17 +269,72 @@ def failing_open(monkeypatch):
     monkeypatch.setattr(os, "open", fake_os_open)
     monkeypatch.setattr(builtins, "open", fake_open)
 
-    def arm(suffix: str, code: int) -> None:
-        state.update(suffix=suffix, errno=code)
+    def arm(suffix: str, code: int, times: int = -1) -> None:
+        """The next ``times`` opens fail (-1: every one)."""
+        state.update(suffix=suffix, errno=code, times=times)
 
     return arm
 
 
-@pytest.mark.parametrize("code", [errno.EIO, errno.ENOENT])
-def test_io_errors_while_verifying_fall_back(load, failing_open, code):
-    failing_open(f"iter_0000008/{MODEL_FILE}", code)
-    msg = _refused(load, f"iter_0000008/{MODEL_FILE}")
-    assert os.strerror(code) in msg or "is missing" in msg
+def test_a_file_vanishing_while_verifying_is_fallen_back_from(load, failing_open):
+    failing_open(f"iter_0000008/{MODEL_FILE}", errno.ENOENT)
+    assert "is missing" in _refused(load, f"iter_0000008/{MODEL_FILE}")
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE])
+@pytest.mark.parametrize("where", [MODEL_FILE, METADATA_FILENAME])
+def test_io_errors_are_retried_then_stop_without_a_fallback(
+    load, failing_open, monkeypatch, caplog, code, where
+):
+    # Issue 27 item 2: unreadable now is not corrupt: the newer checkpoint is never skipped
+    # (a fallback would then let training replace it, or retention delete it).
+    monkeypatch.setattr(ckpt, "IO_RETRY_DELAYS", (0.0, 0.0))
+    path = load / "iter_0000008" / where
+    failing_open(f"iter_0000008/{where}", code, times=2)  # a transient error: retried
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.checkpointing"):
+        assert choose_checkpoint(str(load), None) == 8
+    assert caplog.text.count(f"{path}: {os.strerror(code)}; retrying") == 2
+    failing_open(f"iter_0000008/{where}", code)  # and one that lasts
+    for fallback in (False, True):
+        with pytest.raises(ckpt.CheckpointUnreadable) as e:
+            choose_checkpoint(str(load), None, fallback=fallback)
+        assert str(e.value) == (
+            f"--load: {path} cannot be read ({os.strerror(code)}; 3 attempts): an I/O error is "
+            "not a corrupt checkpoint, so no older one is loaded instead; rerun once the file "
+            "system answers, or pass --ckpt-step N to load another on purpose"
+        )
+    assert not isinstance(e.value, CheckpointInvalid)
+
+
+def test_a_checkpoint_of_a_newer_format_says_upgrade_and_is_never_skipped(load):
+    _rewrite(load, lambda m: m.update(format="megatron_taco/3", files="a new layout"))
+    for fallback in (False, True):
+        with pytest.raises(ckpt.CheckpointTooNew) as e:
+            choose_checkpoint(str(load), None, fallback=fallback)
+        assert str(e.value) == (
+            f"--load: {_meta_path(load)} was written by a newer megatron_taco (format "
+            "'megatron_taco/3', this version reads 'megatron_taco/2'): upgrade megatron_taco "
+            "to load it (no older checkpoint is loaded instead)"
+        )
+    # Nor skipped on the way to an older one (the tracker names 6 after a rollback).
+    (load / TRACKER_FILENAME).write_text("9\n")
+    with pytest.raises(ckpt.CheckpointTooNew):
+        choose_checkpoint(str(load), None, fallback=True)
+
+
+def test_store_clean_up_keeps_what_checkpoints_it_cannot_read_may_need(
+    load, failing_open, monkeypatch
+):
+    from megatron_taco.recipes.sas_augmentation import generations_needed
+
+    # Checkpoints 6 and 8 took 24 and 32 samples: with 10 per epoch, epochs 2 and 3.
+    assert generations_needed(str(load), 10) == {1, 2, 3}
+    _rewrite(load, lambda m: m.update(iteration=9), checksum=False)  # proven corrupt
+    assert generations_needed(str(load), 10) == {1, 2}  # it needs nothing
+    monkeypatch.setattr(ckpt, "IO_RETRY_DELAYS", ())
+    failing_open(f"iter_0000006/{METADATA_FILENAME}", errno.EIO)
+    with pytest.raises(ckpt.CheckpointUnreadable):
+        generations_needed(str(load), 10)  # not "needs nothing": the caller keeps them all
 
 
 def _craft(path: Path, pickle_bytes: bytes) -> None:

@@ -569,6 +569,36 @@ def test_a_checkpoint_whose_tensors_do_not_fit_is_one_line_or_fallen_back_from(t
     )
 
 
+def _views_worker(rank, world_size, loads):
+    return _misfit_worker(rank, world_size, loads[rank], True)
+
+
+def test_the_misfit_fallback_is_one_choice_for_every_rank(two_checkpoints, tmp_path):
+    # Issue 27 item 8: rank 1 sees --load through a stale network-file-system view, in which
+    # iteration 6 is another (valid) checkpoint. Rank 0's choice is broadcast; a rank that
+    # sees other files stops every rank, instead of each loading its own pick.
+    load, path = two_checkpoints, _model_file(two_checkpoints)
+    _resave(path, _other_keys)
+    stale = tmp_path / "stale_view"
+    shutil.copytree(load, stale)
+    meta_path = stale / "iter_0000006" / METADATA_FILENAME
+    meta = json.loads(meta_path.read_text())
+    meta.update(consumed_samples=99)
+    meta["checksum"] = ckpt._metadata_checksum(meta)
+    meta_path.write_text(json.dumps(meta))
+    lines = run_distributed(_views_worker, 2, [str(load), str(stale)])
+    ours = json.loads((load / "iter_0000006" / METADATA_FILENAME).read_text())["checksum"]
+    assert (
+        lines
+        == [
+            f"--load-fallback: rank 0 chose iteration 6, which rank 1 sees otherwise (its "
+            f"{METADATA_FILENAME} has checksum {meta['checksum']}, rank 0's {ours}): the ranks "
+            "see different files in --load (a stale network-file-system view?)"
+        ]
+        * 2
+    )
+
+
 class PaddedToyModel(ToyModel):
     """The toy model with 64 more embedding rows: what another vocabulary padding gives."""
 

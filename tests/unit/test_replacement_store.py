@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -278,6 +279,37 @@ def test_reopening_with_another_layout_is_refused(tmp_path):
         commit_generation(tmp_path, 0, other)
 
 
+def test_a_resume_whose_flags_decide_other_rows_is_refused_naming_the_flag(tmp_path):
+    # Issue 27 item 3: same sizes, but another seed (other instances) or replacement rate of
+    # the same width (other positions): each row would land elsewhere.
+    origin = (("--seed", "1234"), ("--mask-prob", "0.15"), ("--data-path", '[[1.0, "a", 9, 3]]'))
+    layout = StoreLayout(num_instances=50, width=4, vocab_size=1000, num_shards=2, origin=origin)
+    assert StoreLayout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    first = _write_all(tmp_path, layout)
+    assert (
+        rs.Manifest.from_json(json.loads(json.dumps(first.to_json()))).layout.origin
+        == layout.origin
+    )
+    for flag, value in (
+        ("--seed", "7"),
+        ("--mask-prob", "0.14"),
+        ("--data-path", '[[1.0, "a", 8, 3]]'),
+    ):
+        other = dataclasses.replace(layout, origin=(*dict(origin, **{flag: value}).items(),))
+        line = (
+            f"{flag}: the store was written with {flag} {dict(origin)[flag]}, this run has "
+            f"{value}: its rows would be read onto other positions or instances"
+        )
+        with pytest.raises(ReplacementStoreError, match=f"layout\\.json: {re.escape(line)}"):
+            GenerationWriter(tmp_path, 0, other, [1])
+        with pytest.raises(ReplacementStoreError, match=f"layout\\.json: {re.escape(line)}"):
+            commit_generation(tmp_path, 0, other)
+    assert os.path.exists(manifest_path(tmp_path, 0))  # refused before it was un-committed
+    # A store written before the origin was recorded: its sizes are all there is to check.
+    GenerationWriter(tmp_path, 1, dataclasses.replace(layout, origin=()), [0]).close()
+    GenerationWriter(tmp_path, 1, layout, [0]).close()
+
+
 def test_reopening_a_shard_of_the_wrong_size_is_refused(tmp_path):
     layout = StoreLayout(num_instances=50, width=4, vocab_size=1000, num_shards=2)
     GenerationWriter(tmp_path, 0, layout, [0]).close()
@@ -475,7 +507,9 @@ def test_missing_manifest(tmp_path):
         (lambda p: Path(p).write_text("[1, 2]"), "expected a JSON object"),
         (
             lambda p: _edit_manifest(p, lambda o: o.update(version=7)),
-            r"format version 7 is not supported \(expected 2\)",
+            # Issue 27 item 2: good data of a newer version, never "delete it".
+            r"written by a newer megatron_taco \(store format version 7, this version reads "
+            r"2\): upgrade megatron_taco to read it",
         ),
         (
             lambda p: _edit_manifest(p, lambda o: o.update(complete=False)),

@@ -106,12 +106,22 @@ def _plant(save, **fields) -> None:
     (save / LOCK_FILENAME).write_text(json.dumps({"since": "2026-01-01 00:00:00", **fields}))
 
 
-def test_records_without_a_flock_holder(tmp_path):
-    # Another host: whether that run lives cannot be told from here.
+def test_records_without_a_flock_holder(tmp_path, caplog):
+    # Another host, and its flock free: where flock spans hosts (NFSv4, Lustre -o flock,
+    # GPFS) that run is gone (issue 27 item 4: a requeue on another node goes on by itself).
+    _plant(tmp_path, host="node-17", pid=4242)
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.save_lock"):
+        take_save_lock(str(tmp_path)).release()
+    assert caplog.messages == [
+        f"--save: {tmp_path / LOCK_FILENAME} was held by pid 4242 on host node-17, since "
+        "2026-01-01 00:00:00, whose lock is free: that run is gone (flock spans hosts here; if "
+        "not, pass --save-lock-flock-local); taking it over"
+    ]
+    # Where flock is local to each host, whether that run lives cannot be told from here.
     _plant(tmp_path, host="node-17", pid=4242)
     with pytest.raises(ConfigError, match=r"in use by a run on another host \(pid 4242 on host "
                        r"node-17, since .*if that run is gone \(its node failed\), remove "):  # fmt: skip
-        take_save_lock(str(tmp_path))
+        take_save_lock(str(tmp_path), flock_local=True)
     # This host, a live process that holds no flock (a file system without locks).
     parent = os.getppid()
     _plant(
@@ -122,6 +132,25 @@ def test_records_without_a_flock_holder(tmp_path):
     # The same PID reused by another process (another start time): stale, taken over.
     _plant(tmp_path, host=socket.gethostname(), pid=parent, start_ticks=-1)
     take_save_lock(str(tmp_path)).release()
+
+
+def test_without_flock_the_file_is_claimed_by_its_creator_alone(tmp_path, monkeypatch):
+    # Lustre noflock, NFS nolock: flock fails with ENOLCK. Of two runs started at once, the
+    # one whose O_EXCL creation succeeded holds --save; the other finds the file (its record
+    # not written yet) and is refused, where a read-then-write claim let both in.
+    def no_locks(fd, path):
+        return None
+
+    monkeypatch.setattr(save_lock_module, "_flock", no_locks)
+    (tmp_path / LOCK_FILENAME).write_bytes(b"")  # created by the other run a moment ago
+    with pytest.raises(ConfigError, match=r"in use by another run \(another process \(its "
+                       r"record is missing or unreadable\);.*this file system has no locks: if "
+                       r"no run uses it, remove "):  # fmt: skip
+        take_save_lock(str(tmp_path))
+    (tmp_path / LOCK_FILENAME).unlink()
+    lock = take_save_lock(str(tmp_path))  # created here: claimed
+    assert json.loads((tmp_path / LOCK_FILENAME).read_text())["pid"] == os.getpid()
+    lock.release()
 
 
 def test_a_run_between_its_flock_and_its_record_is_refused(tmp_path):

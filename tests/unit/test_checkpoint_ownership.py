@@ -1,0 +1,189 @@
+"""A run never removes, replaces or rewinds checkpoints (or store data) it did not write
+(issue 27 item 1): a --save that holds another run's checkpoints, or a replacement store
+that holds another run's generations, is refused in one line before any process group
+unless --load resumes them; --override-existing-checkpoints moves them aside, whole.
+Real SAS runs through the real entry point (pretrain_sas.py's main)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_taco.arguments import ConfigError
+from megatron_taco.training.checkpointing import (
+    TRACKER_FILENAME,
+    CheckpointConfig,
+    check_own_save,
+    set_aside,
+)
+from megatron_taco.training.config import TrainingConfig
+from tests.helpers import run_in_process
+
+
+def _training(save: Path, **kw) -> TrainingConfig:
+    return TrainingConfig(train_iters=4, micro_batch_size=2, lr=1e-3, save=str(save), **kw)
+
+
+def _hold(save: Path, *iterations: int) -> None:
+    for it in iterations:
+        (save / f"iter_{it:07d}").mkdir(parents=True)
+        (save / f"iter_{it:07d}" / "metadata.json").write_text("{}")
+    (save / TRACKER_FILENAME).write_text(f"{iterations[-1]}\n")
+
+
+def test_a_save_holding_checkpoints_needs_a_matching_load_or_the_override(tmp_path):
+    save = tmp_path / "ckpt"
+    check_own_save(_training(save), CheckpointConfig())  # nothing there: a fresh start
+    save.mkdir()
+    check_own_save(_training(save), CheckpointConfig())  # an empty directory too
+    _hold(save, 2, 4)
+    refused = (
+        f"--save: {save} already holds checkpoints up to iteration 4 of another run, which this "
+        f"run's saves would replace, rewind or delete: pass --load {save} to resume them, or "
+        "--override-existing-checkpoints to move them aside and start anew"
+    )
+    for load in (None, str(tmp_path / "typo"), str(tmp_path / "elsewhere")):
+        with pytest.raises(ConfigError) as e:
+            check_own_save(_training(save, load=load), CheckpointConfig())
+        assert str(e.value) == refused
+    # --finetune restarts at iteration 0: its first save would rewind the tracker.
+    with pytest.raises(ConfigError, match="already holds checkpoints up to iteration 4"):
+        check_own_save(_training(save, load=str(save), finetune=True), CheckpointConfig())
+    check_own_save(_training(save, load=str(save)), CheckpointConfig())  # resumes them
+    check_own_save(_training(save, load=f"{save}/."), CheckpointConfig())  # the same directory
+    override = CheckpointConfig(override_existing_checkpoints=True)
+    check_own_save(_training(save), override)
+    with pytest.raises(ConfigError, match="^--override-existing-checkpoints: --load .* is --save"):
+        check_own_save(_training(save, load=str(save)), override)
+    # A tracker alone (a checkpoint directory deleted by hand) still marks another run's.
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / TRACKER_FILENAME).write_text("garbage")
+    with pytest.raises(ConfigError, match=f"^--save: {lone} already holds checkpoints of"):
+        check_own_save(_training(lone), CheckpointConfig())
+
+
+def test_set_aside_moves_checkpoints_and_stores_and_deletes_nothing(tmp_path):
+    save = tmp_path / "ckpt"
+    _hold(save, 2, 4)
+    (save / "iter_0000006.tmp-00ab").mkdir()  # a crashed save's leftover
+    (save / "run.lock").write_text("{}")
+    (save / "metrics.jsonl").write_text("{}\n")
+    inside, outside = save / "replacement_store", tmp_path / "store"
+    for store in (inside, outside):
+        (store / "gen_00000").mkdir(parents=True)
+        (store / "gen_00000" / "shard_00000.bin").write_bytes(b"rows")
+    empty = tmp_path / "empty_store"
+    empty.mkdir()
+    aside = Path(set_aside(str(save), (str(inside), str(outside), str(empty))))
+    assert aside.parent == save and aside.name.startswith("superseded-")
+    assert sorted(os.listdir(save)) == sorted([aside.name, "metrics.jsonl", "run.lock"])
+    assert sorted(os.listdir(aside)) == [
+        "iter_0000002", "iter_0000004", "iter_0000006.tmp-00ab", TRACKER_FILENAME,
+        "replacement_store",
+    ]  # fmt: skip
+    assert (aside / "replacement_store" / "gen_00000" / "shard_00000.bin").read_bytes() == b"rows"
+    assert not outside.exists()
+    (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("store.superseded-")]
+    assert (moved / "gen_00000" / "shard_00000.bin").read_bytes() == b"rows"
+    assert empty.is_dir()  # nothing in it to keep apart
+    assert set_aside(str(save), (str(empty),)) is None  # nothing left to move
+
+
+# -- the real entry point ----------------------------------------------------------------
+
+
+def _sas_main(argv: list[str]) -> int:
+    from megatron_taco.recipes.sas import SPEC
+
+    return SPEC.main(argv)
+
+
+def _sas_args(dataset: dict, tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--model-size", "tiny", "--seq-length", "48",
+        "--data-path", dataset["prefix"], "--tokenizer-model", dataset["tokenizer"],
+        "--data-cache-path", str(tmp_path / "cache"), "--split", "80,10,10",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+        "--lr-warmup-iters", "0", "--eval-iters", "0", "--num-workers", "0",
+        "--no-progress-bar", "--deepspeed-config", "ds_configs/zero0_fp32.json",
+        "--replacement-store-shards", "2", *extra,
+    ]  # fmt: skip
+
+
+def _contents(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_fresh_run_on_another_runs_save_is_refused_or_moves_it_aside(
+    botchan_dataset, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    save = tmp_path / "ckpt"
+    first = _sas_args(botchan_dataset, tmp_path, "--save", str(save), "--train-iters", "2",
+                      "--save-interval", "2", "--metrics-file", str(tmp_path / "m1.jsonl"))  # fmt: skip
+    assert run_in_process(_sas_main, first) == 0
+    old = {name: h for name, h in _contents(save).items() if not name.endswith("run.lock")}
+    assert (save / TRACKER_FILENAME).read_text() == "2\n"
+    assert any(name.startswith("replacement_store/gen_00000/") for name in old)
+
+    # No --load, a mistyped one, --load elsewhere: one line, before any process group.
+    again = _sas_args(botchan_dataset, tmp_path, "--save", str(save), "--train-iters", "1",
+                      "--save-interval", "1", "--metrics-file", str(tmp_path / "m2.jsonl"))  # fmt: skip
+    for load in ([], ["--load", str(tmp_path / "ckpt_typo")]):
+        assert _sas_main([*again, *load]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            f"pretrain_sas.py: error: --save: {save} already holds checkpoints up to iteration 2 "
+            f"of another run, which this run's saves would replace, rewind or delete: pass "
+            f"--load {save} to resume them, or --override-existing-checkpoints to move them "
+            "aside and start anew"
+        ]
+    # The store the old run's checkpoint needs, given to a run saving elsewhere.
+    store = str(save / "replacement_store")
+    elsewhere = _sas_args(botchan_dataset, tmp_path, "--save", str(tmp_path / "other"),
+                          "--replacement-store", store, "--train-iters", "1")  # fmt: skip
+    assert _sas_main(elsewhere) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_sas.py: error: --replacement-store: {store} holds another run's data, which "
+        "this run (it resumes no checkpoint) would overwrite: pass the --load of the run that "
+        "wrote it to resume that run, or --override-existing-checkpoints to move it aside and "
+        "start anew"
+    ]
+    # A requeued run naming its --save in --load that died before its first checkpoint:
+    # its own store data, which no checkpoint needs, is rewritten.
+    requeued = str(tmp_path / "requeued")
+    own = _sas_args(botchan_dataset, tmp_path, "--save", requeued, "--load", requeued,
+                    "--replacement-store", store, "--train-iters", "1")  # fmt: skip
+    from megatron_taco.recipes.sas import SPEC
+
+    SPEC.configs_from_args(SPEC.build_parser().parse_args(own), world_size=1, device_type="cpu")
+
+    # Item 3: a resume whose flags would put the stored rows elsewhere (same store width:
+    # ceil(0.14 * 46) = ceil(0.15 * 46) = 7 slots; same number of instances for --seed).
+    resume = _sas_args(botchan_dataset, tmp_path, "--save", str(save), "--load", str(save),
+                       "--train-iters", "3", "--metrics-file", str(tmp_path / "m3.jsonl"))  # fmt: skip
+    layout = save / "replacement_store" / "gen_00000" / "layout.json"
+    for flag, value, stored in (("--seed", "7", "1234"), ("--mask-prob", "0.14", "0.15")):
+        assert _sas_main([*resume, flag, value]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"pretrain_sas.py: error: {flag}: the store was written with {flag} {stored}, this "
+            f"run has {value}: its rows would be read onto other positions or instances; resume "
+            f"with the store's {flag}, or start anew (--override-existing-checkpoints, without "
+            f"--load) ({layout})"
+        ]
+    now = _contents(save)
+    assert {name: now.get(name) for name in old} == old  # untouched
+
+    assert run_in_process(_sas_main, [*again, "--override-existing-checkpoints"]) == 0
+    (aside,) = [p for p in save.iterdir() if p.name.startswith("superseded-")]
+    assert _contents(aside) == old  # byte for byte, the store included
+    assert (save / TRACKER_FILENAME).read_text() == "1\n"
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000001"]

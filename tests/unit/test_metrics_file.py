@@ -1,0 +1,38 @@
+"""metrics.jsonl can never fail a run (issue 27 item 6): a full disk at the append is one
+warning and training goes on; a record cut short (a full disk, a killed run) is skipped by
+the reader with a warning, also when a resumed run appended after it."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from megatron_taco.training.logging import TrainingLogger, read_metrics
+
+
+def test_a_full_disk_at_the_metrics_append_is_one_warning(caplog):
+    # /dev/full: every write fails with ENOSPC, as on a full file system.
+    log = TrainingLogger(rank=0, train_iters=3, metrics_file="/dev/full", progress_bar=False)
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.logging"):
+        for iteration in (1, 2, 3):
+            log.log("train", iteration, {"loss": 1.0})
+    log.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "--metrics-file: writing /dev/full failed (No space left on device); training goes "
+        "on, the records it misses are lost"
+    ]
+
+
+def test_a_torn_record_is_skipped_and_the_next_runs_records_kept(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    whole = {"split": "train", "iteration": 1, "loss": 2.0}
+    path.write_text(json.dumps(whole) + "\n" + '{"split": "train", "iteration": 2, "lo')
+    log = TrainingLogger(rank=0, train_iters=3, metrics_file=str(path), progress_bar=False)
+    log.log("train", 2, {"loss": 1.5})  # the resumed run's
+    log.close()
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.logging"):
+        records = read_metrics(str(path))
+    assert records == [whole, {"split": "train", "iteration": 2, "loss": 1.5}]
+    assert [r.getMessage() for r in caplog.records] == [
+        f'{path}:2: not a whole metrics record, skipped: {{"split": "train", "iteration": 2, "lo'
+    ]

@@ -1,0 +1,77 @@
+"""A rank whose launcher is gone before main() (issue 27 item 7): torchrun's agent or the
+deepspeed launcher cancelled or OOM-killed while its ranks still import torch and
+DeepSpeed. The entry shim ties the rank first thing: one line and exit 1, instead of a rank
+re-parented to init that waits in its rendezvous until the timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from megatron_taco.training.signals import proc_stat
+from tests.helpers import ENV, REPO, free_port
+
+# The launcher starts rank 0 of a world of 2 (rank 1 never comes: untied, rank 0 would
+# wait in the rendezvous) and dies after ``delay`` seconds: at once (the rank finds init as
+# its parent) or while the rank imports (the parent-death signal armed by the shim fires).
+_LAUNCHER = """
+import os, subprocess, sys, time
+port, out, pid_file, delay, *args = sys.argv[1:]
+env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2",
+       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+rank = subprocess.Popen([sys.executable, "pretrain_taco.py", *args], stdout=open(out, "w"),
+                        stderr=subprocess.STDOUT, env=env)
+with open(pid_file, "w") as f:
+    f.write(str(rank.pid))
+time.sleep(float(delay))
+os._exit(0)
+"""
+
+
+def _gone(pid: int) -> bool:
+    stat = proc_stat(pid)
+    return stat is None or stat.state in "ZX"
+
+
+@pytest.mark.parametrize("delay", ["0", "0.5"])
+def test_a_rank_whose_launcher_died_before_main_exits_with_one_line(
+    botchan_dataset, tmp_path, delay
+):
+    out, pid_file = tmp_path / "rank.out", tmp_path / "rank.pid"
+    args = [
+        "--model-size", "tiny", "--seq-length", "32", "--data-path", botchan_dataset["prefix"],
+        "--tokenizer-model", botchan_dataset["tokenizer"], "--data-cache-path",
+        str(tmp_path / "cache"), "--split", "80,10,10", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "0",
+        "--deepspeed-config", "ds_configs/zero0_fp32.json",
+    ]  # fmt: skip
+    launcher = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_LAUNCHER), str(free_port()), str(out),
+         str(pid_file), delay, *args],
+        cwd=REPO, env=ENV, timeout=60,
+    )  # fmt: skip
+    assert launcher.returncode == 0
+    rank = int(pid_file.read_text())
+    try:
+        deadline = time.monotonic() + 120  # a bound on a loaded machine, not a timing
+        while not _gone(rank) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(rank), f"the orphaned rank still runs:\n{out.read_text()[-2000:]}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signal.SIGKILL)
+    lines = [line for line in out.read_text().splitlines() if ": error: " in line]
+    assert len(lines) == 1 and re.fullmatch(
+        r"pretrain_taco\.py: error: rank 0: its launcher exited before the rank started "
+        r"\(its parent is now \S+, pid \d+\); exiting",
+        lines[0],
+    ), out.read_text()[-2000:]
+    assert "Traceback" not in out.read_text()
