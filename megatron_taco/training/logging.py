@@ -86,6 +86,7 @@ def _resident_bytes() -> int:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak * (1 if sys.platform == "darwin" else 1024)
 
+
 logger = logging.getLogger(__name__)
 
 
