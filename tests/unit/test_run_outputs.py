@@ -137,3 +137,21 @@ def test_wandb_flags_need_a_project_and_the_package(monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"^--wandb-project: the wandb package is not installed"):
         TrainingConfig(train_iters=10, wandb_project="p")
+
+
+def test_wandb_online_without_an_api_key_is_one_line(tmp_path, monkeypatch):
+    # The real library, no credentials anywhere (no key, an empty home): its UsageError
+    # becomes one line naming the flag and the ways out, not a traceback from rank 0.
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.training.tracking import WandbRun
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    with pytest.raises(ConfigError) as e:
+        WandbRun(project="taco-tests", name=None, save_dir=str(tmp_path), entity=None,
+                 mode="online", config={})  # fmt: skip
+    msg = str(e.value)
+    assert msg.startswith("--wandb-project: W&B could not start the run: ") and "\n" not in msg
+    assert "--wandb-mode offline" in msg
