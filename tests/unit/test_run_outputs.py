@@ -162,3 +162,18 @@ def test_wandb_online_without_an_api_key_is_one_line(tmp_path, monkeypatch):
     msg = str(e.value)
     assert msg.startswith("--wandb-project: W&B could not start the run: ") and "\n" not in msg
     assert "--wandb-mode offline" in msg
+
+
+def test_the_wandb_run_id_survives_runs_without_wandb():
+    # A checkpoint with no id (a run before W&B, or one without it) opens a new W&B run; an
+    # id a resumed run without --wandb-project read stays in the checkpoints it writes, so a
+    # later run with W&B continues the same run.
+    from megatron_taco.training.callbacks import CallbackList
+    from megatron_taco.training.tracking import WANDB_STATE, WandbRunState, saved_run_id
+
+    assert saved_run_id({}) is None and saved_run_id({WANDB_STATE: {}}) is None
+    assert WandbRunState(None).state_dict() == {}
+    without = WandbRunState(None)
+    CallbackList([without]).load_state_dict({WANDB_STATE: {"run_id": "abc123"}})
+    assert without.state_dict() == {"run_id": "abc123"}
+    assert saved_run_id({WANDB_STATE: without.state_dict()}) == "abc123"
