@@ -226,9 +226,10 @@ class AnnealingLR(LRScheduler):
         super().load_state_dict(state_dict)
         # A run switched between --train-iters and --train-samples: the count restored is in
         # the checkpoint's unit. Optimizer steps are known here; samples from the driver.
-        if state_dict["counts_samples"] != ours["counts_samples"]:
+        other_unit = state_dict["counts_samples"] != ours["counts_samples"]
+        if other_unit:
             self.num_steps = self.last_epoch
-            self.units_changed = ours["counts_samples"]
+        self.units_changed = other_unit and ours["counts_samples"]  # not the checkpoint's
         changed = {k: (state_dict.get(k), v) for k, v in ours.items() if state_dict.get(k) != v}
         for k, v in ours.items():
             setattr(self, k, v)
