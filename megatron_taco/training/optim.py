@@ -174,6 +174,7 @@ class AnnealingLR(LRScheduler):
         decay_steps: int,
         decay_style: str,
         step_size: int = 1,
+        counts_samples: bool = False,
     ) -> None:
         self.max_lr = max_lr
         self.min_lr = min_lr
@@ -181,6 +182,10 @@ class AnnealingLR(LRScheduler):
         self.decay_steps = decay_steps
         self.decay_style = decay_style
         self.step_size = step_size
+        self.counts_samples = counts_samples
+        # Set by load_state_dict when the checkpoint counted optimizer steps and this run
+        # counts samples: the driver continues at resume_at() with the consumed samples.
+        self.units_changed = False
         # Schedule units taken: optimizer steps (step_size 1) or, with --train-samples,
         # samples (Megatron's num_steps, stepped by the global batch size), which stay right
         # when a resumed run changes the global batch size.
@@ -206,7 +211,8 @@ class AnnealingLR(LRScheduler):
         lr = self.lr_at(self.num_steps)
         return [lr * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
 
-    _SCHEDULE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "step_size")
+    _SCHEDULE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "step_size",
+                 "counts_samples")  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the step count; the schedule itself comes from this run's flags, so a
@@ -215,7 +221,15 @@ class AnnealingLR(LRScheduler):
         ours = {k: getattr(self, k) for k in self._SCHEDULE}
         # A checkpoint from before num_steps was kept counted optimizer steps only.
         state_dict = {"num_steps": state_dict["last_epoch"], "step_size": 1, **state_dict}
+        # One from before counts_samples was kept: sample-based where it stepped by more than 1.
+        state_dict.setdefault("counts_samples", state_dict["step_size"] > 1)
         super().load_state_dict(state_dict)
+        # A run switched between --train-iters and --train-samples: the count restored is in
+        # the checkpoint's unit. Optimizer steps are known here; samples from the driver.
+        other_unit = state_dict["counts_samples"] != ours["counts_samples"]
+        if other_unit:
+            self.num_steps = self.last_epoch
+        self.units_changed = other_unit and ours["counts_samples"]  # not the checkpoint's
         changed = {k: (state_dict.get(k), v) for k, v in ours.items() if state_dict.get(k) != v}
         for k, v in ours.items():
             setattr(self, k, v)
@@ -224,6 +238,14 @@ class AnnealingLR(LRScheduler):
                 "LR schedule differs from the checkpoint's (checkpoint -> now): %s",
                 ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
             )
+        self.apply()
+
+    def resume_at(self, optimizer_steps: int, consumed_samples: int) -> None:
+        """Continue the schedule at a resumed run's position (when the checkpoint's scheduler
+        state is not used, or counted in the other unit)."""
+        self.last_epoch = optimizer_steps
+        self.num_steps = consumed_samples if self.counts_samples else optimizer_steps
+        self.units_changed = False
         self.apply()
 
     def apply(self) -> None:
@@ -244,4 +266,5 @@ def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig) 
         decay_steps=decay,
         decay_style=training.lr_decay_style,
         step_size=step_size,
+        counts_samples=training.sample_based,
     )

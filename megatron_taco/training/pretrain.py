@@ -516,12 +516,8 @@ def _keep_lr_schedule(engine, state) -> None:
     # Without the optimizer DeepSpeed restores its step counters but not the LR scheduler:
     # continue the schedule at the checkpoint's optimizer step instead of restarting it (a
     # sample-based one at the consumed samples, skipped steps' included).
-    ds, scheduler = engine.engine, engine.scheduler
-    scheduler.last_epoch = ds.global_steps - ds.skipped_steps
-    scheduler.num_steps = (
-        scheduler.last_epoch if scheduler.step_size == 1 else state.consumed_samples
-    )
-    scheduler.apply()
+    ds = engine.engine
+    engine.scheduler.resume_at(ds.global_steps - ds.skipped_steps, state.consumed_samples)
 
 
 def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parts: ModelParts, parallel, rng_tracker):
@@ -558,7 +554,7 @@ def _load(engine, cfg: PretrainConfigs, spec: ModelSpec, parts: ModelParts, para
         return TrainingState(), fresh
     if t.finetune:
         return loaded, f"fine-tuning from {t.load}"
-    if t.no_load_optim:
+    if t.no_load_optim or engine.scheduler.units_changed:
         _keep_lr_schedule(engine, loaded)
     return loaded, (
         f"resumed from {t.load} at iteration {loaded.iteration} "

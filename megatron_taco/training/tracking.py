@@ -15,6 +15,7 @@ import math
 import os
 from typing import Any
 
+from megatron_taco.arguments import ConfigError
 from megatron_taco.training.callbacks import Callback
 
 WANDB_STATE = "wandb"  # the callback's name: its key in metadata.json "callbacks"
@@ -37,20 +38,28 @@ class WandbRun:
         self._wandb = wandb
         if save_dir is not None:
             os.makedirs(save_dir, exist_ok=True)
-        self.run = wandb.init(
-            project=project,
-            name=name,
-            dir=save_dir,
-            entity=entity,
-            mode=mode,
-            config=config,
-            id=run_id,
-            # "allow": continue the run with this id where it exists, else start it (an
-            # offline run, or one whose first save came before W&B saw anything).
-            resume="allow" if run_id else None,
-            # No history sparklines at the end of a SLURM log.
-            settings=wandb.Settings(quiet=True),
-        )
+        try:
+            self.run = wandb.init(
+                project=project,
+                name=name,
+                dir=save_dir,
+                entity=entity,
+                mode=mode,
+                config=config,
+                id=run_id,
+                # "allow": continue the run with this id where it exists, else start it (an
+                # offline run, or one whose first save came before W&B saw anything).
+                resume="allow" if run_id else None,
+                # No history sparklines at the end of a SLURM log.
+                settings=wandb.Settings(quiet=True),
+            )
+        except wandb.errors.Error as e:  # no API key, a refused entity, no server
+            # The library's message (it may span lines) as one line naming the flags.
+            reason = " ".join(str(e).split())
+            raise ConfigError(
+                f"--wandb-project: W&B could not start the run: {reason} (log in with `wandb "
+                "login` or WANDB_API_KEY, or use --wandb-mode offline)"
+            ) from None
 
     @property
     def run_id(self) -> str:

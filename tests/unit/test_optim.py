@@ -278,3 +278,34 @@ def test_iteration_schedule_counts_optimizer_steps_as_before(caplog):
     resumed.load_state_dict(state)
     assert resumed.num_steps == 6
     assert opt.param_groups[0]["lr"] == pytest.approx(1.0 - 4 / 18)
+
+
+def test_resume_switching_between_iterations_and_samples_keeps_the_position(caplog):
+    # 10 steps of 16 samples, then the run resumes counting the other unit: the count in
+    # the checkpoint means nothing there, the schedule continues at step 10 / sample 160.
+    iters = TrainingConfig(train_iters=62, lr=1.0, min_lr=0.1, lr_warmup_iters=6,
+                           micro_batch_size=16, global_batch_size=16)  # fmt: skip
+    samples = TrainingConfig(total_train_samples=1000, lr=1.0, min_lr=0.1, lr_warmup_samples=96,
+                             micro_batch_size=16, global_batch_size=16).resolve_length(1)  # fmt: skip
+
+    def ten_steps(training):
+        opt = tiny_optimizer()
+        sched = build_scheduler(opt, training)
+        for _ in range(10):
+            opt.step()
+            sched.step()
+        return sched.state_dict()
+
+    opt = tiny_optimizer()
+    to_iters = build_scheduler(opt, iters)
+    to_iters.load_state_dict(ten_steps(samples))  # 160 samples are not 160 iterations
+    assert to_iters.num_steps == 10 and not to_iters.units_changed
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0 - 0.9 * 4 / 56, rel=1e-12)
+
+    opt = tiny_optimizer()
+    to_samples = build_scheduler(opt, samples)
+    to_samples.load_state_dict(ten_steps(iters))
+    assert to_samples.units_changed  # the driver knows the consumed samples
+    to_samples.resume_at(10, 160)
+    assert to_samples.num_steps == 160 and not to_samples.units_changed
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0 - 0.9 * 64 / 904, rel=1e-12)

@@ -54,12 +54,19 @@ def test_train_line_says_elapsed_eta_and_memory_everywhere(tmp_path, capsys):
         assert scalar.step == 30 and scalar.value == pytest.approx(record[key], rel=1e-6), key
 
 
-def test_memory_is_the_peak_since_the_previous_line(tmp_path):
-    # On CPU the resident set; the CUDA peaks are reset after each line (tests/gpu checks).
+def test_host_memory_is_the_resident_set_now_not_the_peak(tmp_path):
+    # On CPU the current resident set (the CUDA peaks, reset after each line: tests/gpu): a
+    # quarter GiB touched shows, and shows no more once freed (ru_maxrss would keep it).
     from megatron_taco.training.logging import memory_metrics
 
-    first, second = memory_metrics(), memory_metrics()
-    assert set(first) == set(second) == {"host_rss_gib"}
+    before = memory_metrics()
+    block = b"\x01" * 2**28  # every page written
+    during = memory_metrics()
+    del block
+    after = memory_metrics()
+    assert set(before) == set(during) == set(after) == {"host_rss_gib"}
+    assert during["host_rss_gib"] - before["host_rss_gib"] == pytest.approx(0.25, abs=0.05)
+    assert during["host_rss_gib"] - after["host_rss_gib"] == pytest.approx(0.25, abs=0.05)
 
 
 def _run(tmp_path, run_id=None, name="tiny"):
@@ -137,3 +144,36 @@ def test_wandb_flags_need_a_project_and_the_package(monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"^--wandb-project: the wandb package is not installed"):
         TrainingConfig(train_iters=10, wandb_project="p")
+
+
+def test_wandb_online_without_an_api_key_is_one_line(tmp_path, monkeypatch):
+    # The real library, no credentials anywhere (no key, an empty home): its UsageError
+    # becomes one line naming the flag and the ways out, not a traceback from rank 0.
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.training.tracking import WandbRun
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    with pytest.raises(ConfigError) as e:
+        WandbRun(project="taco-tests", name=None, save_dir=str(tmp_path), entity=None,
+                 mode="online", config={})  # fmt: skip
+    msg = str(e.value)
+    assert msg.startswith("--wandb-project: W&B could not start the run: ") and "\n" not in msg
+    assert "--wandb-mode offline" in msg
+
+
+def test_the_wandb_run_id_survives_runs_without_wandb():
+    # A checkpoint with no id (a run before W&B, or one without it) opens a new W&B run; an
+    # id a resumed run without --wandb-project read stays in the checkpoints it writes, so a
+    # later run with W&B continues the same run.
+    from megatron_taco.training.callbacks import CallbackList
+    from megatron_taco.training.tracking import WANDB_STATE, WandbRunState, saved_run_id
+
+    assert saved_run_id({}) is None and saved_run_id({WANDB_STATE: {}}) is None
+    assert WandbRunState(None).state_dict() == {}
+    without = WandbRunState(None)
+    CallbackList([without]).load_state_dict({WANDB_STATE: {"run_id": "abc123"}})
+    assert without.state_dict() == {"run_id": "abc123"}
+    assert saved_run_id({WANDB_STATE: without.state_dict()}) == "abc123"
