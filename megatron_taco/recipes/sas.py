@@ -136,7 +136,28 @@ def check_sas(cfg: PretrainConfigs) -> None:
 
         origin = store_origin(cfg.data, cfg.task["replacement"], augmentation)
         check_store_origin(augmentation.store_dir(cfg.training.save), origin)
-    if cfg.task["replacement"].cold_start == "unigram":
+    replacement = cfg.task["replacement"]
+    if not augmentation.self_augmentation:
+        # Both would be read in every epoch or never: refuse rather than train something else.
+        if replacement.cold_start in COLD_START_NOTES:
+            raise ConfigError(
+                f"--cold-start {replacement.cold_start}: [MASK] at S is for the first epoch "
+                "only; with --no-self-augmentation every epoch would read it (mlm: BERT with "
+                "no RTD loss; mask: a trivial RTD task); use unigram or uniform, or drop "
+                "--no-self-augmentation"
+            )
+        if replacement.stored_mask_share:
+            raise ConfigError(
+                "--stored-mask-share: applies to the epochs that read the self-augmentation "
+                "store, and --no-self-augmentation reads none"
+            )
+    warmup, iters = cfg.task["rtd_schedule"].rtd_weight_warmup_iters, cfg.training.train_iters
+    if warmup and iters is not None and warmup >= iters:
+        raise ConfigError(
+            f"--rtd-weight-warmup-iters: {warmup} >= --train-iters {iters}: lambda would be 0 "
+            "for the whole run (no RTD loss)"
+        )
+    if replacement.cold_start == "unigram":
         from megatron_taco.data.indexed_dataset import unigram_path
 
         missing = [

@@ -525,3 +525,36 @@ def test_rtd_weight_warmup_is_zero_for_the_first_iterations_then_the_schedule():
     assert model.rtd_weight == 50.0
     with pytest.raises(ConfigError, match="--rtd-weight-warmup-iters"):
         RtdScheduleConfig(rtd_weight_warmup_iters=-1)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--cold-start", "mlm", "--no-self-augmentation"), r"^--cold-start mlm: .*every epoch"),
+        (("--cold-start", "mask", "--no-self-augmentation"), r"^--cold-start mask: .*every epoch"),
+        (("--stored-mask-share", "0.5", "--no-self-augmentation"), r"^--stored-mask-share: "),
+        (("--rtd-weight-warmup-iters", "4"), r"^--rtd-weight-warmup-iters: 4 >= --train-iters 4"),
+    ],
+)
+def test_departures_that_would_train_something_else_are_refused_in_one_line(
+    botchan_dataset, tmp_path, flags, message
+):
+    """Before any process group: a masked cold start or --stored-mask-share with no store
+    to read (every epoch masked / nothing masked), a lambda warm-up as long as the run."""
+    from megatron_taco.cli.pretrain_sas import SPEC
+
+    def configs(*extra):
+        argv = ["--model-size", "tiny", "--seq-length", "64",
+                "--data-path", botchan_dataset["prefix"],
+                "--tokenizer-model", botchan_dataset["tokenizer"], "--micro-batch-size", "2",
+                "--global-batch-size", "2", "--train-iters", "4", "--cold-start", "uniform",
+                "--save", str(tmp_path / "s"), *extra]  # fmt: skip
+        return SPEC.configs_from_args(
+            SPEC.build_parser().parse_args(argv), world_size=1, device_type="cpu"
+        )
+
+    with pytest.raises(ConfigError, match=message):
+        configs(*flags)
+    assert not torch.distributed.is_initialized()
+    configs("--rtd-weight-warmup-iters", "3")  # a shorter warm-up is fine
+    configs("--cold-start", "mlm", "--stored-mask-share", "0.5")  # both read the store
