@@ -173,7 +173,9 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
 
 def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
     """One process, no launcher: the paper's Unif-MLM-RTD^c ablation (cold start in every
-    epoch, uniform replacements, constant lambda), no store written."""
+    epoch, uniform replacements, constant lambda), no store written; with a lambda warm-up
+    of 3 iterations (a departure) run as 2 iterations, an exit, and a resume: lambda is 0
+    at logged iterations 1-3 and 50 from 4, across the resume."""
     import sys
 
     from tests.helpers import run
@@ -182,16 +184,21 @@ def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
         botchan_dataset,
         "--micro-batch-size", "16", "--global-batch-size", "16", "--train-epochs", "2",
         "--eval-interval", "1000", "--num-workers", "0", "--no-self-augmentation",
-        "--cold-start", "uniform", "--rtd-weight-final", "50",
+        "--cold-start", "uniform", "--rtd-weight-final", "50", "--rtd-weight-warmup-iters", "3",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
     )  # fmt: skip
-    res = run([sys.executable, "pretrain_sas.py", *args, "--save", str(tmp_path / "ckpt")])
+    first = run([sys.executable, "pretrain_sas.py", *args, "--exit-interval", "2"])
+    assert "0 for the first 3 iterations" in first.stdout
+    res = run([sys.executable, "pretrain_sas.py", *args, "--load", str(tmp_path / "ckpt")])
     assert "world size 1 = tensor parallel 1 x data parallel 1" in res.stdout
     assert "cold start uniform" in res.stdout and "no self-augmentation" in res.stdout
     records = train_records(tmp_path / "ckpt" / "metrics.jsonl")
     samples, each = re.search(r"of ([\d,]+) samples \((\d+) iterations each\)", res.stdout).groups()
     assert int(each) == int(samples.replace(",", "")) // 16  # the partial last batch dropped
-    assert sorted(records)[-1] == 2 * int(each) and {r["epoch"] for r in records.values()} == {1, 2}
-    assert {r["rtd_weight"] for r in records.values()} == {50.0}
+    assert sorted(records) == list(range(1, 2 * int(each) + 1))
+    assert {r["epoch"] for r in records.values()} == {1, 2}
+    weights = [records[it]["rtd_weight"] for it in sorted(records)]
+    assert weights[:3] == [0.0, 0.0, 0.0] and set(weights[3:]) == {50.0}, weights
     assert {r["self_augmented"] for r in records.values() if "self_augmented" in r} <= {0.0}
     assert not (tmp_path / "ckpt" / "replacement_store").exists()
 
