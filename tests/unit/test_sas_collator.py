@@ -440,3 +440,18 @@ def test_stored_mask_share_puts_mask_at_part_of_s_in_the_store_epochs_only():
         SasCollator(pad_id=PAD, seq_length=SEQ, seed=7, config=config, source=store)
     with pytest.raises(ConfigError, match="--stored-mask-share"):
         ReplacementConfig(stored_mask_share=1.5)
+
+
+@pytest.mark.parametrize("kind", ["mask", "mlm"])
+def test_masked_cold_starts_draw_uniform_tokens_even_beside_unigram_counts(kind, tmp_path):
+    """BERT's 10% random tokens (and evaluation's samples) are uniform over the non-special
+    vocabulary, not the corpus's unigram counts that a --data-path prefix carries."""
+    from megatron_taco.data.indexed_dataset import unigram_path
+
+    prefix = str(tmp_path / "corpus")
+    counts = np.arange(VOCAB, dtype=np.int64) ** 2  # far from uniform
+    np.save(unigram_path(prefix), counts)
+    skewed = cold_start_probs(ReplacementConfig(cold_start="unigram"), [prefix], [1.0], SPECIAL)
+    assert not np.allclose(skewed[~SPECIAL], skewed[~SPECIAL][0])  # the counts are read
+    probs = cold_start_probs(ReplacementConfig(cold_start=kind), [prefix], [1.0], SPECIAL)
+    np.testing.assert_allclose(probs, (~SPECIAL) / (~SPECIAL).sum(), rtol=1e-15, atol=0)
