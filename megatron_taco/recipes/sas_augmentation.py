@@ -28,6 +28,7 @@ replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -103,10 +104,10 @@ class SelfAugmentationConfig:
             "no store (drop --no-self-augmentation or --drop-replacement-hits)",
         )
         require(
-            self.sampling_temperature > 0,
+            0 < self.sampling_temperature < math.inf,
             cls,
             "sampling_temperature",
-            f"must be > 0, got {self.sampling_temperature}",
+            f"must be finite and > 0, got {self.sampling_temperature}",
         )
         require(
             isinstance(self.replacement_store_shards, int) and self.replacement_store_shards >= 1,
