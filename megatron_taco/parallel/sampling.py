@@ -184,7 +184,8 @@ def vocab_parallel_sample(
         """The logits in ``dtype``, out of place (they must not change): a NaN carries no
         mass (-inf) and +inf counts as the largest finite value, so no NaN reaches exp and the
         integer weights (whose conversion of NaN differs between CPU and CUDA)."""
-        return logits[rows].to(dtype).nan_to_num(float("-inf"), torch.finfo(dtype).max)
+        top = torch.finfo(dtype).max
+        return logits[rows].to(dtype).nan_to_num(float("-inf"), top, float("-inf"))
 
     def weights(rows: slice) -> torch.Tensor:
         """Integer weights [rows, Vp]; banned columns are exactly 0. The max is subtracted
