@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -77,7 +78,9 @@ def _worker(
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Pickled here: torch's queue would pass tensors as file descriptors that the parent
+        # fetches from this process, which may have exited by then (FileNotFoundError).
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # every failure, even SystemExit, must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -117,7 +120,7 @@ def run_distributed(
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

@@ -29,11 +29,12 @@ import sysconfig
 import tempfile
 import zipfile
 from pathlib import Path
+from urllib.parse import unquote
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 REPO = Path(__file__).resolve().parents[2]
 NEEDS = REPO / "requirements" / "gpu.txt"
@@ -53,13 +54,27 @@ def read_requirements(path: Path) -> list[Requirement]:
 
 
 def read_installed(path: Path) -> dict[str, Version]:
-    """name -> version of a ``pip list --format=freeze`` (or ``pip freeze``) file."""
+    """name -> version of a ``pip list --format=freeze`` (or ``pip freeze``) file. A line
+    this cannot read is an error, not skipped: a package read as missing would be packed
+    (torch installed from a local wheel, say: its wheel is far over the 64 MiB carried)."""
     installed = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if "==" in line:
-            name, version = line.split("==", 1)
-            installed[canonicalize_name(name)] = Version(version.strip())
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#")[0].strip() if not raw.lstrip().startswith("-") else raw.strip()
+        if not line:
+            continue
+        # name==version (===: pip's arbitrary equality), or pip freeze's name @ .../file.whl
+        pinned = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*===?\s*(\S+)", line)
+        wheel = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*@\s*\S+/[^/-]+-([^-/]+)-\S+\.whl",
+                             unquote(line))  # fmt: skip
+        match = pinned or wheel
+        try:
+            version = Version(match.group(2)) if match else None
+        except InvalidVersion:
+            version = None
+        if version is None:
+            raise WheelError(f"--installed: {path} line {number} ({raw.strip()!r}) has no "
+                             "name==version: write the file with pip list --format=freeze")  # fmt: skip
+        installed[canonicalize_name(match.group(1))] = version
     return installed
 
 

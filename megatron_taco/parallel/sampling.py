@@ -4,7 +4,7 @@ SAS self-augmentation replaces masked tokens with draws from the model's own MLM
 vocabulary is split like VocabParallelEmbedding (rank r holds global columns [r*Vp, (r+1)*Vp),
 columns >= vocab_size are padding), and nothing of size [N, padded_vocab] is ever gathered.
 
-Inverse CDF over the shards, in integers: each column's weight exp(logit/T - global max) in
+Inverse CDF over the shards, in integers: each column's weight exp((logit - global max) / T) in
 (0, 1] is scaled to an integer, w = round(w * 2^K) with K chosen from the vocabulary size so
 that a row's total stays below 2^62. Each rank sums its shard's weights; the per-shard sums are
 all-gathered ([tp, N], small), every rank finds which shard holds u's column, and only that
@@ -26,6 +26,8 @@ last-bit rounding on another device), and a resumed run redraws them exactly.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -154,11 +156,11 @@ def vocab_parallel_sample(
     """Global token ids [...] drawn from softmax(logits / temperature) over the real vocabulary
     minus ``exclude_ids``, identical on every rank of ``group``. local_logits [..., Vp] (this
     rank's slice), row_keys int64 [...] (see sample_row_keys). A row with no drawable id gets
-    -1. The draw depends only on (seed, row key, the logits, temperature); rows go
+    -1; a NaN logit is not drawable, a +inf one takes the row's mass (with any other +inf). The draw depends only on (seed, row key, the logits, temperature); rows go
     ~chunk_elements logits at a time (None: 2^16 on CPU, where staying in cache pays, else
     2^24), which bounds the temporaries and does not change the draws."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     if row_keys.shape != local_logits.shape[:-1]:
         raise ValueError(
             f"row_keys {tuple(row_keys.shape)} must match logits "
@@ -178,18 +180,25 @@ def vocab_parallel_sample(
         chunk_elements = 1 << 24 if logits.is_cuda else 1 << 16
     step = max(1, chunk_elements // local_vocab)
 
+    def finite(rows: slice) -> torch.Tensor:
+        """The logits in ``dtype``, out of place (they must not change): a NaN carries no
+        mass (-inf) and +inf counts as the largest finite value, so no NaN reaches exp and the
+        integer weights (whose conversion of NaN differs between CPU and CUDA)."""
+        top = torch.finfo(dtype).max
+        return logits[rows].to(dtype).nan_to_num(float("-inf"), top, float("-inf"))
+
     def weights(rows: slice) -> torch.Tensor:
-        """Integer weights [rows, Vp]; banned columns are exactly 0."""
-        scaled = (logits[rows].to(dtype) / temperature).sub_(finite_peak[rows, None])
+        """Integer weights [rows, Vp]; banned columns are exactly 0. The max is subtracted
+        before dividing by T: logit / T overflows float32 for a small T (-> inf - inf = NaN),
+        (logit - max) / T only underflows to -inf, a weight of 0."""
+        scaled = finite(rows).sub_(finite_peak[rows, None]).div_(temperature)
         return scaled.exp_().mul_(scale).round_().masked_fill_(banned, 0.0).long()
 
     # 1. The global max per row (for a stable exp), then each shard's sum of weights.
     peak = torch.full((n,), float("-inf"), dtype=dtype, device=logits.device)
     for lo in range(0, n, step):
         rows = slice(lo, lo + step)
-        # Out of place: .to(dtype) is a no-op on logits of that dtype, which must not change.
-        scaled = (logits[rows].to(dtype) / temperature).masked_fill_(banned, float("-inf"))
-        peak[rows] = scaled.max(dim=-1).values
+        peak[rows] = finite(rows).masked_fill_(banned, float("-inf")).max(dim=-1).values
     if world > 1:
         comm.all_reduce(peak, group, "max")
     finite_peak = peak.masked_fill(peak == float("-inf"), 0.0)

@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -173,10 +174,10 @@ class SelfAugmentationConfig:
             "no store (drop --no-self-augmentation or --drop-replacement-hits)",
         )
         require(
-            self.sampling_temperature > 0,
+            0 < self.sampling_temperature < math.inf,
             cls,
             "sampling_temperature",
-            f"must be > 0, got {self.sampling_temperature}",
+            f"must be finite and > 0, got {self.sampling_temperature}",
         )
         require(
             isinstance(self.replacement_store_shards, int) and self.replacement_store_shards >= 1,

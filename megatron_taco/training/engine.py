@@ -286,12 +286,21 @@ def deepspeed_device_env(index: int) -> Iterator[None]:
     (``srun --gpus-per-task=1``) every rank's device is 0 whatever its LOCAL_RANK, and
     cuda:LOCAL_RANK is "invalid device ordinal" on every rank but the first. Restored after:
     the launcher's LOCAL_RANK keeps its meaning for everything else."""
-    saved = {key: os.environ[key] for key in _DEVICE_RANK_ENV if key in os.environ}
-    os.environ.update({key: str(index) for key in saved})
+    saved = {key: os.environ.get(key) for key in _DEVICE_RANK_ENV}
+    # LOCAL_RANK even where the launcher set none (zero.Init would read it or assume 0);
+    # Open MPI's only where it is set. Restored exactly, also when DeepSpeed raises or
+    # writes them itself: a variable that was absent is removed again.
+    os.environ.update(
+        {k: str(index) for k, v in saved.items() if v is not None or k == "LOCAL_RANK"}
+    )
     try:
         yield
     finally:
-        os.environ.update(saved)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def initialize_engine(

@@ -141,3 +141,24 @@ def test_the_report_counts_skips_for_too_few_gpus():
         {"outcome": "failed"},
     ]
     assert summary_line(results) == "1 passed, 1 failed, 2 skipped (1 for too few GPUs)"
+
+
+def test_installed_list_reads_every_line_or_names_the_one_it_cannot(tmp_path, capsys):
+    from megatron_taco.cli.gpu_wheels import main, read_installed
+
+    good = tmp_path / "freeze.txt"
+    good.write_text(
+        "# pip freeze\n\nNumPy==2.1.0  # comment\ntorch @ file:///wheels/torch-2.11.0%2Bcu130"
+        "-cp312-cp312-linux_x86_64.whl\nodd===1.0\nzope.interface==7.0\n"
+    )
+    assert {k: str(v) for k, v in read_installed(good).items()} == {
+        "numpy": "2.1.0", "torch": "2.11.0+cu130", "odd": "1.0", "zope-interface": "7.0",
+    }  # fmt: skip
+    # Each of these was skipped, so the package counted as missing and was packed.
+    for line in ("-e git+https://x/y.git@abc#egg=mine", "mine @ file:///src/mine",
+                 "mine==not a version", "mine"):  # fmt: skip
+        bad = tmp_path / "bad.txt"
+        bad.write_text(f"numpy==2.1.0\n{line}\n")
+        assert main(["build", "--installed", str(bad), "--out", str(tmp_path / "w")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{bad} line 2" in err[0] and "pip list --format=freeze" in err[0]

@@ -21,6 +21,11 @@ from megatron_taco.training.peaks import GPU_BF16_PEAKS, device_peak, gpu_bf16_p
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("NVIDIA A10G", None),
         ("NVIDIA GeForce RTX 4090", None),
+        # Names that contain a listed name without being that GPU.
+        ("NVIDIA RTX A1000 6GB Laptop GPU", None),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H20", None),
     ],
 )
 def test_data_sheet_peaks(device_name, peak):

@@ -310,6 +310,29 @@ def test_row_with_nothing_drawable_gets_minus_one():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_extreme_logits_and_temperatures_still_draw(dtype):
+    """What float32 weights must survive: logit / T beyond float32's range (a tiny T draws the
+    argmax, as float64 does), +inf logits (they take the row's mass), NaN logits (never drawn,
+    the rest of the row still is). Each of these drew nothing (-1) before."""
+    rows, kwargs = 4000, dict(vocab_size=6, row_keys=torch.arange(4000), seed=2)
+    logits = torch.tensor([1.0, 40.0, 39.0, -3.0, 0.0, 2.0]).to(dtype).expand(rows, -1)
+    greedy = vocab_parallel_sample(logits, None, temperature=1e-37, **kwargs)
+    assert torch.equal(greedy, torch.full((rows,), 1))
+    inf = logits.clone()
+    inf[:, [2, 4]] = float("inf")
+    drawn = vocab_parallel_sample(inf, None, **kwargs)
+    assert set(drawn.tolist()) == {2, 4} and 0.45 < (drawn == 2).double().mean() < 0.55
+    nan = torch.tensor([0.0, float("nan"), 0.0, 0.0, float("nan"), 0.0]).to(dtype)
+    counts = torch.bincount(
+        vocab_parallel_sample(nan.expand(rows, -1), None, **kwargs), minlength=6
+    )
+    assert chi_square_pvalue(counts, torch.tensor([1.0, 0, 1, 1, 0, 1]) / 4) > PASS_P
+    for temperature in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            vocab_parallel_sample(logits, None, temperature=temperature, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_sample_output_dtype_shape_and_determinism(dtype):
     logits = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(0)).to(dtype)
     keys = sample_row_keys(torch.tensor([3, 9]), torch.arange(5).expand(2, 5), epoch=1)

@@ -302,6 +302,14 @@ def test_hit_dropping_needs_self_augmentation():
         SelfAugmentationConfig(self_augmentation=False, drop_replacement_hits=True)
 
 
+@pytest.mark.parametrize("temperature", [0.0, float("inf"), float("nan")])
+def test_sampling_temperature_is_finite_and_positive(temperature):
+    from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig
+
+    with pytest.raises(ConfigError, match="^--sampling-temperature: must be finite and > 0"):
+        SelfAugmentationConfig(sampling_temperature=temperature)
+
+
 MASK = 4  # the tokenizer's [MASK] id (data/tokenizer.py)
 
 
