@@ -14,6 +14,8 @@ from megatron_taco.data.tokenizer import (
     check_dataset_tokenizer,
     check_tokenizer_options,
     load_config_tokenizer,
+    tokenizer_file,
+    tokenizer_flag,
     tokenizer_type_option,
     vocab_file_option,
 )
@@ -145,7 +147,11 @@ class DataConfig:
                         f"--data-path: dataset {prefix!r}: {path} does not exist "
                         "(expected PREFIX.bin and PREFIX.idx from tools/preprocess_data.py)"
                     )
-        check_dataset_tokenizer(self.prefixes, load_config_tokenizer(self))
+        path, flag = tokenizer_file(self), tokenizer_flag(self)
+        if not path or not os.path.isfile(path):
+            raise ConfigError(f"{flag}: {path} does not exist")
+        # Loaded only where a dataset's summary names the tokenizer it was made with.
+        check_dataset_tokenizer(self.prefixes, lambda: load_config_tokenizer(self))
 
     def load_tokenizer(self):
         return load_config_tokenizer(self)

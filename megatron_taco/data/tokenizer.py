@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -434,16 +434,21 @@ def dataset_summary(prefix: str) -> tuple[str, dict] | None:
     return None
 
 
-def check_dataset_tokenizer(prefixes: Iterable[str], tokenizer: AnyTokenizer) -> None:
+def check_dataset_tokenizer(
+    prefixes: Iterable[str], tokenizer: AnyTokenizer | Callable[[], AnyTokenizer]
+) -> None:
     """ConfigError (one line, naming the flag) when a dataset's summary says it was made with
     another tokenizer: a different file content or kind, or (summaries written before the
-    hash was recorded) a different vocabulary size. Datasets without a summary pass."""
-    flag = "--tokenizer-model" if tokenizer.tokenizer_type == SENTENCEPIECE else "--vocab-file"
+    hash was recorded) a different vocabulary size. Datasets without a summary pass, and a
+    callable ``tokenizer`` is loaded only when a summary is there to check."""
     mine: dict[str, Any] | None = None
     for prefix in prefixes:
         found = dataset_summary(prefix)
         if found is None:
             continue
+        if callable(tokenizer):
+            tokenizer = tokenizer()
+        flag = "--tokenizer-model" if tokenizer.tokenizer_type == SENTENCEPIECE else "--vocab-file"
         path, summary = found
         made = summary.get("tokenizer")
         if isinstance(made, dict) and isinstance(made.get("sha256"), str):
