@@ -232,14 +232,20 @@ class WordPieceTokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: WordPiece vocabulary not found")
         try:
-            with open(path, encoding="utf-8") as f:
-                # tokenizers reads one piece per line, trailing whitespace removed
-                pieces = [line.rstrip() for line in f.read().splitlines()]
+            with open(path, encoding="utf-8", newline="") as f:
+                text = f.read()
         except UnicodeDecodeError:
             raise TokenizerError(
                 f"{path}: not a WordPiece vocabulary (one UTF-8 piece per line); a "
                 "sentencepiece model goes with --tokenizer-type SentencePiece"
             ) from None
+        if text.startswith("\ufeff"):  # tokenizers would read "\ufeff[PAD]" as the first piece
+            raise TokenizerError(f"{path}: starts with a byte-order mark; save it as UTF-8 without")
+        # Lines as tokenizers splits them (on "\n" only, not str.splitlines' "\x85" or
+        # "\u2028", which pieces may hold), trailing whitespace removed: ids by line number.
+        pieces = [line.rstrip() for line in text.split("\n")]
+        if pieces and not pieces[-1] and text.endswith("\n"):
+            pieces.pop()
         ids = {p: i for i, p in enumerate(pieces)}
         if len(ids) != len(pieces):
             twice = next(p for i, p in enumerate(pieces) if ids[p] != i)
@@ -253,6 +259,13 @@ class WordPieceTokenizer:
         if len(pieces) <= len(SPECIAL_PIECES):
             raise TokenizerError(f"{path}: vocabulary of {len(pieces)} pieces has only specials")
         self._tok = BertWordPieceTokenizer(path, lowercase=self.lower_case)
+        theirs = self._tok.get_vocab()
+        if len(theirs) != len(pieces) or any(theirs.get(p) != i for i, p in enumerate(pieces)):
+            line = next((i for i, p in enumerate(pieces) if theirs.get(p) != i), len(pieces))
+            raise TokenizerError(
+                f"{path}: line {line + 1} does not read as the tokenizers library reads it "
+                "(unusual whitespace in a piece?)"
+            )
         self._pieces = pieces
         self.vocab_size: int = len(pieces)
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (

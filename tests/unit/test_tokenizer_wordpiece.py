@@ -154,6 +154,33 @@ def test_bad_vocabularies_are_one_line(tmp_path, content, message):
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
+def test_vocabulary_lines_are_read_as_tokenizers_reads_them(tmp_path):
+    """Pieces holding "\u2028" or "\x85" (str.splitlines breaks there, tokenizers does not)
+    and CRLF line ends: every piece keeps the id BertTokenizerFast gives it."""
+    pieces = bert_layout(["the", "\u2028x", "cat", "\x85y", "##s", "zz"])
+    ref_path = tmp_path / "lf.txt"
+    ref_path.write_bytes("".join(p + "\n" for p in pieces).encode())
+    ref = transformers.BertTokenizerFast(str(ref_path))
+    assert len(ref.get_vocab()) == len(pieces)
+    for name, end in (("lf.txt", "\n"), ("crlf.txt", "\r\n")):
+        path = tmp_path / name
+        path.write_bytes("".join(p + end for p in pieces).encode())
+        tok = WordPieceTokenizer(path)
+        assert tok.vocab_size == len(pieces)
+        ids = tok.encode("The cats zz")
+        assert ids == ref("The cats zz", add_special_tokens=False)["input_ids"]
+        assert [tok.id_to_piece(i) for i in ids] == ["the", "cat", "##s", "zz"]
+        assert tok.word_start_mask()[ids].tolist() == [True, True, False, True]
+
+
+def test_byte_order_mark_is_one_line(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(p + "\n" for p in bert_layout(["a"])).encode())
+    with pytest.raises(TokenizerError, match="byte-order mark") as info:
+        WordPieceTokenizer(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
 def test_sentencepiece_model_given_as_vocab_file(tokenizer_model, botchan_dataset):
     from megatron_taco.data.config import DataConfig
 
