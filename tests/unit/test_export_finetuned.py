@@ -201,3 +201,17 @@ def test_question_answering_model_answers_as_ours(encoder, task_data, tokenizer_
 def test_electra_classification_head_needs_twice_the_classes_in_hidden_units():
     with pytest.raises(ValueError, match="too narrow"):
         task_head("electra", "classification", torch.zeros(5, 8), torch.zeros(5))
+
+
+def test_too_many_classes_for_electras_head_is_the_checkpoints_one_line(tmp_path):
+    """A custom task with more than hidden/2 labels on SAS: taco-export-hf's CheckpointError
+    (one line, exit 1), not a ValueError traceback."""
+    from megatron_taco.training.consolidate import CheckpointError
+
+    config = FINETUNE_ENCODERS["SAS"][1]().with_vocab_size(800)
+    classes = config.hidden_size // 2 + 1
+    model = finetune_model("SAS", "classification", vocab_size=800, num_labels=classes)
+    labels = tuple(f"l{i}" for i in range(classes))
+    task = FinetunedTask("SAS", "custom", "classification", classes, labels)
+    with pytest.raises(CheckpointError, match=r"^--load: custom cannot be exported: .*narrow"):
+        save_task_model(config, task, model.state_dict(), str(tmp_path))
