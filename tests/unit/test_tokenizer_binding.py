@@ -166,6 +166,20 @@ def test_checkpoint_refuses_another_tokenizer(tokenizer_model, other_model, tmp_
         checkpoint_tokenizer(info, other_model, "--vocab-file")
 
 
+def test_damaged_copy_falls_back_to_the_intact_original(tokenizer_model, tmp_path):
+    original = Path(shutil.copy(tokenizer_model, tmp_path / "tok.model"))
+    _checkpoint(tmp_path / "save", Tokenizer(original))
+    info = find_checkpoint(str(tmp_path / "save"), verify=False)
+    copy = tmp_path / "save" / info.meta["tokenizer"]["file"]
+    copy.write_bytes(copy.read_bytes()[:-7])  # truncated
+    assert checkpoint_tokenizer(info, None) == (str(original), "SentencePiece")
+    original.write_bytes(b"damaged too")
+    with pytest.raises(ConfigError, match="are not the tokenizer") as e:
+        checkpoint_tokenizer(info, None)
+    assert str(copy) in str(e.value) and str(original) in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_old_checkpoint_reads_the_file_its_configs_name(tokenizer_model, tmp_path):
     _checkpoint(tmp_path / "save", Tokenizer(tokenizer_model), record=False)
     info = find_checkpoint(str(tmp_path / "save"), verify=False)
