@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import unicodedata
 from collections.abc import Iterable
@@ -22,6 +23,8 @@ import numpy as np
 import sentencepiece as spm
 
 from megatron_taco.arguments import ConfigError, option
+
+logger = logging.getLogger(__name__)
 
 SPECIAL_PIECES = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
@@ -325,6 +328,27 @@ class WordPieceTokenizer:
     def is_byte(self, i: int) -> bool:
         return False
 
+    def case_mismatch(self) -> str | None:
+        """Why the type's casing does not fit the vocabulary, if it does not (Megatron-LM
+        takes either silently): a cased type over a vocabulary without upper case reads every
+        capitalised word as [UNK]; a lower-casing one never reaches the upper-case pieces."""
+        upper = sum(  # bracketed pieces ([CLS], [unused0]) are not text
+            any(c.isupper() for c in p)
+            for p in self._pieces
+            if not (p.startswith("[") and p.endswith("]"))
+        )
+        if not self.lower_case and upper == 0:
+            return (
+                f"{self.model_path} has no upper-case piece (an uncased vocabulary): "
+                "BertWordPieceCase reads capitalised words as [UNK]; use BertWordPieceLowerCase"
+            )
+        if self.lower_case and upper > 0:
+            return (
+                f"{self.model_path} has {upper} upper-case pieces (a cased vocabulary) that "
+                "BertWordPieceLowerCase never produces; use BertWordPieceCase"
+            )
+        return None
+
     def word_start_mask(self) -> np.ndarray:
         """bool [vocab_size]: True except on "##" continuation pieces. BERT's pre-tokenizer
         already makes every punctuation character a word of its own, so a piece without "##"
@@ -551,9 +575,12 @@ def load_config_tokenizer(config: Any) -> AnyTokenizer:
     if not path or not os.path.isfile(path):
         raise ConfigError(f"{flag}: {path} does not exist")
     try:
-        return load_tokenizer(path, config.tokenizer_type)
+        tokenizer = load_tokenizer(path, config.tokenizer_type)
     except (TokenizerError, OSError) as e:
         raise ConfigError(f"{flag}: {e}") from None
+    if isinstance(tokenizer, WordPieceTokenizer) and (why := tokenizer.case_mismatch()):
+        logger.warning("%s: %s", flag, why)
+    return tokenizer
 
 
 def _char_offsets(text: str, pieces) -> np.ndarray:
