@@ -237,7 +237,8 @@ def model_card(info, task, config, class_name: str, files: list[str], argv: list
                 "pretrained checkpoint": f"`{pretrained.get('load')}`",
                 "iteration": pretrained.get("iteration"),
                 "model": f"{encoder} ({pretrained.get('model_size') or 'custom'} size)",
-                "tokenizer": f"`{data.get('tokenizer_model')}` (exported as tokenizer.json)",
+                "tokenizer": f"`{data.get('vocab_file') or data.get('tokenizer_model')}` "
+                f"({data.get('tokenizer_type') or 'SentencePiece'}, exported as tokenizer.json)",
             }
         ),  # fmt: skip
         "",
