@@ -58,8 +58,13 @@ def save_task_model(config, task, state_dict: dict[str, torch.Tensor], out: str,
     prefix = PRETRAINING_ENCODER_PREFIX[task.encoder]
     encoder = {prefix + k[len("encoder.") :]: v for k, v in state_dict.items()
                if k.startswith("encoder.")}  # fmt: skip
-    head_kwargs, head = task_head(family, task.kind, state_dict["head.weight"],
-                                  state_dict["head.bias"])  # fmt: skip
+    try:
+        head_kwargs, head = task_head(family, task.kind, state_dict["head.weight"],
+                                      state_dict["head.bias"])  # fmt: skip
+    except ValueError as e:  # a head transformers' class cannot hold: the checkpoint's, one line
+        from megatron_taco.training.consolidate import CheckpointError
+
+        raise CheckpointError(f"--load: {task.task} cannot be exported: {e}") from None
     dropout = config.hidden_dropout if classifier_dropout is None else classifier_dropout
     kwargs = {**head_kwargs, **label_kwargs(task.kind, task.labels)}
     name = hf_class_name(family, task.kind)
@@ -232,7 +237,8 @@ def model_card(info, task, config, class_name: str, files: list[str], argv: list
                 "pretrained checkpoint": f"`{pretrained.get('load')}`",
                 "iteration": pretrained.get("iteration"),
                 "model": f"{encoder} ({pretrained.get('model_size') or 'custom'} size)",
-                "tokenizer": f"`{data.get('tokenizer_model')}` (exported as tokenizer.json)",
+                "tokenizer": f"`{data.get('vocab_file') or data.get('tokenizer_model')}` "
+                f"({data.get('tokenizer_type') or 'SentencePiece'}, exported as tokenizer.json)",
             }
         ),  # fmt: skip
         "",

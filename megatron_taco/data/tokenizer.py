@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import unicodedata
 from collections.abc import Callable, Iterable
@@ -22,6 +23,8 @@ import numpy as np
 import sentencepiece as spm
 
 from megatron_taco.arguments import ConfigError, option
+
+logger = logging.getLogger(__name__)
 
 SPECIAL_PIECES = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
@@ -232,14 +235,20 @@ class WordPieceTokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: WordPiece vocabulary not found")
         try:
-            with open(path, encoding="utf-8") as f:
-                # tokenizers reads one piece per line, trailing whitespace removed
-                pieces = [line.rstrip() for line in f.read().splitlines()]
+            with open(path, encoding="utf-8", newline="") as f:
+                text = f.read()
         except UnicodeDecodeError:
             raise TokenizerError(
                 f"{path}: not a WordPiece vocabulary (one UTF-8 piece per line); a "
                 "sentencepiece model goes with --tokenizer-type SentencePiece"
             ) from None
+        if text.startswith("\ufeff"):  # tokenizers would read "\ufeff[PAD]" as the first piece
+            raise TokenizerError(f"{path}: starts with a byte-order mark; save it as UTF-8 without")
+        # Lines as tokenizers splits them (on "\n" only, not str.splitlines' "\x85" or
+        # "\u2028", which pieces may hold), trailing whitespace removed: ids by line number.
+        pieces = [line.rstrip() for line in text.split("\n")]
+        if pieces and not pieces[-1] and text.endswith("\n"):
+            pieces.pop()
         ids = {p: i for i, p in enumerate(pieces)}
         if len(ids) != len(pieces):
             twice = next(p for i, p in enumerate(pieces) if ids[p] != i)
@@ -253,6 +262,13 @@ class WordPieceTokenizer:
         if len(pieces) <= len(SPECIAL_PIECES):
             raise TokenizerError(f"{path}: vocabulary of {len(pieces)} pieces has only specials")
         self._tok = BertWordPieceTokenizer(path, lowercase=self.lower_case)
+        theirs = self._tok.get_vocab()
+        if len(theirs) != len(pieces) or any(theirs.get(p) != i for i, p in enumerate(pieces)):
+            line = next((i for i, p in enumerate(pieces) if theirs.get(p) != i), len(pieces))
+            raise TokenizerError(
+                f"{path}: line {line + 1} does not read as the tokenizers library reads it "
+                "(unusual whitespace in a piece?)"
+            )
         self._pieces = pieces
         self.vocab_size: int = len(pieces)
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
@@ -311,6 +327,27 @@ class WordPieceTokenizer:
 
     def is_byte(self, i: int) -> bool:
         return False
+
+    def case_mismatch(self) -> str | None:
+        """Why the type's casing does not fit the vocabulary, if it does not (Megatron-LM
+        takes either silently): a cased type over a vocabulary without upper case reads every
+        capitalised word as [UNK]; a lower-casing one never reaches the upper-case pieces."""
+        upper = sum(  # bracketed pieces ([CLS], [unused0]) are not text
+            any(c.isupper() for c in p)
+            for p in self._pieces
+            if not (p.startswith("[") and p.endswith("]"))
+        )
+        if not self.lower_case and upper == 0:
+            return (
+                f"{self.model_path} has no upper-case piece (an uncased vocabulary): "
+                "BertWordPieceCase reads capitalised words as [UNK]; use BertWordPieceLowerCase"
+            )
+        if self.lower_case and upper > 0:
+            return (
+                f"{self.model_path} has {upper} upper-case pieces (a cased vocabulary) that "
+                "BertWordPieceLowerCase never produces; use BertWordPieceCase"
+            )
+        return None
 
     def word_start_mask(self) -> np.ndarray:
         """bool [vocab_size]: True except on "##" continuation pieces. BERT's pre-tokenizer
@@ -543,9 +580,12 @@ def load_config_tokenizer(config: Any) -> AnyTokenizer:
     if not path or not os.path.isfile(path):
         raise ConfigError(f"{flag}: {path} does not exist")
     try:
-        return load_tokenizer(path, config.tokenizer_type)
+        tokenizer = load_tokenizer(path, config.tokenizer_type)
     except (TokenizerError, OSError) as e:
         raise ConfigError(f"{flag}: {e}") from None
+    if isinstance(tokenizer, WordPieceTokenizer) and (why := tokenizer.case_mismatch()):
+        logger.warning("%s: %s", flag, why)
+    return tokenizer
 
 
 def _char_offsets(text: str, pieces) -> np.ndarray:

@@ -94,19 +94,23 @@ def checkpoint_tokenizer(
         copy = record.get("file")
         root = os.path.dirname(os.path.abspath(info.iter_dir))
         candidates = [os.path.join(root, *copy.split("/")) if copy else None, named]
-    path = next((c for c in candidates if c and os.path.isfile(c)), None)
-    if path is None:
+    found = [c for c in candidates if c and os.path.isfile(c)]
+    if not found:
         tried = ", ".join(c for c in candidates if c) or "none recorded"
         raise ConfigError(
             f"{flag}: the tokenizer named by {info.iter_dir}/metadata.json is missing "
             f"({tried}); give the one the checkpoint was trained with"
         )
     want = record.get("sha256")
-    if want and file_sha256(path) != want:
+    if not want:
+        return found[0], kind
+    # a damaged copy in --save falls back to the original file while that one is intact
+    path = next((c for c in found if file_sha256(c) == want), None)
+    if path is None:
         raise ConfigError(
-            f"{flag}: {path} is not the tokenizer {info.iter_dir} was trained with (its "
-            f"metadata.json records {kind}, {record.get('vocab_size')} pieces, sha256 "
-            f"{want[:12]})"
+            f"{flag}: {', '.join(found)} {'is' if len(found) == 1 else 'are'} not the tokenizer "
+            f"{info.iter_dir} was trained with (its metadata.json records {kind}, "
+            f"{record.get('vocab_size')} pieces, sha256 {want[:12]})"
         )
     return path, kind
 

@@ -201,3 +201,39 @@ def test_question_answering_model_answers_as_ours(encoder, task_data, tokenizer_
 def test_electra_classification_head_needs_twice_the_classes_in_hidden_units():
     with pytest.raises(ValueError, match="too narrow"):
         task_head("electra", "classification", torch.zeros(5, 8), torch.zeros(5))
+
+
+def test_too_many_classes_for_electras_head_is_the_checkpoints_one_line(tmp_path):
+    """A custom task with more than hidden/2 labels on SAS: taco-export-hf's CheckpointError
+    (one line, exit 1), not a ValueError traceback."""
+    from megatron_taco.training.consolidate import CheckpointError
+
+    config = FINETUNE_ENCODERS["SAS"][1]().with_vocab_size(800)
+    classes = config.hidden_size // 2 + 1
+    model = finetune_model("SAS", "classification", vocab_size=800, num_labels=classes)
+    labels = tuple(f"l{i}" for i in range(classes))
+    task = FinetunedTask("SAS", "custom", "classification", classes, labels)
+    with pytest.raises(CheckpointError, match=r"^--load: custom cannot be exported: .*narrow"):
+        save_task_model(config, task, model.state_dict(), str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": "/v/vocab.txt",
+         "tokenizer_model": None},
+        {"tokenizer_type": "SentencePiece", "tokenizer_model": "/v/tok.model", "vocab_file": None},
+    ],
+)  # fmt: skip
+def test_model_card_names_the_tokenizer_of_either_kind(data, tmp_path):
+    from megatron_taco.cli.export_finetuned import model_card
+    from megatron_taco.training.consolidate import CheckpointInfo
+
+    info = CheckpointInfo(str(tmp_path / "iter_0000004"), 4, {"configs": {"data": data}},
+                          1, 1, 0, "fp32")  # fmt: skip
+    task = FinetunedTask("SAS", "custom", "classification", 2, ("neg", "pos"))
+    config = FINETUNE_ENCODERS["SAS"][1]()
+    card = model_card(info, task, config, "ElectraForSequenceClassification", [], [])
+    (row,) = [line for line in card.splitlines() if line.startswith("| tokenizer |")]
+    file = data["vocab_file"] or data["tokenizer_model"]
+    assert f"`{file}` ({data['tokenizer_type']}," in row, row

@@ -10,6 +10,7 @@ tokenizer file whose content is not the recorded one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -52,7 +53,9 @@ def test_summary_records_the_tokenizer(botchan_dataset):
     assert path == str(botchan_dataset["dir"] / "botchan_summary.json")
     record = summary["tokenizer"]
     assert record["type"] == "SentencePiece" and record["vocab_size"] == 800
-    assert record["sha256"] == file_sha256(botchan_dataset["tokenizer"])
+    # what `sha256sum` prints, computed independently of file_sha256
+    want = hashlib.sha256(Path(botchan_dataset["tokenizer"]).read_bytes()).hexdigest()
+    assert record["sha256"] == want
 
 
 def test_another_tokenizer_of_the_same_size_is_refused(botchan_dataset, other_model):
@@ -164,6 +167,20 @@ def test_checkpoint_refuses_another_tokenizer(tokenizer_model, other_model, tmp_
     assert checkpoint_tokenizer(info, tokenizer_model)[0] == tokenizer_model  # the same: fine
     with pytest.raises(ConfigError, match=r"^--vocab-file: .* is not the tokenizer .* sha256"):
         checkpoint_tokenizer(info, other_model, "--vocab-file")
+
+
+def test_damaged_copy_falls_back_to_the_intact_original(tokenizer_model, tmp_path):
+    original = Path(shutil.copy(tokenizer_model, tmp_path / "tok.model"))
+    _checkpoint(tmp_path / "save", Tokenizer(original))
+    info = find_checkpoint(str(tmp_path / "save"), verify=False)
+    copy = tmp_path / "save" / info.meta["tokenizer"]["file"]
+    copy.write_bytes(copy.read_bytes()[:-7])  # truncated
+    assert checkpoint_tokenizer(info, None) == (str(original), "SentencePiece")
+    original.write_bytes(b"damaged too")
+    with pytest.raises(ConfigError, match="are not the tokenizer") as e:
+        checkpoint_tokenizer(info, None)
+    assert str(copy) in str(e.value) and str(original) in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_old_checkpoint_reads_the_file_its_configs_name(tokenizer_model, tmp_path):

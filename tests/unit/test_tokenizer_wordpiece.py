@@ -9,6 +9,7 @@ would pass on an all-[UNK] encoding."""
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,61 @@ def test_bad_vocabularies_are_one_line(tmp_path, content, message):
     with pytest.raises(TokenizerError, match=message) as info:
         WordPieceTokenizer(path)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_vocabulary_lines_are_read_as_tokenizers_reads_them(tmp_path):
+    """Pieces holding "\u2028" or "\x85" (str.splitlines breaks there, tokenizers does not)
+    and CRLF line ends: every piece keeps the id BertTokenizerFast gives it."""
+    pieces = bert_layout(["the", "\u2028x", "cat", "\x85y", "##s", "zz"])
+    ref_path = tmp_path / "lf.txt"
+    ref_path.write_bytes("".join(p + "\n" for p in pieces).encode())
+    ref = transformers.BertTokenizerFast(str(ref_path))
+    assert len(ref.get_vocab()) == len(pieces)
+    for name, end in (("lf.txt", "\n"), ("crlf.txt", "\r\n")):
+        path = tmp_path / name
+        path.write_bytes("".join(p + end for p in pieces).encode())
+        tok = WordPieceTokenizer(path)
+        assert tok.vocab_size == len(pieces)
+        ids = tok.encode("The cats zz")
+        assert ids == ref("The cats zz", add_special_tokens=False)["input_ids"]
+        assert [tok.id_to_piece(i) for i in ids] == ["the", "cat", "##s", "zz"]
+        assert tok.word_start_mask()[ids].tolist() == [True, True, False, True]
+
+
+def test_byte_order_mark_is_one_line(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(p + "\n" for p in bert_layout(["a"])).encode())
+    with pytest.raises(TokenizerError, match="byte-order mark") as info:
+        WordPieceTokenizer(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "pieces, kind, warning",
+    [
+        (["the", "cat"], "BertWordPieceCase", "no upper-case piece.*use BertWordPieceLowerCase"),
+        (["The", "the", "cat"], "BertWordPieceLowerCase", "1 upper-case pieces.*BertWordPieceCase"),
+        (["the", "cat"], "BertWordPieceLowerCase", None),
+        (["The", "the", "cat"], "BertWordPieceCase", None),
+    ],
+)
+def test_casing_that_does_not_fit_the_vocabulary_warns(tmp_path, caplog, pieces, kind, warning):
+    from types import SimpleNamespace
+
+    from megatron_taco.data.tokenizer import load_config_tokenizer
+
+    path = tmp_path / "vocab.txt"
+    path.write_text("".join(p + "\n" for p in bert_layout(pieces)), "utf-8")
+    config = SimpleNamespace(tokenizer_type=kind, vocab_file=str(path), tokenizer_model=None)
+    with caplog.at_level("WARNING", logger="megatron_taco.data.tokenizer"):
+        tok = load_config_tokenizer(config)
+    if warning is None:
+        assert not caplog.records
+        return
+    (record,) = caplog.records
+    assert re.search(f"^--vocab-file: {re.escape(str(path))} .*{warning}", record.getMessage())
+    if kind == "BertWordPieceCase":  # what the warning is about
+        assert tok.encode("The cat") == [tok.unk_id, tok.piece_to_id("cat")]
 
 
 def test_sentencepiece_model_given_as_vocab_file(tokenizer_model, botchan_dataset):
