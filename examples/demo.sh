@@ -44,7 +44,7 @@ rm -rf "$OUT/taco"
 echo "== 5/7 pretrain SAS (SAS-small's width at 4 layers) twice: the recipe that learns here, and the paper's"
 # SAS_RECIPE: the reference release's mlm cold start (epoch 1 is BERT's masked LM at S, no RTD
 # loss; the model's own samples from epoch 2) with lambda 1 -> 4 instead of the paper's
-# 50 -> 200, which at this budget re-collapses the encoder in epoch 2 (README, "Recipes for
+# 50 -> 200, which at this budget re-collapses the encoder in epoch 2 (docs/recipes.md, "Recipes for
 # short runs"; docs/sas_variants.md has the measurements). The paper's recipe runs beside it
 # for its curve.
 # Both at lr 5e-4 (SAS-small's default, the paper's 1e-3 for batch 512, collapses the encoder

@@ -20,7 +20,7 @@
 #  2. The ranks (--exit-signal-handler) finish the current iteration, save a checkpoint and
 #     exit 0. Signals after the first are not passed on (and the ranks absorb any that reach
 #     them) until the save is done: scancel's TERM or the time limit's must not kill it.
-#     The save must fit between the warning and the time limit: see the README's SLURM
+#     The save must fit between the warning and the time limit: see docs/launchers.md's SLURM
 #     section for the --signal=B:USR1@N that TACO-base and SAS-base need.
 #  3. Once srun has returned, `scontrol requeue` puts the job back in the queue (it needs
 #     `#SBATCH --requeue`). Slurm runs this script again from the top, and --load, which names

@@ -250,7 +250,7 @@ def check_target(wheels: Path) -> int:
         if torch.version.cuda is None:
             problems.append(f"torch {torch.__version__} is a CPU build (no CUDA)")
     if problems:
-        print("gpu-test: " + "; ".join(problems) + " (README, GPUs)", file=sys.stderr)
+        print("gpu-test: " + "; ".join(problems) + " (docs/gpus.md)", file=sys.stderr)
         return 2
     return 0
 

@@ -31,7 +31,7 @@ from megatron_taco.arguments import (
 # 10000 (BERT; TACO Table 7; SAS Table 5); a short run gets the fine-tuning protocols' 0.1
 # instead of a warm-up longer than itself (a few-hundred-iteration run that reaches its
 # peak LR within 20-30 iterations collapsed its encoder in the measurements behind
-# README's "Recipes for short runs").
+# docs/recipes.md).
 DEFAULT_WARMUP_ITERS = 10000
 DEFAULT_WARMUP_FRACTION = 0.1
 DECAY_STYLES = ("linear", "cosine", "constant")

@@ -1,5 +1,5 @@
 """A small SAS trained by the real driver on the bundled corpus learns with the demo's recipe
-(README, "Recipes for short runs"): the reference release's mlm cold start (epoch 1 is BERT's
+(docs/recipes.md): the reference release's mlm cold start (epoch 1 is BERT's
 masked LM at S, no RTD loss), then two epochs on the model's own samples with lambda 1 -> 4.
 At the end its held-out MLM accuracy is above the most frequent token's share by a margin no
 plateaued run reaches, and its last-layer vectors are not one vector for everything.
