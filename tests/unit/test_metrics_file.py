@@ -36,3 +36,21 @@ def test_a_torn_record_is_skipped_and_the_next_runs_records_kept(tmp_path, caplo
     assert [r.getMessage() for r in caplog.records] == [
         f'{path}:2: not a whole metrics record, skipped: {{"split": "train", "iteration": 2, "lo'
     ]
+
+
+def test_an_empty_file_and_a_file_of_one_torn_line(tmp_path, caplog):
+    empty, torn = tmp_path / "empty.jsonl", tmp_path / "torn.jsonl"
+    empty.write_text("")
+    torn.write_text('{"split": "train", "itera')
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.logging"):
+        assert read_metrics(str(empty)) == []
+        assert read_metrics(str(torn)) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        f'{torn}:1: not a whole metrics record, skipped: {{"split": "train", "itera'
+    ]
+    # A run appending to either (an empty file left by a run killed before its first log).
+    for path in (empty, torn):
+        log = TrainingLogger(rank=0, train_iters=3, metrics_file=str(path), progress_bar=False)
+        log.log("train", 1, {"loss": 2.5})
+        log.close()
+        assert read_metrics(str(path)) == [{"split": "train", "iteration": 1, "loss": 2.5}]
