@@ -72,6 +72,8 @@ def test_set_aside_moves_checkpoints_and_stores_and_deletes_nothing(tmp_path):
     (save / "iter_0000006.tmp-00ab").mkdir()  # a crashed save's leftover
     (save / "run.lock").write_text("{}")
     (save / "metrics.jsonl").write_text("{}\n")
+    (save / "tokenizer" / "0123456789abcdef").mkdir(parents=True)  # issue 29's copy
+    (save / "tokenizer" / "0123456789abcdef" / "spm.model").write_bytes(b"spm")
     inside, outside = save / "replacement_store", tmp_path / "store"
     for store in (inside, outside):
         (store / "gen_00000").mkdir(parents=True)
@@ -80,11 +82,16 @@ def test_set_aside_moves_checkpoints_and_stores_and_deletes_nothing(tmp_path):
     empty.mkdir()
     aside = Path(set_aside(str(save), (str(inside), str(outside), str(empty))))
     assert aside.parent == save and aside.name.startswith("superseded-")
-    assert sorted(os.listdir(save)) == sorted([aside.name, "metrics.jsonl", "run.lock"])
+    assert sorted(os.listdir(save)) == sorted([aside.name, "metrics.jsonl", "run.lock",
+                                               "tokenizer"])  # fmt: skip
     assert sorted(os.listdir(aside)) == [
         "iter_0000002", "iter_0000004", "iter_0000006.tmp-00ab", TRACKER_FILENAME,
-        "replacement_store",
+        "replacement_store", "tokenizer",
     ]  # fmt: skip
+    # The checkpoints name their tokenizer copy relative to their folder's parent: it goes
+    # with them, and stays for the new run.
+    for root in (save, aside):
+        assert (root / "tokenizer" / "0123456789abcdef" / "spm.model").read_bytes() == b"spm"
     assert (aside / "replacement_store" / "gen_00000" / "shard_00000.bin").read_bytes() == b"rows"
     assert not outside.exists()
     (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("store.superseded-")]
