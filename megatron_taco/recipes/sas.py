@@ -131,6 +131,15 @@ def check_sas(cfg: PretrainConfigs) -> None:
             "epochs; give --save (the store goes under it) or --replacement-store DIR, or "
             "--no-self-augmentation"
         )
+    store, save = augmentation.replacement_store, cfg.training.save
+    if store is not None and save is not None:
+        root = os.path.realpath(store)
+        if os.path.realpath(save) == root or os.path.realpath(save).startswith(root + os.sep):
+            # --override-existing-checkpoints would move the whole --save aside with it.
+            raise ConfigError(
+                f"--replacement-store: {store} is or holds --save {save}: give the store a "
+                "directory of its own (default: replacement_store under --save)"
+            )
     if augmentation.self_augmentation and not starts_fresh(cfg):
         from megatron_taco.recipes.sas_augmentation import check_store_origin, store_origin
 

@@ -56,6 +56,7 @@ from megatron_taco.data.replacement_store import (
     read_layout_file,
 )
 from megatron_taco.data.sas_collator import ReplacementSource
+from megatron_taco.data.tokenizer import tokenizer_file, tokenizer_flag
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
 from megatron_taco.training.callbacks import Callback
@@ -73,7 +74,9 @@ logger = logging.getLogger(__name__)
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
 # DataConfig fields that do not decide the rows (where files are, how they are read), and
 # those recorded by content instead of by path (the data and the tokenizer may be moved).
-_DATA_NOT_RECORDED = ("data_path", "tokenizer_model", "data_cache_path", "num_workers")
+_DATA_NOT_RECORDED = (
+    "data_path", "tokenizer_model", "vocab_file", "data_cache_path", "num_workers",
+)  # fmt: skip
 
 
 def _file_digest(path: str) -> str:
@@ -102,14 +105,17 @@ def store_origin(data, replacement, augmentation: SelfAugmentationConfig) -> tup
     """What decides which instance and slot a store row belongs to, by flag: every field of
     the data and replacement configs (so a field added later is covered), each --data-path
     dataset by name, weight and size, the tokenizer by content. StoreLayout.origin."""
+    # By the name the files have, not the one a symlink or a relative path gives them.
     datasets = [
-        [weight, os.path.basename(prefix), *(os.path.getsize(prefix + ext) for ext in (".bin", ".idx"))]
+        [weight, os.path.basename(os.path.realpath(prefix + ".bin"))[: -len(".bin")],
+         *(os.path.getsize(prefix + ext) for ext in (".bin", ".idx"))]
         for prefix, weight in zip(data.prefixes, data.weights)
     ]  # fmt: skip
     origin = {
         **_by_flag(data, skip=_DATA_NOT_RECORDED),
         "--data-path": datasets,
-        "--tokenizer-model": f"sha256:{_file_digest(data.tokenizer_model)}",
+        # --tokenizer-model or --vocab-file, whichever --tokenizer-type reads.
+        tokenizer_flag(data): f"sha256:{_file_digest(tokenizer_file(data))}",
         **_by_flag(replacement),
         "--drop-replacement-hits": augmentation.drop_replacement_hits,
     }

@@ -901,6 +901,22 @@ def _is_checkpoint_entry(name: str) -> bool:
     return name == TRACKER_FILENAME or bool(_ITER_DIR.match(name) or _LEFTOVER.match(name))
 
 
+def _new_aside(save_dir: str) -> tuple[str, str]:
+    """A new superseded-<time>-<pid>[.N] directory and its name's tag: the name may be
+    taken (a requeued container gets the same pid; two overrides within a second), and a
+    directory that was there is never reused."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    base = os.path.join(save_dir, f"{SUPERSEDED_PREFIX}{stamp}-{os.getpid()}")
+    aside, n = base, 1
+    while True:
+        try:
+            os.mkdir(aside)
+            return aside, os.path.basename(aside)[len(SUPERSEDED_PREFIX) :]
+        except FileExistsError:
+            n += 1
+            aside = f"{base}.{n}"
+
+
 def set_aside(save_dir: str, stores: tuple[str, ...] = ()) -> str | None:
     """--override-existing-checkpoints: move the checkpoints in ``save_dir`` and the
     non-empty ``stores`` into ``save_dir/superseded-<time>/`` (a store elsewhere: renamed to
@@ -911,9 +927,14 @@ def set_aside(save_dir: str, stores: tuple[str, ...] = ()) -> str | None:
     stores = tuple(s for s in stores if os.path.isdir(s) and os.listdir(s))
     if not names and not stores:
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    aside = os.path.join(save_dir, f"{SUPERSEDED_PREFIX}{stamp}-{os.getpid()}")
-    os.makedirs(aside)
+    aside, tag = _new_aside(save_dir)
+    # The checkpoints name their tokenizer copy relative to their directory's parent: the
+    # copies go with them (copied: the new run may share one, and none is ever deleted).
+    from megatron_taco.data.tokenizer import TOKENIZER_DIR
+
+    copies = os.path.join(save_dir, TOKENIZER_DIR)
+    if names and os.path.isdir(copies):
+        shutil.copytree(copies, os.path.join(aside, TOKENIZER_DIR), symlinks=True)
     names.sort(key=lambda n: n != TRACKER_FILENAME)
     for name in names:
         os.rename(os.path.join(save_dir, name), os.path.join(aside, name))
@@ -922,7 +943,7 @@ def set_aside(save_dir: str, stores: tuple[str, ...] = ()) -> str | None:
         target = (
             os.path.join(aside, os.path.basename(store))
             if inside
-            else f"{store.rstrip(os.sep)}.{SUPERSEDED_PREFIX}{stamp}-{os.getpid()}"
+            else f"{store.rstrip(os.sep)}.{SUPERSEDED_PREFIX}{tag}"
         )
         os.rename(store, target)
     _fsync_dir(save_dir)

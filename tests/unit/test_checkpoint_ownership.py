@@ -72,6 +72,8 @@ def test_set_aside_moves_checkpoints_and_stores_and_deletes_nothing(tmp_path):
     (save / "iter_0000006.tmp-00ab").mkdir()  # a crashed save's leftover
     (save / "run.lock").write_text("{}")
     (save / "metrics.jsonl").write_text("{}\n")
+    (save / "tokenizer" / "0123456789abcdef").mkdir(parents=True)  # issue 29's copy
+    (save / "tokenizer" / "0123456789abcdef" / "spm.model").write_bytes(b"spm")
     inside, outside = save / "replacement_store", tmp_path / "store"
     for store in (inside, outside):
         (store / "gen_00000").mkdir(parents=True)
@@ -80,11 +82,16 @@ def test_set_aside_moves_checkpoints_and_stores_and_deletes_nothing(tmp_path):
     empty.mkdir()
     aside = Path(set_aside(str(save), (str(inside), str(outside), str(empty))))
     assert aside.parent == save and aside.name.startswith("superseded-")
-    assert sorted(os.listdir(save)) == sorted([aside.name, "metrics.jsonl", "run.lock"])
+    assert sorted(os.listdir(save)) == sorted([aside.name, "metrics.jsonl", "run.lock",
+                                               "tokenizer"])  # fmt: skip
     assert sorted(os.listdir(aside)) == [
         "iter_0000002", "iter_0000004", "iter_0000006.tmp-00ab", TRACKER_FILENAME,
-        "replacement_store",
+        "replacement_store", "tokenizer",
     ]  # fmt: skip
+    # The checkpoints name their tokenizer copy relative to their folder's parent: it goes
+    # with them, and stays for the new run.
+    for root in (save, aside):
+        assert (root / "tokenizer" / "0123456789abcdef" / "spm.model").read_bytes() == b"spm"
     assert (aside / "replacement_store" / "gen_00000" / "shard_00000.bin").read_bytes() == b"rows"
     assert not outside.exists()
     (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("store.superseded-")]
@@ -179,11 +186,96 @@ def test_a_fresh_run_on_another_runs_save_is_refused_or_moves_it_aside(
             f"with the store's {flag}, or start anew (--override-existing-checkpoints, without "
             f"--load) ({layout})"
         ]
+    # Flags that do not decide the rows, and the same data files spelled through a symlink
+    # and a relative path, resume (the configs pass every check before the process groups).
+    link = tmp_path / "data_link"
+    link.symlink_to(Path(botchan_dataset["prefix"]).parent)
+    spelled = os.path.relpath(link / Path(botchan_dataset["prefix"]).name)
+    same = [a if a != botchan_dataset["prefix"] else spelled for a in resume]
+    same += ["--lr", "2e-3", "--log-interval", "3", "--train-iters", "5"]
+    SPEC.configs_from_args(SPEC.build_parser().parse_args(same), world_size=1, device_type="cpu")
+    # A store that is --save (or holds it) would be moved aside with the whole --save.
+    assert (
+        _sas_main([*again, "--override-existing-checkpoints", "--replacement-store", str(save)])
+        == 2
+    )
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_sas.py: error: --replacement-store: {save} is or holds --save {save}: give "
+        "the store a directory of its own (default: replacement_store under --save)"
+    ]
     now = _contents(save)
     assert {name: now.get(name) for name in old} == old  # untouched
 
     assert run_in_process(_sas_main, [*again, "--override-existing-checkpoints"]) == 0
     (aside,) = [p for p in save.iterdir() if p.name.startswith("superseded-")]
-    assert _contents(aside) == old  # byte for byte, the store included
+    # byte for byte, the store included, and the tokenizer copy its checkpoints name
+    assert _contents(aside) == old and any(n.startswith("tokenizer/") for n in old)
     assert (save / TRACKER_FILENAME).read_text() == "1\n"
     assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000001"]
+
+
+def test_a_save_holding_no_checkpoint_is_a_fresh_start(tmp_path):
+    # What a run writes into --save besides checkpoints (issue 29's tokenizer copy, the lock,
+    # the metrics, tensorboard) is not another run's checkpoints.
+    save = tmp_path / "ckpt"
+    (save / "tokenizer").mkdir(parents=True)
+    (save / "tokenizer" / "tokenizer.model").write_bytes(b"model")
+    (save / "tensorboard").mkdir()
+    (save / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"ev")
+    (save / "run.lock").write_text("{}")
+    (save / "metrics.jsonl").write_text('{"iteration": 1}\n{"iter')
+    check_own_save(_training(save), CheckpointConfig())
+
+
+def test_set_aside_never_reuses_a_taken_name(tmp_path, monkeypatch):
+    # Same second, same pid (a requeued container): a second override must not fail nor
+    # mix its checkpoints into the first one's folder, nor replace an empty store folder.
+    monkeypatch.setattr("time.strftime", lambda *a: "20260101-000000")
+    save, store = tmp_path / "ckpt", tmp_path / "store"
+    asides = []
+    for rows in (b"first", b"second"):
+        _hold(save, 2)
+        (store / "gen_00000").mkdir(parents=True)
+        (store / "gen_00000" / "shard_00000.bin").write_bytes(rows)
+        asides.append(Path(set_aside(str(save), (str(store),))))
+    assert asides[0] != asides[1] and all(sorted(os.listdir(a)) == [
+        "iter_0000002", TRACKER_FILENAME] for a in asides)  # fmt: skip
+    moved = sorted(p for p in tmp_path.iterdir() if p.name.startswith("store.superseded-"))
+    assert [(p / "gen_00000" / "shard_00000.bin").read_bytes() for p in moved] == [
+        b"first", b"second"]  # fmt: skip
+
+
+def _origin(tmp_path: Path, data_path: str, **tokenizer) -> tuple:
+    from megatron_taco.data.config import DataConfig
+    from megatron_taco.data.sas_collator import ReplacementConfig
+    from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig, store_origin
+
+    data = DataConfig(data_path=(data_path,), **tokenizer)
+    return store_origin(data, ReplacementConfig(), SelfAugmentationConfig())
+
+
+def test_the_store_origin_names_files_by_content_not_by_path_spelling(tmp_path, monkeypatch):
+    real = tmp_path / "corpus"
+    real.mkdir()
+    for ext, size in ((".bin", 7), (".idx", 3)):
+        (real / f"wiki_text_document{ext}").write_bytes(b"x" * size)
+    (tmp_path / "link").symlink_to(real)
+    (tmp_path / "alias_document.bin").symlink_to(real / "wiki_text_document.bin")
+    (tmp_path / "alias_document.idx").symlink_to(real / "wiki_text_document.idx")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\na\n")
+    moved = tmp_path / "moved_vocab.txt"
+    moved.write_text(vocab.read_text())
+    wordpiece = {"tokenizer_type": "BertWordPieceLowerCase"}
+    monkeypatch.chdir(tmp_path)
+    spellings = [
+        _origin(tmp_path, str(real / "wiki_text_document"), vocab_file=str(vocab), **wordpiece),
+        _origin(tmp_path, "corpus/wiki_text_document", vocab_file="vocab.txt", **wordpiece),
+        _origin(tmp_path, "link/wiki_text_document", vocab_file=str(moved), **wordpiece),
+        _origin(tmp_path, "alias_document", vocab_file=str(vocab), **wordpiece),
+    ]
+    assert all(s == spellings[0] for s in spellings), spellings
+    assert dict(spellings[0])["--vocab-file"].startswith('"sha256:')
+    moved.write_text(vocab.read_text() + "b\n")  # another vocabulary: other rows
+    other = _origin(tmp_path, "alias_document", vocab_file=str(moved), **wordpiece)
+    assert dict(other)["--vocab-file"] != dict(spellings[0])["--vocab-file"]
