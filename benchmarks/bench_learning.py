@@ -48,6 +48,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -228,8 +229,10 @@ def job_command(
 ) -> list[str]:
     if model in OURS:
         script, extra = OURS[model]
+        # The final checkpoint stays for downstream evaluations (bench_sas_downstream.py).
         cmd = [sys.executable, os.path.join(REPO, script), *extra, *s.driver_flags(),
-               "--metrics-file", metrics, *flags.get(script, [])]  # fmt: skip
+               "--metrics-file", metrics, "--save", os.path.join(workdir, "checkpoints"),
+               "--save-interval", str(s.iters), *flags.get(script, [])]  # fmt: skip
         if model.startswith("sas"):
             cmd += [*s.sas_size_flags(), "--replacement-store", os.path.join(workdir, "store"),
                     "--cold-start", s.cold_start]  # fmt: skip
@@ -316,6 +319,7 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
     scheduler = build_scheduler(optimizer, training)
     train = stream.train if store is not None else stream
     epochs = whole_epochs(s.iters * s.batch, stream.count) if store is not None else 1
+    started = time.perf_counter()
     with open(metrics_file, "w") as out:
         for it in range(s.iters):
             samples = [train[g] for g in range(it * s.batch, (it + 1) * s.batch)]
@@ -334,13 +338,20 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
             if store is not None:
                 store.add(batch, result["sas_logits"])
             if (it + 1) % s.eval_interval == 0 or it + 1 == s.iters:
+                # Training time only (the evaluations excluded), as our driver's elapsed_ms.
+                train_s = time.perf_counter() - started
                 record = {
                     "split": "valid",
                     "iteration": it + 1,
+                    "train_seconds": train_s,
                     **evaluate(net, valid, collator, s),
                 }
                 out.write(json.dumps(record) + "\n")
                 out.flush()
+                # Kept for downstream evaluations at equal FLOPs or wall time.
+                torch.save(net.state_dict(), os.path.join(os.path.dirname(metrics_file),
+                                                          f"peer_iter_{it + 1:07d}.pt"))
+                started = time.perf_counter() - train_s
 
 
 # ---------------------------------------------------------------------------------------
@@ -373,10 +384,9 @@ def run_jobs(jobs: list[Job], s0: Setting, out_dir: str, parallel: int) -> dict:
             job = pending.pop(0)
             s = dataclasses.replace(s0, seed=job.seed, cold_start=job.cold_start)
             work = os.path.join(out_dir, f"{job.name}_s{job.seed}")
-            os.makedirs(work, exist_ok=True)
+            shutil.rmtree(work, ignore_errors=True)  # a fresh run: its store, checkpoints
+            os.makedirs(work)
             metrics = os.path.join(work, "metrics.jsonl")
-            if os.path.exists(metrics):
-                os.remove(metrics)
             logf = open(os.path.join(work, "log.txt"), "w")  # noqa: SIM115
             script = OURS[job.model][0] if job.model in OURS else None
             cmd = job_command(job.model, s, metrics, work, {script: list(job.flags)})

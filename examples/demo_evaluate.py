@@ -139,42 +139,57 @@ def _pad(rows: list[list[int]], pad: int):
     return ids, mask, torch.arange(width).expand(len(rows), width) * mask
 
 
+class Encoder:
+    """What the evaluations read from one pretrained model (ours, or a peer's in
+    benchmarks/bench_sas_downstream.py): its last-layer vectors, its MLM head's negative
+    log-likelihood at labelled positions and, for RTD models, its RTD logits."""
+
+    def __init__(self, model, kind: str) -> None:
+        self.model, self.kind = model, kind
+        self.heads = ("mlm",) if kind == "TACO" else ("rtd", "mlm")  # the pretraining head first
+
+    def hidden(self, ids, mask, pos) -> torch.Tensor:
+        """[b, s, H] (TACO: [h_WE; h_PE])."""
+        if self.kind == "TACO":
+            we, pe = self.model.taco(ids, pos, mask)
+            return torch.cat([we, pe], -1)
+        return self.model.sas(ids, mask)
+
+    def mlm_nll(self, ids, pos, mask, labels) -> torch.Tensor:
+        """float64 [n]: every labelled token's negative log-likelihood under the MLM head."""
+        at = labels != -100
+        m = self.model
+        if self.kind == "TACO":
+            word = m.taco.embeddings.word_embeddings.weight
+            nll, _ = m.heads.mlm(self.hidden(ids, pos, mask)[at], labels[at], word)
+            return nll.double()
+        word = m.sas.embeddings.word_embeddings.weight
+        logits = m.heads.mlm_logits(m.sas(ids, mask)[at], word)[:, : m.config.vocab_size]
+        return torch.nn.functional.cross_entropy(logits.double(), labels[at], reduction="none")
+
+    def rtd_logits(self, ids, mask) -> torch.Tensor:
+        """[b, s] "replaced" logits."""
+        return self.model.heads.rtd_logits(self.model.sas(ids, mask))
+
+
 @torch.no_grad()
-def encode_vectors(model, kind: str, rows: list[list[int]], pad: int, batch: int = 64):
-    """[len(rows), H] mean-pooled last-layer vectors (TACO: [h_WE; h_PE])."""
+def encode_vectors(enc: Encoder, rows: list[list[int]], pad: int, batch: int = 64):
+    """[len(rows), H] mean-pooled last-layer vectors."""
     out = []
     for k in range(0, len(rows), batch):
         ids, mask, pos = _pad(rows[k : k + batch], pad)
-        if kind == "TACO":
-            we, pe = model.taco(ids, pos, mask)
-            hidden = torch.cat([we, pe], -1)
-        else:
-            hidden = model.sas(ids, mask)
+        hidden = enc.hidden(ids, mask, pos)
         m = mask[..., None].to(hidden.dtype)
         out.append((hidden * m).sum(1) / m.sum(1))
     return torch.cat(out).double().numpy()
 
 
-def _masked_nll(model, kind: str, ids, pos, mask, labels) -> torch.Tensor:
-    """float64 negative log-likelihood of every labelled token under the MLM head."""
-    at = labels != -100
-    if kind == "TACO":
-        we, pe = model.taco(ids, pos, mask)
-        word = model.taco.embeddings.word_embeddings.weight
-        nll, _ = model.heads.mlm(torch.cat([we, pe], -1)[at], labels[at], word)
-        return nll.double()
-    word = model.sas.embeddings.word_embeddings.weight
-    logits = model.heads.mlm_logits(model.sas(ids, mask)[at], word)[:, : model.config.vocab_size]
-    return torch.nn.functional.cross_entropy(logits.double(), labels[at], reduction="none")
-
-
 @torch.no_grad()
-def originality_scores(
-    model, kind: str, rows: list[list[int]], tok: Tokenizer, head: str = "mlm", batch: int = 64
-):
+def originality_scores(enc: Encoder, rows: list[list[int]], tok: Tokenizer, head: str = "mlm",
+                       batch: int = 64):  # fmt: skip
     """Higher = the model finds the sentence more like real text. ``head`` "mlm": the
     pseudo-log-likelihood per word from the MLM head (every 5th word [MASK]ed per pass);
-    "rtd" (SAS): minus the mean RTD ("replaced") logit."""
+    "rtd": minus the mean RTD ("replaced") logit."""
     scores = np.zeros(len(rows))
     if head == "mlm":
         passes = [(i, j) for i in range(len(rows)) for j in range(MASK_EVERY)]
@@ -186,13 +201,13 @@ def originality_scores(
                 at = torch.arange(1 + j, len(rows[i]) - 1, MASK_EVERY)
                 labels[r, at] = ids[r, at]
                 ids[r, at] = tok.mask_id
-            nll = _masked_nll(model, kind, ids, pos, mask, labels)
+            nll = enc.mlm_nll(ids, pos, mask, labels)
             owner = torch.tensor([i for i, _ in chunk]).unsqueeze(1).expand_as(labels)
             np.add.at(scores, owner[labels != -100].numpy(), -nll.numpy())
         return scores / np.array([max(len(r) - 2, 1) for r in rows])
     for k in range(0, len(rows), batch):
         ids, mask, _ = _pad(rows[k : k + batch], tok.pad_id)
-        logits = model.heads.rtd_logits(model.sas(ids, mask)).double()
+        logits = enc.rtd_logits(ids, mask).double()
         words = mask.clone()
         words[:, 0] = False
         words &= ids != tok.sep_id
@@ -277,26 +292,33 @@ def evaluate_checkpoint(path: str, args, sentences: list[str]) -> list[Row]:
     rows = []
     for name, models in (("pretrained", [pretrained]), (f"random x{len(randoms)}", randoms)):
         held = [held_out_metrics(m, info, tok) for m in models]
-        heads = ("mlm",) if kind == "TACO" else ("rtd", "mlm")
-        zs = {head: [] for head in heads}
-        probes = {n: [] for n in PROBE_SIZES}
-        for m in models:
-            f_orig = encode_vectors(m, kind, originals, tok.pad_id)
-            s_orig = {head: originality_scores(m, kind, originals, tok, head) for head in heads}
-            for seed, shuffled in enumerate(shuffles):
-                for head in heads:
-                    s_shuf = originality_scores(m, kind, shuffled, tok, head)
-                    zs[head].append(zero_shot(s_orig[head], s_shuf))
-                f_shuf = encode_vectors(m, kind, shuffled, tok.pad_id)
-                for n in PROBE_SIZES:
-                    if n not in skipped:
-                        probes[n].append(probe(f_orig, f_shuf, n, seed))
+        zs, probes = word_order([Encoder(m, kind) for m in models], originals, shuffles, tok)
+        first = next(iter(zs))
         rows.append(Row(kind, name, float(np.mean([h["mlm_acc"] for h in held])),
                         float(np.mean([h["mlm_baseline_acc"] for h in held])),
-                        float(np.mean([h["collapse_cosine"] for h in held])), zs[heads[0]],
-                        {n: v for n, v in probes.items() if v},
-                        zs["mlm"] if kind != "TACO" else None))  # fmt: skip
+                        float(np.mean([h["collapse_cosine"] for h in held])), zs[first], probes,
+                        zs.get("mlm") if first != "mlm" else None))  # fmt: skip
     return rows
+
+
+def word_order(encoders: list[Encoder], originals, shuffles, tok: Tokenizer):
+    """({head: zero-shot scores}, {probe size: accuracies}) over the encoders and the seeds'
+    shuffles; probes that need more sentences than there are are left out."""
+    heads = encoders[0].heads
+    zs = {head: [] for head in heads}
+    probes = {n: [] for n in PROBE_SIZES if n <= len(originals) // 2}
+    for enc in encoders:
+        f_orig = encode_vectors(enc, originals, tok.pad_id)
+        s_orig = {head: originality_scores(enc, originals, tok, head) for head in heads}
+        for seed, shuffled in enumerate(shuffles):
+            for head in heads:
+                zs[head].append(
+                    zero_shot(s_orig[head], originality_scores(enc, shuffled, tok, head))
+                )
+            f_shuf = encode_vectors(enc, shuffled, tok.pad_id)
+            for n in probes:
+                probes[n].append(probe(f_orig, f_shuf, n, seed))
+    return zs, probes
 
 
 def main(argv=None) -> int:

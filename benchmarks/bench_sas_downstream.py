@@ -1,0 +1,199 @@
+"""The SAS paper's claim downstream: SAS's encoder against transformers' ELECTRA's
+discriminator at equal training FLOPs (ELECTRA's flops_computation.py convention) and at
+equal training wall time, on evaluations a random encoder cannot win, each model beside its
+random-init twins: zero-shot word order by the RTD head (a shuffled sentence should look
+more "replaced") and by the MLM head's pseudo-log-likelihood (ELECTRA: its generator's), and
+a frozen-feature probe (logistic regression on mean-pooled last-layer vectors) on 32, 64 and
+128 labelled sentences. The evaluations are examples/demo_evaluate.py's, on the held-out
+documents of --split.
+
+Inputs are the run folders of benchmarks/bench_sas_variants.py (or bench_learning.py) from
+one setting: a SAS variant's folder keeps its final checkpoint and metrics, ELECTRA's keeps
+its weights at every evaluation (peer_iter_*.pt) and its training seconds, so ELECTRA is
+taken at the evaluation nearest SAS's FLOPs and nearest SAS's training time.
+
+    python benchmarks/bench_sas_downstream.py --data-path DATA --split 90,5,5 \\
+        --sas paper=build/bench/sas_variants/paper_s1234 \\
+        --electra build/bench/sas_variants/electra_s1234 --layers 2 --hidden 128 \\
+        --seq-length 32 --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+import bench_learning as bl  # noqa: E402
+import demo_evaluate as de  # noqa: E402
+from bench_sas_variants import VARIANTS, train_flops_per_iteration  # noqa: E402
+from make_word_order_task import held_out_sentences  # noqa: E402
+
+
+class ElectraEncoder(de.Encoder):
+    """learning_peers.Electra read as demo_evaluate reads ours: the discriminator's vectors
+    and RTD logits, the generator's MLM head."""
+
+    def __init__(self, net) -> None:
+        super().__init__(net.eval(), "ELECTRA")
+
+    def hidden(self, ids, mask, pos) -> torch.Tensor:
+        return self.model.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+
+    def rtd_logits(self, ids, mask) -> torch.Tensor:
+        return self.model.disc.discriminator_predictions(self.hidden(ids, mask, None))
+
+    def mlm_nll(self, ids, pos, mask, labels) -> torch.Tensor:
+        gen = self.model.gen
+        at = labels != -100
+        h = gen.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        logits = gen.generator_lm_head(gen.generator_predictions(h[at]))
+        return F.cross_entropy(logits.double(), labels[at], reduction="none")
+
+
+def electra_net(vocab: int, s: bl.Setting, state: dict | None, seed: int = 0):
+    from learning_peers import Electra
+
+    torch.manual_seed(seed)
+    size = s.size()
+    net = Electra(vocab, size, embedding=size.hidden // 2)  # as bench_learning's run_peer
+    if state is not None:
+        net.load_state_dict(state)
+    return net
+
+
+def sas_train_seconds(metrics: str, log_interval: int) -> float:
+    """Training time of our run: its train records' mean iteration time x the interval."""
+    from megatron_taco.training.logging import read_metrics
+
+    return sum(r["elapsed_ms"] * log_interval / 1e3 for r in read_metrics(metrics)
+               if r.get("split") == "train" and "elapsed_ms" in r)  # fmt: skip
+
+
+def electra_points(folder: str) -> list[tuple[int, float, str]]:
+    """(iteration, training seconds, weights file) at every evaluation of the ELECTRA run."""
+    from megatron_taco.training.logging import read_metrics
+
+    seconds = {int(r["iteration"]): r["train_seconds"]
+               for r in read_metrics(os.path.join(folder, "metrics.jsonl"))
+               if r.get("split") == "valid" and "train_seconds" in r}  # fmt: skip
+    out = []
+    for path in sorted(glob.glob(os.path.join(folder, "peer_iter_*.pt"))):
+        it = int(re.search(r"peer_iter_(\d+)\.pt$", path).group(1))
+        if it in seconds:
+            out.append((it, seconds[it], path))
+    return out
+
+
+def row(name: str, init: str, iteration, flops, seconds, zs: dict, probes: dict) -> dict:
+    return {"model": name, "init": init, "iteration": iteration, "train_flops": flops,
+            "train_seconds": seconds, "zero_shot_rtd": zs.get("rtd"),
+            "zero_shot_mlm": zs.get("mlm"), "probe": probes}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench_sas_downstream.py", description=__doc__.split("\n")[0])
+    p.add_argument("--sas", nargs="+", required=True, metavar="VARIANT=FOLDER",
+                   help="SAS variants' run folders (checkpoints/ and metrics.jsonl).")  # fmt: skip
+    p.add_argument("--electra", required=True, help="The ELECTRA run's folder.")
+    p.add_argument("--data-path", required=True)
+    p.add_argument("--split", required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--log-interval", type=int, default=250,
+                   help="The runs' --eval-interval (our driver logs train time per interval).")  # fmt: skip
+    p.add_argument("--sentences", type=int, default=300)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--random-twins", type=int, default=2)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    from megatron_taco.recipes.registry import checkpoint_tokenizer
+    from megatron_taco.training.consolidate import find_checkpoint
+
+    runs = dict(item.partition("=")[::2] for item in args.sas)
+    for name, folder in runs.items():
+        if name not in VARIANTS or not os.path.isdir(os.path.join(folder, "checkpoints")):
+            p.error(f"--sas {name}={folder}: expected VARIANT=FOLDER, a bench_sas_variants "
+                    "variant and its run folder holding checkpoints/")  # fmt: skip
+    points = electra_points(args.electra)
+    if not points:
+        p.error(f"--electra {args.electra}: no peer_iter_*.pt with train_seconds in metrics.jsonl")
+    first = find_checkpoint(os.path.join(next(iter(runs.values())), "checkpoints"))
+    tok = de.load_tokenizer(*checkpoint_tokenizer(first, None))
+    s = bl.Setting(prefix=args.data_path, tokenizer=tok.model_path, cache="", split=args.split,
+                   seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
+                   warmup_fraction=0.0, eval_interval=0, eval_iters=0, seed=0,
+                   layers=args.layers, hidden=args.hidden)  # fmt: skip
+    sentences = held_out_sentences(args.data_path, tok, args.split)
+    rng = np.random.default_rng(0)
+    if len(sentences) > args.sentences:
+        sentences = [sentences[i] for i in
+                     sorted(rng.choice(len(sentences), args.sentences, replace=False))]  # fmt: skip
+    originals, shuffles = de.fitting(tok, sentences, args.seeds, args.seq_length)
+    print(f"{len(originals)} held-out sentences that fit {args.seq_length} positions; "
+          f"{args.seeds} shuffles; {args.random_twins} random twins")  # fmt: skip
+    f_electra = train_flops_per_iteration("electra", s, tok.vocab_size)
+    rows = []
+
+    def add(name, init, encoders, it, flops, seconds):
+        zs, probes = de.word_order(encoders, originals, shuffles, tok)
+        rows.append(row(name, init, it, flops, seconds, zs, probes))
+
+    for name, folder in runs.items():
+        info, model, randoms = de.twins(os.path.join(folder, "checkpoints"), None,
+                                        args.random_twins)  # fmt: skip
+        it = info.iteration
+        flops = it * train_flops_per_iteration(VARIANTS[name][0], s, tok.vocab_size)
+        seconds = sas_train_seconds(os.path.join(folder, "metrics.jsonl"), args.log_interval)
+        add(f"SAS {name}", "pretrained", [de.Encoder(model.eval(), "SAS")], it, flops, seconds)
+        add(f"SAS {name}", f"random x{len(randoms)}", [de.Encoder(m, "SAS") for m in randoms],
+            0, 0, 0)  # fmt: skip
+        chosen = {
+            "equal FLOPs": min(points, key=lambda q: abs(q[0] * f_electra - flops)),
+            "equal time": min(points, key=lambda q: abs(q[1] - seconds)),
+        }
+        for how, (e_it, e_s, path) in chosen.items():
+            net = electra_net(tok.vocab_size, s, torch.load(path, weights_only=True))
+            add(f"ELECTRA ({how} as SAS {name})", "pretrained", [ElectraEncoder(net)], e_it,
+                e_it * f_electra, e_s)  # fmt: skip
+    twins = [ElectraEncoder(electra_net(tok.vocab_size, s, None, seed=1000 + k))
+             for k in range(args.random_twins)]  # fmt: skip
+    add("ELECTRA", f"random x{len(twins)}", twins, 0, 0, 0)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    sizes = sorted({n for r in rows for n in r["probe"]})
+    print(f"\n{'model':<40} {'init':<12} {'iter':>5} {'TFLOPs':>7} {'train s':>8} "
+          f"{'zero-shot RTD %':>15} {'zero-shot MLM %':>15} "
+          + " ".join(f"{f'probe n={n} %':>14}" for n in sizes))  # fmt: skip
+    for r in rows:
+        print(f"{r['model']:<40} {r['init']:<12} {r['iteration']:>5} "
+              f"{r['train_flops'] / 1e12:>7.2f} {r['train_seconds']:>8.0f} "
+              f"{de._ms(r['zero_shot_rtd']):>15} {de._ms(r['zero_shot_mlm']):>15} "
+              + " ".join(f"{de._ms(r['probe'][n]):>14}" for n in sizes))  # fmt: skip
+    print("\n(mean ± std over the shuffles' seeds and the random twins; a random encoder is at "
+          "50 on the zero-shot columns by construction)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
