@@ -59,6 +59,8 @@ VARIANTS = {
                               "release mlm + GDES + lambda 1 -> 4"),
     "bert_control": ("sas", "mlm", ("--stored-mask-share", "1", *LAMBDA_ZERO),
                      "control: every epoch [MASK] at S, no RTD (BERT in SAS's code)"),
+    "sas_c": ("sas_c", "unigram", (), "SAS^c: the paper's recipe with a constant lambda 50"),
+    "sas_da": ("sas_da", "unigram", (), "SAS^DA: the paper's recipe with DeBERTa's attention"),
     "sas_c_mlm_lambda_small": ("sas_c", "mlm", ("--rtd-weight", "1", "--rtd-weight-final", "1"),
                                "SAS^c: release mlm + constant lambda 1"),
     "sas_da_mlm_lambda_small": ("sas_da", "mlm", LAMBDA_SMALL,

@@ -1,16 +1,16 @@
 """A small SAS trained by the real driver on the bundled corpus learns with the demo's recipe
-(docs/recipes.md): the reference release's mlm cold start (epoch 1 is BERT's
-masked LM at S, no RTD loss), then two epochs on the model's own samples with lambda 1 -> 4.
-At the end its held-out MLM accuracy is above the most frequent token's share by a margin no
-plateaued run reaches, and its last-layer vectors are not one vector for everything.
+(docs/recipes.md): the reference release's mlm cold start (epoch 1 is BERT's masked LM at S,
+no RTD loss), then five epochs on the model's own samples with lambda 1 -> 4. At the end its
+held-out MLM accuracy is above 1.5x the most frequent token's share, which no plateaued run
+reaches, and its last-layer vectors are not one vector for everything.
 
-Measured (2026-11-27, 2 cores; benchmarks/bench_sas_variants.py at this size, which these
-flags repeat; docs/sas_variants.md): this recipe ends at 1.37x the baseline, collapse figure
-0.46; the paper's recipe at 0.99x, collapse 0.90. The mutation this test is for, the cold
-start silently falling back to the paper's unigram draws (the collator's MaskedColdStart
-replaced by ColdStart, tried by hand), ends on the plateau like the paper's and fails here.
-The bar is 1.25x, not the issue's 1.5x: no SAS setting with self-augmentation reached 1.5x
-within a few hundred iterations at this size (BERT's objective in the same code does, 1.68x).
+Measured (2026-11-27, 2 cores; benchmarks/bench_sas_variants.py at this size and schedule,
+which these flags repeat; docs/sas_variants.md): this recipe is at 1.91x the baseline at
+iteration 700 of 800, collapse figure 0.26; the paper's recipe at 1.12x, collapse 0.84 (it
+leaves the plateau only after ~1.5M tokens, twice this run). The mutation this test is for,
+the cold start silently falling back to the paper's unigram draws (the collator's
+MaskedColdStart replaced by ColdStart), ends on the plateau like the paper's and fails here.
+400 iterations were not enough (1.37x): the schedule's short peak, not the objective, held it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.helpers import run
 SIZE = ["--model-size", "small", "--num-layers", "2", "--hidden-size", "128",
         "--ffn-hidden-size", "512", "--num-attention-heads", "2", "--embedding-size", "128"]  # fmt: skip
 RECIPE = ["--cold-start", "mlm", "--rtd-weight", "1", "--rtd-weight-final", "4"]
-ITERS = 400
+ITERS = 800
 
 
 def test_small_sas_learns_with_the_demo_recipe(demo_dataset, tmp_path):
@@ -38,7 +38,7 @@ def test_small_sas_learns_with_the_demo_recipe(demo_dataset, tmp_path):
             "--train-iters", str(ITERS), "--lr", "1e-3", "--min-lr", "0",
             "--lr-warmup-fraction", "0.1", "--lr-decay-style", "linear", "--weight-decay", "0.01",
             "--clip-grad", "1.0", "--adam-eps", "1e-6",
-            "--eval-interval", "100", "--eval-iters", "8", "--log-interval", "100",
+            "--eval-interval", "200", "--eval-iters", "8", "--log-interval", "100",
             "--num-workers", "0", "--seed", "1234", "--replacement-store", str(tmp_path / "store"),
             "--deepspeed-config", "ds_configs/zero0_fp32.json", "--no-progress-bar",
             "--metrics-file", str(metrics),
@@ -47,10 +47,10 @@ def test_small_sas_learns_with_the_demo_recipe(demo_dataset, tmp_path):
     )  # fmt: skip
     assert "cold start mlm (the reference release" in res.stdout
     valid = {r["iteration"]: r for r in read_metrics(str(metrics)) if r["split"] == "valid"}
-    assert sorted(valid) == [100, 200, 300, 400]
+    assert sorted(valid) == [200, 400, 600, 800]
     train = [r for r in read_metrics(str(metrics)) if r["split"] == "train"]
-    assert {r["epoch"] for r in train} >= {1, 2, 3}  # self-augmentation for two epochs
+    assert {r["epoch"] for r in train} >= {1, 2, 6}  # self-augmentation for five epochs
     assert all(r["self_augmented"] == 1.0 for r in train if r["epoch"] >= 2)
     end = valid[ITERS]
-    assert end["mlm_acc"] > 1.25 * end["mlm_baseline_acc"], end
+    assert end["mlm_acc"] > 1.5 * end["mlm_baseline_acc"], end
     assert end["collapse_cosine"] < 0.8, end
