@@ -229,10 +229,11 @@ def job_command(
 ) -> list[str]:
     if model in OURS:
         script, extra = OURS[model]
-        # The final checkpoint stays for downstream evaluations (bench_sas_downstream.py).
+        # A checkpoint at every evaluation, for downstream evaluations at equal FLOPs or
+        # training time (bench_sas_downstream.py).
         cmd = [sys.executable, os.path.join(REPO, script), *extra, *s.driver_flags(),
                "--metrics-file", metrics, "--save", os.path.join(workdir, "checkpoints"),
-               "--save-interval", str(s.iters), *flags.get(script, [])]  # fmt: skip
+               "--save-interval", str(s.eval_interval), *flags.get(script, [])]  # fmt: skip
         if model.startswith("sas"):
             cmd += [*s.sas_size_flags(), "--replacement-store", os.path.join(workdir, "store"),
                     "--cold-start", s.cold_start]  # fmt: skip

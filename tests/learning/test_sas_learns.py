@@ -8,8 +8,11 @@ Measured (2026-11-27, 2 cores; benchmarks/bench_sas_variants.py at this size and
 which these flags repeat; docs/sas_variants.md): this recipe is at 1.91x the baseline at
 iteration 700 of 800, collapse figure 0.26; the paper's recipe at 1.12x, collapse 0.84 (it
 leaves the plateau only after ~1.5M tokens, twice this run). The mutation this test is for,
-the cold start silently falling back to the paper's unigram draws (the collator's
-MaskedColdStart replaced by ColdStart), ends on the plateau like the paper's and fails here.
+the cold start silently falling back to the paper's unigram draws (make_cold_start returning
+ColdStart for mlm), fails the epoch-1 RTD check; it passes the learning bar (lambda 1 -> 4
+lets even the unigram cold start off the plateau by iteration 800), so the bar alone is not
+what catches it. The learning bar catches a run that does not learn: the paper's lambda
+(1.18x) or a collapsed encoder.
 400 iterations were not enough (1.37x): the schedule's short peak, not the objective, held it.
 """
 
@@ -51,6 +54,11 @@ def test_small_sas_learns_with_the_demo_recipe(demo_dataset, tmp_path):
     train = [r for r in read_metrics(str(metrics)) if r["split"] == "train"]
     assert {r["epoch"] for r in train} >= {1, 2, 6}  # self-augmentation for five epochs
     assert all(r["self_augmented"] == 1.0 for r in train if r["epoch"] >= 2)
+    # The release's mlm cold start: no RTD labels in epoch 1, every later epoch has them.
+    # (Learning alone cannot tell it from a silent fallback to unigram draws: with lambda
+    # 1 -> 4 that also passes 1.5x by iteration 800, measured with the mutation below.)
+    assert all(r["rtd_tokens"] == 0 for r in train if r["epoch"] == 1)
+    assert all(r["rtd_tokens"] > 0 for r in train if r["epoch"] >= 2)
     end = valid[ITERS]
     assert end["mlm_acc"] > 1.5 * end["mlm_baseline_acc"], end
     assert end["collapse_cosine"] < 0.8, end
