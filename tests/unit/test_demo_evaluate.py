@@ -44,3 +44,32 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         de.main(["--load", str(missing), "--data-path", "x", "--random-twins", "0"])
     assert "--random-twins must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_rtd_zero_shot_scores_the_probability_of_no_replacement():
+    """Two sentences of 4 words: A's pieces all look mildly original (logit -2); B has one
+    word flagged as replaced (+5) and three confidently original (-7). Under the RTD head, B
+    is the one with a replaced word (P(all original) 0.0067 x ~1 vs 0.88^4): its score must be
+    lower. A mean of logits says the opposite (-3.5 < -2), which is the inversion measured on
+    a long-trained SAS."""
+    import types
+
+    import demo_evaluate as de
+    import torch
+
+    logits = {1: torch.tensor([0.0, -2, -2, -2, -2, 0.0], dtype=torch.float64),
+              2: torch.tensor([0.0, 5, -7, -7, -7, 0.0], dtype=torch.float64)}  # fmt: skip
+
+    class Heads(de.Encoder):
+        def __init__(self):
+            self.heads = ("rtd",)
+
+        def rtd_logits(self, ids, mask):
+            return torch.stack([logits[int(row[1])] for row in ids])
+
+    tok = types.SimpleNamespace(pad_id=0, sep_id=9, mask_id=8)
+    rows = [[7, 1, 5, 5, 5, 9], [7, 2, 5, 5, 5, 9]]  # [CLS] w w w w [SEP]; row[1] picks logits
+    a, b = de.originality_scores(Heads(), rows, tok, head="rtd")
+    assert b < a
+    expected = torch.nn.functional.logsigmoid(-logits[2][1:5]).mean().item()
+    assert b == pytest.approx(expected, rel=1e-12)
