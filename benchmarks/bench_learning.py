@@ -350,8 +350,10 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
                 out.write(json.dumps(record) + "\n")
                 out.flush()
                 # Kept for downstream evaluations at equal FLOPs or wall time.
-                torch.save(net.state_dict(), os.path.join(os.path.dirname(metrics_file),
-                                                          f"peer_iter_{it + 1:07d}.pt"))
+                torch.save(
+                    net.state_dict(),
+                    os.path.join(os.path.dirname(metrics_file), f"peer_iter_{it + 1:07d}.pt"),
+                )
                 started = time.perf_counter() - train_s
 
 

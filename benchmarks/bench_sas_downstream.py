@@ -14,6 +14,7 @@ taken at the evaluation nearest SAS's FLOPs and nearest SAS's training time.
 
     python benchmarks/bench_sas_downstream.py --data-path DATA --split 90,5,5 \\
         --sas paper=build/bench/sas_variants/paper_s1234 \\
+              paper=build/bench/sas_variants/paper_s1234@2500 \\
         --electra build/bench/sas_variants/electra_s1234 --layers 2 --hidden 128 \\
         --seq-length 32 --batch 64
 """
@@ -75,12 +76,14 @@ def electra_net(vocab: int, s: bl.Setting, state: dict | None, seed: int = 0):
     return net
 
 
-def sas_train_seconds(metrics: str, log_interval: int) -> float:
-    """Training time of our run: its train records' mean iteration time x the interval."""
+def sas_train_seconds(metrics: str, log_interval: int, upto: int) -> float:
+    """Training time of our run to iteration ``upto``: its train records' mean iteration
+    time x the interval."""
     from megatron_taco.training.logging import read_metrics
 
     return sum(r["elapsed_ms"] * log_interval / 1e3 for r in read_metrics(metrics)
-               if r.get("split") == "train" and "elapsed_ms" in r)  # fmt: skip
+               if r.get("split") == "train" and "elapsed_ms" in r
+               and r["iteration"] <= upto)  # fmt: skip
 
 
 def electra_points(folder: str) -> list[tuple[int, float, str]]:
@@ -125,15 +128,19 @@ def main(argv=None) -> int:
     from megatron_taco.recipes.registry import checkpoint_tokenizer
     from megatron_taco.training.consolidate import find_checkpoint
 
-    runs = dict(item.partition("=")[::2] for item in args.sas)
-    for name, folder in runs.items():
-        if name not in VARIANTS or not os.path.isdir(os.path.join(folder, "checkpoints")):
-            p.error(f"--sas {name}={folder}: expected VARIANT=FOLDER, a bench_sas_variants "
+    runs = {}  # label -> (variant, folder, iteration or None for the latest)
+    for item in args.sas:
+        name, _, where = item.partition("=")
+        folder, _, step = where.partition("@")
+        if (name not in VARIANTS or not os.path.isdir(os.path.join(folder, "checkpoints"))
+                or not (step == "" or step.isdigit())):  # fmt: skip
+            p.error(f"--sas {item}: expected VARIANT=FOLDER[@ITERATION], a bench_sas_variants "
                     "variant and its run folder holding checkpoints/")  # fmt: skip
+        runs[f"{name}@{step}" if step else name] = (name, folder, int(step) if step else None)
     points = electra_points(args.electra)
     if not points:
         p.error(f"--electra {args.electra}: no peer_iter_*.pt with train_seconds in metrics.jsonl")
-    first = find_checkpoint(os.path.join(next(iter(runs.values())), "checkpoints"))
+    first = find_checkpoint(os.path.join(next(iter(runs.values()))[1], "checkpoints"))
     tok = de.load_tokenizer(*checkpoint_tokenizer(first, None))
     s = bl.Setting(prefix=args.data_path, tokenizer=tok.model_path, cache="", split=args.split,
                    seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
@@ -154,12 +161,12 @@ def main(argv=None) -> int:
         zs, probes = de.word_order(encoders, originals, shuffles, tok)
         rows.append(row(name, init, it, flops, seconds, zs, probes))
 
-    for name, folder in runs.items():
+    for name, (variant, folder, step) in runs.items():
         info, model, randoms = de.twins(os.path.join(folder, "checkpoints"), None,
-                                        args.random_twins)  # fmt: skip
+                                        args.random_twins, step)  # fmt: skip
         it = info.iteration
-        flops = it * train_flops_per_iteration(VARIANTS[name][0], s, tok.vocab_size)
-        seconds = sas_train_seconds(os.path.join(folder, "metrics.jsonl"), args.log_interval)
+        flops = it * train_flops_per_iteration(VARIANTS[variant][0], s, tok.vocab_size)
+        seconds = sas_train_seconds(os.path.join(folder, "metrics.jsonl"), args.log_interval, it)
         add(f"SAS {name}", "pretrained", [de.Encoder(model.eval(), "SAS")], it, flops, seconds)
         add(f"SAS {name}", f"random x{len(randoms)}", [de.Encoder(m, "SAS") for m in randoms],
             0, 0, 0)  # fmt: skip

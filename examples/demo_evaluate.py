@@ -49,12 +49,12 @@ PROBE_SIZES = (32, 64, 128)
 # models
 
 
-def twins(path: str, tokenizer_model: str | None, count: int):
+def twins(path: str, tokenizer_model: str | None, count: int, ckpt_step: int | None = None):
     """The pretrained model of a checkpoint, and ``count`` random initialisations of it."""
     from megatron_taco.parallel.state import single_process_state
     from megatron_taco.recipes.registry import load_pretraining_model, model_builder
 
-    model, info = load_pretraining_model(path, tokenizer_model)
+    model, info = load_pretraining_model(path, tokenizer_model, ckpt_step)
     _, build = model_builder(info, tokenizer_model)
     randoms = []
     for seed in range(count):

@@ -180,14 +180,17 @@ def read_checkpoint(
     return states, config, build
 
 
-def load_pretraining_model(path: str, tokenizer_model: str | None = None):
-    """(the pretraining model of a --load directory, whatever tensor-parallel size and ZeRO
-    stage wrote it, rebuilt at tp=1 in eval mode without dropout; the checkpoint's
-    info). Reads the optimizer files too: under ZeRO 1-2 with bf16 the fp32 master weights
-    live there, the model files hold only bf16 copies."""
+def load_pretraining_model(
+    path: str, tokenizer_model: str | None = None, ckpt_step: int | None = None
+):
+    """(the pretraining model of a --load directory, at its latest iteration or
+    ``ckpt_step``, whatever tensor-parallel size and ZeRO stage wrote it, rebuilt at tp=1 in
+    eval mode without dropout; the checkpoint's info). Reads the optimizer files too: under
+    ZeRO 1-2 with bf16 the fp32 master weights live there, the model files hold only bf16
+    copies."""
     from megatron_taco.parallel.state import single_process_state
 
-    states, config, build = read_checkpoint(path, tokenizer_model=tokenizer_model)
+    states, config, build = read_checkpoint(path, ckpt_step, tokenizer_model=tokenizer_model)
     (state_dict,) = ModelLayout(build, 1, config.vocab_size).split(states.full_state_dict())
     model = build(single_process_state(), config.vocab_size)
     model.load_state_dict(state_dict, strict=True)
