@@ -184,7 +184,11 @@ def compare(args, runs: dict, points: list) -> int:
                    seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
                    warmup_fraction=0.0, eval_interval=0, eval_iters=0, seed=0,
                    layers=args.layers, hidden=args.hidden)  # fmt: skip
-    sentences = held_out_sentences(args.data_path, tok, args.split)
+    try:
+        sentences = held_out_sentences(args.data_path, tok, args.split)
+    except IndexError as e:  # sentencepiece: "piece id is out of range"
+        raise ConfigError(f"--data-path: {args.data_path} holds piece ids that the SAS runs' "
+                          f"{tok.vocab_size}-piece tokenizer lacks (another tokenizer's dataset)") from e  # fmt: skip
     rng = np.random.default_rng(0)
     if len(sentences) > args.sentences:
         sentences = [sentences[i] for i in
