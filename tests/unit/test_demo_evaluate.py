@@ -52,6 +52,7 @@ def test_rtd_zero_shot_scores_the_probability_of_no_replacement():
     is the one with a replaced word (P(all original) 0.0067 x ~1 vs 0.88^4): its score must be
     lower. A mean of logits says the opposite (-3.5 < -2), which is the inversion measured on
     a long-trained SAS."""
+    import math
     import types
 
     import demo_evaluate as de
@@ -71,8 +72,11 @@ def test_rtd_zero_shot_scores_the_probability_of_no_replacement():
     rows = [[7, 1, 5, 5, 5, 9], [7, 2, 5, 5, 5, 9]]  # [CLS] w w w w [SEP]; row[1] picks logits
     a, b = de.originality_scores(Heads(), rows, tok, head="rtd")
     assert b < a
-    expected = torch.nn.functional.logsigmoid(-logits[2][1:5]).mean().item()
-    assert b == pytest.approx(expected, rel=1e-12)
+    # By hand: log P(original) = log(1 / (1 + e^z)) per word, averaged over the 4 words
+    # ([CLS] and [SEP] left out).
+    assert a == pytest.approx(-math.log1p(math.exp(-2)), rel=1e-12)
+    assert b == pytest.approx(-(math.log1p(math.exp(5)) + 3 * math.log1p(math.exp(-7))) / 4,
+                              rel=1e-12)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["TACO", "SAS"])
