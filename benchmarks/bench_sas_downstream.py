@@ -223,6 +223,12 @@ def compare(args, runs: dict, points: list) -> int:
             "equal FLOPs": min(points, key=lambda q: abs(q[0] * f_electra - flops)),
             "equal time": min(points, key=lambda q: abs(q[1] - seconds)),
         }
+        for how, got, want in (("FLOPs", chosen["equal FLOPs"][0] * f_electra, flops),
+                               ("time", chosen["equal time"][1], seconds)):  # fmt: skip
+            # The nearest evaluation of a run that ended (or began) far away is no match.
+            if abs(got - want) > 0.1 * want:
+                print(f"note: SAS {name}: ELECTRA's nearest evaluation in training {how} is "
+                      f"{got / want:.2f}x SAS's; its 'equal {how}' row is not equal")  # fmt: skip
         for how, (e_it, e_s, path) in chosen.items():
             try:
                 net = electra_net(tok.vocab_size, s, torch.load(path, weights_only=True))
