@@ -252,11 +252,12 @@ def compare(args, runs: dict, points: list) -> int:
 
 def print_table(rows: list[dict]) -> None:
     sizes = sorted({n for r in rows for n in r["probe"]})
-    print(f"\n{'model':<40} {'init':<12} {'iter':>5} {'TFLOPs':>7} {'train s':>8} "
+    w = max(len(r["model"]) for r in rows)
+    print(f"\n{'model':<{w}} {'init':<12} {'iter':>5} {'TFLOPs':>7} {'train s':>8} "
           f"{'zero-shot RTD %':>15} {'zero-shot MLM %':>15} "
           + " ".join(f"{f'probe n={n} %':>14}" for n in sizes))  # fmt: skip
     for r in rows:
-        print(f"{r['model']:<40} {r['init']:<12} {r['iteration']:>5} "
+        print(f"{r['model']:<{w}} {r['init']:<12} {r['iteration']:>5} "
               f"{r['train_flops'] / 1e12:>7.2f} {r['train_seconds']:>8.0f} "
               f"{de._ms(r['zero_shot_rtd']):>15} {de._ms(r['zero_shot_mlm']):>15} "
               + " ".join(f"{de._ms(r['probe'][n]):>14}" for n in sizes))  # fmt: skip
