@@ -76,14 +76,26 @@ def electra_net(vocab: int, s: bl.Setting, state: dict | None, seed: int = 0):
     return net
 
 
-def sas_train_seconds(metrics: str, log_interval: int, upto: int) -> float:
-    """Training time of our run to iteration ``upto``: its train records' mean iteration
-    time x the interval."""
+def sas_train_seconds(metrics: str, upto: int) -> float:
+    """Training time of our run to iteration ``upto``: each train record's mean iteration
+    time x the iterations since the previous record. (Not x --log-interval: the driver also
+    closes a window at every epoch's end, so windows are often shorter.)"""
+    from megatron_taco.arguments import ConfigError
     from megatron_taco.training.logging import read_metrics
 
-    return sum(r["elapsed_ms"] * log_interval / 1e3 for r in read_metrics(metrics)
-               if r.get("split") == "train" and "elapsed_ms" in r
-               and r["iteration"] <= upto)  # fmt: skip
+    records = sorted((int(r["iteration"]), r["elapsed_ms"]) for r in read_metrics(metrics)
+                     if r.get("split") == "train" and "elapsed_ms" in r)  # fmt: skip
+    if not records or records[-1][0] < upto:
+        last = records[-1][0] if records else 0
+        raise ConfigError(f"--sas: {metrics} times the training only to iteration {last}, "
+                          f"not to the checkpoint's {upto}")  # fmt: skip
+    seconds, previous = 0.0, 0
+    for it, ms in records:
+        if it > upto:
+            break
+        seconds += ms * (it - previous) / 1e3
+        previous = it
+    return seconds
 
 
 def electra_points(folder: str) -> list[tuple[int, float, str]]:
@@ -118,40 +130,73 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--log-interval", type=int, default=250,
-                   help="The runs' --eval-interval (our driver logs train time per interval).")  # fmt: skip
     p.add_argument("--sentences", type=int, default=300)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--random-twins", type=int, default=2)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from megatron_taco.recipes.registry import checkpoint_tokenizer
-    from megatron_taco.training.consolidate import find_checkpoint
+    for name in ("sentences", "seeds", "random_twins"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
     runs = {}  # label -> (variant, folder, iteration or None for the latest)
     for item in args.sas:
         name, _, where = item.partition("=")
         folder, _, step = where.partition("@")
         if (name not in VARIANTS or not os.path.isdir(os.path.join(folder, "checkpoints"))
+                or not os.path.isfile(os.path.join(folder, "metrics.jsonl"))
                 or not (step == "" or step.isdigit())):  # fmt: skip
             p.error(f"--sas {item}: expected VARIANT=FOLDER[@ITERATION], a bench_sas_variants "
-                    "variant and its run folder holding checkpoints/")  # fmt: skip
+                    "variant and its run folder holding checkpoints/ and metrics.jsonl")  # fmt: skip
         runs[f"{name}@{step}" if step else name] = (name, folder, int(step) if step else None)
+    if not os.path.isfile(os.path.join(args.electra, "metrics.jsonl")):
+        p.error(f"--electra {args.electra}: no metrics.jsonl (a bench_learning.py peer's folder)")
     points = electra_points(args.electra)
     if not points:
         p.error(f"--electra {args.electra}: no peer_iter_*.pt with train_seconds in metrics.jsonl")
-    first = find_checkpoint(os.path.join(next(iter(runs.values()))[1], "checkpoints"))
-    tok = de.load_tokenizer(*checkpoint_tokenizer(first, None))
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.data.indexed_dataset import IndexedDatasetError
+    from megatron_taco.training.consolidate import CheckpointError
+
+    try:
+        return compare(args, runs, points)
+    except (ConfigError, CheckpointError, IndexedDatasetError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def compare(args, runs: dict, points: list) -> int:
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.data.tokenizer import file_sha256
+    from megatron_taco.recipes.registry import checkpoint_tokenizer
+    from megatron_taco.training.consolidate import find_checkpoint
+
+    tokenizers = {label: checkpoint_tokenizer(find_checkpoint(os.path.join(folder, "checkpoints"),
+                                                              step), None)
+                  for label, (_, folder, step) in runs.items()}  # fmt: skip
+    first = next(iter(tokenizers.values()))
+    for label, (file, _) in tokenizers.items():
+        if file_sha256(file) != file_sha256(first[0]):
+            raise ConfigError(f"--sas {label}: trained with the tokenizer {file}, not the first "
+                              f"run's {first[0]}; the runs must share one")  # fmt: skip
+    tok = de.load_tokenizer(*first)
     s = bl.Setting(prefix=args.data_path, tokenizer=tok.model_path, cache="", split=args.split,
                    seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
                    warmup_fraction=0.0, eval_interval=0, eval_iters=0, seed=0,
                    layers=args.layers, hidden=args.hidden)  # fmt: skip
-    sentences = held_out_sentences(args.data_path, tok, args.split)
+    try:
+        sentences = held_out_sentences(args.data_path, tok, args.split)
+    except IndexError as e:  # sentencepiece: "piece id is out of range"
+        raise ConfigError(f"--data-path: {args.data_path} holds piece ids that the SAS runs' "
+                          f"{tok.vocab_size}-piece tokenizer lacks (another tokenizer's dataset)") from e  # fmt: skip
     rng = np.random.default_rng(0)
     if len(sentences) > args.sentences:
         sentences = [sentences[i] for i in
                      sorted(rng.choice(len(sentences), args.sentences, replace=False))]  # fmt: skip
     originals, shuffles = de.fitting(tok, sentences, args.seeds, args.seq_length)
+    if len(originals) < 2:
+        raise ConfigError(f"--data-path: {len(originals)} held-out sentences of --split "
+                          f"{args.split} fit --seq-length {args.seq_length}; need 2 or more")  # fmt: skip
     print(f"{len(originals)} held-out sentences that fit {args.seq_length} positions; "
           f"{args.seeds} shuffles; {args.random_twins} random twins")  # fmt: skip
     f_electra = train_flops_per_iteration("electra", s, tok.vocab_size)
@@ -165,8 +210,12 @@ def main(argv=None) -> int:
         info, model, randoms = de.twins(os.path.join(folder, "checkpoints"), None,
                                         args.random_twins, step)  # fmt: skip
         it = info.iteration
+        shape = (model.config.num_layers, model.config.hidden_size)
+        if shape != (args.layers, args.hidden):
+            raise ConfigError(f"--sas {name}: a {shape[0]} x {shape[1]} model, not --layers "
+                              f"{args.layers} --hidden {args.hidden} (the FLOPs count reads them)")  # fmt: skip
         flops = it * train_flops_per_iteration(VARIANTS[variant][0], s, tok.vocab_size)
-        seconds = sas_train_seconds(os.path.join(folder, "metrics.jsonl"), args.log_interval, it)
+        seconds = sas_train_seconds(os.path.join(folder, "metrics.jsonl"), it)
         add(f"SAS {name}", "pretrained", [de.Encoder(model.eval(), "SAS")], it, flops, seconds)
         add(f"SAS {name}", f"random x{len(randoms)}", [de.Encoder(m, "SAS") for m in randoms],
             0, 0, 0)  # fmt: skip
@@ -174,8 +223,21 @@ def main(argv=None) -> int:
             "equal FLOPs": min(points, key=lambda q: abs(q[0] * f_electra - flops)),
             "equal time": min(points, key=lambda q: abs(q[1] - seconds)),
         }
+        for how, got, want in (("FLOPs", chosen["equal FLOPs"][0] * f_electra, flops),
+                               ("time", chosen["equal time"][1], seconds)):  # fmt: skip
+            # The nearest evaluation of a run that ended (or began) far away is no match.
+            if abs(got - want) > 0.1 * want:
+                print(f"note: SAS {name}: ELECTRA's nearest evaluation in training {how} is "
+                      f"{got / want:.2f}x SAS's; its 'equal {how}' row is not equal")  # fmt: skip
         for how, (e_it, e_s, path) in chosen.items():
-            net = electra_net(tok.vocab_size, s, torch.load(path, weights_only=True))
+            try:
+                net = electra_net(tok.vocab_size, s, torch.load(path, weights_only=True))
+            except RuntimeError as e:  # load_state_dict's size mismatches
+                raise ConfigError(
+                    f"--electra {path}: not an ELECTRA of --layers {args.layers} "
+                    f"--hidden {args.hidden} over the SAS runs' {tok.vocab_size}-"
+                    f"piece vocabulary: {str(e).strip().splitlines()[-1].strip()}"
+                ) from e
             add(f"ELECTRA ({how} as SAS {name})", "pretrained", [ElectraEncoder(net)], e_it,
                 e_it * f_electra, e_s)  # fmt: skip
     twins = [ElectraEncoder(electra_net(tok.vocab_size, s, None, seed=1000 + k))
@@ -190,11 +252,12 @@ def main(argv=None) -> int:
 
 def print_table(rows: list[dict]) -> None:
     sizes = sorted({n for r in rows for n in r["probe"]})
-    print(f"\n{'model':<40} {'init':<12} {'iter':>5} {'TFLOPs':>7} {'train s':>8} "
+    w = max(len(r["model"]) for r in rows)
+    print(f"\n{'model':<{w}} {'init':<12} {'iter':>5} {'TFLOPs':>7} {'train s':>8} "
           f"{'zero-shot RTD %':>15} {'zero-shot MLM %':>15} "
           + " ".join(f"{f'probe n={n} %':>14}" for n in sizes))  # fmt: skip
     for r in rows:
-        print(f"{r['model']:<40} {r['init']:<12} {r['iteration']:>5} "
+        print(f"{r['model']:<{w}} {r['init']:<12} {r['iteration']:>5} "
               f"{r['train_flops'] / 1e12:>7.2f} {r['train_seconds']:>8.0f} "
               f"{de._ms(r['zero_shot_rtd']):>15} {de._ms(r['zero_shot_mlm']):>15} "
               + " ".join(f"{de._ms(r['probe'][n]):>14}" for n in sizes))  # fmt: skip

@@ -161,7 +161,7 @@ class Encoder:
         m = self.model
         if self.kind == "TACO":
             word = m.taco.embeddings.word_embeddings.weight
-            nll, _ = m.heads.mlm(self.hidden(ids, pos, mask)[at], labels[at], word)
+            nll, _ = m.heads.mlm(self.hidden(ids, mask, pos)[at], labels[at], word)
             return nll.double()
         word = m.sas.embeddings.word_embeddings.weight
         logits = m.heads.mlm_logits(m.sas(ids, mask)[at], word)[:, : m.config.vocab_size]

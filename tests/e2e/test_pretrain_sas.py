@@ -201,6 +201,16 @@ def test_plain_python_unigram_ablation_flags(botchan_dataset, tmp_path):
     assert weights[:3] == [0.0, 0.0, 0.0] and set(weights[3:]) == {50.0}, weights
     assert {r["self_augmented"] for r in records.values() if "self_augmented" in r} <= {0.0}
     assert not (tmp_path / "ckpt" / "replacement_store").exists()
+    # An earlier iteration's weights, as bench_sas_downstream's VARIANT=FOLDER@ITER reads them.
+    import torch
+
+    from megatron_taco.recipes.registry import load_pretraining_model
+
+    early, info = load_pretraining_model(str(tmp_path / "ckpt"), ckpt_step=2)
+    last, last_info = load_pretraining_model(str(tmp_path / "ckpt"))
+    assert (info.iteration, last_info.iteration) == (2, 2 * int(each))
+    assert not all(torch.equal(a, b) for a, b in zip(early.state_dict().values(),
+                                                     last.state_dict().values()))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------

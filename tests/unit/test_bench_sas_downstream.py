@@ -41,3 +41,56 @@ def test_electra_adapter_is_the_peers_own_heads():
         torch.testing.assert_close(enc.rtd_logits(ids, mask), theirs, rtol=1e-12, atol=0)
         vectors = enc.hidden(ids, mask, None)
         assert vectors.shape == (3, 10, 32)
+
+
+def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
+    """The driver closes a train window at every log interval and every epoch's end; each
+    record's elapsed_ms is its window's mean. Hand-derived: windows of 100, 25 (an epoch
+    ended at 125), 75 and 100 iterations."""
+    import json
+
+    import bench_sas_downstream as bd
+    import pytest
+
+    from megatron_taco.arguments import ConfigError
+
+    metrics = tmp_path / "metrics.jsonl"
+    records = [(100, 10.0), (125, 20.0), (200, 12.0), (300, 11.0)]
+    metrics.write_text("".join(json.dumps({"split": "train", "iteration": it, "elapsed_ms": ms})
+                               + "\n" for it, ms in records)
+                       + json.dumps({"split": "valid", "iteration": 200, "mlm_acc": 0.1}) + "\n")  # fmt: skip
+    assert bd.sas_train_seconds(str(metrics), 300) == pytest.approx(
+        (100 * 10 + 25 * 20 + 75 * 12 + 100 * 11) / 1e3, rel=1e-12
+    )
+    assert bd.sas_train_seconds(str(metrics), 200) == pytest.approx(2.4, rel=1e-12)
+    with pytest.raises(ConfigError, match="only to iteration 300, not to the checkpoint's 400"):
+        bd.sas_train_seconds(str(metrics), 400)
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    import bench_sas_downstream as bd
+    import pytest
+
+    sas = tmp_path / "paper_s1"
+    (sas / "checkpoints").mkdir(parents=True)
+    electra = tmp_path / "electra_s1"
+    electra.mkdir()
+    common = ["--data-path", "x", "--split", "90,5,5", "--electra", str(electra)]
+
+    def error(*argv: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            bd.main([*common, *argv])
+        assert e.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+        return line
+
+    # No metrics.jsonl in the SAS run: its training seconds cannot be read.
+    assert "holding checkpoints/ and metrics.jsonl" in error("--sas", f"paper={sas}")
+    (sas / "metrics.jsonl").write_text("")
+    assert "--sas nope=" in error("--sas", f"nope={sas}")
+    assert "--seeds must be >= 1, got 0" in error("--sas", f"paper={sas}", "--seeds", "0")
+    assert "no metrics.jsonl" in error("--sas", f"paper={sas}")
+    (electra / "metrics.jsonl").write_text(
+        '{"split": "valid", "iteration": 5, "train_seconds": 1}\n'
+    )
+    assert "no peer_iter_*.pt" in error("--sas", f"paper={sas}")

@@ -52,6 +52,7 @@ def test_rtd_zero_shot_scores_the_probability_of_no_replacement():
     is the one with a replaced word (P(all original) 0.0067 x ~1 vs 0.88^4): its score must be
     lower. A mean of logits says the opposite (-3.5 < -2), which is the inversion measured on
     a long-trained SAS."""
+    import math
     import types
 
     import demo_evaluate as de
@@ -71,5 +72,43 @@ def test_rtd_zero_shot_scores_the_probability_of_no_replacement():
     rows = [[7, 1, 5, 5, 5, 9], [7, 2, 5, 5, 5, 9]]  # [CLS] w w w w [SEP]; row[1] picks logits
     a, b = de.originality_scores(Heads(), rows, tok, head="rtd")
     assert b < a
-    expected = torch.nn.functional.logsigmoid(-logits[2][1:5]).mean().item()
-    assert b == pytest.approx(expected, rel=1e-12)
+    # By hand: log P(original) = log(1 / (1 + e^z)) per word, averaged over the 4 words
+    # ([CLS] and [SEP] left out).
+    assert a == pytest.approx(-math.log1p(math.exp(-2)), rel=1e-12)
+    assert b == pytest.approx(-(math.log1p(math.exp(5)) + 3 * math.log1p(math.exp(-7))) / 4,
+                              rel=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["TACO", "SAS"])
+def test_encoder_mlm_nll_is_the_models_own_mlm_loss(kind):
+    """The zero-shot MLM score's per-token NLL must be what the model trains on: its own
+    forward's mlm_loss over the same labelled tokens (a swapped positions/mask argument, or
+    the wrong head, gives another number)."""
+    import demo_evaluate as de
+    import torch
+
+    from tests.helpers import (
+        build,
+        build_sas,
+        make_batch,
+        make_sas_batch,
+        tiny_config,
+        tiny_sas_config,
+    )
+
+    if kind == "TACO":
+        model = build(tiny_config()).double().eval()
+        batch = make_batch(b=2)
+        rows = slice(0, 2)  # the MLM rows; rows [b, 2b) carry the MPM labels
+        pos = batch["position_ids"][rows]
+    else:
+        model = build_sas(tiny_sas_config()).double().eval()
+        batch = make_sas_batch(b=3)
+        rows, pos = slice(None), None
+    enc = de.Encoder(model, kind)
+    with torch.no_grad():
+        own = model(batch)["mlm_loss"]
+        nll = enc.mlm_nll(batch["input_ids"][rows], pos, batch["attention_mask"][rows],
+                          batch["mlm_labels"][rows])  # fmt: skip
+    assert nll.dtype == torch.float64 and nll.numel() == int((batch["mlm_labels"] != -100).sum())
+    torch.testing.assert_close(nll.mean(), own.double(), rtol=1e-10, atol=0)
