@@ -411,6 +411,30 @@ def assert_tensors_match(got: dict, want: dict, rtol: float, atol: float = 1e-15
 
 
 # ---------------------------------------------------------------------------------------
+# Import graphs (tests/unit/test_layer_imports.py, test_recipes_imports.py)
+
+
+def imported_modules(path: Path, package: str) -> set[str]:
+    """Every module ``path`` (a module of ``package``) imports, anywhere in its source (also
+    inside functions): absolute names, relative imports resolved against ``package``; for
+    ``from A import b`` both A and A.b (b may be a module or a name in A)."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # level 1 is ``package`` itself, 2 its parent, ...
+                parts = package.split(".")
+                anchor = parts[: len(parts) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found |= {base, *(f"{base}.{a.name}" for a in node.names)}
+    return found
+
+
+# ---------------------------------------------------------------------------------------
 # Learnable synthetic downstream tasks, written in the benchmarks' own layouts
 
 

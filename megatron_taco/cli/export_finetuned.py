@@ -51,9 +51,11 @@ def hf_class_name(family: str, task_kind: str) -> str:
 
 
 def save_task_model(config, task, state_dict: dict[str, torch.Tensor], out: str,
+                    special_ids: dict[str, int],
                     classifier_dropout: float | None = None) -> str:  # fmt: skip
     """config.json + model.safetensors of ``task`` (registry.FinetunedTask) from a TaskModel's
-    full state dict; returns the transformers class name."""
+    full state dict (``special_ids``: export_hf.special_token_ids of the run's tokenizer);
+    returns the transformers class name."""
     family = family_of(task.encoder, config)
     prefix = PRETRAINING_ENCODER_PREFIX[task.encoder]
     encoder = {prefix + k[len("encoder.") :]: v for k, v in state_dict.items()
@@ -72,7 +74,7 @@ def save_task_model(config, task, state_dict: dict[str, torch.Tensor], out: str,
         from megatron_taco.cli.export_taco_hf import save_taco_model
 
         kwargs["classifier_dropout"] = dropout
-        save_taco_model(config, encoder, out, task=(name, kwargs, head))
+        save_taco_model(config, encoder, out, special_ids, task=(name, kwargs, head))
         return name
     import transformers
     from safetensors.torch import save_file
@@ -82,11 +84,11 @@ def save_task_model(config, task, state_dict: dict[str, torch.Tensor], out: str,
     if family == "electra":
         enc_kwargs, state = electra_config_and_state(config, encoder, heads=False)
         hf = transformers.ElectraConfig(**enc_kwargs, **kwargs, classifier_dropout=dropout,
-                                        pad_token_id=0, architectures=[name])  # fmt: skip
+                                        **special_ids, architectures=[name])  # fmt: skip
     else:
         enc_kwargs, state, _ = deberta_v2_config_and_state(config, encoder, heads=False)
         hf = transformers.DebertaV2Config(**enc_kwargs, **kwargs, cls_dropout=dropout,
-                                          pad_token_id=0, architectures=[name])  # fmt: skip
+                                          **special_ids, architectures=[name])  # fmt: skip
     hf.save_pretrained(out)
     save_file({**state, **head}, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
@@ -98,10 +100,11 @@ def describe(task, config) -> str:
     return f"{hf_class_name(family, task.kind)}, {FAMILY_NAME[family]}"
 
 
-def save_finetuned(info, config, task, state_dict, out: str, argv: list[str]) -> None:
+def save_finetuned(info, config, task, state_dict, out: str, argv: list[str],
+                   special_ids: dict[str, int]) -> None:  # fmt: skip
     """The task model and its model card into ``out`` (which holds the tokenizer)."""
     dropout = (info.configs.get("finetune") or {}).get("classifier_dropout")
-    name = save_task_model(config, task, state_dict, out, dropout)
+    name = save_task_model(config, task, state_dict, out, special_ids, dropout)
     files = sorted([*os.listdir(out), "README.md"])
     card = model_card(info, task, config, name, files, argv)
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:

@@ -219,14 +219,28 @@ def write_tokenizer(
         restrict_tokenizer_inputs(out)
 
 
-def save_model(config, state_dict, out: str) -> list[str]:
-    """config.json + model.safetensors (+ rtd_head.safetensors for SAS^DA)."""
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """The token ids of every exported config, read from the run's tokenizer: a WordPiece
+    vocabulary keeps its specials where its file has them (BERT's [PAD] is 0, another
+    vocab.txt's need not be). pad_token_id is the embedding's padding_idx in transformers
+    (the row a further fine-tuning never updates); [CLS] / [SEP] are the bos / eos of
+    transformers' BERT-family configs (RoBERTa's layout). [MASK] has no config field: the
+    exported tokenizer carries it."""
+    return {
+        "pad_token_id": int(tokenizer.pad_id),
+        "bos_token_id": int(tokenizer.cls_id),
+        "eos_token_id": int(tokenizer.sep_id),
+    }
+
+
+def save_model(config, state_dict, out: str, special_ids: dict[str, int]) -> list[str]:
+    """config.json + model.safetensors (+ rtd_head.safetensors for SAS^DA) of a SAS
+    pretraining model; ``special_ids``: special_token_ids of its tokenizer."""
     import transformers
     from safetensors.torch import save_file
 
     from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
 
-    special_ids = {"pad_token_id": 0}
     if config.disentangled_attention:
         kwargs, state, rtd = deberta_v2_config_and_state(config, state_dict)
         hf = transformers.DebertaV2Config(
@@ -244,6 +258,8 @@ def save_model(config, state_dict, out: str) -> list[str]:
 
 
 def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
+    from megatron_taco.data.tokenizer import load_tokenizer
+
     require_hf_extra(program_name(PROG))
     info = find_checkpoint(args.load, args.ckpt_step)
     if os.path.exists(args.output) and os.listdir(args.output):
@@ -251,6 +267,7 @@ def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
     config, build = model_builder(info, args.tokenizer_model)
     states = read_states(info, ModelLayout(build, info.tp_size, config.vocab_size))
     tokenizer_path, tokenizer_type = checkpoint_tokenizer(info, args.tokenizer_model)
+    special_ids = special_token_ids(load_tokenizer(tokenizer_path, tokenizer_type))
     task = finetuned_task(info) if info.model == FINETUNED else None
     encoder = task.encoder if task else info.model
 
@@ -258,16 +275,17 @@ def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
         write_tokenizer(
             tokenizer_path, tmp, config.max_position_embeddings, encoder, tokenizer_type
         )
+        state_dict = states.full_state_dict()
         if task is not None:
             from megatron_taco.cli.export_finetuned import save_finetuned
 
-            save_finetuned(info, config, task, states.full_state_dict(), tmp, argv or [])
+            save_finetuned(info, config, task, state_dict, tmp, argv or [], special_ids)
         elif encoder == "TACO":
             from megatron_taco.cli.export_taco_hf import save_taco_model
 
-            save_taco_model(config, states.full_state_dict(), tmp)
+            save_taco_model(config, state_dict, tmp, special_ids)
         else:
-            save_model(config, states.full_state_dict(), tmp)
+            save_model(config, state_dict, tmp, special_ids)
 
     files = write_folder(args.output, write)
     if task is not None:

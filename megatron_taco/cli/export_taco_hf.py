@@ -38,11 +38,13 @@ def save_taco_model(
     config: TacoConfig,
     state_dict: dict[str, torch.Tensor],
     out: str,
+    special_ids: dict[str, int],
     *,
     task: tuple[str, dict[str, Any], dict[str, torch.Tensor]] | None = None,
 ) -> None:
     """TacoForMaskedLM from a TacoForPretraining state dict; with ``task`` = (class name,
-    config kwargs, head tensors), that task class from a fine-tuned encoder's state dict."""
+    config kwargs, head tensors), that task class from a fine-tuned encoder's state dict.
+    ``special_ids``: export_hf.special_token_ids of the run's tokenizer."""
     from safetensors.torch import save_file
 
     # configuration_taco imports only transformers; importing it here lets transformers
@@ -54,7 +56,7 @@ def save_taco_model(
     if task is not None:
         architecture, kwargs, head = task
         state.update(head)
-    hf = HfConfig(**hf_config_kwargs(config), **kwargs, architectures=[architecture])
+    hf = HfConfig(**hf_config_kwargs(config), **special_ids, **kwargs, architectures=[architecture])
     hf.auto_map = dict(AUTO_MAP)
     hf.save_pretrained(out)
     for name in REMOTE_FILES:

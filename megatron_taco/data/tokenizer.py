@@ -504,6 +504,29 @@ def check_dataset_tokenizer(
             )
 
 
+def check_checkpoint_tokenizer(
+    config: Any, record: Any, checkpoint: str, recorded_file: str | None
+) -> None:
+    """ConfigError (one line naming both files) when the tokenizer a config's flags name is
+    not the one ``checkpoint`` was trained with (``record``: its metadata.json "tokenizer";
+    ``recorded_file``: where that tokenizer is): another content or kind. The same content
+    at another path is the same tokenizer; a checkpoint written before the record is not
+    checked, and a missing file is load_config_tokenizer's to report."""
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+        return
+    path, kind = tokenizer_file(config), canonical_tokenizer_type(config.tokenizer_type)
+    if not path or not os.path.isfile(path):
+        return
+    sha = file_sha256(path)
+    if (sha, kind) == (record["sha256"], record.get("type")):
+        return
+    raise ConfigError(
+        f"{tokenizer_flag(config)}: {path} ({kind}, sha256 {sha[:12]}) is not the tokenizer "
+        f"{checkpoint} was trained with ({recorded_file or 'its file is gone'}: "
+        f"{_describe(record)}); give that one, or --load another checkpoint"
+    )
+
+
 def _describe(record: dict) -> str:
     return (
         f"{record.get('type', '?')}, {record.get('vocab_size', '?')} pieces, "

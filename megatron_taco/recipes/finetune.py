@@ -48,6 +48,7 @@ from megatron_taco.training.pretrain import (
     ModelSpec,
     PretrainConfigs,
     add_launcher_compat_args,
+    check_resume_tokenizer,
     verify_once_per_node,
 )
 from megatron_taco.training.signals import ExitConfig
@@ -400,6 +401,8 @@ class FinetuneSpec(ModelSpec):
             zero_stage=deepspeed.zero_stage, models=self.loadable_models,
             once=verify_once_per_node,
         )  # fmt: skip
+        if load is not None:  # resuming this --output: its checkpoint's tokenizer is this one
+            check_resume_tokenizer(cfg, load.iteration)
         return dataclasses.replace(cfg, load=load)
 
     def main(self, argv: list[str] | None = None) -> int:
@@ -540,8 +543,9 @@ def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
                 saved = json.load(f)
         except (OSError, ValueError) as e:
             raise ConfigError(f"--output: {path} is unreadable ({e})") from None
-        if saved != json.loads(json.dumps(run)):
-            diff = _first_difference(saved, json.loads(json.dumps(run)))
+        saved, now = _by_content(saved), _by_content(json.loads(json.dumps(run)))
+        if saved != now:
+            diff = _first_difference(saved, now)
             raise ConfigError(
                 f"--output: {output} holds a run with other settings ({diff}); give a new "
                 "--output, or the same flags to resume it"
@@ -556,6 +560,18 @@ def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(run, f, indent=2, sort_keys=True)
     os.replace(tmp, path)
+
+
+def _by_content(run: Any) -> Any:
+    """A run record without its tokenizer's path: the same tokenizer at another path (the
+    pretrained checkpoint's copy, or the original) resumes the run. Its content is checked
+    against the pretrained checkpoint (checkpoint_tokenizer) and, once the run has saved,
+    against its own checkpoint (check_resume_tokenizer)."""
+    data = run.get("data") if isinstance(run, dict) else None
+    if not isinstance(data, dict):
+        return run
+    paths = ("tokenizer_model", "vocab_file")
+    return {**run, "data": {k: v for k, v in data.items() if k not in paths}}
 
 
 def _first_difference(a: Any, b: Any, where: str = "") -> str:

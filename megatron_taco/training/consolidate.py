@@ -738,7 +738,7 @@ def _target_info(states: TrainingStates, target: TargetLayout, iter_dir: str) ->
 # Resuming at another layout
 
 
-def _saved_layout(training, iteration: int | None) -> tuple[str, dict[str, Any]] | None:
+def saved_checkpoint(training, iteration: int | None) -> tuple[str, dict[str, Any]] | None:
     """(iteration directory, metadata) of the checkpoint --load restores (``iteration``,
     as chosen and verified, else --ckpt-step or the tracker's); None when it cannot be read
     (the checkpoint checks report that)."""
@@ -767,7 +767,7 @@ def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: 
     run builds (optim.optimizer_implementation). Returns quietly otherwise."""
     if training.load is None or training.finetune:
         return
-    found = _saved_layout(training, iteration)
+    found = saved_checkpoint(training, iteration)
     if found is None:
         return
     iter_dir, meta = found

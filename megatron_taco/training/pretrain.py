@@ -51,7 +51,7 @@ from megatron_taco.training.config import (
     TrainingConfig,
     resolve_deepspeed_config,
 )
-from megatron_taco.training.consolidate import check_resume_layout
+from megatron_taco.training.consolidate import check_resume_layout, saved_checkpoint
 from megatron_taco.training.monitor import LearningMonitorConfig
 from megatron_taco.training.optim import optimizer_implementation
 from megatron_taco.training.rendezvous import agree_on_load, forget_node_results, once_per_node
@@ -491,13 +491,37 @@ def _seed_everything(seed: int, parallel):
 
 
 def check_resume(cfg: PretrainConfigs, iteration: int | None) -> None:
-    """check_resume_layout at this run's layout and Adam implementation, for ``iteration``
-    of --load: the checkpoint verified before the rendezvous and one --load-fallback picks
-    after it alike."""
+    """check_resume_layout at this run's layout and Adam implementation, and
+    check_resume_tokenizer, for ``iteration`` of --load: the checkpoint verified before the
+    rendezvous and one --load-fallback picks after it alike."""
     check_resume_layout(cfg.training, world_size=cfg.world_size,
                         tp_size=cfg.parallel.tensor_model_parallel_size,
                         zero_stage=cfg.deepspeed.zero_stage, precision=cfg.deepspeed.precision,
                         iteration=iteration, optimizer=optimizer_implementation())  # fmt: skip
+    check_resume_tokenizer(cfg, iteration)
+
+
+def check_resume_tokenizer(cfg: PretrainConfigs, iteration: int | None) -> None:
+    """The checkpoint --load restores (``iteration``, else the tracker's) was trained with
+    the tokenizer this run reads, by content: its embedding rows are that tokenizer's ids,
+    and another vocabulary of the same size would load without an error. Also with
+    --finetune, which keeps the embeddings too."""
+    from megatron_taco.data.tokenizer import WORDPIECE_TYPES, check_checkpoint_tokenizer
+
+    found = None if cfg.training.load is None else saved_checkpoint(cfg.training, iteration)
+    if found is None:
+        return
+    iter_dir, meta = found
+    record = meta.get("tokenizer")
+    if not isinstance(record, dict):
+        return
+    # the copy in the checkpoint's --save, else the file its configs name (as readers look)
+    data = (meta.get("configs") or {}).get("data") or {}
+    named = data.get("vocab_file" if record.get("type") in WORDPIECE_TYPES else "tokenizer_model")
+    copy = record.get("file")
+    copy = os.path.join(cfg.training.load, *copy.split("/")) if isinstance(copy, str) else None
+    recorded = next((f for f in (copy, named) if f and os.path.isfile(f)), None)
+    check_checkpoint_tokenizer(cfg.data, record, iter_dir, recorded)
 
 
 def _open_wandb(cfg: PretrainConfigs, run_id: str | None):

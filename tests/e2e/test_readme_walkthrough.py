@@ -45,6 +45,11 @@ def test_every_readme_block_is_run_or_says_why():
     text = "\n".join(run).replace("WARNING: iteration", "learning")
     positions = [text.find(s) for s in steps]
     assert -1 not in positions and positions == sorted(positions), dict(zip(steps, positions))
+    # Then the same path for SAS and SAS^DA, with the recipe for short runs.
+    sas = text[positions[-1] + 1 :]
+    for s in ("--cold-start mlm", "pretrain_sas.py", "--disentangled-attention", "finetune.py",
+              "export_hf.py", "pipeline("):  # fmt: skip
+        assert s in sas, s
     # Only the two commands CI itself runs and the downloads that need the network are not run.
     skipped = [marker for marker, _, _ in blocks if marker != "walkthrough"]
     assert len(skipped) == 2 and any("network" in m for m in skipped), skipped
@@ -95,10 +100,18 @@ def test_readme_walkthrough_runs_on_a_fresh_copy(tmp_path):
             assert "valid at iteration" in res.stdout and "collapse_cosine" in res.stdout
         if "glue_score.py" in code:
             assert "| sst2 |" in res.stdout
-        if language == "python":  # the served model labels both sentences with SST-2's names
-            assert "'label': 'positive'" in res.stdout and "'label': 'negative'" in res.stdout
-    results = json.loads((work / "runs" / "sst2" / "results.json").read_text())
-    assert results["finished"] and results["pretrained"]["model"] == "TACO"
+        if language == "python":  # each served model labels both sentences with SST-2's names
+            served = [line for line in res.stdout.splitlines() if "'label'" in line]
+            assert served and all(
+                "'label': 'positive'" in line and "'label': 'negative'" in line for line in served
+            ), res.stdout
+    for run, model in (("runs", "TACO"), ("runs_sas", "SAS"), ("runs_sas_da", "SAS")):
+        results = json.loads((work / run / "sst2" / "results.json").read_text())
+        assert results["finished"] and results["pretrained"]["model"] == model, run
+    for folder, family in (("sst2_sas_hf", "electra"), ("sst2_sas_da_hf", "deberta-v2")):
+        config = json.loads((work / folder / "config.json").read_text())
+        assert config["model_type"] == family and config["id2label"] == {
+            "0": "negative", "1": "positive"}  # fmt: skip
     # A fresh clone stays clean: every output went under $WORK.
     left = sorted(p.name for p in clone.iterdir() if not (REPO / p.name).exists())
     assert left == [], left

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from megatron_taco.cli.export_finetuned import save_task_model
-from megatron_taco.cli.export_hf import write_tokenizer
+from megatron_taco.cli.export_hf import special_token_ids, write_tokenizer
+from megatron_taco.data.tokenizer import Tokenizer
 from megatron_taco.models.finetune_hf import AUTO_CLASS, task_head
 from megatron_taco.recipes.registry import FinetunedTask
 from megatron_taco.tasks import load_task
@@ -66,7 +67,8 @@ def export(encoder: str, data, tokenizer_model: str, out) -> tuple[torch.nn.Modu
                          info.labels)  # fmt: skip
     out.mkdir()
     write_tokenizer(tokenizer_model, str(out), config.max_position_embeddings, task.encoder)
-    save_task_model(config, task, model.state_dict(), str(out))
+    save_task_model(config, task, model.state_dict(), str(out),
+                    special_token_ids(Tokenizer(tokenizer_model)))  # fmt: skip
     return model, task
 
 
@@ -214,7 +216,7 @@ def test_too_many_classes_for_electras_head_is_the_checkpoints_one_line(tmp_path
     labels = tuple(f"l{i}" for i in range(classes))
     task = FinetunedTask("SAS", "custom", "classification", classes, labels)
     with pytest.raises(CheckpointError, match=r"^--load: custom cannot be exported: .*narrow"):
-        save_task_model(config, task, model.state_dict(), str(tmp_path))
+        save_task_model(config, task, model.state_dict(), str(tmp_path), {"pad_token_id": 0})
 
 
 @pytest.mark.parametrize(

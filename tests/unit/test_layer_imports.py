@@ -6,12 +6,12 @@ Package-level modules (arguments.py, model_outputs.py) sit below every subpackag
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 import megatron_taco
+from tests.helpers import imported_modules
 
 PACKAGE = Path(megatron_taco.__file__).parent
 ROOT = "<root>"  # package-level modules
@@ -38,24 +38,7 @@ def layer_of(module: str) -> str | None:
 
 
 def imported_layers(path: Path, package: str) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: resolved against the module's own package
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            # "from megatron_taco import arguments" names a module in ``names``.
-            modules = (
-                [f"{base}.{a.name}" for a in node.names] if base == "megatron_taco" else [base]
-            )
-        else:
-            continue
-        found |= {layer for m in modules if (layer := layer_of(m)) is not None}
-    return found
+    return {layer for m in imported_modules(path, package) if (layer := layer_of(m)) is not None}
 
 
 def violations(root: Path = PACKAGE) -> list[str]:

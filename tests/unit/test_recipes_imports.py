@@ -5,12 +5,12 @@ functions, which a cycle would otherwise hide until run time."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 import megatron_taco.recipes as recipes
+from tests.helpers import imported_modules
 
 RECIPES = Path(recipes.__file__).parent
 PACKAGE = "megatron_taco.recipes"
@@ -18,21 +18,8 @@ PACKAGE = "megatron_taco.recipes"
 
 def recipe_imports(name: str) -> set[str]:
     """The recipes/ modules ``name`` imports, anywhere in its source."""
-    tree = ast.parse((RECIPES / f"{name}.py").read_text(encoding="utf-8"))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # from . import x / from .x import y
-                base = f"{PACKAGE}.{base}".rstrip(".")
-            modules = [base] + [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
-        for module in modules:
-            if module.startswith(f"{PACKAGE}."):
-                found.add(module[len(PACKAGE) + 1 :].split(".")[0])
+    modules = imported_modules(RECIPES / f"{name}.py", PACKAGE)
+    found = {m[len(PACKAGE) + 1 :].split(".")[0] for m in modules if m.startswith(f"{PACKAGE}.")}
     return found - {name}
 
 

@@ -187,3 +187,95 @@ def test_old_checkpoint_reads_the_file_its_configs_name(tokenizer_model, tmp_pat
     _checkpoint(tmp_path / "save", Tokenizer(tokenizer_model), record=False)
     info = find_checkpoint(str(tmp_path / "save"), verify=False)
     assert checkpoint_tokenizer(info, None) == (tokenizer_model, "SentencePiece")
+
+
+# -- resuming: --load's checkpoint was trained with this run's tokenizer --------------------
+
+
+def _pretraining_configs(dataset: dict, tokenizer_model: str, load: Path):
+    from megatron_taco.cli.pretrain_taco import SPEC
+
+    argv = ["--model-size", "tiny", "--seq-length", "64", "--data-path", dataset["prefix"],
+            "--tokenizer-model", tokenizer_model, "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "4", "--load", str(load)]  # fmt: skip
+    args = SPEC.build_parser().parse_args(argv)
+    return SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+
+
+def test_pretraining_resume_refuses_another_tokenizer_naming_both_files(
+    botchan_dataset, other_model, tmp_path
+):
+    """The dataset is the given tokenizer's (its summary check passes); the checkpoint was
+    trained with a tokenizer of the same size but other content."""
+    given = botchan_dataset["tokenizer"]
+    _checkpoint(tmp_path / "save", Tokenizer(other_model))
+    copy = tmp_path / "save" / saved_tokenizer_record(Tokenizer(other_model))["file"]
+    with pytest.raises(ConfigError) as info:
+        _pretraining_configs(botchan_dataset, given, tmp_path / "save")
+    message = str(info.value)
+    assert message.startswith(f"--tokenizer-model: {given} (SentencePiece, sha256 ")
+    assert f"is not the tokenizer {tmp_path / 'save' / 'iter_0000002'} was trained with" in message
+    assert f"({copy}: SentencePiece, 800 pieces, sha256 {file_sha256(other_model)[:12]})" in message
+    assert "\n" not in message
+    assert not torch.distributed.is_initialized()
+
+
+def test_pretraining_resume_accepts_the_same_tokenizer_at_another_path(botchan_dataset, tmp_path):
+    elsewhere = Path(shutil.copy(botchan_dataset["tokenizer"], tmp_path / "elsewhere.model"))
+    _checkpoint(tmp_path / "save", Tokenizer(elsewhere))
+    elsewhere.unlink()  # neither its path nor its presence matters, its content does
+    cfg = _pretraining_configs(botchan_dataset, botchan_dataset["tokenizer"], tmp_path / "save")
+    assert cfg.load.iteration == 2
+
+
+def _finetune_configs(pretrained: Path, output: Path, data: Path, *extra: str):
+    from megatron_taco.recipes.finetune import SPEC
+
+    argv = ["--load", str(pretrained), "--task", "custom", "--data-dir", str(data),
+            "--output", str(output), "--micro-batch-size", "4", "--global-batch-size", "4",
+            "--seq-length", "32", *extra]  # fmt: skip
+    args = SPEC.build_parser().parse_args(argv)
+    return SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+
+
+def _finetune_checkpoint(output: Path, tokenizer: Tokenizer) -> None:
+    """The checkpoint a fine-tuning run saved in OUTPUT/checkpoints (metadata only)."""
+    save = output / "checkpoints"
+    _checkpoint(save, tokenizer)
+    meta = json.loads((save / "iter_0000002" / "metadata.json").read_text())
+    meta.pop("checksum"), meta.pop("files")
+    meta.update(model="finetune", task="custom", labels=["neg", "pos"],
+                pretrained={"model": "TACO"})  # fmt: skip
+    _write_metadata(str(save / "iter_0000002"), meta, {})
+
+
+def test_finetuning_resume_checks_its_own_checkpoints_tokenizer(
+    tokenizer_model, other_model, tmp_path
+):
+    """Resuming --output: the run's checkpoint must have been trained with the tokenizer the
+    pretrained checkpoint gives now (here --load's directory was trained again with another
+    vocabulary of the same size since the run saved); the same tokenizer given at another
+    path resumes."""
+    from megatron_taco.recipes.finetune import claim_output, run_record
+    from tests.helpers import write_marker_task
+
+    write_marker_task(tmp_path / "task")
+    pretrained, output = tmp_path / "pretrained", tmp_path / "ft"
+    _checkpoint(pretrained, Tokenizer(tokenizer_model))
+    cfg = _finetune_configs(pretrained, output, tmp_path / "task")
+    claim_output(str(output), run_record(cfg), write=True)  # run.json, as the run writes it
+    _finetune_checkpoint(output, Tokenizer(other_model))
+    with pytest.raises(ConfigError) as info:
+        _finetune_configs(pretrained, output, tmp_path / "task")
+    message = str(info.value)
+    assert message.startswith(f"--tokenizer-model: {cfg.data.tokenizer_model} (SentencePiece")
+    assert f"{output / 'checkpoints' / 'iter_0000002'} was trained with" in message
+    assert f"{output / 'checkpoints' / 'tokenizer'}" in message and "\n" not in message
+    assert not torch.distributed.is_initialized()
+
+    shutil.rmtree(output / "checkpoints")
+    _finetune_checkpoint(output, Tokenizer(tokenizer_model))
+    elsewhere = shutil.copy(tokenizer_model, tmp_path / "elsewhere.model")
+    resumed = _finetune_configs(pretrained, output, tmp_path / "task",
+                                "--tokenizer-model", str(elsewhere))  # fmt: skip
+    assert resumed.load.iteration == 2 and resumed.data.tokenizer_model == str(elsewhere)

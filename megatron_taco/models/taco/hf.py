@@ -72,7 +72,6 @@ def hf_config_kwargs(config: TacoConfig) -> dict[str, Any]:
         attention_probs_dropout_prob=config.attention_dropout,
         initializer_range=config.init_method_std,
         layer_norm_eps=config.layernorm_epsilon,
-        pad_token_id=0,
     )
 
 

@@ -58,7 +58,11 @@ class TacoEmbeddings(nn.Module):
     def __init__(self, config: TacoConfig) -> None:
         super().__init__()
         self.config = config
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.we_hidden_size)
+        # padding_idx as ELECTRA's and DeBERTa's: the tokenizer's [PAD] row (config.json's
+        # pad_token_id, from the export's tokenizer) is not updated by a further fine-tuning.
+        self.word_embeddings = nn.Embedding(
+            config.vocab_size, config.we_hidden_size, padding_idx=config.pad_token_id
+        )
         # Row max_position_embeddings: the masked position (id -1).
         self.position_embeddings = nn.Embedding(
             config.max_position_embeddings + 1, config.pe_hidden_size
@@ -201,7 +205,7 @@ class TacoPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         """As megatron_taco initialises: N(0, initializer_range) for linear and embedding
-        weights (super), zero biases, PyTorch's Conv2d default U(+-1/sqrt(C_in)) for the
+        weights (super; its [PAD] row zero, transformers' rule), zero biases, PyTorch's Conv2d default U(+-1/sqrt(C_in)) for the
         attention convolution with a zero bias, PReLU slopes 0.25."""
         super()._init_weights(module)
         if isinstance(module, TacoAttention):
