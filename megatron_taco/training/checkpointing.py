@@ -879,13 +879,34 @@ def check_own_save(training, checkpoint: CheckpointConfig) -> None:
     held = existing_checkpoints(save)
     if held is None:
         return
+    loads_save = same_directory(training.load, save)
     if checkpoint.override_existing_checkpoints:
+        if loads_save and training.finetune:
+            # Moved aside before the load, the checkpoint to fine-tune would be gone.
+            raise ConfigError(
+                f"--override-existing-checkpoints: --finetune loads --load {training.load}, "
+                f"which is --save: its {held} would be moved aside before they are loaded; "
+                "give --finetune another --save, without the flag"
+            )
         if resumes_save(training):
             raise ConfigError(
                 f"--override-existing-checkpoints: --load {training.load} is --save, whose "
                 f"{held} this run would resume: drop --load to start anew, or the flag to resume"
             )
         return
+    if training.finetune:
+        # It restarts at iteration 0: "--load --save to resume them" is no way on.
+        if loads_save:
+            raise ConfigError(
+                f"--save: {save} already holds {held}, which --finetune (it restarts at "
+                "iteration 0) would replace, rewind or delete: give --finetune another --save, "
+                f"and keep --load {training.load} to fine-tune from them"
+            )
+        raise ConfigError(
+            f"--save: {save} already holds {held} of another run, which --finetune (it "
+            "restarts at iteration 0) would replace, rewind or delete: give --finetune another "
+            "--save, or --override-existing-checkpoints to move them aside"
+        )
     if not resumes_save(training):
         raise ConfigError(
             f"--save: {save} already holds {held} of another run, which this run's saves "
