@@ -107,6 +107,14 @@ class ExitConfig:
         "the others exit with an error (fractions allowed).",
         flag="--distributed-timeout-minutes",
     )
+    filesystem_timeout_minutes: float = option(
+        60.0,
+        "Timeout of the waits for file-system work that rank 0 does alone while the others "
+        "wait (removing old checkpoints and leftovers, committing and verifying the SAS "
+        "store, verifying a fallback checkpoint): apart from --distributed-timeout-minutes, "
+        "so that a slow file system is not taken for a hung rank.",
+        flag="--filesystem-timeout-minutes",
+    )
 
     def __post_init__(self) -> None:
         cls = ExitConfig
@@ -138,6 +146,12 @@ class ExitConfig:
             "distributed_timeout_minutes",
             f"must be > 0, got {self.distributed_timeout_minutes!r}",
         )
+        require(
+            _positive(self.filesystem_timeout_minutes),
+            cls,
+            "filesystem_timeout_minutes",
+            f"must be > 0, got {self.filesystem_timeout_minutes!r}",
+        )
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -146,6 +160,10 @@ class ExitConfig:
     @property
     def distributed_timeout(self) -> timedelta:
         return timedelta(minutes=self.distributed_timeout_minutes)
+
+    @property
+    def filesystem_timeout(self) -> timedelta:
+        return timedelta(minutes=self.filesystem_timeout_minutes)
 
 
 def _positive(value) -> bool:

@@ -125,7 +125,10 @@ def _callback(root: str, num_instances: int) -> SelfAugmentation:
 
 def _trainer(parallel, save=None, epochs=2):
     return SimpleNamespace(
-        parallel=parallel, num_epochs=lambda: epochs, training=SimpleNamespace(save=save)
+        parallel=parallel,
+        num_epochs=lambda: epochs,
+        training=SimpleNamespace(save=save),
+        exiting=None,
     )
 
 
