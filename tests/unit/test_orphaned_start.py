@@ -45,6 +45,12 @@ def _gone(pid: int) -> bool:
 def test_a_rank_whose_launcher_died_before_main_exits_with_one_line(
     botchan_dataset, tmp_path, delay
 ):
+    from megatron_taco.training.signals import _CONTAINER_INITS, _init_name
+
+    if delay == "0" and _init_name() in _CONTAINER_INITS:
+        # The rank may be re-parented before its shim runs, to PID 1, a container's init
+        # shim, which may also be a rank's launcher: the case that decision gives up.
+        pytest.skip(f"PID 1 is {_init_name()}: an orphan there is not judged at start")
     out, pid_file = tmp_path / "rank.out", tmp_path / "rank.pid"
     args = [
         "--model-size", "tiny", "--seq-length", "32", "--data-path", botchan_dataset["prefix"],
