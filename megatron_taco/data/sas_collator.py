@@ -31,6 +31,8 @@ import torch
 from megatron_taco.arguments import ConfigError, option, require
 from megatron_taco.data.indexed_dataset import unigram_path
 from megatron_taco.data.masking import IGNORE_INDEX, sample_spans, word_units
+from megatron_taco.data.replacement_store import ReplacementStoreError
+from megatron_taco.model_outputs import DATA_FAULT
 
 COLD_STARTS = ("unigram", "uniform", "mask", "mlm")
 # The reference release's cold starts that put [MASK] at S (not the paper's text).
@@ -373,12 +375,22 @@ class SasCollator:
         from_store = np.zeros(b, dtype=np.int64)
         instances = np.empty(b, dtype=np.int64)
         epochs = np.empty(b, dtype=np.int64)
+        fault = None
         for i, sample in enumerate(samples):
             tokens = np.asarray(sample["tokens"], dtype=np.int64)
             length = int(sample["length"])
             instance, epoch = int(sample["index"]), int(sample.get("epoch", 0))
             where = self.positions(sample)
-            placed = self.source.replacements(instance, epoch, where, sample.get("global_index"))
+            try:
+                placed = self.source.replacements(
+                    instance, epoch, where, sample.get("global_index")
+                )
+            except (ReplacementStoreError, OSError) as e:
+                # Raised here it would stop this rank alone (in a DataLoader worker) while
+                # the others wait in a collective: the batch carries the line instead, with
+                # the originals in S, and the loop stops every rank with it (DATA_FAULT).
+                fault = fault or f"--replacement-store: {e}"
+                placed = np.full(where.shape, KEEP)
             placed = np.where(placed == KEEP, tokens[where], placed)
             stored = self.source.reads_store(epoch)
             hits = placed == tokens[where]
@@ -403,7 +415,7 @@ class SasCollator:
             read = kept.shape[0] - (0 if masked is None else int(masked.sum()))
             from_store[i] = read if stored else 0
             instances[i], epochs[i] = instance, epoch
-        return {
+        batch = {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(np.arange(s) < _lengths(samples)[:, None]),
             "mlm_labels": torch.from_numpy(mlm_labels),
@@ -414,6 +426,9 @@ class SasCollator:
             "dropped_slots": torch.from_numpy(dropped),
             "from_store": torch.from_numpy(from_store),
         }
+        if fault is not None:
+            batch[DATA_FAULT] = fault
+        return batch
 
 
 def _stored_mask_choice(

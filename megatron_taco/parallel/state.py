@@ -15,12 +15,17 @@ the layers set on split parameters.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron_taco.arguments import ConfigError
+from megatron_taco.parallel import comm
 from megatron_taco.parallel.config import check_world_size
+
+# The file group's timeout unless the driver gives one (--filesystem-timeout-minutes).
+DEFAULT_FILE_TIMEOUT = timedelta(minutes=60)
 
 
 def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
@@ -47,6 +52,7 @@ class ParallelState:
         tp_size: int,
         tp_group: dist.ProcessGroup | None,
         dp_group: dist.ProcessGroup | None,
+        file_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_world_size(world_size, tp_size)
         self.world_size = world_size
@@ -57,6 +63,8 @@ class ParallelState:
         self.dp_rank = rank // tp_size
         self.tp_group = tp_group
         self.dp_group = dp_group
+        # Every rank, on gloo, with a timeout of its own: see file_barrier.
+        self.file_group = file_group
         self.tp_ranks = tp_group_ranks(world_size, tp_size)[self.dp_rank]
         self.dp_ranks = dp_group_ranks(world_size, tp_size)[self.tp_rank]
 
@@ -70,15 +78,24 @@ class ParallelState:
     def is_distributed(self) -> bool:
         return self.tp_group is not None
 
+    def file_barrier(self) -> None:
+        """Where the other ranks wait for file-system work one rank does alone (removing
+        old checkpoints, scanning the SAS store): a barrier of the file group, whose timeout
+        (--filesystem-timeout-minutes) is not the collectives' (--distributed-timeout-minutes),
+        so a slow file system is not taken for a hung rank. Collective (a state built
+        without the group, e.g. around a process group made elsewhere: the default one's)."""
+        if dist.is_initialized():
+            comm.barrier(self.file_group)
+
     def destroy(self) -> None:
         """Destroy the subgroups this state created (not the default group)."""
         if dist.is_initialized():
-            for group in {
-                id(g): g for g in (self.tp_group, self.dp_group) if g is not None
-            }.values():
+            groups = (self.tp_group, self.dp_group, self.file_group)
+            for group in {id(g): g for g in groups if g is not None}.values():
                 dist.destroy_process_group(group)
         self.tp_group = None
         self.dp_group = None
+        self.file_group = None
 
     # --- DeepSpeed / Megatron mpu interface ----------------------------------------------
     # Model parallel == tensor parallel here (no pipeline stages).
@@ -194,8 +211,11 @@ def single_process_state(tp_size: int = 1) -> ParallelState:
     return ParallelState(world_size=1, rank=0, tp_size=tp_size, tp_group=None, dp_group=None)
 
 
-def init_parallel(tp_size: int = 1, backend: str | None = None) -> ParallelState:
-    """Build the TP/DP groups (initialising torch.distributed from env:// if needed).
+def init_parallel(
+    tp_size: int = 1, backend: str | None = None, file_timeout: timedelta = DEFAULT_FILE_TIMEOUT
+) -> ParallelState:
+    """Build the TP/DP groups and the file group (ParallelState.file_barrier: every rank,
+    gloo, ``file_timeout``), initialising torch.distributed from env:// if needed.
 
     torch.distributed is initialised here only when it is not yet and WORLD_SIZE > 1 (set by
     torchrun and the deepspeed launcher). A single process without WORLD_SIZE gets groups None.
@@ -229,6 +249,9 @@ def init_parallel(tp_size: int = 1, backend: str | None = None) -> ParallelState
         group = dist.new_group(ranks)
         if rank in ranks:
             tp_group = group
+    # gloo whatever the default backend: a barrier of CPU sockets, with its own timeout.
+    file_group = dist.new_group(backend="gloo", timeout=file_timeout)
     return ParallelState(
-        world_size=world_size, rank=rank, tp_size=tp_size, tp_group=tp_group, dp_group=dp_group
-    )
+        world_size=world_size, rank=rank, tp_size=tp_size, tp_group=tp_group, dp_group=dp_group,
+        file_group=file_group,
+    )  # fmt: skip

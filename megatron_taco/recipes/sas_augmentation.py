@@ -69,6 +69,7 @@ from megatron_taco.training.checkpointing import (
     complete_iterations,
     read_metadata,
 )
+from megatron_taco.training.signals import hook_point
 
 logger = logging.getLogger(__name__)
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
@@ -266,7 +267,7 @@ class SelfAugmentation(Callback):
             return []  # tp ranks hold the same rows; one of them writes
         return list(range(parallel.dp_rank, self.layout.num_shards, parallel.dp_size))
 
-    def _verify(self, rank: int, generation: int) -> None:
+    def _verify(self, parallel, generation: int) -> None:
         """Epoch t reads generation t-1: refuse a missing, truncated or corrupt one before any
         batch is built, on every rank, naming the file (rank 0 reads it once)."""
 
@@ -281,10 +282,16 @@ class SelfAugmentation(Callback):
                 )
             check_origin(path, reader.layout, self.layout)
 
-        _agreed(rank == 0, verify, ConfigError, self.root)
+        _agreed(parallel, parallel.rank == 0, verify, ConfigError, self.root)
 
     def _commit(self, trainer, epoch: int) -> None:
+        hook_point("store_commit", epoch)
         commit_generation(self.root, epoch, self.layout)
+        if trainer.exiting is not None:
+            # Within the grace time of an exit: the next epoch end (maybe the next run's)
+            # deletes what no checkpoint needs.
+            logger.info("%s: old generations are left to the next epoch end", self.root)
+            return
         # Epoch t+1 reads generation t; the checkpoints in --save need theirs.
         try:
             needed = generations_needed(trainer.training.save, self.layout.num_instances)
@@ -303,7 +310,7 @@ class SelfAugmentation(Callback):
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
         self.epoch = epoch
         if epoch >= 1:
-            self._verify(trainer.parallel.rank, epoch - 1)
+            self._verify(trainer.parallel, epoch - 1)
         self.writer = None
         owned = self._owned_shards(trainer.parallel)
 
@@ -312,7 +319,7 @@ class SelfAugmentation(Callback):
 
         # A resume reopens the generation being written: a shard cut short, another run's
         # layout, a full disk while the shards are created stop every rank, not its owner.
-        _agreed(bool(owned), open_writer, ConfigError, self.root)
+        _agreed(trainer.parallel, bool(owned), open_writer, ConfigError, self.root)
 
     @torch.no_grad()
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
@@ -346,7 +353,7 @@ class SelfAugmentation(Callback):
                 # Copy-on-write or compressed storage: the pre-fill reserved nothing.
                 self._write_error = f"{e.filename or self.writer.directory}: {e.strerror or e}"
 
-    def _flush_agreed(self, close: bool = False) -> None:
+    def _flush_agreed(self, parallel, close: bool = False) -> None:
         """Collective: the rows written so far made durable on every rank; a write or
         fsync that failed on any rank stops every rank with its line (RunError), before the
         checkpoint that would need the rows is written: the last good one stays latest."""
@@ -364,7 +371,7 @@ class SelfAugmentation(Callback):
 
         self._write_pending()
         try:
-            _agreed(True, flush, RunError, self.root)
+            _agreed(parallel, True, flush, RunError, self.root)
         finally:
             if close:
                 self.writer = None
@@ -420,15 +427,14 @@ class SelfAugmentation(Callback):
         return torch.where(drawn_slots, drawn, tokens)
 
     def on_save(self, trainer, state) -> None:
-        self._flush_agreed()
+        self._flush_agreed(trainer.parallel)
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
-        self._flush_agreed(close=True)  # every owner flushed (the gather is the barrier)
+        self._flush_agreed(trainer.parallel, close=True)  # every owner flushed
         # A row that changed on disk since it was written (or was never written) stops every
         # rank with one line naming it.
-        _agreed(
-            trainer.parallel.rank == 0, lambda: self._commit(trainer, epoch), RunError, self.root
-        )
+        _agreed(trainer.parallel, trainer.parallel.rank == 0,
+                lambda: self._commit(trainer, epoch), RunError, self.root)  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         out = {"store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1)}
@@ -446,10 +452,11 @@ class SelfAugmentation(Callback):
         return {"generation_being_written": self.epoch, "root": self.root}
 
 
-def _agreed(runs: bool, work, error: type[Exception], root: str) -> None:
+def _agreed(parallel, runs: bool, work, error: type[Exception], root: str) -> None:
     """``work()`` on the ranks where ``runs``; the first store error (or OSError) any rank
-    meets is raised on every rank as ``error``, one line naming the file. The gather keeps
-    the ranks in step, as a barrier would."""
+    meets is raised on every rank as ``error``, one line naming the file. The ranks wait
+    for the work (a full scan of the store, on rank 0 alone for a commit) on the file
+    group's barrier, whose timeout is not the collectives'; the gather then agrees."""
     problem = None
     if runs:
         try:
@@ -460,6 +467,7 @@ def _agreed(runs: bool, work, error: type[Exception], root: str) -> None:
             problem = f"{e.filename or root}: {e.strerror or e}"
     problems = [problem]
     if dist.is_initialized():
+        parallel.file_barrier()
         problems = comm.all_gather_object(problem)
     first = next((p for p in problems if p is not None), None)
     if first is not None:

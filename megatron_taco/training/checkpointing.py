@@ -879,13 +879,34 @@ def check_own_save(training, checkpoint: CheckpointConfig) -> None:
     held = existing_checkpoints(save)
     if held is None:
         return
+    loads_save = same_directory(training.load, save)
     if checkpoint.override_existing_checkpoints:
+        if loads_save and training.finetune:
+            # Moved aside before the load, the checkpoint to fine-tune would be gone.
+            raise ConfigError(
+                f"--override-existing-checkpoints: --finetune loads --load {training.load}, "
+                f"which is --save: its {held} would be moved aside before they are loaded; "
+                "give --finetune another --save, without the flag"
+            )
         if resumes_save(training):
             raise ConfigError(
                 f"--override-existing-checkpoints: --load {training.load} is --save, whose "
                 f"{held} this run would resume: drop --load to start anew, or the flag to resume"
             )
         return
+    if training.finetune:
+        # It restarts at iteration 0: "--load --save to resume them" is no way on.
+        if loads_save:
+            raise ConfigError(
+                f"--save: {save} already holds {held}, which --finetune (it restarts at "
+                "iteration 0) would replace, rewind or delete: give --finetune another --save, "
+                f"and keep --load {training.load} to fine-tune from them"
+            )
+        raise ConfigError(
+            f"--save: {save} already holds {held} of another run, which --finetune (it "
+            "restarts at iteration 0) would replace, rewind or delete: give --finetune another "
+            "--save, or --override-existing-checkpoints to move them aside"
+        )
     if not resumes_save(training):
         raise ConfigError(
             f"--save: {save} already holds {held} of another run, which this run's saves "
@@ -1114,9 +1135,10 @@ def _broadcast(obj: Any) -> Any:
     return comm.broadcast_object(obj, src=0)
 
 
-def _start_save(save_dir: str, tmp_dir: str) -> None:
+def _start_save(save_dir: str, tmp_dir: str, sweep: bool) -> None:
     os.makedirs(save_dir, exist_ok=True)
-    _sweep_leftovers(save_dir)
+    if sweep:
+        _sweep_leftovers(save_dir)
     os.makedirs(tmp_dir)
 
 
@@ -1137,9 +1159,16 @@ def _own_manifest(writer: SafeCheckpointEngine, tmp_dir: str) -> dict[str, dict]
 
 
 def _finalize(
-    save_dir: str, tmp_dir: str, meta: dict, files: dict, token: str, retain: int | None
+    save_dir: str,
+    tmp_dir: str,
+    meta: dict,
+    files: dict,
+    token: str,
+    retain: int | None,
+    clean_up: bool = True,
 ) -> str | None:
-    """Rank 0, once every rank's files are on disk: manifest, rename, tracker, clean-up.
+    """Rank 0, once every rank's files are on disk: manifest, rename, tracker, clean-up
+    (unless ``clean_up`` is off: the next save's, maybe the next run's, does it).
     Raises (OSError, CheckpointSaveError) while the save can still fail as a whole; once the
     tracker names the new checkpoint the save has succeeded, and a failing clean-up is
     returned as a warning instead."""
@@ -1163,9 +1192,9 @@ def _finalize(
     try:
         _fsync_dir(save_dir)
         _kill_point("after_tracker", iteration)
-        if replaced is not None:
+        if replaced is not None and clean_up:  # else a leftover, swept by the next save
             _remove(replaced)
-        if retain is not None:
+        if retain is not None and clean_up:
             _retire(save_dir, retain, token)
     except OSError as e:
         return (
@@ -1193,17 +1222,21 @@ def save_checkpoint(
     metadata: dict[str, Any] | None = None,
     *,
     retain: int | None = None,
+    clean_up: bool = True,
 ) -> str:
     """Collective: every rank must call it. Returns the checkpoint directory; a failed write
-    on any rank raises CheckpointSaveError on every rank, the previous checkpoint intact."""
+    on any rank raises CheckpointSaveError on every rank, the previous checkpoint intact.
+    ``clean_up`` off (an exit's save, which must fit in a grace time): no leftovers swept,
+    no old checkpoint removed; the next save does it, in this run or the next. The others
+    wait for rank 0's file-system work on the file group's barrier (its own timeout)."""
     writer = _safe_engine(engine)
     writer.begin()
     iteration = state.iteration
     token = _shared_token(engine.device)
     tmp_dir = os.path.join(save_dir, f"{checkpoint_tag(iteration)}.tmp-{token}")
     if parallel.rank == 0:
-        writer.attempt(tmp_dir, _start_save, save_dir, tmp_dir)
-    _barrier()
+        writer.attempt(tmp_dir, _start_save, save_dir, tmp_dir, clean_up)
+    parallel.file_barrier()
     client_state = {
         "iteration": iteration,
         "consumed_samples": state.consumed_samples,
@@ -1230,10 +1263,13 @@ def save_checkpoint(
                 **(metadata or {}),
             }
             files = {name: entry for _, entries in gathered for name, entry in entries.items()}
-            error, warning = _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain)
+            error, warning = _attempt_finalize(
+                save_dir, tmp_dir, meta, files, token, retain, clean_up
+            )
         if error is not None:
             _remove(tmp_dir)
             message = _save_failure(save_dir, iteration, error)
+    parallel.file_barrier()
     message, warning = _broadcast((message, warning))
     if message is not None:
         raise CheckpointSaveError(message)
@@ -1242,10 +1278,10 @@ def save_checkpoint(
     return os.path.join(save_dir, checkpoint_tag(iteration))
 
 
-def _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain):
+def _attempt_finalize(save_dir, tmp_dir, meta, files, token, retain, clean_up):
     """(error that fails the save, warning about a clean-up after it succeeded)."""
     try:
-        return None, _finalize(save_dir, tmp_dir, meta, files, token, retain)
+        return None, _finalize(save_dir, tmp_dir, meta, files, token, retain, clean_up)
     except CheckpointSaveError as e:
         return str(e), None
     except OSError as e:
@@ -1338,17 +1374,20 @@ def _agree_on_fit(engine, load_dir: str, tag: str) -> None:
         raise CheckpointMisfit(first[0], how=tuple(p and p[1] for p in found))
 
 
-def _agreed_newest_verified(load_dir: str, below: int, **kw) -> LoadChoice | None:
+def _agreed_newest_verified(
+    load_dir: str, below: int, parallel: ParallelState, **kw
+) -> LoadChoice | None:
     """Collective: newest_verified as global rank 0 finds it (every byte read once, not once
     per rank), the one choice every rank takes; each rank then reads that checkpoint's
     metadata.json, and one that sees another (a stale network-file-system view) or none
     stops every rank with its line, rather than ranks loading different iterations."""
     found: tuple[str, Any] | None = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if parallel.rank == 0:
         try:
-            found = ("choice", newest_verified(load_dir, below, **kw))
+            found = ("choice", newest_verified(load_dir, below, tp_size=parallel.tp_size, **kw))
         except ConfigError as e:
             found = ("error", str(e))
+    parallel.file_barrier()  # rank 0 may read for long: not within a collective's timeout
     kind, value = _broadcast(found)
     if kind == "error":
         raise ConfigError(value)
@@ -1502,8 +1541,7 @@ def load_fitting_checkpoint(
         return load_checkpoint(engine, load_dir, parallel, rng_tracker, ckpt_step=ckpt_step, **kw)
     except CheckpointMisfit as e:
         misfit = e
-    older = _older_fitting(engine, load_dir, ckpt_step, misfit, tp_size=parallel.tp_size,
-                           models=models)  # fmt: skip
+    older = _older_fitting(engine, load_dir, ckpt_step, misfit, parallel, models=models)
     if not fallback:
         raise CheckpointInvalid(
             f"{misfit}; the last complete checkpoint there is iteration {older}: pass "
@@ -1515,12 +1553,14 @@ def load_fitting_checkpoint(
     return load_checkpoint(engine, load_dir, parallel, rng_tracker, ckpt_step=older, **kw)
 
 
-def _older_fitting(engine, load_dir: str, below: int, misfit: CheckpointMisfit, **kw) -> int:
+def _older_fitting(
+    engine, load_dir: str, below: int, misfit: CheckpointMisfit, parallel: ParallelState, **kw
+) -> int:
     """Collective: the newest checkpoint before ``below`` that verifies and fits the model.
     One that misfits as ``misfit`` does shows the model is not theirs (its flags differ):
     the walk stops there, before it verifies every byte of every checkpoint to say so."""
     while True:
-        older = _agreed_newest_verified(load_dir, below, **kw)
+        older = _agreed_newest_verified(load_dir, below, parallel, **kw)
         if older is None:
             raise CheckpointInvalid(
                 f"{misfit}; no older checkpoint in {load_dir} verifies and fits this model"

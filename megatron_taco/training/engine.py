@@ -26,7 +26,12 @@ from torch import nn
 
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.layers import param_is_not_tensor_parallel_duplicate
-from megatron_taco.parallel.state import ParallelState, init_parallel, set_cuda_device
+from megatron_taco.parallel.state import (
+    DEFAULT_FILE_TIMEOUT,
+    ParallelState,
+    init_parallel,
+    set_cuda_device,
+)
 from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
 from megatron_taco.training.optim import (
     AnnealingLR,
@@ -126,9 +131,12 @@ def _mpi_discovery() -> None:
         os.environ["MASTER_ADDR"] = master_addr
 
 
-def init_distributed(tp_size: int, timeout: timedelta | None = None) -> ParallelState:
+def init_distributed(
+    tp_size: int, timeout: timedelta | None = None, file_timeout: timedelta | None = None
+) -> ParallelState:
     """Initialise torch.distributed (env://, as set by the launchers) and the TP/DP groups;
-    ``timeout`` bounds the rendezvous and every collective of every group."""
+    ``timeout`` bounds the rendezvous and every collective of every group but the file
+    group's (``file_timeout``: ParallelState.file_barrier)."""
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ and _mpi_world_size_env() is not None:
             _mpi_discovery()
@@ -155,7 +163,7 @@ def init_distributed(tp_size: int, timeout: timedelta | None = None) -> Parallel
             # A dead or hung peer must raise into Python (and our one line), not abort.
             os.environ.update(nccl_environment())
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
-    parallel = init_parallel(tp_size)
+    parallel = init_parallel(tp_size, file_timeout=file_timeout or DEFAULT_FILE_TIMEOUT)
     if timeout is not None:
         # new_group() gives subgroups torch's global default (30 min for gloo), not the
         # default group's timeout.

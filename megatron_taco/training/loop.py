@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_taco.data.sampler import PretrainingSampler
-from megatron_taco.model_outputs import COUNT_SUFFIX
+from megatron_taco.model_outputs import COUNT_SUFFIX, DATA_FAULT
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
@@ -40,6 +40,10 @@ from megatron_taco.training.signals import ExitMonitor
 
 
 class NonFiniteLossError(RunError):
+    pass
+
+
+class DataFaultError(RunError):
     pass
 
 
@@ -170,6 +174,11 @@ class Trainer:
         self.device_peak = device_peak(engine.device, engine.settings.precision)
         self.grad_accum_steps = engine.settings.grad_accum_steps
         self.last_saved_iteration: int | None = None
+        # The reason to exit once an exit is under way (callbacks defer what can wait), and
+        # how long the last save and the last epoch's end took (what an exit will take).
+        self.exiting: str | None = None
+        self.save_seconds: float | None = None
+        self.epoch_end_seconds: float | None = None
         # The learning monitor is a callback for its state (its collapse streak) only.
         extra = [learning_monitor] if learning_monitor is not None else []
         self.callbacks = CallbackList([*task.callbacks, *extra])
@@ -183,6 +192,9 @@ class Trainer:
         # with a plain torch optimizer (ZeRO 0, fp32) it computes and discards it.
         self._own_grad_norm = not hasattr(self.ds.optimizer, "_global_grad_norm")
         self._host_buffer: torch.Tensor | None = None  # _host_values' staging buffer
+        # The first DATA_FAULT line of this iteration's batches (this rank's), stopping
+        # every rank at the iteration's end.
+        self._data_fault: str | None = None
 
     # -- data ---------------------------------------------------------------------------
 
@@ -225,7 +237,10 @@ class Trainer:
         skipped_before = self.ds.skipped_steps
         own_norm = None
         for micro in range(self.grad_accum_steps):
-            batch = to_device(next(data_iter), self.ds.device)
+            batch = next(data_iter)
+            fault = batch.pop(DATA_FAULT, None)
+            self._data_fault = self._data_fault or fault
+            batch = to_device(batch, self.ds.device)
             outputs = self.ds(batch)
             self.ds.backward(outputs["loss"])
             if micro == self.grad_accum_steps - 1:  # before the step may change it
@@ -265,18 +280,21 @@ class Trainer:
         self, iteration: int, acc: MetricAccumulator, norm: torch.Tensor | float | None
     ) -> tuple[str | None, float | None]:
         """The one all-reduce (MAX over the world) and the one host read of every iteration:
-        this iteration's non-finite losses and gradient norm, the norm's value, and the exit
-        requests (signal, launcher gone, time limit); reading them waits for the step's work
-        to finish, so the loop's timing needs no other synchronisation. Raises
-        NonFiniteLossError on every rank when any rank saw a non-finite value in a step that
-        was applied: fp32/bf16 stop there, before a save can keep the weights it produced
-        (the losses summed so far in this log interval were finite, so this iteration's is
-        not). Returns (the reason to exit, the same on every rank; the gradient norm)."""
+        this iteration's non-finite losses and gradient norm, the norm's value, whether a
+        batch carried a DATA_FAULT, and the exit requests (signal, launcher gone, time
+        limit); reading them waits for the step's work to finish, so the loop's timing needs
+        no other synchronisation. Raises DataFaultError on every rank when any rank's batch
+        carried a fault, and NonFiniteLossError when any rank saw a non-finite value in a
+        step that was applied: fp32/bf16 stop there, before a save can keep the weights it
+        produced (the losses summed so far in this log interval were finite, so this
+        iteration's is not). Returns (the reason to exit, the same on every rank; the gradient norm)."""
         keys = []
         if self.engine.settings.precision != "fp16":  # fp16 overflows are skipped steps
             keys = sorted(k for k in acc.sums if is_loss_key(k))
         host_norm = float(norm) if norm is not None and not torch.is_tensor(norm) else 0.0
-        host = self._host_values([host_norm, *self._exit_flags()])
+        host = self._host_values(
+            [host_norm, float(self._data_fault is not None), *self._exit_flags()]
+        )
         value = norm.detach().to(host) if torch.is_tensor(norm) else host[0]
         finite = torch.isfinite(value)
         parts = [(~finite).to(torch.float64).reshape(1), value.where(finite, 0.0).reshape(1)]
@@ -287,6 +305,8 @@ class Trainer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             comm.all_reduce(flags, op="max")
         values = flags.tolist()
+        if values[len(keys) + 2]:
+            self._stop_on_data_fault(iteration)
         names = [k for k, bad in zip(keys, values) if bad]
         if values[len(keys)]:
             names.append("gradient norm")
@@ -297,9 +317,21 @@ class Trainer:
                 "last checkpoint is untouched): lower --lr, check the data, or resume from the "
                 "last checkpoint"
             )
-        exit_flags = values[len(keys) + 2 :]
+        exit_flags = values[len(keys) + 3 :]
         stop = self.exit_monitor.reason(exit_flags) if self.exit_monitor else None
         return stop, None if norm is None else values[len(keys) + 1]
+
+    def _stop_on_data_fault(self, iteration: int) -> None:
+        """Some rank built a batch of this iteration around data it could not read: every
+        rank stops with the first such rank's line, before this step is saved."""
+        faults = [self._data_fault]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            faults = comm.all_gather_object(self._data_fault)  # on this error path only
+        rank, fault = next((r, f) for r, f in enumerate(faults) if f is not None)
+        raise DataFaultError(
+            f"iteration {iteration}, rank {rank}: {fault}; every rank stopped without saving "
+            "this iteration (the last checkpoint is kept)"
+        )
 
     def _exit_flags(self) -> list[int]:
         return self.exit_monitor.local_flags() if self.exit_monitor else [0, 0, 0]
@@ -348,11 +380,12 @@ class Trainer:
             self.rng_tracker,
             metadata=metadata,
             retain=self.save_retain,
+            clean_up=self.exiting is None,
         )
         self.last_saved_iteration = state.iteration
+        self.save_seconds = time.perf_counter() - start
         self.logger.print(
-            f" saved checkpoint {path} (iteration {state.iteration}, "
-            f"{time.perf_counter() - start:.1f}s)"
+            f" saved checkpoint {path} (iteration {state.iteration}, {self.save_seconds:.1f}s)"
         )
 
     def _periodic_save(self, state: TrainingState) -> None:
@@ -365,6 +398,21 @@ class Trainer:
             )
             return
         self.save(state)
+
+    def _exit_plan(self, epoch_ended: bool) -> str:
+        """What an exit still does and how long that took last time: a scheduler's grace
+        time must cover it."""
+        if self.training.save is None:
+            return ""
+
+        def took(seconds: float | None) -> str:
+            return "not timed yet" if seconds is None else f"{seconds:.1f}s last time"
+
+        epoch = f"ending the epoch ({took(self.epoch_end_seconds)}), " if epoch_ended else ""
+        return (
+            f"; {epoch}saving a checkpoint ({took(self.save_seconds)}); removing old "
+            "checkpoints and leftovers is left to the next save"
+        )
 
     def _collapsed(self) -> str:
         """An exit's save is made even while --exit-on-collapse holds periodic saves back:
@@ -440,19 +488,23 @@ class Trainer:
                 metrics = self._train_metrics(state, interval, lr, epoch)
                 self.logger.log("train", state.iteration, metrics)
                 interval = _Interval()
+            if stop is not None:
+                # Before this iteration's validation and periodic save: a launcher or a
+                # scheduler allows a bounded time after its signal, and the epoch's end and
+                # the save are what must fit in it; their clean-up waits (self.exiting).
+                self.exiting = stop
+                self.logger.print(
+                    f" exiting at iteration {state.iteration}: {stop}"
+                    f"{self._exit_plan(epoch_ended)}{self._collapsed()}"
+                )
             if epoch_ended:
+                began = time.perf_counter()
                 self.callbacks.on_epoch_end(self, state, epoch)
+                self.epoch_end_seconds = time.perf_counter() - began
                 self.logger.print(
                     f" epoch {epoch + 1}/{self.num_epochs()} ended at iteration {state.iteration}"
                 )
             if stop is not None:
-                # Before this iteration's validation and periodic save: a launcher or a
-                # scheduler allows a bounded time after its signal, and the save is what
-                # must fit in it.
-                saving = "; saving a checkpoint" if t.save is not None else ""
-                self.logger.print(
-                    f" exiting at iteration {state.iteration}: {stop}{saving}{self._collapsed()}"
-                )
                 self.save(state)
                 return state
             if (

@@ -662,7 +662,9 @@ def _pretrain(
         hook_point("before_rendezvous", launcher_rank())
         monitor.phase = "the rendezvous"
         parallel = init_distributed(
-            cfg.parallel.tensor_model_parallel_size, timeout=cfg.exit.distributed_timeout
+            cfg.parallel.tensor_model_parallel_size,
+            timeout=cfg.exit.distributed_timeout,
+            file_timeout=cfg.exit.filesystem_timeout,
         )
         peers = gather_peers()
         if torch.distributed.get_backend() == "nccl":

@@ -107,6 +107,14 @@ class ExitConfig:
         "the others exit with an error (fractions allowed).",
         flag="--distributed-timeout-minutes",
     )
+    filesystem_timeout_minutes: float = option(
+        60.0,
+        "Timeout of the waits for file-system work that rank 0 does alone while the others "
+        "wait (removing old checkpoints and leftovers, committing and verifying the SAS "
+        "store, verifying a fallback checkpoint): apart from --distributed-timeout-minutes, "
+        "so that a slow file system is not taken for a hung rank.",
+        flag="--filesystem-timeout-minutes",
+    )
 
     def __post_init__(self) -> None:
         cls = ExitConfig
@@ -138,6 +146,12 @@ class ExitConfig:
             "distributed_timeout_minutes",
             f"must be > 0, got {self.distributed_timeout_minutes!r}",
         )
+        require(
+            _positive(self.filesystem_timeout_minutes),
+            cls,
+            "filesystem_timeout_minutes",
+            f"must be > 0, got {self.filesystem_timeout_minutes!r}",
+        )
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -146,6 +160,10 @@ class ExitConfig:
     @property
     def distributed_timeout(self) -> timedelta:
         return timedelta(minutes=self.distributed_timeout_minutes)
+
+    @property
+    def filesystem_timeout(self) -> timedelta:
+        return timedelta(minutes=self.filesystem_timeout_minutes)
 
 
 def _positive(value) -> bool:
@@ -228,8 +246,39 @@ def launched_by_launcher() -> bool:
 _RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
 
 
-# Processes that adopt orphans: a rank whose parent is one of them was left by its launcher.
-_ADOPTERS = {"systemd", "init", "tini", "dumb-init", "catatonit", "docker-init", "s6-svscan"}
+# Processes that adopt orphans and start no ranks: a rank whose parent is one of them (or
+# PID 1) was left by its launcher.
+_ADOPTERS = {"systemd", "init", "s6-svscan"}
+# A container's init shims (docker --init runs tini as docker-init): they adopt orphans,
+# and also start the container's command, which may be the rank itself (a pod whose spec
+# sets RANK, LOCAL_RANK, WORLD_SIZE: the container runtime is its launcher).
+_CONTAINER_INITS = {"tini", "dumb-init", "catatonit", "docker-init"}
+
+
+def orphaned_at_start(parent: int, parent_name: str, init_name: str) -> bool:
+    """Whether a rank whose parent is ``parent`` (named ``parent_name``) at the top of its
+    entry point was left by its launcher; ``init_name``: PID 1's /proc/1/comm.
+
+    A container's init shim as the parent is ambiguous: it adopts orphans (as PID 1, or as
+    a subreaper), and it starts the container's command, which may be the rank itself. Such
+    a rank is not judged orphaned; the parent-death signal, armed on the shim, decides (it
+    fires when the container ends). What that gives up: a launcher that dies in the
+    milliseconds between the rank's start and the shim's first line, while not the shim's
+    own child, leaves the rank waiting for its rendezvous timeout (as its child, the shim
+    exits with it, and the kernel ends every process of the container)."""
+    if parent_name in _CONTAINER_INITS or (parent == 1 and init_name in _CONTAINER_INITS):
+        return False
+    return parent == 1 or parent_name in _ADOPTERS
+
+
+def _init_name() -> str:
+    try:
+        with open("/proc/1/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
 # The parent a rank had at the top of its entry point (tie_at_start): tie_to_launcher ties
 # to it, so that a launcher dying during the imports before main() is seen there too.
 _started_under: int | None = None
@@ -244,7 +293,7 @@ def tie_at_start(program: str) -> None:
     if _started_under is not None or not launched_by_launcher():
         return
     parent = os.getppid()
-    if parent != 1 and process_name(parent) not in _ADOPTERS:
+    if not orphaned_at_start(parent, process_name(parent), _init_name()):
 
         def on_sigterm(signum, frame) -> None:
             if os.getppid() == parent:

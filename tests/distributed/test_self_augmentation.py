@@ -125,7 +125,10 @@ def _callback(root: str, num_instances: int) -> SelfAugmentation:
 
 def _trainer(parallel, save=None, epochs=2):
     return SimpleNamespace(
-        parallel=parallel, num_epochs=lambda: epochs, training=SimpleNamespace(save=save)
+        parallel=parallel,
+        num_epochs=lambda: epochs,
+        training=SimpleNamespace(save=save),
+        exiting=None,
     )
 
 
@@ -289,6 +292,23 @@ def test_generations_kept_for_the_checkpoints_in_save(tmp_path):
     no_save = run_distributed(_run_epochs, 1, str(tmp_path / "store2"), None, 3)
     assert no_save == [[2]]
     assert os.path.isfile(tmp_path / "store" / "gen_00004" / "manifest.json")
+
+
+def _slow_commit(rank, world_size, root):
+    """Rank 0's commit (a full scan of the generation) held 8 s by the documented
+    MEGATRON_TACO_TEST_PAUSE_AT while the collectives time out after 3 s (issue 27 item 9):
+    the others wait on the file group's barrier, not in the gather."""
+    from datetime import timedelta
+
+    from megatron_taco.training.signals import PAUSE_ENV
+
+    os.environ[PAUSE_ENV] = "store_commit@0:8"
+    torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=3), None)
+    return _run_epochs(rank, world_size, root, None, 1)
+
+
+def test_a_slow_store_commit_on_rank_0_is_no_collective_timeout(tmp_path):
+    assert run_distributed(_slow_commit, 2, str(tmp_path / "store")) == [[0], [0]]
 
 
 def _resumed_epoch(rank, world_size, root, damage=None):

@@ -49,15 +49,39 @@ def test_a_save_holding_checkpoints_needs_a_matching_load_or_the_override(tmp_pa
         with pytest.raises(ConfigError) as e:
             check_own_save(_training(save, load=load), CheckpointConfig())
         assert str(e.value) == refused
-    # --finetune restarts at iteration 0: its first save would rewind the tracker.
-    with pytest.raises(ConfigError, match="already holds checkpoints up to iteration 4"):
+    # --finetune restarts at iteration 0: its first save would rewind the tracker, and
+    # "--load to resume them" is no way on (issue 27: the lines named it).
+    with pytest.raises(ConfigError) as e:
         check_own_save(_training(save, load=str(save), finetune=True), CheckpointConfig())
+    assert str(e.value) == (
+        f"--save: {save} already holds checkpoints up to iteration 4, which --finetune (it "
+        "restarts at iteration 0) would replace, rewind or delete: give --finetune another "
+        f"--save, and keep --load {save} to fine-tune from them"
+    )
+    pretrained = str(tmp_path / "pretrained")
+    with pytest.raises(ConfigError) as e:
+        check_own_save(_training(save, load=pretrained, finetune=True), CheckpointConfig())
+    assert str(e.value) == (
+        f"--save: {save} already holds checkpoints up to iteration 4 of another run, which "
+        "--finetune (it restarts at iteration 0) would replace, rewind or delete: give "
+        "--finetune another --save, or --override-existing-checkpoints to move them aside"
+    )
     check_own_save(_training(save, load=str(save)), CheckpointConfig())  # resumes them
     check_own_save(_training(save, load=f"{save}/."), CheckpointConfig())  # the same directory
     override = CheckpointConfig(override_existing_checkpoints=True)
     check_own_save(_training(save), override)
     with pytest.raises(ConfigError, match="^--override-existing-checkpoints: --load .* is --save"):
         check_own_save(_training(save, load=str(save)), override)
+    check_own_save(_training(save, load=pretrained, finetune=True), override)
+    # Moved aside first, the checkpoint --finetune loads would be gone (before: accepted;
+    # rank 0 moved them, and the load failed once the process groups were up).
+    with pytest.raises(ConfigError) as e:
+        check_own_save(_training(save, load=str(save), finetune=True), override)
+    assert str(e.value) == (
+        f"--override-existing-checkpoints: --finetune loads --load {save}, which is --save: "
+        "its checkpoints up to iteration 4 would be moved aside before they are loaded; give "
+        "--finetune another --save, without the flag"
+    )
     # A tracker alone (a checkpoint directory deleted by hand) still marks another run's.
     lone = tmp_path / "lone"
     lone.mkdir()
@@ -202,6 +226,14 @@ def test_a_fresh_run_on_another_runs_save_is_refused_or_moves_it_aside(
     assert capsys.readouterr().err.splitlines() == [
         f"pretrain_sas.py: error: --replacement-store: {save} is or holds --save {save}: give "
         "the store a directory of its own (default: replacement_store under --save)"
+    ]
+    # --finetune of this --save's checkpoint with the flag: refused before anything moves.
+    finetune = [*again, "--load", str(save), "--finetune", "--override-existing-checkpoints"]
+    assert _sas_main(finetune) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_sas.py: error: --override-existing-checkpoints: --finetune loads --load "
+        f"{save}, which is --save: its checkpoints up to iteration 2 would be moved aside before "
+        "they are loaded; give --finetune another --save, without the flag"
     ]
     now = _contents(save)
     assert {name: now.get(name) for name in old} == old  # untouched

@@ -11,6 +11,7 @@ process groups:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import traceback
 from pathlib import Path
@@ -76,7 +77,8 @@ def _collate(samples):
 
 
 def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=None,
-             learning_monitor=None, **kw):  # fmt: skip
+             learning_monitor=None, collate=_collate, train=None, num_workers=0,
+             **kw):  # fmt: skip
     from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
     from megatron_taco.training.engine import initialize_engine
     from megatron_taco.training.logging import TrainingLogger
@@ -94,11 +96,11 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
     engine = initialize_engine(ToyModel(), training, settings, parallel)
     logger = TrainingLogger(rank=parallel.rank, train_iters=training.train_iters,
                             progress_bar=False)  # fmt: skip
-    task = PretrainTask(model=engine.engine.module, collate_fn=_collate,
-                        train_dataset=ToyDataset(), valid_dataset=valid,
+    task = PretrainTask(model=engine.engine.module, collate_fn=collate,
+                        train_dataset=train or ToyDataset(), valid_dataset=valid,
                         callbacks=list(callbacks))  # fmt: skip
     trainer = Trainer(engine, parallel, training, task, logger, seed=1, exit_monitor=exit_monitor,
-                      learning_monitor=learning_monitor)  # fmt: skip
+                      learning_monitor=learning_monitor, num_workers=num_workers)  # fmt: skip
     return trainer, logger
 
 
@@ -167,6 +169,98 @@ def test_a_step_deepspeed_skips_is_counted_and_training_goes_on(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
+# issue 27 item 5. A SAS store row that changed on disk, read mid-epoch by one rank (in its
+# DataLoader worker): the same one line on every rank, before that step is saved
+
+
+N_INSTANCES = 16
+
+
+class SasSamples(torch.utils.data.Dataset):
+    """Instances of an epoch that reads the store (epoch 1): sample i is instance i mod N."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, index: int):
+        tokens = np.random.default_rng(index % N_INSTANCES).integers(5, VOCAB, SEQ)
+        tokens[0], tokens[-1] = 2, 3  # [CLS], [SEP]
+        special = np.zeros(SEQ, dtype=bool)
+        special[[0, -1]] = True
+        return dict(tokens=tokens, length=SEQ, special=special, word_starts=np.ones(SEQ, bool),
+                    index=index % N_INSTANCES, epoch=1)  # fmt: skip
+
+
+class SasToyCollate:
+    """The real SAS collator over the real store (StoreSource); the toy model reads tokens."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, samples):
+        batch = self.collator(samples)
+        return {**batch, "tokens": batch["input_ids"]}
+
+
+def _store_layout():
+    from megatron_taco.data.replacement_store import StoreLayout
+    from megatron_taco.data.sas_collator import ReplacementConfig
+
+    width = ReplacementConfig().width(SEQ)
+    return StoreLayout(num_instances=N_INSTANCES, width=width, vocab_size=VOCAB, num_shards=2)
+
+
+def _corrupt_row_worker(rank, world_size, tmp, root):
+    from megatron_taco.data.sas_collator import ColdStart, ReplacementConfig, SasCollator
+    from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.recipes.sas_augmentation import StoreSource
+    from megatron_taco.training.checkpointing import RunError
+
+    parallel = init_parallel(1)
+    probs = np.r_[np.zeros(5), np.full(VOCAB - 5, 1.0 / (VOCAB - 5))]
+    source = StoreSource(ColdStart(probs, 1), root)
+    collate = SasToyCollate(SasCollator(pad_id=0, seq_length=SEQ, seed=1,
+                                        config=ReplacementConfig(), source=source))  # fmt: skip
+    trainer, logger = _trainer(parallel, tmp, 0, collate=collate, train=SasSamples(),
+                               num_workers=1, save_interval=1)  # fmt: skip
+    error = None
+    try:
+        trainer.train(TrainingState())
+    except RunError as e:
+        error = str(e)
+    finally:
+        logger.close()
+    save = trainer.training.save
+    return error, _listing(save) if os.path.isdir(save) else []
+
+
+def test_a_store_row_changed_on_disk_read_by_one_rank_stops_every_rank_with_its_line(tmp_path):
+    """Iteration 3's global batch is instances 8-11: rank 1 reads 10 and 11, rank 0 never
+    reads instance 10, whose row is changed on disk (a valid id: only its checksum knows).
+    Before: a DataLoader traceback on rank 1, rank 0 waiting in the next collective."""
+    from megatron_taco.data.replacement_store import GenerationWriter, commit_generation
+
+    root, layout = tmp_path / "store", _store_layout()
+    rows = np.random.default_rng(3).integers(5, VOCAB, (N_INSTANCES, layout.width))
+    with GenerationWriter(str(root), 0, layout, [0, 1]) as writer:
+        writer.write(np.arange(N_INSTANCES), rows)
+    commit_generation(str(root), 0, layout)
+    shard, row = divmod(10, layout.rows_per_shard)
+    path = root / "gen_00000" / layout.shard_file(shard)
+    with open(path, "r+b") as f:
+        f.seek(row * layout.record_bytes)
+        f.write(np.array([rows[10, 0] % (VOCAB - 1) + 1], dtype=layout.dtype).tobytes())
+    results = run_distributed(_corrupt_row_worker, 2, str(tmp_path), str(root))
+    line = (
+        f"iteration 3, rank 1: --replacement-store: {path}: row {row} (instance 10) does not "
+        "match the checksum written with it (the shard changed on disk after the row was "
+        "written); every rank stopped without saving this iteration (the last checkpoint is "
+        "kept)"
+    )
+    assert results == [(line, ["iter_0000001", "iter_0000002", TRACKER_FILENAME])] * 2
+
+
+# ---------------------------------------------------------------------------------------
 # 8. The exit request comes before the iteration's validation and periodic save
 # issue 16 item 6. One all-reduce per iteration for the non-finite and the exit checks
 
@@ -221,6 +315,69 @@ def test_exit_before_validation_and_one_all_reduce_per_iteration(tmp_path):
         # Four iterations, one all-reduce each (the flags), and nothing else from the loop:
         # no log line was due before the exit.
         assert calls == [("loop.py", "_end_of_iteration")] * 4, calls
+
+
+# ---------------------------------------------------------------------------------------
+# issue 27 item 9. Rank 0's file-system work (here the clean-up after a save's tracker, held
+# 12 s by the documented MEGATRON_TACO_TEST_PAUSE_AT) is waited for outside the collectives'
+# timeout (5 s here); an exit's save leaves its clean-up to the next save and says so
+
+
+def _slow_cleanup_worker(rank, world_size, tmp):
+    from datetime import timedelta
+
+    from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.training.callbacks import Callback
+    from megatron_taco.training.signals import PAUSE_ENV, ExitConfig, ExitMonitor
+
+    parallel = init_parallel(1)
+    monitor = ExitMonitor(ExitConfig())
+    os.environ[PAUSE_ENV] = "after_tracker@2:12"  # read by rank 0, which finalizes
+
+    class SlowFileSystem(Callback):
+        name = "slow"
+
+        def on_save(self, trainer, state):
+            if state.iteration == 2:
+                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=5), None)
+
+        def on_step_start(self, trainer, state):
+            # Only around that save: elsewhere a loaded machine may hold a rank that long.
+            dist.distributed_c10d._set_pg_timeout(timedelta(minutes=30), None)
+
+        def after_micro_batch(self, trainer, state, batch, outputs):
+            if state.iteration == 3 and parallel.rank == 1:  # during iteration 4
+                monitor.received = int(signal.SIGTERM)
+
+    trainer, logger = _trainer(parallel, tmp, 0, exit_monitor=monitor, callbacks=[SlowFileSystem()],
+                               train_iters=8, save_interval=1)  # fmt: skip
+    trainer.save_retain = 1
+    lines = []
+    real_print = logger.print
+    logger.print = lambda text: (lines.append(text), real_print(text))
+    try:
+        state = trainer.train(TrainingState())
+        after_exit = _listing(trainer.training.save)
+        trainer.exiting, state.iteration = None, 5  # the next save (the resumed run's)
+        trainer.save(state)
+    finally:
+        logger.close()
+    exits = [line for line in lines if "exiting at" in line]
+    return after_exit, _listing(trainer.training.save), exits
+
+
+def test_rank0_file_work_outlasting_the_collective_timeout_and_an_exit_that_defers_it(tmp_path):
+    results = run_distributed(_slow_cleanup_worker, 2, str(tmp_path))
+    (after_exit, after_next, exits), _ = results
+    # Retention (--save-retain 1) ran after the saves of 1-3 (the slow one included); the
+    # exit's save at 4 left it to the next save, which removed 3.
+    assert after_exit == ["iter_0000003", "iter_0000004", TRACKER_FILENAME]
+    assert after_next == ["iter_0000005", TRACKER_FILENAME]
+    assert len(exits) == 1 and re.fullmatch(
+        r" exiting at iteration 4: .*; saving a checkpoint \(\d+\.\ds last time\); removing "
+        r"old checkpoints and leftovers is left to the next save",
+        exits[0],
+    ), exits
 
 
 # ---------------------------------------------------------------------------------------
