@@ -47,6 +47,7 @@ class ParallelState:
         tp_size: int,
         tp_group: dist.ProcessGroup | None,
         dp_group: dist.ProcessGroup | None,
+        host_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_world_size(world_size, tp_size)
         self.world_size = world_size
@@ -57,6 +58,10 @@ class ParallelState:
         self.dp_rank = rank // tp_size
         self.tp_group = tp_group
         self.dp_group = dp_group
+        # Host values (CPU tensors) over the world: a gloo group beside an NCCL world, so
+        # that agreeing on them never waits for the GPU; None where the world group is
+        # gloo already (or there is no world).
+        self.host_group = host_group
         self.tp_ranks = tp_group_ranks(world_size, tp_size)[self.dp_rank]
         self.dp_ranks = dp_group_ranks(world_size, tp_size)[self.tp_rank]
 
@@ -74,11 +79,12 @@ class ParallelState:
         """Destroy the subgroups this state created (not the default group)."""
         if dist.is_initialized():
             for group in {
-                id(g): g for g in (self.tp_group, self.dp_group) if g is not None
+                id(g): g for g in (self.tp_group, self.dp_group, self.host_group) if g is not None
             }.values():
                 dist.destroy_process_group(group)
         self.tp_group = None
         self.dp_group = None
+        self.host_group = None
 
     # --- DeepSpeed / Megatron mpu interface ----------------------------------------------
     # Model parallel == tensor parallel here (no pipeline stages).
@@ -229,6 +235,10 @@ def init_parallel(tp_size: int = 1, backend: str | None = None) -> ParallelState
         group = dist.new_group(ranks)
         if rank in ranks:
             tp_group = group
+    host_group = None
+    if world_size > 1 and dist.get_backend() != "gloo":
+        host_group = dist.new_group(backend="gloo")
     return ParallelState(
-        world_size=world_size, rank=rank, tp_size=tp_size, tp_group=tp_group, dp_group=dp_group
-    )
+        world_size=world_size, rank=rank, tp_size=tp_size, tp_group=tp_group,
+        dp_group=dp_group, host_group=host_group,
+    )  # fmt: skip
