@@ -208,20 +208,27 @@ def test_zero_trains_and_resumes_exactly(zero_results, stage, precision):
 # ZeRO stages against each other and against ZeRO-0 fp32 (DeepSpeed around torch's AdamW,
 # the plain fp32 step), per iteration, on the same batches and dropout masks: relative
 # differences of the logged loss and gradient norm (|a - b| / |b|). Iteration 1 runs at lr
-# 0, so every config's first loss is the same forward. fp32 stages differ only in how they
-# add: flat buckets, all-reduce or reduce-scatter, partitioned optimizer steps (measured on
-# CPU: at most ~MEASURED_FP32); bf16 rounds the weights and activations to 8 bits of mantissa
-# (2^-8 = 3.9e-3 relative per rounding; measured: at most ~MEASURED_BF16). A gradient reduced
-# twice, not averaged or left out, a stage that skips a step, or a partitioned optimizer that
-# updates one shard only moves the losses by 1e-2 or more from the second step on.
-ZERO_RTOL = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 5e-2}
+# 0, so every fp32 config's first loss is the same forward. fp32 stages differ only in how
+# they add (flat buckets, all-reduce or reduce-scatter, partitioned optimizer steps, the
+# clipping coefficient from another summation order): a few float32 ulps, ~1e-7, against a
+# tolerance of 1e-5. bf16 rounds weights, activations and gradients to 8 bits of mantissa
+# (2^-8 = 3.9e-3 per rounding): tiny TACO's bf16 run (ZeRO-1) differed from its fp32 one
+# (ZeRO-0) by up to 1e-4 in the loss and 5.9e-2 in the gradient norm over 7 iterations
+# (measured for issue 28), hence 2e-2 and 0.25. A gradient reduced twice or not averaged
+# over the data-parallel ranks doubles the norm; a shard the optimizer skips, a step taken
+# twice or a stage that skips one moves the fp32 losses far beyond 1e-5 from the second
+# applied step on.
+ZERO_RTOL = {
+    ("fp32", "loss"): 1e-5, ("fp32", "grad_norm"): 1e-5,
+    ("bf16", "loss"): 2e-2, ("bf16", "grad_norm"): 0.25,
+}  # fmt: skip
 ZERO_KEYS = ("loss", "grad_norm")
 
 
 def zero_mismatches(full_runs: dict[str, dict[int, dict]], reference: str = "zero0_fp32"):
     """(relative difference, config, iteration, key) beyond ZERO_RTOL for every config's
     train records (iteration -> record) against ``reference``'s, and the largest difference
-    per precision (for the report)."""
+    per (precision, key) (for the report)."""
     ref = full_runs[reference]
     bad, largest = [], {}
     for name, records in full_runs.items():
@@ -231,8 +238,9 @@ def zero_mismatches(full_runs: dict[str, dict[int, dict]], reference: str = "zer
             for key in ZERO_KEYS:
                 want, got = ref[it][key], record[key]
                 err = abs(got - want) / abs(want)
-                largest[precision] = max(largest.get(precision, 0.0), err)
-                if not err <= ZERO_RTOL[precision]:  # "not <=" also catches NaN
+                what = f"{precision} {key}"  # a string: the GPU report is JSON
+                largest[what] = max(largest.get(what, 0.0), err)
+                if not err <= ZERO_RTOL[precision, key]:  # "not <=" also catches NaN
                     bad.append((err, name, it, key))
     return sorted(bad, reverse=True), largest
 

@@ -113,7 +113,7 @@ def _listing(path: str) -> list[str]:
 # 1. A non-finite gradient norm with a finite loss
 
 
-def _grad_worker(rank, world_size, tmp, stage, **kw):
+def _grad_worker(rank, world_size, tmp, stage, overrides=None):
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.training.callbacks import Callback
     from megatron_taco.training.loop import NonFiniteLossError
@@ -132,7 +132,7 @@ def _grad_worker(rank, world_size, tmp, stage, **kw):
             if state.iteration == 2:  # the poisoned iteration 3
                 holder["losses"].append(float(outputs["loss"]))
 
-    kw = {"save_interval": 1, **kw}
+    kw = {"save_interval": 1, **(overrides or {})}
     trainer, logger = _trainer(parallel, tmp, stage, callbacks=[PoisonGrad()], **kw)
     holder.update(model=trainer.ds.module, losses=[])
     records = []
@@ -165,8 +165,8 @@ def test_non_finite_gradient_norm_stops_every_rank_before_the_step_is_saved(tmp_
 def test_non_finite_gradient_norm_is_found_at_the_next_read(tmp_path):
     # Iterations 1-4 neither log nor save (--log-interval 5): their flags and norms stay on
     # the device; the read at iteration 5 still names iteration 3, and nothing was saved.
-    results = run_distributed(_grad_worker, 2, str(tmp_path), 0, save_interval=None,
-                              log_interval=5)  # fmt: skip
+    overrides = {"save_interval": None, "log_interval": 5}
+    results = run_distributed(_grad_worker, 2, str(tmp_path), 0, overrides)
     (msg0, listing, _, finite), (msg1, *_) = results
     assert finite and listing == []
     assert msg0 == msg1 and msg0 is not None, results
