@@ -53,6 +53,7 @@ class ParallelState:
         tp_group: dist.ProcessGroup | None,
         dp_group: dist.ProcessGroup | None,
         file_group: dist.ProcessGroup | None = None,
+        host_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_world_size(world_size, tp_size)
         self.world_size = world_size
@@ -65,6 +66,10 @@ class ParallelState:
         self.dp_group = dp_group
         # Every rank, on gloo, with a timeout of its own: see file_barrier.
         self.file_group = file_group
+        # Host values (CPU tensors) over the world: a gloo group beside an NCCL world, so
+        # that agreeing on them never waits for the GPU; None where the world group is
+        # gloo already (or there is no world).
+        self.host_group = host_group
         self.tp_ranks = tp_group_ranks(world_size, tp_size)[self.dp_rank]
         self.dp_ranks = dp_group_ranks(world_size, tp_size)[self.tp_rank]
 
@@ -90,12 +95,13 @@ class ParallelState:
     def destroy(self) -> None:
         """Destroy the subgroups this state created (not the default group)."""
         if dist.is_initialized():
-            groups = (self.tp_group, self.dp_group, self.file_group)
+            groups = (self.tp_group, self.dp_group, self.file_group, self.host_group)
             for group in {id(g): g for g in groups if g is not None}.values():
                 dist.destroy_process_group(group)
         self.tp_group = None
         self.dp_group = None
         self.file_group = None
+        self.host_group = None
 
     # --- DeepSpeed / Megatron mpu interface ----------------------------------------------
     # Model parallel == tensor parallel here (no pipeline stages).
@@ -251,7 +257,10 @@ def init_parallel(
             tp_group = group
     # gloo whatever the default backend: a barrier of CPU sockets, with its own timeout.
     file_group = dist.new_group(backend="gloo", timeout=file_timeout)
+    host_group = None
+    if world_size > 1 and dist.get_backend() != "gloo":
+        host_group = dist.new_group(backend="gloo")
     return ParallelState(
         world_size=world_size, rank=rank, tp_size=tp_size, tp_group=tp_group, dp_group=dp_group,
-        file_group=file_group,
+        file_group=file_group, host_group=host_group,
     )  # fmt: skip

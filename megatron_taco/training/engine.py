@@ -167,7 +167,7 @@ def init_distributed(
     if timeout is not None:
         # new_group() gives subgroups torch's global default (30 min for gloo), not the
         # default group's timeout.
-        for group in (parallel.tp_group, parallel.dp_group):
+        for group in (parallel.tp_group, parallel.dp_group, parallel.host_group):
             if group is not None:
                 dist.distributed_c10d._set_pg_timeout(timeout, group)
     return parallel

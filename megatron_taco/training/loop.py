@@ -81,27 +81,35 @@ class MetricAccumulator:
                 self.sums[key] = self.sums[key] + v if key in self.sums else v
         self.micro_batches += 1
 
-    def reduce(self, parallel: ParallelState, iterations: int) -> dict[str, float]:
+    def reduced(self, parallel: ParallelState) -> torch.Tensor | None:
+        """The sums and the micro-batch count, reduced over the data-parallel group, still on
+        the device (None: nothing added); ``finish`` turns their host values into metrics."""
         if self.micro_batches == 0:
-            return {}
+            return None
         keys = sorted(self.sums)
         device = self.sums[keys[0]].device
         totals = torch.stack(
             [self.sums[k] for k in keys]
-            + [torch.tensor(float(self.micro_batches), dtype=torch.float64, device=device)]
+            + [torch.full((), float(self.micro_batches), dtype=torch.float64, device=device)]
         )
         if dist.is_initialized() and parallel.dp_size > 1:
             # gloo and nccl both reduce float64.
             comm.all_reduce(totals, parallel.get_data_parallel_group())
-        values = totals.tolist()
-        micro_batches = values[-1]
+        return totals
+
+    def finish(self, values: list[float], iterations: int) -> dict[str, float]:
+        *totals, micro_batches = values
         out = {}
-        for key, total in zip(keys, values):
+        for key, total in zip(sorted(self.sums), totals):
             if key.endswith(COUNT_SUFFIX):
                 out[key] = total / max(iterations, 1)
             else:
                 out[key] = total / micro_batches
         return out
+
+    def reduce(self, parallel: ParallelState, iterations: int) -> dict[str, float]:
+        totals = self.reduced(parallel)
+        return {} if totals is None else self.finish(totals.tolist(), iterations)
 
 
 def evaluate_batches(model, batches, parallel: ParallelState, iterations: int) -> dict[str, float]:
@@ -119,21 +127,30 @@ def evaluate_batches(model, batches, parallel: ParallelState, iterations: int) -
     return metrics
 
 
+@dataclass
+class _Step:
+    """One optimizer step's end-of-step values, kept where they are until the next read."""
+
+    iteration: int
+    loss_keys: list[str]  # the losses checked (none in fp16: an overflow is a skipped step)
+    loss_flags: torch.Tensor | None  # on the device: 1.0 where a window's loss sum is not finite
+    norm: torch.Tensor | float | None  # None: a skipped step
+
+
 class _Interval:
-    """What the loop accumulates between two log lines."""
+    """What the loop accumulates between two log lines, and the steps not yet read."""
 
     def __init__(self) -> None:
         self.acc = MetricAccumulator()
         self.iterations = self.skipped = 0
         self.seconds = 0.0
         self.grad_norms: list[float] = []
+        self.unread: list[_Step] = []
 
-    def add(self, seconds: float, skipped: bool, norm: float | None) -> None:
+    def add(self, step: _Step, skipped: bool) -> None:
         self.iterations += 1
-        self.seconds += seconds
         self.skipped += int(skipped)
-        if norm is not None:
-            self.grad_norms.append(norm)
+        self.unread.append(step)
 
     def mean_grad_norm(self) -> float:
         return sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
@@ -265,8 +282,8 @@ class Trainer:
     def _host_values(self, values: list[float]) -> torch.Tensor:
         """Host numbers on the device without a synchronising copy: a pageable host->device
         copy (torch.tensor(..., device=)) waits for the stream; this one goes through a host
-        buffer, pinned on a GPU and reused every step (its previous copy has finished: the
-        end-of-step read waited for it)."""
+        buffer, pinned on a GPU and reused at every read (its previous copy has finished:
+        the read that followed it waited for it)."""
         device = self.ds.device
         if self._host_buffer is None or self._host_buffer.numel() != len(values):
             self._host_buffer = torch.empty(
@@ -276,50 +293,73 @@ class Trainer:
             self._host_buffer[i].fill_(value)  # not [i] = value: a tensor made of each value
         return self._host_buffer.to(device, non_blocking=True)
 
-    def _end_of_iteration(
-        self, iteration: int, acc: MetricAccumulator, norm: torch.Tensor | float | None
-    ) -> tuple[str | None, float | None]:
-        """The one all-reduce (MAX over the world) and the one host read of every iteration:
-        this iteration's non-finite losses and gradient norm, the norm's value, whether a
-        batch carried a DATA_FAULT, and the exit requests (signal, launcher gone, time
-        limit); reading them waits for the step's work to finish, so the loop's timing needs
-        no other synchronisation. Raises DataFaultError on every rank when any rank's batch
-        carried a fault, and NonFiniteLossError when any rank saw a non-finite value in a
-        step that was applied: fp32/bf16 stop there, before a save can keep the weights it
-        produced (the losses summed so far in this log interval were finite, so this
-        iteration's is not). Returns (the reason to exit, the same on every rank; the gradient norm)."""
+    def _end_of_step(self, iteration: int, acc: MetricAccumulator, norm) -> _Step:
+        """The step's checks, queued on the device and not read: whether the losses summed
+        so far in this log interval are finite (a non-finite value stays non-finite in the
+        sum, so the flags of the last step before a read cover the window) and the norm."""
         keys = []
         if self.engine.settings.precision != "fp16":  # fp16 overflows are skipped steps
             keys = sorted(k for k in acc.sums if is_loss_key(k))
-        host_norm = float(norm) if norm is not None and not torch.is_tensor(norm) else 0.0
-        host = self._host_values(
-            [host_norm, float(self._data_fault is not None), *self._exit_flags()]
-        )
-        value = norm.detach().to(host) if torch.is_tensor(norm) else host[0]
-        finite = torch.isfinite(value)
-        parts = [(~finite).to(torch.float64).reshape(1), value.where(finite, 0.0).reshape(1)]
-        if keys:  # the losses join the flags on the device
-            losses = torch.stack([acc.sums[k] for k in keys])
-            parts.insert(0, (~torch.isfinite(losses)).to(torch.float64))
-        flags = torch.cat([*parts, host[1:]])
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        flags = None
+        if keys:
+            flags = (~torch.isfinite(torch.stack([acc.sums[k] for k in keys]))).to(torch.float64)
+        return _Step(iteration, keys, flags, norm)
+
+    def _read(self, interval: _Interval, log: bool) -> dict[str, float] | None:
+        """The loop's one host read, at the steps that log, save, evaluate or exit (the others
+        read nothing: their values stay queued on the device). Every unread step's non-finite
+        flags and gradient norm in one all-reduce (MAX over the world), the log interval's
+        sums (SUM over data parallel) when ``log``, one transfer. Raises NonFiniteLossError
+        on every rank, for the first unread step where any rank saw a non-finite loss or an
+        applied step's non-finite gradient norm.
+
+        Why checking only here is safe: in fp32/bf16 a non-finite step is the run's end; the
+        steps after it until this read train on (non-finite) weights, but nothing leaves the
+        process before the read: every step that saves or evaluates reads first (fp16
+        overflows are DeepSpeed's own host-side skips, counted at the step). Exit requests
+        are agreed every step on the host (_agree_on_host), not here. Reading waits
+        for the queued work, so the interval's time needs no other synchronisation.
+        Returns the log interval's metrics (``log``) or None."""
+        steps, interval.unread = interval.unread, []
+        host = [float(s.norm) for s in steps if s.norm is not None and not torch.is_tensor(s.norm)]
+        staged = self._host_values(host) if host else None
+        parts, j = [], 0
+        for s in steps:
+            if s.loss_flags is not None:
+                parts.append(s.loss_flags)
+            if s.norm is None:
+                continue
+            if torch.is_tensor(s.norm):
+                value = s.norm.detach().to(torch.float64).reshape(1)
+            else:
+                value, j = staged[j : j + 1], j + 1
+            finite = torch.isfinite(value)
+            parts += [(~finite).to(torch.float64), value.where(finite, 0.0)]
+        device = self.ds.device
+        flags = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1 and flags.numel():
             comm.all_reduce(flags, op="max")
-        values = flags.tolist()
-        if values[len(keys) + 2]:
-            self._stop_on_data_fault(iteration)
-        names = [k for k, bad in zip(keys, values) if bad]
-        if values[len(keys)]:
-            names.append("gradient norm")
-        if names:
-            raise NonFiniteLossError(
-                f"iteration {iteration}: non-finite {', '.join(names)} in "
-                f"{self.engine.settings.precision} training; stopped without saving it (the "
-                "last checkpoint is untouched): lower --lr, check the data, or resume from the "
-                "last checkpoint"
-            )
-        exit_flags = values[len(keys) + 3 :]
-        stop = self.exit_monitor.reason(exit_flags) if self.exit_monitor else None
-        return stop, None if norm is None else values[len(keys) + 1]
+        totals = interval.acc.reduced(self.parallel) if log else None
+        values = (flags if totals is None else torch.cat([flags, totals])).tolist()
+        i = 0
+        for s in steps:
+            names = [k for k, bad in zip(s.loss_keys, values[i : i + len(s.loss_keys)]) if bad]
+            i += len(s.loss_keys)
+            if s.norm is not None:
+                bad_norm, norm = values[i : i + 2]
+                i += 2
+                if bad_norm:
+                    names.append("gradient norm")
+                else:
+                    interval.grad_norms.append(norm)
+            if names:
+                raise NonFiniteLossError(
+                    f"iteration {s.iteration}: non-finite {', '.join(names)} in "
+                    f"{self.engine.settings.precision} training; stopped without saving it "
+                    "(the last checkpoint is untouched): lower --lr, check the data, or resume "
+                    "from the last checkpoint"
+                )
+        return None if totals is None else interval.acc.finish(values[i:], interval.iterations)
 
     def _stop_on_data_fault(self, iteration: int) -> None:
         """Some rank built a batch of this iteration around data it could not read: every
@@ -333,8 +373,19 @@ class Trainer:
             "this iteration (the last checkpoint is kept)"
         )
 
-    def _exit_flags(self) -> list[int]:
-        return self.exit_monitor.local_flags() if self.exit_monitor else [0, 0, 0]
+    def _agree_on_host(self, iteration: int) -> str | None:
+        """Every iteration's agreement on host values, one all-reduce of a CPU tensor over
+        ParallelState.host_group (never waiting for the device): whether a batch carried a
+        DATA_FAULT (DataFaultError on every rank) and the exit requests. Returns the reason
+        to exit, the same on every rank, or None."""
+        flags = [int(self._data_fault is not None)]
+        flags += self.exit_monitor.local_flags() if self.exit_monitor else [0, 0, 0]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            reduced = torch.tensor(flags, dtype=torch.int64)
+            flags = comm.all_reduce(reduced, self.parallel.host_group, op="max").tolist()
+        if flags[0]:
+            self._stop_on_data_fault(iteration)
+        return self.exit_monitor.reason(flags[1:]) if self.exit_monitor else None
 
     # -- evaluation ---------------------------------------------------------------------
 
@@ -399,21 +450,6 @@ class Trainer:
             return
         self.save(state)
 
-    def _exit_plan(self, epoch_ended: bool) -> str:
-        """What an exit still does and how long that took last time: a scheduler's grace
-        time must cover it."""
-        if self.training.save is None:
-            return ""
-
-        def took(seconds: float | None) -> str:
-            return "not timed yet" if seconds is None else f"{seconds:.1f}s last time"
-
-        epoch = f"ending the epoch ({took(self.epoch_end_seconds)}), " if epoch_ended else ""
-        return (
-            f"; {epoch}saving a checkpoint ({took(self.save_seconds)}); removing old "
-            "checkpoints and leftovers is left to the next save"
-        )
-
     def _collapsed(self) -> str:
         """An exit's save is made even while --exit-on-collapse holds periodic saves back:
         it is what the run resumes from (not saving would repeat the same stretch at every
@@ -473,8 +509,8 @@ class Trainer:
         while state.iteration < t.train_iters:
             start = time.perf_counter()
             lr, skipped, norm = self.train_step(data_iter, interval.acc, state)
-            stop, norm = self._end_of_iteration(state.iteration + 1, interval.acc, norm)
-            interval.add(time.perf_counter() - start, skipped, norm)
+            interval.add(self._end_of_step(state.iteration + 1, interval.acc, norm), skipped)
+            stop = self._agree_on_host(state.iteration + 1)
             state.iteration += 1
             state.consumed_samples += self.global_batch_size
             self.logger.advance()
@@ -484,8 +520,13 @@ class Trainer:
             # Logged before the epoch's end work, so that a dev evaluation's line follows
             # the train line of the same iteration.
             log_now = state.iteration % t.log_interval == 0 or epoch_ended
-            if log_now or state.iteration == t.train_iters:
-                metrics = self._train_metrics(state, interval, lr, epoch)
+            log_now = log_now or state.iteration == t.train_iters
+            sums = None
+            if log_now or stop is not None or self._saves_or_evaluates(state.iteration):
+                sums = self._read(interval, log=log_now)
+            interval.seconds += time.perf_counter() - start
+            if log_now:
+                metrics = self._train_metrics(state, interval, sums, lr, epoch)
                 self.logger.log("train", state.iteration, metrics)
                 interval = _Interval()
             if stop is not None:
@@ -544,8 +585,43 @@ class Trainer:
             self.evaluate("test", self.task.test_dataset, state.iteration)
         return state
 
+    def _exit_plan(self, epoch_ended: bool) -> str:
+        """What an exit still does and how long that took last time: a scheduler's grace
+        time must cover it."""
+        if self.training.save is None:
+            return ""
+
+        def took(seconds: float | None) -> str:
+            return "not timed yet" if seconds is None else f"{seconds:.1f}s last time"
+
+        epoch = f"ending the epoch ({took(self.epoch_end_seconds)}), " if epoch_ended else ""
+        return (
+            f"; {epoch}saving a checkpoint ({took(self.save_seconds)}); removing old "
+            "checkpoints and leftovers is left to the next save"
+        )
+
+    def _saves_or_evaluates(self, iteration: int) -> bool:
+        """Whether the loop saves, evaluates or exits after ``iteration`` (not counting an
+        exit request or the last iteration): its values must be read first."""
+        t = self.training
+
+        def due(interval: int | None) -> bool:
+            return interval is not None and iteration % interval == 0
+
+        evaluates = self.task.valid_dataset is not None and t.eval_iters > 0
+        return (
+            (t.save is not None and due(t.save_interval))
+            or (evaluates and due(t.eval_interval))
+            or due(t.exit_interval)
+        )
+
     def _train_metrics(
-        self, state: TrainingState, interval: _Interval, lr: float, epoch: int
+        self,
+        state: TrainingState,
+        interval: _Interval,
+        sums: dict[str, float],
+        lr: float,
+        epoch: int,
     ) -> dict[str, Any]:
         metrics: dict[str, Any] = {
             "consumed_samples": state.consumed_samples,
@@ -554,7 +630,7 @@ class Trainer:
             "global_batch_size": self.global_batch_size,
             # Iterations whose step was skipped contribute their losses too: they are what
             # the model computed.
-            **interval.acc.reduce(self.parallel, interval.iterations),
+            **sums,
             "grad_norm": interval.mean_grad_norm(),
             "skipped_iterations": interval.skipped,
         }

@@ -2,7 +2,8 @@
 
 * Exit signals (``--exit-signal-handler``, on by default) inside the training loop: SIGTERM,
   SIGINT or SIGUSR1 on any rank only sets a flag. At the end of every iteration the ranks
-  agree on the flags, in the loop's one all-reduce (MAX) over the world; when one is set,
+  agree on the flags, in one all-reduce (MAX) of host values over the world (a gloo group,
+  which never waits for a GPU: ExitMonitor.should_exit); when one is set,
   every rank saves a checkpoint (with ``--save``) and exits 0. Every later exit signal is
   absorbed until the save is done (SLURM's time-limit warning, then a TERM forwarded as
   USR1, must not kill the save), except a second SIGINT ``REPEAT_WINDOW_S`` or more after
@@ -672,7 +673,7 @@ class ExitMonitor:
 
     def local_flags(self) -> list[int]:
         """[signal number or 0, launcher gone, time limit reached]: this rank's part of the
-        loop's end-of-iteration all-reduce (MAX)."""
+        end-of-iteration all-reduce (MAX, should_exit)."""
         limit = self.config.exit_duration_in_mins
         over = limit is not None and time.time() - self.start_time >= 60 * limit
         return [int(self.received), int(self.launcher_gone is not None), int(over)]
@@ -692,18 +693,21 @@ class ExitMonitor:
             self._answered = True
         return "; ".join(reasons) or None
 
-    def should_exit(self, device) -> str | None:
-        """The reason to stop, the same on every rank, or None: the flags alone in one
-        all-reduce over the world (the training loop folds them into its own)."""
+    def should_exit(self, host_group=None) -> str | None:
+        """The reason to stop, the same on every rank, or None: the flags in one all-reduce
+        over the world, of a CPU tensor over ``host_group`` (ParallelState.host_group: gloo,
+        also beside an NCCL world), so that the loop asks every iteration without waiting
+        for the device."""
         import torch
         import torch.distributed as dist
 
         from megatron_taco.parallel import comm
 
-        flags = torch.tensor(self.local_flags(), dtype=torch.int32, device=device)
+        flags = self.local_flags()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            comm.all_reduce(flags, op="max")
-        return self.reason(flags.tolist())
+            reduced = torch.tensor(flags, dtype=torch.int64)
+            flags = comm.all_reduce(reduced, host_group, op="max").tolist()
+        return self.reason(flags)
 
 
 # ---------------------------------------------------------------------------------------

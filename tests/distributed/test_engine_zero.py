@@ -63,7 +63,7 @@ class ToyModel(nn.Module):
         return {
             "loss": loss,
             "acc": (logits.argmax(-1) == labels).float().mean(),
-            "n_tokens": torch.tensor(labels.numel()),
+            "n_tokens": torch.full((), labels.numel(), device=labels.device),
         }
 
 
@@ -100,9 +100,10 @@ def _training(tmp: str, **overrides) -> TrainingConfig:
     return TrainingConfig(**values)
 
 
-def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, **task_kwargs):
+def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, device_type="cpu",
+         **task_kwargs):  # fmt: skip
     settings = resolve_deepspeed_config(
-        training, parallel.dp_size, device_type="cpu", ds_json=load_deepspeed_json(ds_file)
+        training, parallel.dp_size, device_type=device_type, ds_json=load_deepspeed_json(ds_file)
     )
     torch.manual_seed(model_seed)
     model = ToyModel()
@@ -132,7 +133,9 @@ def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, **
     return engine, state
 
 
-def _zero_worker(rank, world_size, tmp, configs):
+def _zero_worker(rank, world_size, tmp, configs, device_type="cpu"):
+    """Each config's uninterrupted run and its resumption; ``device_type="cuda"``: the same
+    on the GPUs over NCCL (tests/gpu/test_zero_matrix.py)."""
     parallel = init_parallel(1)
     out = {}
     for stage, precision in configs:
@@ -142,7 +145,7 @@ def _zero_worker(rank, world_size, tmp, configs):
         # Uninterrupted: 6 steps, checkpoints at 3 and 6.
         full = _training(os.path.join(base, "full"))
         torch.manual_seed(1)  # the dropout stream
-        _, state = _run(parallel, full, ds_file, model_seed=0)
+        _, state = _run(parallel, full, ds_file, model_seed=0, device_type=device_type)
         assert (state.iteration, state.consumed_samples) == (6, 96)
         # Resumed from step 3 into a model initialised differently, with the RNG elsewhere:
         # everything must come from the checkpoint.
@@ -152,7 +155,8 @@ def _zero_worker(rank, world_size, tmp, configs):
             metrics_file=os.path.join(base, "resumed.jsonl"),
         )
         torch.manual_seed(999)
-        _, state = _run(parallel, resumed, ds_file, model_seed=123, load_step=3)
+        _, state = _run(parallel, resumed, ds_file, model_seed=123, load_step=3,
+                        device_type=device_type)  # fmt: skip
         assert (state.iteration, state.consumed_samples) == (6, 96)
         if rank == 0:
             out[name] = {
@@ -199,6 +203,73 @@ def test_zero_trains_and_resumes_exactly(zero_results, stage, precision):
     assert sorted(valid) == [3, 6]
     assert valid[6]["loss"] < valid[3]["loss"]
     assert "metadata.json" in res["files"] and res["tracker"].strip() == "6"
+
+
+# ZeRO stages against each other and against ZeRO-0 fp32 (DeepSpeed around torch's AdamW,
+# the plain fp32 step), per iteration, on the same batches and dropout masks: relative
+# differences of the logged loss and gradient norm (|a - b| / |b|). Iteration 1 runs at lr
+# 0, so every fp32 config's first loss is the same forward. fp32 stages differ only in how
+# they add (flat buckets, all-reduce or reduce-scatter, partitioned optimizer steps):
+# measured on CPU at most 3.2e-8 (loss) and 7.4e-8 (gradient norm), against 1e-5. bf16
+# rounds weights, activations and gradients to 8 bits of mantissa (2^-8 = 3.9e-3 per
+# rounding): measured at most 1.2e-2 (loss; ZeRO-0 bf16, whose trajectory leaves the
+# others' from iteration 3, while ZeRO 1-3 bf16 stay within 1e-3) and 1.6e-2 (gradient
+# norm), against 2e-2 and 5e-2. A gradient reduced twice or not averaged over the
+# data-parallel ranks doubles the norm; a shard the optimizer skips or a step taken twice
+# moves the fp32 losses far beyond 1e-5 from the second applied step on.
+ZERO_RTOL = {
+    ("fp32", "loss"): 1e-5, ("fp32", "grad_norm"): 1e-5,
+    ("bf16", "loss"): 2e-2, ("bf16", "grad_norm"): 5e-2,
+}  # fmt: skip
+ZERO_KEYS = ("loss", "grad_norm")
+# Found by this comparison (issue 28), not fixed yet: at ZeRO-1 bf16 (DeepSpeed's
+# BF16_Optimizer) the logged gradient norm is 0.83x everyone else's at data parallel 2 from
+# iteration 1 on (0.3738 vs 0.4494), while its losses equal ZeRO-2 bf16's: the norm DeepSpeed
+# reports (get_global_grad_norm) looks like this rank's partition's only.
+KNOWN_MISMATCHES = {("zero1_bf16", "grad_norm")}
+
+
+def zero_mismatches(full_runs: dict[str, dict[int, dict]], reference: str = "zero0_fp32",
+                    known=KNOWN_MISMATCHES):  # fmt: skip
+    """(relative difference, config, iteration, key) beyond ZERO_RTOL for every config's
+    train records (iteration -> record) against ``reference``'s, leaving out the ``known``
+    (config, key) pairs, and the largest difference per precision and key (for the report)."""
+    ref = full_runs[reference]
+    bad, largest = [], {}
+    for name, records in full_runs.items():
+        precision = name.rpartition("_")[2]
+        assert sorted(records) == sorted(ref), (name, sorted(records))
+        for it, record in records.items():
+            for key in ZERO_KEYS:
+                if (name, key) in known:
+                    continue
+                want, got = ref[it][key], record[key]
+                err = abs(got - want) / abs(want)
+                what = f"{precision} {key}"  # a string: the GPU report is JSON
+                largest[what] = max(largest.get(what, 0.0), err)
+                if not err <= ZERO_RTOL[precision, key]:  # "not <=" also catches NaN
+                    bad.append((err, name, it, key))
+    return sorted(bad, reverse=True), largest
+
+
+def _full_runs(zero_results) -> dict[str, dict[int, dict]]:
+    return {name: _train_records(res["full"]) for name, res in zero_results.items()}
+
+
+def test_zero_stages_agree_with_each_other_and_with_fp32(zero_results):
+    full = _full_runs(zero_results)
+    bad, largest = zero_mismatches(full)
+    print(f"largest relative differences from zero0_fp32: {largest}")
+    assert not bad, bad[:10]
+    # Iteration 1 (lr 0): one forward, the same in every fp32 config.
+    assert len({full[f"zero{s}_fp32"][1]["loss"] for s in (0, 1, 2, 3)}) == 1
+
+
+@pytest.mark.xfail(strict=True, reason="ZeRO-1 bf16 logs a gradient norm 0.83x the others'")
+def test_zero1_bf16_logs_the_global_gradient_norm(zero_results):
+    # Strict: once fixed this passes, and KNOWN_MISMATCHES must lose its entry.
+    bad, _ = zero_mismatches(_full_runs(zero_results), known=set())
+    assert not bad, bad[:10]
 
 
 def _taco_worker(rank, world_size, tmp):

@@ -173,19 +173,26 @@ MUTATIONS = {
 }
 
 
-def _run_model(rank, world_size, tp, recompute, mutation=None):
+def _run_model(rank, world_size, tp, recompute, mutation=None, device_type="cpu"):
+    """One step at tensor-parallel size ``tp``; with ``device_type="cuda"`` (tests/gpu, over
+    NCCL, whose CUDA-only branches of parallel/mappings.py gloo never takes) on this rank's
+    GPU, the same model, batch and comparison."""
     if tp > 1 and mutation is not None:
         MUTATIONS[mutation]()
     parallel = init_parallel(tp)
-    tracker = model_parallel_seed(1234, parallel, device="cpu")
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tracker = model_parallel_seed(1234, parallel, device=device)
     model = _build(
         parallel,
         tracker,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         recompute_activations=recompute,
-    )
-    return _step(model, parallel, make_batch(b=2, seed=7))
+    ).to(device)
+    batch = {k: v.to(device) for k, v in make_batch(b=2, seed=7).items()}
+    return _step(model, parallel, batch)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ from the model's forward to the end of the micro-batch's callbacks (SAS's store 
 included). The steady-state micro-batch that does not end a step (step 2's first) must
 record none. A read of a host buffer filled by an asynchronous copy (SAS's rows, read one
 micro-batch after their copy was queued) is not a sync: its copy finished long before; the
-same read in the micro-batch that queued the copy would wait for the whole backward.
+same read in the micro-batch that queued the copy would wait for the whole backward. Between steps, one that
+logs nothing (and neither saves nor evaluates) reads nothing either; the step that logs reads
+once, every unread step's checks and the interval's sums in one transfer.
 The models alone are also run, under the same recorder, on batches with padding and
 without, and the fine-tuning model (each encoder, each head) on its collator's batches.
 """
@@ -129,6 +131,7 @@ def _count_syncs(rank, world, spec_name, args):
     reads = HostReads(recorder)
     per_micro: list[list[str]] = []
     between: list[list[str]] = []  # from the end of a micro-batch to the next one's forward
+    logged: list[list[str]] = []  # from a step's last micro-batch to its log line's metrics
 
     def start(module, inputs):
         if module.training and recorder.region:
@@ -149,6 +152,11 @@ def _count_syncs(rank, world, spec_name, args):
                 per_micro.append(recorder.found)
                 recorder.found = []  # recording on: the step's end, up to the next forward
 
+        def metrics(self):  # last of the callbacks' metrics, after the loop's read
+            logged.append(recorder.found)
+            recorder.found = []
+            return {}
+
     def build(ctx, recipe=spec.build):
         parts = recipe(ctx)
         parts.callbacks.append(End())
@@ -159,7 +167,7 @@ def _count_syncs(rank, world, spec_name, args):
                                  device_type="cpu")  # fmt: skip
     with recorder, reads:
         assert pretrain(cfg, spec, keep_process_group=True) == 0
-    return per_micro, between
+    return per_micro, between, logged
 
 
 @pytest.mark.parametrize("model", ["taco", "sas", "sas_da"])
@@ -177,15 +185,26 @@ def test_no_host_sync_inside_a_micro_batch(model, botchan_dataset, tmp_path):
     if model == "sas_da":
         args.append("--disentangled-attention")
     spec = "TACO" if model == "taco" else "SAS"
-    ((per_micro, between),) = run_distributed(_count_syncs, 1, spec, args)
+    ((per_micro, between, logged),) = run_distributed(_count_syncs, 1, spec, args)
     assert len(per_micro) == 4  # 2 iterations x 2 micro-batches
     # Step 2's first micro-batch: steady state (caches built), not a step boundary.
     assert per_micro[2] == []
-    # Between two micro-batches of a step nothing; at the end of step 1 (which logs nothing:
-    # --log-interval 100) one read, of the flags and the gradient norm after their all-reduce.
-    assert between[0] == [] and between[2] == []
-    assert [site.split(" at ")[0] for site in between[1]] == ["Tensor.tolist"], between[1]
-    assert "training/loop.py" in between[1][0]
+    # Between two micro-batches of a step nothing, and nothing at the end of step 1, which
+    # logs, saves and evaluates nothing (--log-interval 100): its flags and gradient norm
+    # stay on the device.
+    assert between == [[], [], []], between
+    # Step 2 logs (the last): the loop reads once, both steps' flags and norms and the
+    # interval's sums together. SAS's augmentation callback reads its own counts (how many
+    # replacements came from the store) in its metrics(), a second read at a logging step
+    # only (folding it into the loop's is left to do).
+    assert len(logged) == 1
+    sites = [site.split(" at ")[0] + (" loop" if "training/loop.py" in site else "")
+             for site in logged[0]]  # fmt: skip
+    expected = ["Tensor.tolist loop"]
+    if model != "taco":
+        expected.append("Tensor.tolist")
+        assert "recipes/sas_augmentation.py" in logged[0][1], logged[0]
+    assert sites == expected, logged[0]
 
 
 def _syncs_in_a_step(model, batch) -> list[str]:

@@ -5,7 +5,8 @@ process groups:
   where DeepSpeed applies such a step (ZeRO-0 fp32), and counts as a skipped iteration where
   DeepSpeed skips it (ZeRO-1 fp32);
 * an exit request is acted on before the iteration's validation and periodic save;
-* the non-finite flags and the exit flags travel in one all-reduce per iteration.
+* the exit flags travel in one all-reduce per iteration, on the host; the non-finite flags
+  and gradient norms stay on the device until a step that logs, saves, evaluates or exits.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
 
 
 def _listing(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return []
     return sorted(n for n in os.listdir(path) if n.startswith(("iter_", TRACKER_FILENAME)))
 
 
@@ -112,7 +115,7 @@ def _listing(path: str) -> list[str]:
 # 1. A non-finite gradient norm with a finite loss
 
 
-def _grad_worker(rank, world_size, tmp, stage):
+def _grad_worker(rank, world_size, tmp, stage, overrides=None):
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.training.callbacks import Callback
     from megatron_taco.training.loop import NonFiniteLossError
@@ -123,7 +126,7 @@ def _grad_worker(rank, world_size, tmp, stage):
     class PoisonGrad(Callback):
         name = "poison"
 
-        def on_save(self, trainer, state):
+        def on_step_start(self, trainer, state):
             # Iteration 3 on rank 1 only: its gradient is infinite, its loss finite.
             holder["model"].poison_grad = state.iteration == 2 and parallel.rank == 1
 
@@ -131,7 +134,8 @@ def _grad_worker(rank, world_size, tmp, stage):
             if state.iteration == 2:  # the poisoned iteration 3
                 holder["losses"].append(float(outputs["loss"]))
 
-    trainer, logger = _trainer(parallel, tmp, stage, callbacks=[PoisonGrad()], save_interval=1)
+    kw = {"save_interval": 1, **(overrides or {})}
+    trainer, logger = _trainer(parallel, tmp, stage, callbacks=[PoisonGrad()], **kw)
     holder.update(model=trainer.ds.module, losses=[])
     records = []
     real_log = logger.log
@@ -156,6 +160,17 @@ def test_non_finite_gradient_norm_stops_every_rank_before_the_step_is_saved(tmp_
     assert finite  # iteration 3's loss itself was finite
     # Saved after iterations 1 and 2; the step with the infinite gradient was never saved.
     assert listing == ["iter_0000001", "iter_0000002", TRACKER_FILENAME]
+    assert msg0 == msg1 and msg0 is not None, results
+    assert msg0.startswith("iteration 3: non-finite gradient norm in fp32 training"), msg0
+
+
+def test_non_finite_gradient_norm_is_found_at_the_next_read(tmp_path):
+    # Iterations 1-4 neither log nor save (--log-interval 5): their flags and norms stay on
+    # the device; the read at iteration 5 still names iteration 3, and nothing was saved.
+    overrides = {"save_interval": None, "log_interval": 5}
+    results = run_distributed(_grad_worker, 2, str(tmp_path), 0, overrides)
+    (msg0, listing, _, finite), (msg1, *_) = results
+    assert finite and listing == []
     assert msg0 == msg1 and msg0 is not None, results
     assert msg0.startswith("iteration 3: non-finite gradient norm in fp32 training"), msg0
 
@@ -262,7 +277,8 @@ def test_a_store_row_changed_on_disk_read_by_one_rank_stops_every_rank_with_its_
 
 # ---------------------------------------------------------------------------------------
 # 8. The exit request comes before the iteration's validation and periodic save
-# issue 16 item 6. One all-reduce per iteration for the non-finite and the exit checks
+# issue 16 item 6, issue 28 item 2. One all-reduce per iteration for the exit requests, on
+# the host; the non-finite checks at the steps that log, save, evaluate or exit
 
 
 def _exit_worker(rank, world_size, tmp):
@@ -312,9 +328,10 @@ def test_exit_before_validation_and_one_all_reduce_per_iteration(tmp_path):
         assert stopped == 4
         assert evaluated == []  # iteration 4's validation never ran
         assert saved == [4]  # one save, the exit's
-        # Four iterations, one all-reduce each (the flags), and nothing else from the loop:
-        # no log line was due before the exit.
-        assert calls == [("loop.py", "_end_of_iteration")] * 4, calls
+        # Four iterations, one all-reduce of the host flags (data fault, exit requests) each;
+        # the device's flags and gradient norms once, at iteration 4 (the exit's save reads
+        # them first): no log line, save or validation was due before.
+        assert calls == [("loop.py", "_agree_on_host")] * 4 + [("loop.py", "_read")], calls
 
 
 # ---------------------------------------------------------------------------------------
