@@ -92,12 +92,20 @@ def exported_batch(out: Path, remote: dict) -> dict[str, torch.Tensor]:
     return {"input_ids": batch["input_ids"], "attention_mask": mask}
 
 
-def assert_special_ids(out: Path, model, remote: dict, ours: WordPieceTokenizer) -> None:
+def assert_special_ids(
+    out: Path, model, remote: dict, ours: WordPieceTokenizer, state_dict: dict
+) -> None:
     config = transformers.AutoConfig.from_pretrained(str(out), **remote)
     assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (
         ours.pad_id, ours.cls_id, ours.sep_id) == (PAD, 101, 102)  # fmt: skip
-    # transformers' embedding keeps the [PAD] row out of a further fine-tuning's updates
-    assert model.get_input_embeddings().padding_idx == PAD
+    # transformers' embedding keeps the [PAD] row out of a further fine-tuning's updates ...
+    embedding = model.get_input_embeddings()
+    assert embedding.padding_idx == PAD
+    # ... and that row is ours, not zeroed (transformers' init rule for padding_idx): the
+    # outputs below are compared on real tokens only, which a zeroed [PAD] row leaves alike.
+    (word,) = [v for k, v in state_dict.items() if k.endswith("embeddings.word_embeddings.weight")]
+    assert word[PAD].abs().max() > 0.1
+    assert torch.equal(embedding.weight[PAD].detach(), word[PAD].to(torch.float64))
     tok = transformers.AutoTokenizer.from_pretrained(str(out), **remote)
     theirs = (tok.pad_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id)
     assert theirs == (ours.pad_id, ours.cls_id, ours.sep_id, ours.mask_id)
@@ -126,7 +134,7 @@ def test_pretrained_export_takes_the_tokenizers_ids(encoder, vocab, tmp_path):
     else:
         save_model(config, model.state_dict(), str(out), ids)
     theirs = load("AutoModel", out, remote)
-    assert_special_ids(out, theirs, remote, ours_tok)
+    assert_special_ids(out, theirs, remote, ours_tok, model.state_dict())
     batch = exported_batch(out, remote)
     real = batch["attention_mask"]
     with torch.no_grad():
@@ -148,7 +156,7 @@ def test_finetuned_export_takes_the_tokenizers_ids(encoder, vocab, tmp_path):
     write_tokenizer(vocab, str(out), config.max_position_embeddings, kind, TYPE)
     save_task_model(config, task, model.state_dict(), str(out), special_token_ids(ours_tok))
     theirs = load("AutoModelForSequenceClassification", out, remote)
-    assert_special_ids(out, theirs, remote, ours_tok)
+    assert_special_ids(out, theirs, remote, ours_tok, model.state_dict())
     batch = exported_batch(out, remote)
     with torch.no_grad():
         want = model(batch)["logits"]

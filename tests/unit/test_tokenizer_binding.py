@@ -279,3 +279,30 @@ def test_finetuning_resume_checks_its_own_checkpoints_tokenizer(
     resumed = _finetune_configs(pretrained, output, tmp_path / "task",
                                 "--tokenizer-model", str(elsewhere))  # fmt: skip
     assert resumed.load.iteration == 2 and resumed.data.tokenizer_model == str(elsewhere)
+
+
+def test_pretraining_resumes_a_checkpoint_written_before_the_record(
+    botchan_dataset, other_model, tmp_path
+):
+    """A checkpoint without metadata.json's "tokenizer" (written before it was recorded)
+    resumes unchecked: nothing tells its tokenizer's content, and refusing would strand it."""
+    _checkpoint(tmp_path / "save", Tokenizer(other_model), record=False)
+    cfg = _pretraining_configs(botchan_dataset, botchan_dataset["tokenizer"], tmp_path / "save")
+    assert cfg.load.iteration == 2
+
+
+def test_pretraining_resume_refuses_another_tokenizer_when_the_recorded_file_is_gone(
+    botchan_dataset, other_model, tmp_path
+):
+    """The record's hash still decides when neither the copy in --save nor the original is
+    left: the message says the file is gone and what the record describes."""
+    original = Path(shutil.copy(other_model, tmp_path / "other.model"))
+    _checkpoint(tmp_path / "save", Tokenizer(original))
+    original.unlink()
+    shutil.rmtree(tmp_path / "save" / "tokenizer")
+    with pytest.raises(ConfigError) as info:
+        _pretraining_configs(botchan_dataset, botchan_dataset["tokenizer"], tmp_path / "save")
+    assert (
+        f"(its file is gone: SentencePiece, 800 pieces, sha256 {file_sha256(other_model)[:12]})"
+        in str(info.value)
+    )
