@@ -140,18 +140,16 @@ class ExitConfig:
                 "exit_duration_in_mins",
                 f"must be > 0, got {self.exit_duration_in_mins!r}",
             )
-        require(
-            _positive(self.distributed_timeout_minutes),
-            cls,
-            "distributed_timeout_minutes",
-            f"must be > 0, got {self.distributed_timeout_minutes!r}",
-        )
-        require(
-            _positive(self.filesystem_timeout_minutes),
-            cls,
-            "filesystem_timeout_minutes",
-            f"must be > 0, got {self.filesystem_timeout_minutes!r}",
-        )
+        for name in ("distributed_timeout_minutes", "filesystem_timeout_minutes"):
+            value = getattr(self, name)
+            # Above a year, timedelta or torch's timeout overflows: a traceback at the
+            # rendezvous, after the data set-up (before: 1e13 raised OverflowError there).
+            require(
+                _positive(value) and value <= MAX_TIMEOUT_MINUTES,
+                cls,
+                name,
+                f"must be > 0 and at most {MAX_TIMEOUT_MINUTES} (a year), got {value!r}",
+            )
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -164,6 +162,9 @@ class ExitConfig:
     @property
     def filesystem_timeout(self) -> timedelta:
         return timedelta(minutes=self.filesystem_timeout_minutes)
+
+
+MAX_TIMEOUT_MINUTES = 525_600
 
 
 def _positive(value) -> bool:
