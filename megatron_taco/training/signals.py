@@ -141,18 +141,16 @@ class ExitConfig:
                 "exit_duration_in_mins",
                 f"must be > 0, got {self.exit_duration_in_mins!r}",
             )
-        require(
-            _positive(self.distributed_timeout_minutes),
-            cls,
-            "distributed_timeout_minutes",
-            f"must be > 0, got {self.distributed_timeout_minutes!r}",
-        )
-        require(
-            _positive(self.filesystem_timeout_minutes),
-            cls,
-            "filesystem_timeout_minutes",
-            f"must be > 0, got {self.filesystem_timeout_minutes!r}",
-        )
+        for name in ("distributed_timeout_minutes", "filesystem_timeout_minutes"):
+            value = getattr(self, name)
+            # Above a year, timedelta or torch's timeout overflows: a traceback at the
+            # rendezvous, after the data set-up (before: 1e13 raised OverflowError there).
+            require(
+                _positive(value) and value <= MAX_TIMEOUT_MINUTES,
+                cls,
+                name,
+                f"must be > 0 and at most {MAX_TIMEOUT_MINUTES} (a year), got {value!r}",
+            )
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -165,6 +163,9 @@ class ExitConfig:
     @property
     def filesystem_timeout(self) -> timedelta:
         return timedelta(minutes=self.filesystem_timeout_minutes)
+
+
+MAX_TIMEOUT_MINUTES = 525_600
 
 
 def _positive(value) -> bool:
@@ -253,7 +254,13 @@ _ADOPTERS = {"systemd", "init", "s6-svscan"}
 # A container's init shims (docker --init runs tini as docker-init): they adopt orphans,
 # and also start the container's command, which may be the rank itself (a pod whose spec
 # sets RANK, LOCAL_RANK, WORLD_SIZE: the container runtime is its launcher).
-_CONTAINER_INITS = {"tini", "dumb-init", "catatonit", "docker-init"}
+_CONTAINER_INITS = ("tini", "dumb-init", "catatonit", "docker-init")
+
+
+def is_container_init(name: str) -> bool:
+    """By prefix: the shims ship under other names too (tini-static, tini-static-amd64 read
+    as "tini-static-amd" in a 15-character comm, dumb-init_1.2.5_x86_64)."""
+    return name.startswith(_CONTAINER_INITS)
 
 
 def orphaned_at_start(parent: int, parent_name: str, init_name: str) -> bool:
@@ -267,7 +274,7 @@ def orphaned_at_start(parent: int, parent_name: str, init_name: str) -> bool:
     milliseconds between the rank's start and the shim's first line, while not the shim's
     own child, leaves the rank waiting for its rendezvous timeout (as its child, the shim
     exits with it, and the kernel ends every process of the container)."""
-    if parent_name in _CONTAINER_INITS or (parent == 1 and init_name in _CONTAINER_INITS):
+    if is_container_init(parent_name) or (parent == 1 and is_container_init(init_name)):
         return False
     return parent == 1 or parent_name in _ADOPTERS
 

@@ -48,6 +48,16 @@ def test_flags_defaults_and_spellings():
         (["--exit-duration-in-mins", "inf"], "--exit-duration-in-mins: must be > 0, got inf"),
         (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins: must be > 0, got 0.0"),
         (["--distributed-timeout-minutes", "-1"], "--distributed-timeout-minutes: must be > 0"),
+        (["--filesystem-timeout-minutes", "0"], "--filesystem-timeout-minutes: must be > 0"),
+        (["--filesystem-timeout-minutes", "nan"], "--filesystem-timeout-minutes: must be > 0"),
+        (
+            ["--filesystem-timeout-minutes", "1e13"],
+            "--filesystem-timeout-minutes: .* got 10000000000000.0",
+        ),
+        (
+            ["--distributed-timeout-minutes", "1e13"],
+            "--distributed-timeout-minutes: .* got 10000000000000.0",
+        ),
     ],
 )
 def test_bad_values_name_the_flag(argv, message):
