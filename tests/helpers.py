@@ -723,3 +723,15 @@ def wandb_offline_runs(directory) -> list[dict]:
                         run["history"].setdefault(step, {})[key] = value
         runs.append(run)
     return runs
+
+
+def assert_close64(got, want, what: str, rtol: float = 1e-10) -> None:
+    """float64 on both sides, the error relative to the reference's magnitude (exported
+    models against ours)."""
+    import torch
+
+    assert got.dtype == want.dtype == torch.float64, what
+    scale = want.abs().max().item()
+    assert scale > 1e-2, f"{what}: reference too small to test ({scale})"
+    err = (got - want).abs().max().item()
+    assert err <= rtol * scale, f"{what}: max error {err:.3e} vs scale {scale:.3e}"

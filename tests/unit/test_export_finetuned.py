@@ -26,6 +26,7 @@ from megatron_taco.tasks import load_task
 from megatron_taco.tasks.base import Collate
 from tests.helpers import (
     FINETUNE_ENCODERS,
+    assert_close64,
     finetune_model,
     write_marker_task,
     write_place_race,
@@ -36,7 +37,6 @@ from tests.helpers import (
 transformers = pytest.importorskip("transformers")
 
 SEQ = 64  # the tiny models' position table: the pipelines truncate there too
-RTOL = 1e-10  # float64 on both sides
 TASKS = {
     "classification": ("custom", write_marker_task),
     "regression": ("stsb", write_similarity_task),
@@ -87,14 +87,6 @@ def dev_batch(data, n: int = 12) -> dict[str, torch.Tensor]:
     batch = Collate()([dev[i] for i in range(min(n, len(dev)))])
     assert not batch["attention_mask"].all(), "a padded batch"
     return batch
-
-
-def assert_close64(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype == torch.float64, what
-    scale = want.abs().max().item()
-    assert scale > 1e-2, f"{what}: reference too small to test ({scale})"
-    err = (got - want).abs().max().item()
-    assert err <= RTOL * scale, f"{what}: max error {err:.3e} vs scale {scale:.3e}"
 
 
 @pytest.mark.parametrize("kind", list(TASKS))

@@ -17,13 +17,12 @@ from megatron_taco.cli.export_hf import save_model, special_token_ids, write_tok
 from megatron_taco.cli.export_taco_hf import save_taco_model
 from megatron_taco.data.tokenizer import WordPieceTokenizer
 from megatron_taco.recipes.registry import FinetunedTask
-from tests.helpers import FINETUNE_ENCODERS, botchan_sentences, finetune_model
+from tests.helpers import FINETUNE_ENCODERS, assert_close64, botchan_sentences, finetune_model
 
 transformers = pytest.importorskip("transformers")
 
 TYPE = "BertWordPieceLowerCase"
 PAD = 7  # where this vocabulary keeps [PAD]: not 0, not next to the other specials
-RTOL = 1e-10  # float64 on both sides
 ENCODERS = tuple(FINETUNE_ENCODERS)  # TACO, SAS, SAS^DA
 
 
@@ -36,14 +35,6 @@ def vocab(wordpiece_vocab, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("pad7") / "vocab.txt"
     path.write_text("".join(p + "\n" for p in pieces), encoding="utf-8")
     return str(path)
-
-
-def assert_close64(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype == torch.float64, what
-    scale = want.abs().max().item()
-    assert scale > 1e-2, f"{what}: reference too small to test ({scale})"
-    err = (got - want).abs().max().item()
-    assert err <= RTOL * scale, f"{what}: max error {err:.3e} vs scale {scale:.3e}"
 
 
 def randomised(model: torch.nn.Module) -> torch.nn.Module:
