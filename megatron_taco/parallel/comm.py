@@ -67,10 +67,15 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
 
 
 def reduce_scatter_tensor(output: torch.Tensor, stacked: torch.Tensor, group=None) -> torch.Tensor:
-    """``output`` = the sum over ranks of block r (dim 0) of ``stacked``, on rank r. Both
-    tensors must already be on the backend's device (NCCL only: gloo has no reduce-scatter,
-    mappings.py falls back to an all-reduce there)."""
-    dist.reduce_scatter_tensor(output, stacked, group=group)
+    """``output`` = the sum over ranks of ``stacked[r]`` on rank r; ``stacked`` is
+    [world, *output.shape]. Returns ``output``."""
+    # gloo checks that the input's dim 0 is world x the output's (NCCL only counts
+    # elements): fold the rank dim into the next one.
+    flat = _staged(stacked.flatten(0, 1) if output.dim() else stacked, group)
+    staged = _staged(output, group)
+    dist.reduce_scatter_tensor(staged, flat, group=group)
+    if staged is not output:
+        output.copy_(staged)
     return output
 
 

@@ -59,35 +59,18 @@ def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(comm.all_gather(x, group), dim=dim)
 
 
-def stack_dim_chunks(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
-    """[.., n, ..] -> contiguous [world, .., n/world, ..] whose slot r is chunk r along ``dim``.
-
-    reduce_scatter_tensor hands rank r the sum of the r-th dim-0 block of the flat input
-    memory, so this is the layout the NCCL branch of ``_reduce_scatter`` feeds it. A pure
-    function so a CPU test can check it against ``rank_chunk`` (no GPU run exercises it)."""
-    return torch.stack(x.chunk(world, dim=dim), dim=0).contiguous()
-
-
-def rank_chunk(x: torch.Tensor, world: int, rank: int, dim: int) -> torch.Tensor:
-    """Chunk ``rank`` of ``world`` equal chunks along ``dim``: what the gloo fallback keeps."""
-    return x.chunk(world, dim=dim)[rank].contiguous()
-
-
 def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum over the group, keep this rank's chunk along ``dim``: [.., n, ..] -> [.., n/world, ..]."""
     world = group_size(group)
     if world == 1:
         return x
     dim = _check_divisible(x, dim, world)
-    if x.is_cuda and "nccl" in str(dist.get_backend(group)):
-        stacked = stack_dim_chunks(x, world, dim)
-        out = torch.empty_like(stacked[0])
-        comm.reduce_scatter_tensor(out, stacked, group)
-        return out
-    # gloo has no reduce_scatter. Fallback: all-reduce the whole tensor and keep our chunk.
-    # Cost: an all-reduce moves ~2x the bytes of a reduce-scatter (it is reduce-scatter +
-    # all-gather) and every rank briefly holds the full-size sum. Fine for CPU tests.
-    return rank_chunk(_all_reduce(x, group), world, group_rank(group), dim)
+    # reduce_scatter_tensor hands rank r the sum of block r (dim 0) of its input: chunk r
+    # along ``dim`` goes to slot r of a new leading dim. NCCL and gloo take the same call
+    # (gloo as an all-reduce inside torch), so the CPU tests run the collective GPUs run.
+    stacked = torch.stack(x.chunk(world, dim=dim), dim=0)  # [world, .., n/world, ..]
+    out = torch.empty_like(stacked[0])
+    return comm.reduce_scatter_tensor(out, stacked, group)
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -76,7 +76,7 @@ def _mappings_worker(rank, world):
     y.backward(g_of(rank))
     _close(x.grad, g_of(rank), "reduce bwd")
 
-    for dim in (1, -1):
+    for dim in (0, 1, -1):
         # scatter: fwd own chunk of the (replicated) input, bwd all-gather of the grads
         full = x_of(0).requires_grad_()
         y = scatter_to_tp_region(full, g, dim)
