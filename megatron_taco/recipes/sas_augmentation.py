@@ -57,6 +57,7 @@ from megatron_taco.data.replacement_store import (
 )
 from megatron_taco.data.sas_collator import ReplacementSource
 from megatron_taco.data.tokenizer import tokenizer_file, tokenizer_flag
+from megatron_taco.model_outputs import COUNT_SUFFIX
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
 from megatron_taco.training.callbacks import Callback
@@ -73,6 +74,10 @@ from megatron_taco.training.signals import hook_point
 
 logger = logging.getLogger(__name__)
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
+# Per iteration over the data-parallel ranks: the kept (not dropped) slots of S, and those
+# whose token was read from the store (self_augmented is their ratio).
+KEPT_KEY = "replaced" + COUNT_SUFFIX
+FROM_STORE_KEY = "replaced_from_store" + COUNT_SUFFIX
 # DataConfig fields that do not decide the rows (where files are, how they are read), and
 # those recorded by content instead of by path (the data and the tokenizer may be moved).
 _DATA_NOT_RECORDED = (
@@ -250,10 +255,6 @@ class SelfAugmentation(Callback):
         self.epoch = 0
         self.write_seconds = 0.0
         self.steps = 0
-        self.group = None  # the data-parallel group the measured share is reduced over
-        # Slots of S read from the store / all kept slots, since the last log (tensors on the
-        # batch's device: no host sync per micro-batch).
-        self.counts: torch.Tensor | None = None
         # The last micro-batch's rows on their way to the host, written at the next one.
         self._pending: HostRows | None = None
         # A failed row write (a full disk, a quota, EIO): no more rows are written, and every
@@ -304,8 +305,6 @@ class SelfAugmentation(Callback):
 
     def on_train_start(self, trainer, state) -> None:
         os.makedirs(self.root, exist_ok=True)
-        if trainer.parallel.dp_size > 1:
-            self.group = trainer.parallel.get_data_parallel_group()
 
     def on_epoch_start(self, trainer, state, epoch: int) -> None:
         self.epoch = epoch
@@ -323,7 +322,10 @@ class SelfAugmentation(Callback):
 
     @torch.no_grad()
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
-        self._count(batch)
+        # Counted on the device, summed and read by the loop with the model's outputs.
+        kept = (batch["replaced_positions"] >= 0) & ~batch["dropped_slots"]
+        outputs[KEPT_KEY] = kept.sum()
+        outputs[FROM_STORE_KEY] = batch["from_store"].sum()
         start = time.perf_counter()
         # The previous micro-batch's rows first: their copy to the host was queued a whole
         # micro-batch ago, so waiting for it costs nothing, where reading this micro-batch's
@@ -375,11 +377,6 @@ class SelfAugmentation(Callback):
         finally:
             if close:
                 self.writer = None
-
-    def _count(self, batch: dict) -> None:
-        kept = (batch["replaced_positions"] >= 0) & ~batch["dropped_slots"]
-        counts = torch.stack([batch["from_store"].sum(), kept.sum()]).to(torch.float64)
-        self.counts = counts if self.counts is None else self.counts + counts
 
     def _special_ids_on(self, device: torch.device) -> torch.Tensor:
         # Copied once: a copy from pageable host memory per micro-batch would be a sync.
@@ -436,16 +433,14 @@ class SelfAugmentation(Callback):
         _agreed(trainer.parallel, trainer.parallel.rank == 0,
                 lambda: self._commit(trainer, epoch), RunError, self.root)  # fmt: skip
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         out = {"store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1)}
         self.write_seconds, self.steps = 0.0, 0
-        if self.counts is not None:
-            counts, self.counts = self.counts, None
-            if self.group is not None:  # every rank logs, in step: one small all-reduce
-                comm.all_reduce(counts, self.group)
-            from_store, kept = counts.tolist()
-            # Measured: the share of the kept slots of S whose token was read from the store.
-            out["self_augmented"] = from_store / kept if kept else 0.0
+        if KEPT_KEY in sums:
+            # Measured over every data-parallel rank: the share of the kept slots of S whose
+            # token was read from the store.
+            kept = sums[KEPT_KEY]
+            out["self_augmented"] = sums[FROM_STORE_KEY] / kept if kept else 0.0
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -37,7 +37,11 @@ class Callback:
         """Before the first micro-batch of iteration ``state.iteration`` (0-based)."""
 
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
-        pass
+        """After the micro-batch's backward. A callback may add 0-d tensors to ``outputs``:
+        the loop sums them with the model's over the log interval and the data-parallel
+        ranks and reads them in its one transfer at a logging step ("<name>_tokens": a
+        count per iteration, other names a mean per micro-batch), so a callback needs no
+        read of its own."""
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
         pass
@@ -45,7 +49,9 @@ class Callback:
     def on_save(self, trainer, state) -> None:
         pass
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Values for the log line, on every rank; ``sums`` are the interval's logged values
+        read from the device (the model's and the callbacks' outputs), to derive from."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -74,10 +80,10 @@ class CallbackList:
 
         return call
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         out: dict[str, float] = {}
         for callback in self.callbacks:
-            out.update(callback.metrics())
+            out.update(callback.metrics(sums))
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -269,8 +269,8 @@ class Trainer:
             # DeepSpeed applies the optimizer (and steps the LR scheduler, unless the step
             # overflowed) only at the gradient-accumulation boundary.
             self.ds.step()
+            self.callbacks.after_micro_batch(self, state, batch, outputs)  # may add sums
             acc.add(outputs)
-            self.callbacks.after_micro_batch(self, state, batch, outputs)
         # DeepSpeed skips a step whose gradient norm is not finite in fp16 and in its ZeRO
         # optimizers (fp32; bf16 with check_grad_overflow), and applies it with a plain torch
         # optimizer (ZeRO-0 fp32) and in bf16 ZeRO without the check.
@@ -636,7 +636,7 @@ class Trainer:
         }
         if self.task.samples_per_epoch:
             metrics["epoch"] = epoch + 1  # 1-based, as the paper counts epochs
-        metrics.update(self.callbacks.metrics())
+        metrics.update(self.callbacks.metrics(sums))
         if self.engine.settings.precision == "fp16":
             # DeepSpeed's dynamic loss scale: it halves on overflow (that step is skipped,
             # and the LR scheduler is not stepped for it).

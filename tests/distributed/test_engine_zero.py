@@ -437,6 +437,8 @@ class Recorder(Callback):
         assert trainer.ds.training, "after_micro_batch must never run during evaluation"
         assert batch["tokens"].shape == (4, SEQ) and outputs["loss"].requires_grad
         self.micro_batches += 1
+        # A count the loop sums over the interval and the data-parallel ranks for us.
+        outputs["recorded_tokens"] = torch.full((), batch["tokens"].numel())
 
     def on_epoch_end(self, trainer, state, epoch):
         self.events.append(("epoch_end", epoch, state.iteration))
@@ -444,8 +446,9 @@ class Recorder(Callback):
     def on_save(self, trainer, state):
         self.events.append(("save", state.iteration))
 
-    def metrics(self):
-        return {"recorded_micro_batches": float(self.micro_batches)}
+    def metrics(self, sums):
+        return {"recorded_micro_batches": float(self.micro_batches),
+                "tokens_seen_by_metrics": sums["recorded_tokens"]}  # fmt: skip
 
     def state_dict(self):
         return {"micro_batches": self.micro_batches}
@@ -487,6 +490,8 @@ def test_callbacks_and_epochs_on_a_real_engine(tmp_path):
     train = {r["iteration"]: r for r in records if r["split"] == "train"}
     assert [train[i]["epoch"] for i in range(1, 8)] == [1, 1, 1, 2, 2, 2, 3]
     assert train[7]["recorded_micro_batches"] == 14
+    # Per iteration over both ranks: micro 4 x accumulation 2 x dp 2 rows of SEQ tokens.
+    assert train[7]["recorded_tokens"] == train[7]["tokens_seen_by_metrics"] == 16 * SEQ
 
 
 def _old_value_size_worker(rank, world_size, tmp):

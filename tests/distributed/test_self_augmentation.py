@@ -40,6 +40,7 @@ from megatron_taco.training.checkpointing import (
     _write_metadata,
     checkpoint_tag,
 )
+from megatron_taco.training.loop import MetricAccumulator
 from tests.helpers import chi2_goodness_of_fit, run_distributed
 
 N, SEQ, VOCAB, MICRO = 16, 22, 300, 4
@@ -143,12 +144,14 @@ def _write_generation(rank, world_size, tp, root, num_instances=N, parallel=None
     callback.on_epoch_start(trainer, state, 0)
     order = np.random.default_rng(5).permutation(num_instances).tolist()
     chunk = micro * parallel.dp_size  # one global micro-step
+    acc = MetricAccumulator()  # the loop's: what the callback adds is summed over dp there
     for start in range(0, num_instances, chunk):
         mine = order[start + parallel.dp_rank * micro : start + (parallel.dp_rank + 1) * micro]
         batch, outputs = micro_batch(mine, parallel.tp_rank, tp)
         callback.after_micro_batch(trainer, state, batch, outputs)
+        acc.add(outputs)
     callback.on_epoch_end(trainer, state, 0)
-    return callback.metrics()
+    return callback.metrics(acc.finish(acc.reduced(parallel).tolist(), iterations=1))
 
 
 def _store_files(root: Path) -> dict[str, bytes]:
