@@ -3,7 +3,7 @@
 * Exit signals (``--exit-signal-handler``, on by default) inside the training loop: SIGTERM,
   SIGINT or SIGUSR1 on any rank only sets a flag. At the end of every iteration the ranks
   agree on the flags, in one all-reduce (MAX) of host values over the world (a gloo group,
-  which never waits for a GPU: ExitMonitor.should_exit); when one is set,
+  which never waits for a GPU: the training loop's _agree_on_host); when one is set,
   every rank saves a checkpoint (with ``--save``) and exits 0. Every later exit signal is
   absorbed until the save is done (SLURM's time-limit warning, then a TERM forwarded as
   USR1, must not kill the save), except a second SIGINT ``REPEAT_WINDOW_S`` or more after
@@ -680,7 +680,7 @@ class ExitMonitor:
 
     def local_flags(self) -> list[int]:
         """[signal number or 0, launcher gone, time limit reached]: this rank's part of the
-        end-of-iteration all-reduce (MAX, should_exit)."""
+        end-of-iteration all-reduce (MAX, the loop's _agree_on_host)."""
         limit = self.config.exit_duration_in_mins
         over = limit is not None and time.time() - self.start_time >= 60 * limit
         return [int(self.received), int(self.launcher_gone is not None), int(over)]
@@ -699,22 +699,6 @@ class ExitMonitor:
         if reasons:
             self._answered = True
         return "; ".join(reasons) or None
-
-    def should_exit(self, host_group=None) -> str | None:
-        """The reason to stop, the same on every rank, or None: the flags in one all-reduce
-        over the world, of a CPU tensor over ``host_group`` (ParallelState.host_group: gloo,
-        also beside an NCCL world), so that the loop asks every iteration without waiting
-        for the device."""
-        import torch
-        import torch.distributed as dist
-
-        from megatron_taco.parallel import comm
-
-        flags = self.local_flags()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            reduced = torch.tensor(flags, dtype=torch.int64)
-            flags = comm.all_reduce(reduced, host_group, op="max").tolist()
-        return self.reason(flags)
 
 
 # ---------------------------------------------------------------------------------------
