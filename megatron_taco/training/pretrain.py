@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -42,6 +43,7 @@ from megatron_taco.training.checkpointing import (
     CheckpointConfig,
     LoadChoice,
     RunError,
+    last_complete_checkpoint,
     prepare_checkpoints,
     resumes_save,
     set_aside,
@@ -768,6 +770,8 @@ def _pretrain(
                 cfg.monitor, t.warmup_iters, train_logger.print, saves=t.save is not None
             ),
         )
+        if t.save is not None:  # for the line of a rank that abandons a save
+            monitor.last_complete = functools.partial(last_complete_checkpoint, t.save)
         trainer.train(state)
         monitor.phase = "teardown"
         metrics_file = t.resolved_metrics_file
