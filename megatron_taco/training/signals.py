@@ -23,7 +23,10 @@
   single node, and its per-node launcher keeps running when the runner dies. The tie is made
   first thing in ``main()`` (``ExitMonitor.tie_to_launcher``), before the flags are parsed and
   the checkpoint verified, which can take minutes. Ranks of mpirun (MPI's variables, no
-  LOCAL_RANK yet) are tied to their launcher too.
+  LOCAL_RANK yet) are tied to their launcher too. Inside the training loop a dead launcher
+  is an exit request like a signal; the save that answers it may wait for a stalled rank,
+  so the watchdog ends the rank ``--orphan-grace-seconds`` after the launcher's death
+  anyway, with one line naming the last complete checkpoint.
 * A peer that dies makes a collective raise (gloo: "Connection closed by peer"; a hung peer:
   a timeout after ``--distributed-timeout-minutes``). ``describe_peer_failure`` turns that
   into one line naming the dead rank (found by PID on this node) and the collective.
