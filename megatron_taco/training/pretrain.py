@@ -770,8 +770,10 @@ def _pretrain(
                 cfg.monitor, t.warmup_iters, train_logger.print, saves=t.save is not None
             ),
         )
-        if t.save is not None:  # for the line of a rank that abandons a save
-            monitor.last_complete = functools.partial(last_complete_checkpoint, t.save)
+        # For the line of a rank that abandons a save (a sweep's runs share the monitor).
+        monitor.last_complete = (
+            None if t.save is None else functools.partial(last_complete_checkpoint, t.save)
+        )
         trainer.train(state)
         monitor.phase = "teardown"
         metrics_file = t.resolved_metrics_file
