@@ -1303,6 +1303,15 @@ def _save_failure(save_dir: str, iteration: int, error: str) -> str:
     )
 
 
+def last_complete_checkpoint(save_dir: str) -> str:
+    """A clause for the line of a rank that abandons a save: what a resume will load."""
+    tracked = _read_tracker_quietly(save_dir)
+    if tracked is None:
+        return f"{save_dir} holds no complete checkpoint (no readable {TRACKER_FILENAME})"
+    final = os.path.join(save_dir, checkpoint_tag(tracked))
+    return f"the last complete checkpoint is {final} ({TRACKER_FILENAME} names it)"
+
+
 # -- loading ----------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ A log interval never spans two epochs: the last iteration of an epoch is always 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -413,9 +414,14 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------
 
-    def save(self, state: TrainingState) -> None:
+    def save(self, state: TrainingState, *, for_exit: bool = False) -> None:
         if self.training.save is None or self.last_saved_iteration == state.iteration:
             return
+        what = f"the {'exit ' if for_exit else ''}save of iteration {state.iteration}"
+        with self.exit_monitor.doing(what) if self.exit_monitor else contextlib.nullcontext():
+            self._save(state)
+
+    def _save(self, state: TrainingState) -> None:
         start = time.perf_counter()
         self.callbacks.on_save(self, state)
         metadata = {
@@ -546,7 +552,7 @@ class Trainer:
                     f" epoch {epoch + 1}/{self.num_epochs()} ended at iteration {state.iteration}"
                 )
             if stop is not None:
-                self.save(state)
+                self.save(state, for_exit=True)
                 return state
             if (
                 self.task.valid_dataset is not None
@@ -561,7 +567,7 @@ class Trainer:
                 self.logger.print(
                     f" exiting at iteration {state.iteration} (--exit-interval){self._collapsed()}"
                 )
-                self.save(state)
+                self.save(state, for_exit=True)
                 return state
             if epoch_ended and state.iteration < t.train_iters:
                 # A fresh iterator per epoch: nothing of the next epoch was prefetched

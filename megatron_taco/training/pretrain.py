@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -42,6 +43,7 @@ from megatron_taco.training.checkpointing import (
     CheckpointConfig,
     LoadChoice,
     RunError,
+    last_complete_checkpoint,
     prepare_checkpoints,
     resumes_save,
     set_aside,
@@ -767,6 +769,10 @@ def _pretrain(
             learning_monitor=LearningMonitor(
                 cfg.monitor, t.warmup_iters, train_logger.print, saves=t.save is not None
             ),
+        )
+        # For the line of a rank that abandons a save (a sweep's runs share the monitor).
+        monitor.last_complete = (
+            None if t.save is None else functools.partial(last_complete_checkpoint, t.save)
         )
         trainer.train(state)
         monitor.phase = "teardown"

@@ -23,7 +23,10 @@
   single node, and its per-node launcher keeps running when the runner dies. The tie is made
   first thing in ``main()`` (``ExitMonitor.tie_to_launcher``), before the flags are parsed and
   the checkpoint verified, which can take minutes. Ranks of mpirun (MPI's variables, no
-  LOCAL_RANK yet) are tied to their launcher too.
+  LOCAL_RANK yet) are tied to their launcher too. Inside the training loop a dead launcher
+  is an exit request like a signal; the save that answers it may wait for a stalled rank,
+  so the watchdog ends the rank ``--orphan-grace-seconds`` after the launcher's death
+  anyway, with one line naming the last complete checkpoint.
 * A peer that dies makes a collective raise (gloo: "Connection closed by peer"; a hung peer:
   a timeout after ``--distributed-timeout-minutes``). ``describe_peer_failure`` turns that
   into one line naming the dead rank (found by PID on this node) and the collective.
@@ -59,6 +62,9 @@ from megatron_taco.arguments import ConfigError, option, require
 logger = logging.getLogger("megatron_taco.signals")
 
 REPEAT_WINDOW_S = 2.0
+# What DeepSpeed's per-node launcher and torchrun's agent give their ranks between SIGTERM and
+# SIGKILL: a dead launcher leaves a rank at least as long to finish its exit save.
+ORPHAN_GRACE_S = 30.0
 WATCHDOG_INTERVAL_S = 1.0
 _DEATH_GRACE_S = 0.5
 DEFAULT_EXIT_SIGNALS = "SIGTERM,SIGINT,SIGUSR1"
@@ -116,6 +122,16 @@ class ExitConfig:
         "so that a slow file system is not taken for a hung rank.",
         flag="--filesystem-timeout-minutes",
     )
+    orphan_grace_seconds: float = option(
+        ORPHAN_GRACE_S,
+        "How long a rank whose launcher died while it trained goes on finishing the "
+        "iteration and the exit save; then it leaves, exit 1, with one line naming the last "
+        "complete checkpoint (the tracker is written last: an abandoned save is never taken "
+        "for one). A save waiting for a stalled rank would otherwise keep the GPUs until "
+        "--filesystem-timeout-minutes or --distributed-timeout-minutes. Raise it where the "
+        "exit save takes longer. A rank whose launcher lives always finishes its exit save.",
+        flag="--orphan-grace-seconds",
+    )
 
     def __post_init__(self) -> None:
         cls = ExitConfig
@@ -151,6 +167,13 @@ class ExitConfig:
                 name,
                 f"must be > 0 and at most {MAX_TIMEOUT_MINUTES} (a year), got {value!r}",
             )
+        grace = self.orphan_grace_seconds
+        require(
+            _positive(grace) or grace == 0,
+            cls,
+            "orphan_grace_seconds",
+            f"must be a number of seconds >= 0, got {grace!r}",
+        )
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -428,6 +451,10 @@ class ExitMonitor:
         self.received: int = 0  # the first exit signal's number
         self.absorbed: int = 0  # exit signals after the first, absorbed
         self.launcher_gone: str | None = None  # why, once the launcher died
+        self._gone_at: float | None = None  # when the watchdog saw it (monotonic)
+        # What an abandoned save leaves: one clause naming the last complete checkpoint
+        # (set by the driver, which knows --save).
+        self.last_complete: Callable[[], str] | None = None
         # What the rank is doing, for the line of an exit outside the loop, and what it was
         # doing when the first request came.
         self.phase = "start-up"
@@ -582,6 +609,7 @@ class ExitMonitor:
                     time.sleep(0.02)
                     self._check_links()
             self.exit_unless_deferred()
+            self._abandon_when_overdue()
 
     def _check_links(self) -> None:
         for child, parent in self._links:
@@ -590,6 +618,7 @@ class ExitMonitor:
                 # A process's children are re-parented the moment it exits.
                 name = self._names[parent]
                 self.launcher_gone = f"launcher process {parent} ({name}) exited"
+                self._gone_at = time.monotonic()
                 self._seen_in = self._seen_in or self.phase
                 self._links = []
 
@@ -628,6 +657,16 @@ class ExitMonitor:
         self.exit_unless_deferred()
 
     @contextlib.contextmanager
+    def doing(self, what: str):
+        """Names what the loop does meanwhile (e.g. "the exit save of iteration 3"), for the
+        line of a rank that abandons it (_abandon_when_overdue)."""
+        before, self.phase = self.phase, what
+        try:
+            yield
+        finally:
+            self.phase = before
+
+    @contextlib.contextmanager
     def answering_errors(self):
         """Around a run: an error that a dead launcher caused (its rendezvous store's
         connection closed) ends the rank with the launcher's line, not a traceback
@@ -664,17 +703,45 @@ class ExitMonitor:
                 what, code = f"{signal.Signals(signum).name} received", 128 + signum
             else:
                 return
-            for action in self.exit_actions:
-                with contextlib.suppress(Exception):
-                    action()
-            who = f"{self.program}: error: rank {launcher_rank()}"
-            line = f"{who}: {what} during {self._seen_in or self.phase}; exiting\n"
-            # A write blocked by a stalled reader must not keep the rank alive (stderr's mode
-            # is shared with the launcher and the shell: not made non-blocking).
-            signal.alarm(5)
-            with contextlib.suppress(OSError):
-                os.write(2, line.encode())
-            os._exit(code)
+            self._leave(lambda: f"{what} during {self._seen_in or self.phase}", code)
+
+    def _abandon_when_overdue(self) -> None:
+        """Inside the loop a dead launcher is an exit request, answered by a save; but the
+        iteration or the save may wait for a rank that never comes (stalled, or gone), in a
+        collective or the file group's barrier, for their timeouts (10 and 60 min by
+        default). --orphan-grace-seconds after the launcher's death the rank leaves anyway
+        (outside the loop exit_unless_deferred has ended it at once). The tracker is written
+        last, once the checkpoint is complete and renamed into place: what is cut short here
+        never becomes the latest checkpoint."""
+        gone_at, grace = self._gone_at, self.config.orphan_grace_seconds
+        if gone_at is None or time.monotonic() - gone_at < grace:
+            return
+        with self._lock:
+
+            def line() -> str:
+                during, now = self._seen_in or self.phase, self.phase
+                what = ", which was" if during == now else f"; {now} was"
+                last = f"; {self.last_complete()}" if self.last_complete is not None else ""
+                return (
+                    f"{self.launcher_gone} during {during}{what} abandoned {grace:g} s later "
+                    f"(--orphan-grace-seconds){last}"
+                )
+
+            self._leave(line, 1)
+
+    def _leave(self, what: Callable[[], str], code: int) -> None:
+        """Ends the process now, with one line: "<program>: error: rank N: <what>; exiting"."""
+        # Nothing from here may keep the rank alive: a stalled reader of stderr (its mode is
+        # shared with the launcher and the shell: not made non-blocking), a hung file system
+        # under the exit actions or ``what``. SIGALRM's default action ends the process.
+        signal.alarm(5)
+        for action in self.exit_actions:
+            with contextlib.suppress(Exception):
+                action()
+        line = f"{self.program}: error: rank {launcher_rank()}: {what()}; exiting\n"
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
+        os._exit(code)
 
     # -- the decision -----------------------------------------------------------------------
 

@@ -382,3 +382,51 @@ def test_killing_the_torchrun_agent_at_any_point_leaves_no_rank(botchan_dataset,
     resumed = run(torchrun_command(*taco_args(botchan_dataset, "--train-iters", str(stopped + 1),
                                               "--save", str(ckpt), "--load", str(ckpt))))  # fmt: skip
     assert f"resumed from {ckpt} at iteration {stopped}" in resumed.stdout
+
+
+# -- a dead launcher during a stalled exit save (the orphan grace) --------------------------
+
+ORPHAN_GRACE = ["--orphan-grace-seconds", "2"]
+
+
+def test_a_rank_whose_launcher_died_abandons_a_stalled_exit_save(botchan_dataset, tmp_path):
+    from megatron_taco.training.checkpointing import verify_checkpoint
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
+    args = taco_args(botchan_dataset, "--save", str(ckpt))
+    # A periodic save at 2 completes; the save of --exit-interval's exit at 3 stalls on rank 0
+    # after its manifest (complete, not renamed yet), while rank 1 waits for it in the file
+    # group's barrier (--filesystem-timeout-minutes, 60): the launcher is then SIGKILLed.
+    stalled = [*args, "--train-iters", LONG_RUN, "--save-interval", "2", "--exit-interval", "3"]
+    proc = start_with(torchrun_command(*stalled, *ORPHAN_GRACE), log,
+                      {PAUSE_ENV: "after_metadata@3:600"})  # fmt: skip
+    try:
+        pausing_at(log, 1)
+        time.sleep(1)  # rank 1 reaches the barrier
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        took = seconds_until_gone(ranks, timeout=60)
+        left = [r.pid for r in ranks if alive(r)]
+    finally:
+        kill_session(proc)
+    out = log.read_text()
+    print(f"ranks gone {took:.1f} s after the launcher's SIGKILL (left: {left})")
+    print("\n".join(line for line in out.splitlines() if "abandoned" in line))
+    assert not left, out[-3000:]  # before: alive for the barrier's 60 min
+    ours = sorted(line for line in out.splitlines() if line.startswith("pretrain_taco.py: "))
+    last = f"the last complete checkpoint is {ckpt}/iter_0000002"
+    assert len(ours) == 2, out[-3000:]
+    for rank, line in enumerate(ours):
+        assert line.startswith(f"pretrain_taco.py: error: rank {rank}: launcher process "
+                               f"{proc.pid} (torchrun) exited during "), line  # fmt: skip
+        assert "the exit save of iteration 3, which was abandoned 2 s later" in line, line
+        assert last in line and line.endswith("; exiting"), line
+    assert "Traceback" not in out
+    # The tracker never named the abandoned save; the last complete one verifies, --save is
+    # free again, and the run resumes from it.
+    assert latest(ckpt) == 2 and not (ckpt / "run.lock").exists()
+    verify_checkpoint(str(ckpt), 2)
+    resumed = run(torchrun_command(*args, "--train-iters", "3", "--load", str(ckpt)))
+    assert f"resumed from {ckpt} at iteration 2" in resumed.stdout
+    assert latest(ckpt) == 3 and not saving(ckpt)

@@ -313,7 +313,7 @@ def _exit_worker(rank, world_size, tmp):
     evaluated, saved = [], []
     trainer.evaluate = lambda split, dataset, it: evaluated.append(it) or {}
     real_save = trainer.save
-    trainer.save = lambda state: saved.append(state.iteration) or real_save(state)
+    trainer.save = lambda state, **kw: saved.append(state.iteration) or real_save(state, **kw)
     try:
         state = trainer.train(TrainingState())
     finally:

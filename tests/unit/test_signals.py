@@ -37,6 +37,8 @@ def test_flags_defaults_and_spellings():
     assert not config.exit_signal_handler
     assert config.exit_signals == "SIGTERM,SIGUSR1,SIGHUP"
     assert parse("--distributed-timeout-minutes", "0.05").distributed_timeout.total_seconds() == 3
+    assert parse().orphan_grace_seconds == 30
+    assert parse("--orphan-grace-seconds", "0").orphan_grace_seconds == 0
 
 
 @pytest.mark.parametrize(
@@ -49,6 +51,8 @@ def test_flags_defaults_and_spellings():
         (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins: must be > 0, got 0.0"),
         (["--distributed-timeout-minutes", "-1"], "--distributed-timeout-minutes: must be > 0"),
         (["--filesystem-timeout-minutes", "0"], "--filesystem-timeout-minutes: must be > 0"),
+        (["--orphan-grace-seconds", "-1"], "--orphan-grace-seconds: must be a number of seconds"),
+        (["--orphan-grace-seconds", "inf"], "--orphan-grace-seconds: .* got inf"),
         (["--filesystem-timeout-minutes", "nan"], "--filesystem-timeout-minutes: must be > 0"),
         (
             ["--filesystem-timeout-minutes", "1e13"],
@@ -325,6 +329,57 @@ def test_a_rank_stops_when_its_launcher_dies(tmp_path, mode, launched_by):
         assert lines[1:] == [f"rank.py: error: rank 0: {gone} during data set-up; exiting"]
     else:  # no handler: the kernel's SIGTERM ends the rank at once
         assert len(lines) == 1
+
+
+# A rank whose exit save takes SAVE_S seconds (a stalled peer in the real one).
+_SAVING_RANK = """
+    import os, time
+    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    config = ExitConfig(orphan_grace_seconds=1)
+    monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
+    monitor.install()
+    monitor.last_complete = lambda: "the last complete checkpoint is ckpt/iter_0000004"
+    print(os.getpid(), flush=True)
+    with monitor.deferred():
+        while not monitor.received:
+            time.sleep(0.01)
+        monitor.reason(monitor.local_flags())  # the loop answers with a save
+        with monitor.doing("the exit save of iteration 5"):
+            time.sleep(float(os.environ["SAVE_S"]))
+    print("saved and returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launcher_dies", [True, False])
+def test_a_rank_without_its_launcher_abandons_its_exit_save_after_the_grace(
+    tmp_path, launcher_dies
+):
+    out = tmp_path / "rank.out"
+    save_s = "600" if launcher_dies else "3"  # the living launcher's: longer than the grace
+    launcher = python(_LAUNCHER, textwrap.dedent(_SAVING_RANK), str(out), LOCAL_RANK="0",
+                      SAVE_S=save_s)  # fmt: skip
+    try:
+        wait_for(lambda: out.is_file() and out.read_text().endswith("\n"), timeout=30)
+        rank = int(out.read_text().split()[0])
+        if launcher_dies:
+            launcher.kill()  # kill -9: the kernel's SIGTERM asks for the exit
+        else:
+            os.kill(rank, signal.SIGTERM)
+        wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z", timeout=30)
+        assert launcher.poll() is None or launcher_dies
+    finally:
+        launcher.kill()
+        launcher.wait()
+    lines = out.read_text().splitlines()[1:]
+    if launcher_dies:  # before: in its save until the peer's timeout (10 or 60 min)
+        assert lines == [
+            f"rank.py: error: rank 0: launcher process {launcher.pid} (python) exited during "
+            "training; the exit save of iteration 5 was abandoned 1 s later "
+            "(--orphan-grace-seconds); the last complete checkpoint is ckpt/iter_0000004; "
+            "exiting"
+        ]
+    else:
+        assert lines == ["saved and returned"]
 
 
 # A launcher that hosts the rendezvous store (as torchrun's agent does) and reports its
