@@ -3,7 +3,7 @@
 * ZeRO 0/1/2/3 x fp32/bf16 train a small model through the real loop (Trainer), the loss
   goes down, and a run resumed from the checkpoint of step 3 logs exactly (bitwise) the
   losses, learning rates and gradient norms of the uninterrupted run for steps 4-6.
-(tp=2 x dp=2 with ZeRO-2 on tiny TACO, against tp=1: tests/distributed/test_tp_dp_training.py.)
+(tp=2 x dp=2 with ZeRO-2 on tiny TACO and SAS, against tp=1: test_tp_dp_training.py.)
 """
 
 from __future__ import annotations
