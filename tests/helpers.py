@@ -292,6 +292,121 @@ def build_sas(config, seed: int = 0, rng_tracker=None):
 
 
 # ---------------------------------------------------------------------------------------
+# Tiny pretraining runs through the real Trainer and DeepSpeed engine
+
+
+# Above 128: at tp=2 the vocabulary is padded to 256 and both shards hold real tokens (at 97
+# rank 1's would be all padding, and its half of the vocabulary-parallel code untested).
+RUN_VOCAB = 200
+
+
+class TinySamples(torch.utils.data.Dataset):
+    """Eight distinct [CLS] ... [SEP] samples of lengths 20..SEQ, repeated: a model memorises
+    them, so the loss falls within a few steps. What TacoMaskingCollator and SasCollator
+    read."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> dict:
+        rng = np.random.default_rng(i % 8)
+        length = int(rng.integers(20, SEQ + 1))
+        tokens = np.zeros(SEQ, dtype=np.int64)
+        tokens[0], tokens[length - 1] = 2, 3
+        tokens[1 : length - 1] = rng.integers(5, RUN_VOCAB, length - 2)
+        special = np.zeros(SEQ, dtype=bool)
+        special[[0, length - 1]] = True
+        special[length:] = True
+        return {
+            "tokens": tokens,
+            "length": length,
+            "word_starts": np.arange(SEQ) < length,
+            "special": special,
+            "sentence_ids": np.zeros(SEQ, dtype=np.int64),
+            "index": i % 8,
+        }
+
+
+def _tiny_model_and_collator(model: str, parallel, tracker):
+    """Tiny TACO or SAS (SAS: the paper's model, its first epoch: uniform cold-start
+    replacements, no self-augmentation) and its collator, for TinySamples. Dropout off: at
+    tp=2 each rank draws its heads' attention-dropout masks, which tp=1 cannot draw alike."""
+    if model == "taco":
+        from megatron_taco.data.taco_collator import TacoMaskingCollator
+
+        config = tiny_config(max_position_embeddings=SEQ, max_relative_distance=SEQ - 1,
+                             hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+        config = config.with_vocab_size(RUN_VOCAB)
+        collator = TacoMaskingCollator(mask_id=4, pad_id=0, vocab_size=RUN_VOCAB, seq_length=SEQ,
+                                       seed=3)  # fmt: skip
+        return TacoForPretraining(config, parallel, tracker), collator
+    from megatron_taco.data.sas_collator import (
+        ReplacementConfig,
+        SasCollator,
+        cold_start_probs,
+        make_cold_start,
+    )
+    from megatron_taco.models.sas.model import SasForPretraining
+
+    config = tiny_sas_config(max_position_embeddings=SEQ, hidden_dropout=0.0,
+                             attention_dropout=0.0).with_vocab_size(RUN_VOCAB)  # fmt: skip
+    replacement = ReplacementConfig(cold_start="uniform")
+    probs = cold_start_probs(replacement, [], [], np.arange(RUN_VOCAB) < 5)
+    source = make_cold_start(replacement, probs, 3, mask_id=4)
+    collator = SasCollator(pad_id=0, seq_length=SEQ, seed=3, config=replacement, source=source,
+                           fixed_positions=False)  # fmt: skip
+    return SasForPretraining(config, parallel, tracker), collator
+
+
+def train_tiny(model: str, parallel, tmp: str, ds_file: str, *, device_type: str = "cpu",
+               **training) -> tuple[Any, list[dict]]:  # fmt: skip
+    """Tiny ``model`` ("taco" or "sas") on TinySamples through the real Trainer and
+    DeepSpeed engine (``ds_file``: a ds_configs JSON) at ``parallel``'s tp x dp, on this
+    rank's GPU with ``device_type="cuda"`` (fp32 matmuls there: no TF32). ``training``:
+    TrainingConfig values over the defaults here. The model is the same full model whatever
+    tp is (parallel/layers.py); masking and replacements are seeded per sample, so the
+    batches depend only on the global batch. Returns (DeepSpeed engine, rank 0's logged
+    records; None on the other ranks)."""
+    from megatron_taco.parallel.random import model_parallel_seed
+    from megatron_taco.training.checkpointing import TrainingState
+    from megatron_taco.training.config import (
+        TrainingConfig,
+        load_deepspeed_json,
+        resolve_deepspeed_config,
+    )
+    from megatron_taco.training.engine import apply_numerics, initialize_engine
+    from megatron_taco.training.logging import TrainingLogger
+    from megatron_taco.training.loop import PretrainTask, Trainer
+
+    values = dict(
+        micro_batch_size=2, lr=3e-3, lr_warmup_iters=1, lr_decay_style="constant", log_interval=1,
+        eval_iters=0, progress_bar=False, tf32=False, metrics_file=os.path.join(tmp, "run.jsonl"),
+    )  # fmt: skip
+    values.update(training)
+    config = TrainingConfig(**values)
+    apply_numerics(config)
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tracker = model_parallel_seed(1234, parallel, device=device)
+    network, collator = _tiny_model_and_collator(model, parallel, tracker)
+    settings = resolve_deepspeed_config(config, parallel.dp_size, device_type=device_type,
+                                        ds_json=load_deepspeed_json(ds_file))  # fmt: skip
+    engine = initialize_engine(network, config, settings, parallel)
+    logger = TrainingLogger(rank=parallel.rank, train_iters=config.train_iters,
+                            metrics_file=config.metrics_file, progress_bar=False)  # fmt: skip
+    task = PretrainTask(
+        model=network, collate_fn=collator, train_dataset=TinySamples(), tokens_per_sample=SEQ
+    )
+    Trainer(engine, parallel, config, task, logger, seed=3, rng_tracker=tracker).train(
+        TrainingState()
+    )
+    logger.close()
+    records = read_metrics(config.metrics_file) if parallel.rank == 0 else None
+    return engine.engine, records
+
+
+# ---------------------------------------------------------------------------------------
 # Real launchers (deepspeed, torchrun, plain python) from the venv running the tests
 
 REPO = Path(__file__).resolve().parents[1]

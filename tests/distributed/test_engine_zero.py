@@ -3,12 +3,11 @@
 * ZeRO 0/1/2/3 x fp32/bf16 train a small model through the real loop (Trainer), the loss
   goes down, and a run resumed from the checkpoint of step 3 logs exactly (bitwise) the
   losses, learning rates and gradient norms of the uninterrupted run for steps 4-6.
-* tp=2 x dp=2 with ZeRO-2 trains the tiny TACO; the data-parallel replicas stay identical.
+(tp=2 x dp=2 with ZeRO-2 on tiny TACO and SAS, against tp=1: test_tp_dp_training.py.)
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -17,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_taco.parallel.random import model_parallel_seed
 from megatron_taco.parallel.state import init_parallel
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.checkpointing import (
@@ -270,92 +268,6 @@ def test_zero1_bf16_logs_the_global_gradient_norm(zero_results):
     # Strict: once fixed this passes, and KNOWN_MISMATCHES must lose its entry.
     bad, _ = zero_mismatches(_full_runs(zero_results), known=set())
     assert not bad, bad[:10]
-
-
-def _taco_worker(rank, world_size, tmp):
-    from megatron_taco.data.taco_collator import TacoMaskingCollator
-    from megatron_taco.models.taco.config import TacoConfig
-    from megatron_taco.models.taco.model import TacoForPretraining
-
-    parallel = init_parallel(2)
-    assert (parallel.tp_size, parallel.dp_size) == (2, 2)
-    tracker = model_parallel_seed(1234, parallel, device="cpu")
-    config = TacoConfig.preset(
-        "tiny", vocab_size=100, max_position_embeddings=32, max_relative_distance=31
-    )
-    model = TacoForPretraining(config, parallel, tracker)
-    seq = 32
-
-    class Samples(torch.utils.data.Dataset):
-        # Eight distinct samples repeated: the model can memorise them, so the loss falls.
-        def __len__(self):
-            return 1000
-
-        def __getitem__(self, i):
-            rng = np.random.default_rng(i % 8)
-            length = int(rng.integers(20, seq + 1))
-            tokens = np.zeros(seq, dtype=np.int64)
-            tokens[0], tokens[length - 1] = 2, 3
-            tokens[1 : length - 1] = rng.integers(5, 100, length - 2)
-            special = np.zeros(seq, dtype=bool)
-            special[[0, length - 1]] = True
-            special[length:] = True
-            return {
-                "tokens": tokens,
-                "length": length,
-                "word_starts": np.arange(seq) < length,
-                "special": special,
-                "sentence_ids": np.zeros(seq, dtype=np.int64),
-                "index": i % 8,
-            }
-
-    collator = TacoMaskingCollator(mask_id=4, pad_id=0, vocab_size=100, seq_length=seq, seed=3)
-    training = TrainingConfig(
-        train_iters=8,
-        micro_batch_size=2,
-        global_batch_size=4,
-        lr=3e-3,
-        lr_warmup_iters=1,
-        lr_decay_style="constant",
-        log_interval=1,
-        eval_iters=0,
-        progress_bar=False,
-        metrics_file=os.path.join(tmp, "taco.jsonl"),
-    )
-    settings = resolve_deepspeed_config(
-        training,
-        parallel.dp_size,
-        device_type="cpu",
-        ds_json=load_deepspeed_json(str(DS_CONFIGS / "zero2_fp32.json")),
-    )
-    assert settings.zero_stage == 2
-    engine = initialize_engine(model, training, settings, parallel)
-    logger = TrainingLogger(
-        rank=rank, train_iters=8, metrics_file=training.metrics_file, progress_bar=False
-    )
-    task = PretrainTask(
-        model=model, collate_fn=collator, train_dataset=Samples(), tokens_per_sample=seq
-    )
-    Trainer(engine, parallel, training, task, logger, seed=3).train(TrainingState())
-    logger.close()
-    params = {
-        n: p.detach().double().sum().item() for n, p in engine.engine.module.named_parameters()
-    }
-    losses = [r["loss"] for r in read_metrics(training.metrics_file)] if rank == 0 else None
-    return {"params": params, "losses": losses}
-
-
-def test_tp2_dp2_zero2_trains_tiny_taco(tmp_path):
-    results = run_distributed(_taco_worker, 4, str(tmp_path), timeout=600)
-    losses = results[0]["losses"]
-    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
-    # DP replicas (same TP rank): ranks {0, 2} and {1, 3} hold identical shards.
-    for a, b in ((0, 2), (1, 3)):
-        assert results[a]["params"] == results[b]["params"]
-    # TP ranks hold different shards of the split weights.
-    assert results[0]["params"] != results[1]["params"]
-    lines = [json.loads(x) for x in Path(tmp_path, "taco.jsonl").read_text().splitlines()]
-    assert all(rec["split"] == "train" for rec in lines)
 
 
 def _edge_worker(rank, world_size, tmp):
