@@ -222,18 +222,12 @@ ZERO_RTOL = {
     ("bf16", "loss"): 2e-2, ("bf16", "grad_norm"): 5e-2,
 }  # fmt: skip
 ZERO_KEYS = ("loss", "grad_norm")
-# Found by this comparison (issue 28), not fixed yet: at ZeRO-1 bf16 (DeepSpeed's
-# BF16_Optimizer) the logged gradient norm is 0.83x everyone else's at data parallel 2 from
-# iteration 1 on (0.3738 vs 0.4494), while its losses equal ZeRO-2 bf16's: the norm DeepSpeed
-# reports (get_global_grad_norm) looks like this rank's partition's only.
-KNOWN_MISMATCHES = {("zero1_bf16", "grad_norm")}
 
 
-def zero_mismatches(full_runs: dict[str, dict[int, dict]], reference: str = "zero0_fp32",
-                    known=KNOWN_MISMATCHES):  # fmt: skip
+def zero_mismatches(full_runs: dict[str, dict[int, dict]], reference: str = "zero0_fp32"):
     """(relative difference, config, iteration, key) beyond ZERO_RTOL for every config's
-    train records (iteration -> record) against ``reference``'s, leaving out the ``known``
-    (config, key) pairs, and the largest difference per precision and key (for the report)."""
+    train records (iteration -> record) against ``reference``'s, and the largest difference
+    per precision and key (for the report)."""
     ref = full_runs[reference]
     bad, largest = [], {}
     for name, records in full_runs.items():
@@ -241,8 +235,6 @@ def zero_mismatches(full_runs: dict[str, dict[int, dict]], reference: str = "zer
         assert sorted(records) == sorted(ref), (name, sorted(records))
         for it, record in records.items():
             for key in ZERO_KEYS:
-                if (name, key) in known:
-                    continue
                 want, got = ref[it][key], record[key]
                 err = abs(got - want) / abs(want)
                 what = f"{precision} {key}"  # a string: the GPU report is JSON
@@ -263,13 +255,17 @@ def test_zero_stages_agree_with_each_other_and_with_fp32(zero_results):
     assert not bad, bad[:10]
     # Iteration 1 (lr 0): one forward, the same in every fp32 config.
     assert len({full[f"zero{s}_fp32"][1]["loss"] for s in (0, 1, 2, 3)}) == 1
-
-
-@pytest.mark.xfail(strict=True, reason="ZeRO-1 bf16 logs a gradient norm 0.83x the others'")
-def test_zero1_bf16_logs_the_global_gradient_norm(zero_results):
-    # Strict: once fixed this passes, and KNOWN_MISMATCHES must lose its entry.
-    bad, _ = zero_mismatches(_full_runs(zero_results), known=set())
-    assert not bad, bad[:10]
+    # ZeRO-1 bf16 (BF16_Optimizer) and ZeRO-2 bf16 (DeepSpeedZeroOptimizer) sum the same bf16
+    # gradients in fp32 and average them in fp32: the same steps, so a tolerance far below
+    # bf16's: measured 1.4e-7 on CPU (the two norms' float32 sums). The loop once logged for
+    # ZeRO-1 bf16 the norm of one rank's last micro-batch's .grad: 0.17 (and more) off.
+    diff = max(
+        abs(full["zero1_bf16"][it][key] - want) / abs(want)
+        for it, record in full["zero2_bf16"].items()
+        for key, want in ((k, record[k]) for k in ZERO_KEYS)
+    )
+    print(f"ZeRO-1 bf16 against ZeRO-2 bf16: {diff:.2e}")
+    assert diff <= 1e-6
 
 
 def _taco_worker(rank, world_size, tmp):
