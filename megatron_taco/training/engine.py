@@ -209,6 +209,19 @@ def gradient_norm(model: nn.Module, parallel: ParallelState) -> torch.Tensor:
     return total.sqrt()
 
 
+def reports_grad_norm(optimizer) -> bool:
+    """Whether DeepSpeed reports the step's gradient norm (``get_global_grad_norm``): its own
+    optimizer wrappers do; around a plain torch optimizer (ZeRO-0 fp32) it computes the norm
+    to clip and discards it. Told by class: BF16_Optimizer (zero1_bf16) sets
+    ``_global_grad_norm`` only in its first step (DeepSpeed 0.19 bf16_optimizer.py:400), not
+    at construction as the other wrappers do, and its parameters' ``.grad`` holds only this
+    rank's last micro-batch (the sum and the data-parallel average are in its fp32 buffers),
+    so a norm of ``.grad`` there is not the step's."""
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+    return isinstance(optimizer, DeepSpeedOptimizer)
+
+
 def unscaled_grad_norm(optimizer, norm: float | None, loss_scale: float) -> float | None:
     """The gradient norm to log, from DeepSpeed's report and the loss scale of the step's
     backward. DeepSpeed's FP16_UnfusedOptimizer (fp16 at ZeRO-0 around an optimizer it does not

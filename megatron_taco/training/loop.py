@@ -33,7 +33,13 @@ from megatron_taco.parallel.state import ParallelState
 from megatron_taco.training.callbacks import Callback, CallbackList
 from megatron_taco.training.checkpointing import RunError, TrainingState, save_checkpoint
 from megatron_taco.training.config import TrainingConfig
-from megatron_taco.training.engine import Engine, gradient_norm, to_device, unscaled_grad_norm
+from megatron_taco.training.engine import (
+    Engine,
+    gradient_norm,
+    reports_grad_norm,
+    to_device,
+    unscaled_grad_norm,
+)
 from megatron_taco.training.logging import TrainingLogger
 from megatron_taco.training.monitor import EvaluationStatistics, LearningMonitor
 from megatron_taco.training.peaks import device_peak, mfu
@@ -206,9 +212,7 @@ class Trainer:
                 f"samples_per_epoch {spe} must be a positive multiple of the global batch size "
                 f"{self.global_batch_size}"
             )
-        # DeepSpeed reports the gradient norm from its ZeRO/mixed-precision optimizers only;
-        # with a plain torch optimizer (ZeRO 0, fp32) it computes and discards it.
-        self._own_grad_norm = not hasattr(self.ds.optimizer, "_global_grad_norm")
+        self._own_grad_norm = not reports_grad_norm(self.ds.optimizer)
         self._host_buffer: torch.Tensor | None = None  # _host_values' staging buffer
         # The first DATA_FAULT line of this iteration's batches (this rank's), stopping
         # every rank at the iteration's end.
