@@ -66,10 +66,14 @@ def test_gpu_test_without_the_dependencies_stops_in_one_line(tmp_path):
     assert not report.exists() and not (tmp_path / "site").exists()  # nothing ran
 
 
+# A wheelhouse's Python other than the one running the tests (which may be the nodes' 3.12).
+OTHER_PYTHON = f"3.{sys.version_info[1] + 1}"
+
+
 @pytest.mark.parametrize(
     "python_version,torch_version,cuda,gpus,says",
     [
-        ("3.12", "2.11.0+cu130", "13.0", 1, "holds wheels for Python 3.12, "),
+        (OTHER_PYTHON, "2.11.0+cu130", "13.0", 1, f"holds wheels for Python {OTHER_PYTHON}, "),
         (None, "2.5.1+cu124", "12.4", 1, "torch 2.5.1+cu124 is older than 2.6"),
         (None, "2.11.0+cpu", None, 0, "torch 2.11.0+cpu is a CPU build (no CUDA)"),
         # CUDA's build on a machine without a GPU (every test would skip, and "pass").
