@@ -12,8 +12,9 @@ where it has them; DeepSpeed built here as a pure-Python wheel (DS_BUILD_OPS=0).
 checks with pip's resolver, offline, that the wheelhouse installs on top of the installed list
 (each installed package stood in for by an empty wheel of its name and version) and prints the
 size. ``check`` runs on the target before anything is installed: its Python and platform
-against the wheelhouse's, torch >= 2.6 with CUDA and a GPU it sees; ``deps`` after the wheelhouse is on the
-path: requirements/gpu.txt met. One line and exit status 2 when something is wrong.
+against the wheelhouse's, torch >= 2.6 with CUDA and a GPU it sees; ``deps`` after the
+wheelhouse is on the path: requirements/gpu.txt met. One line and exit status 2 when
+something is wrong. ``rehearsal`` writes the requirements of `make gpu-rehearsal`.
 """
 
 from __future__ import annotations
