@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv system-deps test demo lint format clean bench gpu-test gpu-wheels
+.PHONY: venv system-deps test demo lint format clean bench gpu-test gpu-wheels gpu-rehearsal
 
 venv: $(STAMP)
 
@@ -56,7 +56,8 @@ bench: venv
 	$(PY) benchmarks/run_all.py
 
 # The GPU tier (tests/gpu; docs/gpus.md). `make gpu-test` runs where $(GPU_PYTHON) (default
-# python3 on PATH) already has torch's CUDA build (>= 2.6). It checks that first, and that
+# python3 on PATH) already has torch's CUDA build (>= 2.6) and sees a GPU. It checks that first
+# (else every test would skip and the run pass), and that
 # $(GPU_WHEELS), when there, was built for its Python and platform; installs those wheels
 # with --no-deps into the private folder $(GPU_SITE), first on PYTHONPATH with the tree
 # (nothing of the machine's own packages is replaced, no package install, no bundled mpirun);
@@ -87,6 +88,47 @@ gpu-test:
 	PYTHONPATH=$(CURDIR)/$(GPU_SITE):$(CURDIR) GPU_REPORT_DIR=$(GPU_REPORT) \
 	    $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider tests/gpu; \
 	    status=$$?; echo "gpu-test: report in $(GPU_REPORT)/report.md"; exit $$status
+
+# A rehearsal on CPU of the lent nodes' stack (docs/gpus.md; not part of `make test`): a venv
+# of $(GPU_REHEARSAL_PYTHON) with $(GPU_INSTALLED)'s versions from PyPI (torch's wheel there is
+# its CUDA build: with its CUDA libraries ~5 GiB), rebuilt when that list changes; the
+# wheelhouse built for it and installed as gpu-test does; the CPU tiers' other packages at
+# requirements/cpu.txt and dev.txt pins; then, one at a time, the CPU tests that touch
+# versioned APIs (torch, transformers, numpy, DeepSpeed) and the collection of tests/gpu.
+GPU_REHEARSAL ?= build/gpu_rehearsal
+GPU_REHEARSAL_PYTHON ?= python3.12
+GPU_REHEARSAL_TESTS ?= tests/unit \
+    tests/distributed/test_engine_zero.py tests/distributed/test_engine_device.py \
+    tests/distributed/test_taco_tp.py tests/distributed/test_sas_tp.py \
+    tests/e2e/test_export_hf.py tests/e2e/test_wordpiece.py tests/e2e/test_word_order_probe.py
+REHEARSAL_PY := $(GPU_REHEARSAL)/venv/bin/python
+REHEARSAL_ENV := PYTHONPATH=$(CURDIR)/$(GPU_REHEARSAL)/site:$(CURDIR) \
+    TORCH_EXTENSIONS_DIR=$(CURDIR)/$(GPU_REHEARSAL)/torch_extensions
+
+# The node's packages alone (no test extras yet): what the wheelhouse is built against.
+$(GPU_REHEARSAL)/installed.txt: $(GPU_INSTALLED)
+	rm -rf $(GPU_REHEARSAL)/venv && $(GPU_REHEARSAL_PYTHON) -m venv $(GPU_REHEARSAL)/venv
+	$(PY) tools/gpu_wheels.py rehearsal --installed $(GPU_INSTALLED) \
+	    --wheels /nonexistent --out $(GPU_REHEARSAL)
+	$(REHEARSAL_PY) -m pip install -q --only-binary=:all: -r $(GPU_REHEARSAL)/node.txt
+	$(REHEARSAL_PY) -m pip list --format=freeze > $@.tmp && mv $@.tmp $@
+
+gpu-rehearsal: venv $(GPU_REHEARSAL)/installed.txt
+	$(PY) tools/gpu_wheels.py build --platform $(GPU_TARGET_PLATFORM) \
+	    --python-version $$($(REHEARSAL_PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])') \
+	    --installed $(GPU_REHEARSAL)/installed.txt --out $(GPU_REHEARSAL)/wheels
+	$(PY) tools/gpu_wheels.py rehearsal --installed $(GPU_INSTALLED) \
+	    --wheels $(GPU_REHEARSAL)/wheels --out $(GPU_REHEARSAL)
+	$(REHEARSAL_PY) -m pip install -q --only-binary=:all: -r $(GPU_REHEARSAL)/extras.txt \
+	    -c $(GPU_REHEARSAL)/node.txt
+	$(REHEARSAL_PY) -m pip install -q --no-deps $(LLAMA_INDEX_CORE)
+	rm -rf $(GPU_REHEARSAL)/site && $(REHEARSAL_PY) -m pip install -q --no-index --no-deps \
+	    --target $(GPU_REHEARSAL)/site $(GPU_REHEARSAL)/wheels/*.whl
+	$(REHEARSAL_ENV) $(REHEARSAL_PY) tools/gpu_wheels.py deps
+	$(REHEARSAL_ENV) $(REHEARSAL_PY) -m pytest -qq -p no:cacheprovider --collect-only tests/gpu
+	status=0; for t in $(GPU_REHEARSAL_TESTS); do echo "gpu-rehearsal: $$t"; \
+	    $(REHEARSAL_ENV) $(REHEARSAL_PY) -m pytest -q -p no:cacheprovider $$t || status=1; \
+	done; exit $$status
 
 clean:
 	rm -rf build demo_output .pytest_cache

@@ -165,6 +165,25 @@ def run_in_process(fn: Callable, *args: Any, timeout: float = 600) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
+# Versions
+
+
+def needs_version(package: str, minimum: str, why: str):
+    """A skipif mark for a test that fails with ``package`` older than ``minimum`` (the lent
+    GPU nodes' stack is older than this repository's; docs/gpus.md), giving the reason."""
+    import importlib.metadata
+
+    import pytest
+    from packaging.version import Version
+
+    have = importlib.metadata.version(package)
+    return pytest.mark.skipif(
+        Version(Version(have).public) < Version(minimum),
+        reason=f"needs {package} >= {minimum} (here {have}): {why}",
+    )
+
+
+# ---------------------------------------------------------------------------------------
 # GPUs (tests/gpu)
 
 

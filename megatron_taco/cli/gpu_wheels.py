@@ -12,8 +12,9 @@ where it has them; DeepSpeed built here as a pure-Python wheel (DS_BUILD_OPS=0).
 checks with pip's resolver, offline, that the wheelhouse installs on top of the installed list
 (each installed package stood in for by an empty wheel of its name and version) and prints the
 size. ``check`` runs on the target before anything is installed: its Python and platform
-against the wheelhouse's, torch >= 2.6 with CUDA; ``deps`` after the wheelhouse is on the
-path: requirements/gpu.txt met. One line and exit status 2 when something is wrong.
+against the wheelhouse's, torch >= 2.6 with CUDA and a GPU it sees; ``deps`` after the
+wheelhouse is on the path: requirements/gpu.txt met. One line and exit status 2 when
+something is wrong. ``rehearsal`` writes the requirements of `make gpu-rehearsal`.
 """
 
 from __future__ import annotations
@@ -249,6 +250,11 @@ def check_target(wheels: Path) -> int:
             problems.append(f"torch {torch.__version__} is older than {MIN_TORCH}")
         if torch.version.cuda is None:
             problems.append(f"torch {torch.__version__} is a CPU build (no CUDA)")
+        elif not torch.cuda.is_available():
+            # Else every test of the tier skips and the run "passes" having run nothing.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+            problems.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
+                            f"(CUDA_VISIBLE_DEVICES={visible})")  # fmt: skip
     if problems:
         print("gpu-test: " + "; ".join(problems) + " (docs/gpus.md)", file=sys.stderr)
         return 2
@@ -275,6 +281,29 @@ def check_dependencies() -> int:
     return 0
 
 
+# Come with torch's PyPI wheel, at its own pins, in the rehearsal (and are no test's concern).
+_WITH_TORCH = re.compile(r"(nvidia-.*|cuda-.*|triton)")
+
+
+def rehearsal_requirements(installed_file: Path, wheels: Path, out: Path) -> int:
+    """For `make gpu-rehearsal` (docs/gpus.md): ``node.txt``, the target's installed list as
+    PyPI has it (torch's public version, which brings its CUDA libraries and triton at its
+    own pins), and ``extras.txt``, what the CPU tiers need besides (requirements/cpu.txt and
+    dev.txt at their pins) that neither that list nor the wheelhouse ``wheels`` holds."""
+    installed = read_installed(installed_file)
+    node = [f"{n}=={v.public}" for n, v in installed.items() if not _WITH_TORCH.fullmatch(n)]
+    provided = set(installed) | {canonicalize_name(r.name) for r in read_requirements(NEEDS)}
+    provided |= {_wheel_name(w) for w in wheels.glob("*.whl")}
+    cpu = read_requirements(REPO / "requirements/cpu.txt") + read_requirements(
+        REPO / "requirements/dev.txt"
+    )
+    extras = [str(r) for r in cpu if canonicalize_name(r.name) not in provided | {"ruff"}]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "node.txt").write_text("".join(f"{line}\n" for line in node))
+    (out / "extras.txt").write_text("".join(f"{line}\n" for line in extras))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -287,6 +316,11 @@ def main(argv=None) -> int:
     c = sub.add_parser("check", help="the GPU machine's preconditions")
     c.add_argument("--wheels", type=Path, default=REPO / "build/gpu_wheels")
     sub.add_parser("deps", help="requirements/gpu.txt met (after the wheelhouse is installed)")
+    r = sub.add_parser("rehearsal", help="requirements of the CPU rehearsal of the target")
+    r.add_argument("--installed", type=Path, default=REPO / "requirements/gpu_node_py312.txt",
+                   help="the target's pip list --format=freeze")  # fmt: skip
+    r.add_argument("--wheels", type=Path, default=REPO / "build/gpu_wheels")
+    r.add_argument("--out", type=Path, required=True, help="folder for node.txt, extras.txt")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
@@ -297,6 +331,8 @@ def main(argv=None) -> int:
             return build(args.python_version, args.platform, args.installed, args.out)
         if args.command == "deps":
             return check_dependencies()
+        if args.command == "rehearsal":
+            return rehearsal_requirements(args.installed, args.wheels, args.out)
         return check_target(args.wheels)
     except WheelError as e:
         print(f"gpu-wheels: {e}", file=sys.stderr)

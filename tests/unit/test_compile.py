@@ -13,7 +13,15 @@ import logging
 import pytest
 
 from megatron_taco.models.common import layers as common_layers
-from tests.helpers import build, build_sas, make_batch, make_sas_batch, tiny_config, tiny_sas_config
+from tests.helpers import (
+    build,
+    build_sas,
+    make_batch,
+    make_sas_batch,
+    needs_version,
+    tiny_config,
+    tiny_sas_config,
+)
 
 RTOL = 1e-10
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
@@ -44,8 +52,16 @@ def _assert_same(got, want) -> None:
         assert err <= RTOL * g.abs().max().item(), (name, err)
 
 
+# torch 2.11's inductor hands the CPU flash-attention backward a float32 logsumexp for float64
+# inputs ("expected scalar type Double but found Float"); 2.13 passes. Only float64 on CPU
+# (this test's precision) meets it: SAS's attention is SDPA, TACO's is not.
+OLD_INDUCTOR = needs_version("torch", "2.13", "float64 SDPA backward under torch.compile")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=[OLD_INDUCTOR] if k != "taco" else []) for k in MODELS]
+)
 def test_compiled_layers_equal_eager(kind):
     make, batch_fn = MODELS[kind]
     eager = make().double()

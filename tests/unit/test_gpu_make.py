@@ -2,7 +2,8 @@
 
 * On a machine whose python has torch but not the rest: one line naming what is missing and
   how to get it, before anything runs. A stub torch stands in for torch's CUDA build.
-* A wheelhouse built for another Python, or a CPU torch: one line, nothing installed.
+* A wheelhouse built for another Python, a CPU torch, or a CUDA torch that sees no GPU: one
+  line, nothing installed.
 * The wheelhouse for the lent GPU nodes (Python 3.12, manylinux_2_28_x86_64, the packages of
   requirements/gpu_node_py312.txt installed) is built from PyPI (skipped offline): pip's
   resolver installs it, offline, on top of that list; it stays under the 64 MiB carried.
@@ -29,14 +30,16 @@ def _make(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
                           text=True, timeout=900)  # fmt: skip
 
 
-def _stub_python(tmp_path: Path, version: str = "2.11.0+cu130", cuda: str = "13.0") -> Path:
-    """A python that imports a stub torch (``version``, CUDA ``cuda`` or a CPU build for None),
-    packaging (gpu_wheels.py's one dependency, on every machine with pip) and nothing else
-    of site-packages."""
+def _stub_python(tmp_path: Path, version: str = "2.11.0+cu130", cuda: str = "13.0",
+                 gpus: int = 1) -> Path:  # fmt: skip
+    """A python that imports a stub torch (``version``, CUDA ``cuda`` or a CPU build for None,
+    seeing ``gpus`` GPUs), packaging (gpu_wheels.py's one dependency, on every machine with
+    pip) and nothing else of site-packages."""
     stub = tmp_path / "stub"
     (stub / "torch").mkdir(parents=True)
     (stub / "torch" / "__init__.py").write_text(
         f"__version__ = {version!r}\nclass version:\n    cuda = {cuda!r}\n"
+        f"class cuda:\n    is_available = staticmethod(lambda: {gpus} > 0)\n"
     )
     shutil.copytree(Path(packaging.__file__).parent, stub / "packaging")
     python = tmp_path / "python"
@@ -63,16 +66,22 @@ def test_gpu_test_without_the_dependencies_stops_in_one_line(tmp_path):
     assert not report.exists() and not (tmp_path / "site").exists()  # nothing ran
 
 
+# A wheelhouse's Python other than the one running the tests (which may be the nodes' 3.12).
+OTHER_PYTHON = f"3.{sys.version_info[1] + 1}"
+
+
 @pytest.mark.parametrize(
-    "python_version,torch_version,cuda,says",
+    "python_version,torch_version,cuda,gpus,says",
     [
-        ("3.12", "2.11.0+cu130", "13.0", "holds wheels for Python 3.12, "),
-        (None, "2.5.1+cu124", "12.4", "torch 2.5.1+cu124 is older than 2.6"),
-        (None, "2.11.0+cpu", None, "torch 2.11.0+cpu is a CPU build (no CUDA)"),
+        (OTHER_PYTHON, "2.11.0+cu130", "13.0", 1, f"holds wheels for Python {OTHER_PYTHON}, "),
+        (None, "2.5.1+cu124", "12.4", 1, "torch 2.5.1+cu124 is older than 2.6"),
+        (None, "2.11.0+cpu", None, 0, "torch 2.11.0+cpu is a CPU build (no CUDA)"),
+        # CUDA's build on a machine without a GPU (every test would skip, and "pass").
+        (None, "2.11.0+cu130", "13.0", 0, "torch 2.11.0+cu130 (CUDA 13.0) sees no GPU"),
     ],
 )
 def test_gpu_test_checks_python_and_torch_first(
-    tmp_path, python_version, torch_version, cuda, says
+    tmp_path, python_version, torch_version, cuda, gpus, says
 ):
     here = "{}.{}".format(*sys.version_info[:2])
     wheels = tmp_path / "wheels"
@@ -80,7 +89,7 @@ def test_gpu_test_checks_python_and_torch_first(
     (wheels / "wheelhouse.json").write_text(json.dumps(
         {"python_version": python_version or here, "platform": "manylinux_2_28_x86_64"}
     ))  # fmt: skip
-    python = _stub_python(tmp_path, torch_version, cuda)
+    python = _stub_python(tmp_path, torch_version, cuda, gpus)
     res, lines, report = _gpu_test(tmp_path, python, wheels)
     assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
     assert says in lines[0]
@@ -162,3 +171,27 @@ def test_installed_list_reads_every_line_or_names_the_one_it_cannot(tmp_path, ca
         assert main(["build", "--installed", str(bad), "--out", str(tmp_path / "w")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"{bad} line 2" in err[0] and "pip list --format=freeze" in err[0]
+
+
+def test_rehearsal_requirements_are_the_nodes_list_and_what_the_tiers_add(tmp_path):
+    """`make gpu-rehearsal`: the node's list as PyPI has it (torch's CUDA libraries and
+    triton come at torch's own pins), and the CPU tiers' other packages at our pins, less
+    what the node or the wheelhouse already holds."""
+    from megatron_taco.cli.gpu_wheels import main, read_installed, read_requirements
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "ninja-1.13.2-py3-none-manylinux2014_x86_64.whl").write_bytes(b"")
+    node_list = REPO / "requirements/gpu_node_py312.txt"
+    assert main(["rehearsal", "--installed", str(node_list), "--wheels", str(wheels),
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    node = (tmp_path / "node.txt").read_text().splitlines()
+    assert "torch==2.11.0" in node and "transformers==5.17.0" in node
+    assert not [n for n in node if n.startswith(("nvidia-", "triton", "cuda-"))]
+    assert len(node) == len(read_installed(node_list)) - sum(
+        n.startswith(("nvidia-", "triton")) for n in read_installed(node_list)
+    )
+    extras = {r.name for r in read_requirements(tmp_path / "extras.txt")}
+    assert {"nltk", "megatron-core", "zstandard"} <= extras
+    # the node's, the wheelhouse's (ninja), requirements/gpu.txt's (deepspeed), and ruff
+    assert not extras & {"torch", "numpy", "transformers", "ninja", "deepspeed", "ruff"}
