@@ -253,8 +253,9 @@ def compare(args, runs: dict, points: list) -> int:
         flops = it * train_flops_per_iteration(VARIANTS[variant][0], s, tok.vocab_size)
         seconds = sas_train_seconds(os.path.join(folder, "metrics.jsonl"), it)
         add(f"SAS {name}", "pretrained", [de.Encoder(model.eval(), "SAS")], it, flops, seconds)
-        add(f"SAS {name}", f"random x{len(randoms)}", [de.Encoder(m, "SAS") for m in randoms],
-            0, 0, 0)  # fmt: skip
+        if task is None or name == next(iter(runs)):  # fine-tuned once: the same twins
+            add(f"SAS {name}", f"random x{len(randoms)}",
+                [de.Encoder(m, "SAS") for m in randoms], 0, 0, 0)  # fmt: skip
         chosen = {"equal FLOPs": nearest(points, lambda q: q[0] * f_electra, flops)}
         if task is None:  # fine-tuning: the FLOPs match only (the grid is costly)
             chosen["equal time"] = nearest(points, lambda q: q[1], seconds)
@@ -345,7 +346,7 @@ def classifier(enc: de.Encoder, seed: int):
 
 
 def finetune_run(enc: de.Encoder, task, lr: float, seed: int, epochs: int, batch: int):
-    """Dev accuracy after each epoch of one fine-tuning run."""
+    """(dev accuracy, mean training loss) after each epoch of one fine-tuning run."""
     from megatron_taco.training.optim import AnnealingLR
 
     (ids, mask, labels), dev = task
@@ -356,9 +357,10 @@ def finetune_run(enc: de.Encoder, task, lr: float, seed: int, epochs: int, batch
     sched = AnnealingLR(opt, max_lr=lr, min_lr=0.0, warmup_steps=round(0.1 * total),
                         decay_steps=total, decay_style="linear")  # fmt: skip
     rng = np.random.default_rng(seed)
-    accs = []
+    accs, losses = [], []
     for _ in range(epochs):
         model.train()
+        seen = []
         order = torch.from_numpy(rng.permutation(len(ids)))
         for k in range(len(ids) // batch):
             i = order[k * batch : (k + 1) * batch]
@@ -369,11 +371,13 @@ def finetune_run(enc: de.Encoder, task, lr: float, seed: int, epochs: int, batch
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
+            seen.append(loss.detach())
+        losses.append(float(torch.stack(seen).mean()))
         model.eval()
         with torch.no_grad():
             _, logits = step(*dev)
         accs.append(float((logits.argmax(-1) == dev[2]).double().mean()))
-    return accs
+    return accs, losses
 
 
 def select_lr(scores: dict) -> float:
@@ -388,15 +392,19 @@ def finetune_grid(encoders: list, task, args) -> dict:
     runs = {lr: [finetune_run(encoders[seed % len(encoders)], task, lr, seed, args.ft_epochs,
                               args.ft_batch) for seed in range(args.ft_seeds)]
             for lr in args.ft_lrs}  # fmt: skip
-    best = {lr: [max(r) for r in rs] for lr, rs in runs.items()}
+    best = {lr: [max(acc) for acc, _ in rs] for lr, rs in runs.items()}
     lr = select_lr(best)
     return {"epochs": {str(k): v for k, v in runs.items()},
-            "best_epoch": {str(k): v for k, v in best.items()}, "lr": lr,
-            "dev_acc": best[lr], "last_epoch_acc": [r[-1] for r in runs[lr]]}  # fmt: skip
+            "best_epoch": {str(k): v for k, v in best.items()}, "lr": lr, "dev_acc": best[lr],
+            "last_epoch_acc": [acc[-1] for acc, _ in runs[lr]],
+            "last_train_loss": [loss[-1] for _, loss in runs[lr]]}  # fmt: skip
 
 
 def ft_cell(ft: dict) -> str:
-    return f"lr {ft['lr']:g}: {de._ms(ft['dev_acc'])} (last epoch {de._ms(ft['last_epoch_acc'])})"
+    return (
+        f"lr {ft['lr']:g}: {de._ms(ft['dev_acc'])} (last epoch {de._ms(ft['last_epoch_acc'])}"
+        f", train loss {np.mean(ft['last_train_loss']):.3f})"
+    )
 
 
 def print_finetune_table(rows: list[dict]) -> None:
@@ -404,16 +412,17 @@ def print_finetune_table(rows: list[dict]) -> None:
     w = max(len(r["model"]) for r in rows)
     print(f"\n{'model':<{w}} {'init':<12} {'iter':>5} {'TFLOPs':>7} "
           + " ".join(f"{f'lr {float(lr):g} %':>13}" for lr in lrs)
-          + f" {'chosen lr':>9} {'dev acc %':>13} {'last epoch %':>13}")  # fmt: skip
+          + f" {'chosen lr':>9} {'dev acc %':>13} {'last epoch %':>13} {'train loss':>10}")  # fmt: skip
     for r in rows:
         ft = r["finetune"]
         print(f"{r['model']:<{w}} {r['init']:<12} {r['iteration']:>5} "
               f"{r['train_flops'] / 1e12:>7.2f} "
               + " ".join(f"{de._ms(ft['best_epoch'][lr]):>13}" for lr in lrs)
               + f" {ft['lr']:>9g} {de._ms(ft['dev_acc']):>13} "
-              f"{de._ms(ft['last_epoch_acc']):>13}")  # fmt: skip
+              f"{de._ms(ft['last_epoch_acc']):>13} {np.mean(ft['last_train_loss']):>10.3f}")  # fmt: skip
     print("\n(dev accuracy of the word-order task, mean ± std over the fine-tuning seeds: each "
-          "run's best epoch; the chosen lr is the one with the best mean)")  # fmt: skip
+          "run's best epoch; the chosen lr is the one with the best mean; train loss: its "
+          "runs' last epoch, mean)")  # fmt: skip
 
 
 def print_table(rows: list[dict]) -> None:

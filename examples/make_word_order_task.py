@@ -61,8 +61,9 @@ def shuffle_words(sentence: str, rng: np.random.Generator) -> str:
 CORRUPTIONS = {"swap": (swap_adjacent, "swapped"), "shuffle": (shuffle_words, "shuffled")}
 
 
-def train_dev_rows(sentences: list[str], corruption: str, rng: np.random.Generator,
-                   both_forms: bool = False) -> dict[str, list[tuple[str, str]]]:
+def train_dev_rows(
+    sentences: list[str], corruption: str, rng: np.random.Generator, both_forms: bool = False
+) -> dict[str, list[tuple[str, str]]]:
     """{"train", "dev"}: (text, label) rows, a fifth of them dev. Each sentence once, as it
     is or corrupted, half and half; ``both_forms``: each sentence in both forms, the
     sentences (not the rows) split, so that no dev sentence is seen in training."""
