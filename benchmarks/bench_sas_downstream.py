@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--finetune", action="store_true",
                    help="Fine-tune every encoder on the word-order task instead of the "
                    "zero-shot and probe evaluations.")  # fmt: skip
+    p.add_argument("--ft-corruption", choices=("swap", "shuffle"), default="swap",
+                   help="The task's corrupted form (make_word_order_task.py's --corruption).")  # fmt: skip
     p.add_argument("--ft-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
     p.add_argument("--ft-seeds", type=int, default=3)
     p.add_argument("--ft-epochs", type=int, default=10)
@@ -216,9 +218,10 @@ def compare(args, runs: dict, points: list) -> int:
     if len(sentences) > args.sentences:
         sentences = [sentences[i] for i in
                      sorted(rng.choice(len(sentences), args.sentences, replace=False))]  # fmt: skip
-    task = finetune_task(tok, sentences, args.seq_length) if args.finetune else None
+    task = (finetune_task(tok, sentences, args.seq_length, args.ft_corruption)
+            if args.finetune else None)  # fmt: skip
     if task is not None:
-        print(f"word-order fine-tuning: {len(task[0][0])} train, {len(task[1][0])} dev rows; "
+        print(f"word-order ({args.ft_corruption}) fine-tuning: {len(task[0][0])} train, {len(task[1][0])} dev rows; "
               f"lrs {args.ft_lrs} x {args.ft_seeds} seeds, {args.ft_epochs} epochs of "
               f"{args.ft_batch}")  # fmt: skip
         if len(task[0][0]) < args.ft_batch or not len(task[1][0]):
@@ -294,19 +297,19 @@ def nearest(points: list, measure, target: float):
 # ---------------------------------------------------------------------------------------
 # --finetune
 
-LABELS = {"original": 0, "swapped": 1}
 
-
-def finetune_task(tok, sentences: list[str], seq_length: int, seed: int = 0):
+def finetune_task(tok, sentences: list[str], seq_length: int, corruption: str = "swap",
+                  seed: int = 0):  # fmt: skip
     """((ids, mask, labels) of train, of dev): the word-order task, each sentence in both
-    forms, rows longer than ``seq_length`` pieces ([CLS] and [SEP] included) left out."""
+    forms (label 0 the original), rows longer than ``seq_length`` pieces ([CLS] and [SEP]
+    included) left out."""
     out = []
-    splits = train_dev_rows(sentences, "swap", np.random.default_rng(seed), both_forms=True)
+    splits = train_dev_rows(sentences, corruption, np.random.default_rng(seed), both_forms=True)
     for name in ("train", "dev"):
         encoded = de._encode(tok, [text for text, _ in splits[name]])
         keep = [i for i, r in enumerate(encoded) if len(r) <= seq_length]
         ids, mask, _ = de._pad([encoded[i] for i in keep] or [[tok.cls_id]], tok.pad_id)
-        labels = torch.tensor([LABELS[splits[name][i][1]] for i in keep], dtype=torch.long)
+        labels = torch.tensor([int(splits[name][i][1] != "original") for i in keep])
         out.append((ids[: len(keep)], mask[: len(keep)], labels))
     return tuple(out)
 
