@@ -12,9 +12,9 @@ every encoder fine-tuned end to end under a classification head on the held-out 
 task of examples/make_word_order_task.py (original vs two adjacent words swapped; each
 sentence in both forms, 80/20 train/dev by sentence), for each learning rate of --ft-lrs and
 --ft-seeds seeds, one recipe for all: AdamW (0.9, 0.999, eps 1e-6, no weight decay), warmup
-0.1 then linear decay to 0, gradient norm clipped at 1, dropout 0.1, --ft-epochs epochs of
---ft-batch (the clipping is ELECTRA's optimiser's); a run scores its best epoch's dev accuracy, and the learning rate whose mean
-over seeds is best is reported, mean and std over its seeds. SAS runs as our fine-tuning
+0.1 then linear decay to 0, gradient norm clipped at 1 (ELECTRA's optimiser), dropout 0.1,
+--ft-epochs epochs of --ft-batch; a run scores its best epoch's dev accuracy, and the
+learning rate whose mean over seeds is best is reported, mean and std over its seeds. SAS runs as our fine-tuning
 builds it (models/finetune.TaskModel, the encoder's weights taken by
 encoder_state_from_pretraining), ELECTRA as transformers' ElectraForSequenceClassification
 holding the discriminator's weights; one training loop runs both (our driver, a DeepSpeed
