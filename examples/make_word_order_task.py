@@ -61,6 +61,25 @@ def shuffle_words(sentence: str, rng: np.random.Generator) -> str:
 CORRUPTIONS = {"swap": (swap_adjacent, "swapped"), "shuffle": (shuffle_words, "shuffled")}
 
 
+def train_dev_rows(
+    sentences: list[str], corruption: str, rng: np.random.Generator, both_forms: bool = False
+) -> dict[str, list[tuple[str, str]]]:
+    """{"train", "dev"}: (text, label) rows, a fifth of them dev. Each sentence once, as it
+    is or corrupted, half and half; ``both_forms``: each sentence in both forms, the
+    sentences (not the rows) split, so that no dev sentence is seen in training."""
+    corrupt, label = CORRUPTIONS[corruption]
+    if both_forms:
+        order = rng.permutation(len(sentences))
+        n_dev = len(sentences) // 5
+        return {name: [row for i in idx for row in ((sentences[i], "original"),
+                                                   (corrupt(sentences[i], rng), label))]
+                for name, idx in (("dev", order[:n_dev]), ("train", order[n_dev:]))}  # fmt: skip
+    rows = [(corrupt(s, rng), label) if i % 2 else (s, "original") for i, s in enumerate(sentences)]
+    order = rng.permutation(len(rows))
+    n_dev = len(rows) // 5
+    return {"dev": [rows[i] for i in order[:n_dev]], "train": [rows[i] for i in order[n_dev:]]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-path", required=True)
@@ -77,18 +96,15 @@ def main() -> None:
     args = p.parse_args()
     rng = np.random.default_rng(args.seed)
     sentences = held_out_sentences(args.data_path, Tokenizer(args.tokenizer_model), args.split)
-    corrupt, label = CORRUPTIONS[args.corruption]
-    rows = [(corrupt(s, rng), label) if i % 2 else (s, "original") for i, s in enumerate(sentences)]
-    order = rng.permutation(len(rows))
-    n_dev = len(rows) // 5
+    splits = train_dev_rows(sentences, args.corruption, rng)
     os.makedirs(args.output, exist_ok=True)
-    for name, idx in (("dev", order[:n_dev]), ("train", order[n_dev:])):
+    for name, rows in splits.items():
         with open(os.path.join(args.output, f"{name}.tsv"), "w", encoding="utf-8") as f:
             f.write("sentence\tlabel\n")
-            f.writelines(f"{rows[i][0]}\t{rows[i][1]}\n" for i in idx)
+            f.writelines(f"{text}\t{label}\n" for text, label in rows)
     print(
-        f"word-order task (synthetic): {len(rows) - n_dev} train, {n_dev} dev sentences from "
-        f"the held-out documents of {args.data_path} -> {args.output}"
+        f"word-order task (synthetic): {len(splits['train'])} train, {len(splits['dev'])} dev "
+        f"sentences from the held-out documents of {args.data_path} -> {args.output}"
     )
 
 
