@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
@@ -202,6 +203,25 @@ def require_gpus(n: int) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < n:
         pytest.skip(f"needs {n} CUDA GPU(s), this machine has {count}")
+
+
+# ---------------------------------------------------------------------------------------
+# Numerics
+
+
+class ScatterDtypes(TorchDispatchMode):
+    """Records the dtype of every scatter_add the code runs: the accumulation dtype of the
+    relative-position row sums, which CPU kernels do not show in the values (they accumulate
+    a bf16 scatter_add_ in float32 whatever the output dtype; CUDA's bf16 atomics do not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.scatter_add_, torch.ops.aten.scatter_add):
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,20 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_taco.models.common.relative import c2p_backward, p2c_backward
-
-
-class ScatterDtypes(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.dtypes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.scatter_add_, torch.ops.aten.scatter_add):
-            self.dtypes.append(args[0].dtype)
-        return func(*args, **(kwargs or {}))
+from tests.helpers import ScatterDtypes
 
 
 @pytest.mark.parametrize("which", ["c2p", "p2c"])
