@@ -40,10 +40,10 @@ class Callback:
 
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
         """After the micro-batch's backward. A callback may add 0-d tensors to ``outputs``
-        (on the loss's device, under names of its own; CallbackList checks): the loop sums them with the model's over the log interval and the data-parallel
-        ranks and reads them in its one transfer at a logging step ("<name>_tokens": a
-        count per iteration, other names a mean per micro-batch), so a callback needs no
-        read of its own."""
+        (on the loss's device, under names of its own; CallbackList checks): the loop sums
+        them with the model's over the log interval and the data-parallel ranks and reads
+        them in its one transfer at a logging step ("<name>_tokens": a count per iteration,
+        other names a mean per micro-batch), so a callback needs no read of its own."""
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
         pass
