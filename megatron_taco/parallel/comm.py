@@ -73,7 +73,8 @@ def reduce_scatter_tensor(output: torch.Tensor, stacked: torch.Tensor, group=Non
     # elements): fold the rank dim into the next one.
     flat = _staged(stacked.flatten(0, 1) if output.dim() else stacked, group)
     staged = _staged(output, group)
-    dist.reduce_scatter_tensor(staged, flat, group=group)
+    # torch 2.13 renamed it (the old name warns on every rank); older torch has only the old.
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(staged, flat, group=group)
     if staged is not output:
         output.copy_(staged)
     return output

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 class Callback:
     name = "callback"  # key of this callback's state in checkpoints; unique per run
@@ -37,11 +39,11 @@ class Callback:
         """Before the first micro-batch of iteration ``state.iteration`` (0-based)."""
 
     def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
-        """After the micro-batch's backward. A callback may add 0-d tensors to ``outputs``:
-        the loop sums them with the model's over the log interval and the data-parallel
-        ranks and reads them in its one transfer at a logging step ("<name>_tokens": a
-        count per iteration, other names a mean per micro-batch), so a callback needs no
-        read of its own."""
+        """After the micro-batch's backward. A callback may add 0-d tensors to ``outputs``
+        (on the loss's device, under names of its own; CallbackList checks): the loop sums
+        them with the model's over the log interval and the data-parallel ranks and reads
+        them in its one transfer at a logging step ("<name>_tokens": a count per iteration,
+        other names a mean per micro-batch), so a callback needs no read of its own."""
 
     def on_epoch_end(self, trainer, state, epoch: int) -> None:
         pass
@@ -71,7 +73,7 @@ class CallbackList:
             raise ValueError(f"callback names must be unique, got {names}")
 
     def __getattr__(self, hook: str):
-        if not hook.startswith("on_") and hook != "after_micro_batch":
+        if not hook.startswith("on_"):
             raise AttributeError(hook)
 
         def call(*args, **kwargs) -> None:
@@ -79,6 +81,27 @@ class CallbackList:
                 getattr(callback, hook)(*args, **kwargs)
 
         return call
+
+    def after_micro_batch(self, trainer, state, batch: dict, outputs: dict) -> None:
+        # What a callback adds must be what the loop sums: anything else would be left out of
+        # the log without a word, replace a value the model logs, or (a CPU count beside CUDA
+        # sums) stop a GPU run at its first logging step. Host-side checks only.
+        device = outputs["loss"].device
+        for callback in self.callbacks:
+            before = dict(outputs)
+            callback.after_micro_batch(trainer, state, batch, outputs)
+            for key, value in outputs.items():
+                what = None
+                if key in before:
+                    if value is not before[key]:
+                        what = "over the model's value of that name (it would not be logged)"
+                elif not (torch.is_tensor(value) and value.dim() == 0):
+                    shape = tuple(getattr(value, "shape", ()))
+                    what = f"{type(value).__name__} {shape}, not a 0-d tensor"
+                elif value.device != device:
+                    what = f"a count on {value.device}, not {device} (the loss's device)"
+                if what is not None:
+                    raise TypeError(f"callback {callback.name!r} added {key!r}: {what}")
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -612,15 +612,21 @@ class ExitMonitor:
             self._abandon_when_overdue()
 
     def _check_links(self) -> None:
-        for child, parent in self._links:
+        for child, parent in list(self._links):
             stat = proc_stat(child)
             if stat is None or stat.ppid != parent:
                 # A process's children are re-parented the moment it exits.
                 name = self._names[parent]
                 self.launcher_gone = f"launcher process {parent} ({name}) exited"
-                self._gone_at = time.monotonic()
                 self._seen_in = self._seen_in or self.phase
+                if child != self._pid:
+                    # The deepspeed runner alone: an exit request, but the per-node launcher
+                    # above this rank lives and sets its save no deadline; watch it still.
+                    self._links.remove((child, parent))
+                    continue
+                self._gone_at = time.monotonic()  # the orphan grace starts
                 self._links = []
+                return
 
     def _wait_for_signal(self) -> None:
         if self._wakeup is None:

@@ -355,7 +355,9 @@ class Recorder(Callback):
         assert batch["tokens"].shape == (4, SEQ) and outputs["loss"].requires_grad
         self.micro_batches += 1
         # A count the loop sums over the interval and the data-parallel ranks for us.
-        outputs["recorded_tokens"] = torch.full((), batch["tokens"].numel())
+        outputs["recorded_tokens"] = torch.full(
+            (), batch["tokens"].numel(), device=outputs["loss"].device
+        )
 
     def on_epoch_end(self, trainer, state, epoch):
         self.events.append(("epoch_end", epoch, state.iteration))

@@ -18,7 +18,8 @@ OWNER = PACKAGE / "parallel" / "comm.py"
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
     "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
-    "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_gather_single", "scatter",
     "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "send_object_list", "recv_object_list", "all_reduce_coalesced", "all_gather_coalesced",
     "_all_gather_base", "_reduce_scatter_base", "all_gather_tensor",

@@ -382,6 +382,62 @@ def test_a_rank_without_its_launcher_abandons_its_exit_save_after_the_grace(
         assert lines == ["saved and returned"]
 
 
+# The deepspeed runner -> its per-node launcher -> a rank in its exit save (SAVE_S seconds),
+# asked for by the runner's death alone: the per-node launcher, its parent, lives.
+_RUNNER_SAVING_RANK = """
+    import os, time
+    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    config = ExitConfig(orphan_grace_seconds=1)
+    monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
+    monitor.install()
+    print("pid", os.getpid(), flush=True)
+    with monitor.deferred():
+        while not monitor.launcher_gone:
+            time.sleep(0.01)
+        monitor.reason(monitor.local_flags())  # the loop answers with a save
+        print("saving", flush=True)
+        with monitor.doing("the exit save of iteration 5"):
+            time.sleep(float(os.environ["SAVE_S"]))
+    print("saved and returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("then", ["launcher lives", "launcher dies"])
+def test_the_runners_death_alone_leaves_the_exit_save_to_the_living_launcher(tmp_path, then):
+    # The per-node launcher gives its ranks no deadline while it lives (it got no signal):
+    # the grace mirrors the SIGKILL of a launcher that is itself going, so it starts only
+    # when the rank's own launcher dies, and that death is still watched for.
+    out = tmp_path / "rank.out"
+    save_s = "4" if then == "launcher lives" else "600"
+    runner = python(_RUNNER, textwrap.dedent(_NODE_LAUNCHER), textwrap.dedent(_RUNNER_SAVING_RANK),
+                    str(out), SAVE_S=save_s)  # fmt: skip
+    launcher = None
+    try:
+        wait_for(lambda: "pid " in (out.read_text() if out.is_file() else ""), timeout=60)
+        rank = int(out.read_text().split("pid ")[1].split()[0])
+        launcher = proc_stat(rank).ppid
+        runner.kill()
+        wait_for(lambda: "saving" in out.read_text(), timeout=10)
+        if then == "launcher dies":
+            os.kill(launcher, signal.SIGKILL)
+        wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z", timeout=30)
+    finally:
+        runner.kill()
+        runner.wait()
+        if launcher is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launcher, signal.SIGKILL)
+    lines = out.read_text().splitlines()[2:]
+    if then == "launcher lives":  # before: abandoned 1 s after the runner's death
+        assert lines == ["saved and returned"]
+    else:
+        assert lines == [
+            f"rank.py: error: rank 0: launcher process {launcher} (python) exited during "
+            "training; the exit save of iteration 5 was abandoned 1 s later "
+            "(--orphan-grace-seconds); exiting"
+        ]
+
+
 # A launcher that hosts the rendezvous store (as torchrun's agent does) and reports its
 # rank's exit code; the rank connects and waits in C++, where no Python handler runs.
 _STORE_LAUNCHER = """
