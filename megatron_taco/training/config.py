@@ -735,6 +735,13 @@ def resolve_deepspeed_config(
             f"got {stage!r}"
         )
     _check_grad_accum_dtype(config, source, precision, stage)
+    if zero.get("compute_grad_norm", True) is False and training.clip_grad > 0:
+        # DeepSpeed would raise this inside the engine build, after the process group.
+        raise ConfigError(
+            f"--deepspeed-config: {source}: 'zero_optimization.compute_grad_norm' false leaves "
+            f"no norm to clip with: set --clip-grad 0 (then no gradient norm is logged or "
+            f"checked), or remove the key (--clip-grad is {training.clip_grad:g})"
+        )
     # Our optimizer is torch's AdamW (or apex FusedAdam), which ZeRO wraps fine but DeepSpeed
     # calls "untested" unless told otherwise.
     config["zero_allow_untested_optimizer"] = True

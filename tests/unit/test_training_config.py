@@ -285,12 +285,25 @@ def test_fp16_is_refused_on_cpu_only(tmp_path):
             "DeepSpeed supports only with ZeRO stage 1-3",
         ),
         ({"data_types": {"grad_accum_dtype": "fp33"}}, "'fp33' is not a dtype DeepSpeed knows"),
+        # DeepSpeed's ZeRO-1/2 optimizer raises ValueError in the engine build otherwise.
+        (
+            {"zero_optimization": {"stage": 2, "compute_grad_norm": False}},
+            r"'zero_optimization.compute_grad_norm' false leaves no norm to clip with: set "
+            r"--clip-grad 0 .* \(--clip-grad is 1\)",
+        ),
     ],
 )
 def test_bad_json_settings(tmp_path, data, match):
     path = write_json(tmp_path, data)
     with pytest.raises(ConfigError, match=match):
         resolve_deepspeed_config(cfg(deepspeed_config=path), 1, device_type="cuda")
+
+
+def test_no_norm_is_accepted_without_clipping(tmp_path):
+    path = write_json(tmp_path, {"zero_optimization": {"stage": 2, "compute_grad_norm": False}})
+    settings = resolve_deepspeed_config(cfg(deepspeed_config=path, clip_grad=0.0), 1,
+                                        device_type="cpu")  # fmt: skip
+    assert settings.config["zero_optimization"]["compute_grad_norm"] is False
 
 
 def test_missing_or_broken_json_names_the_flag(tmp_path):
