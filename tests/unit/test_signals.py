@@ -402,6 +402,24 @@ _RUNNER_SAVING_RANK = """
 """
 
 
+@contextlib.contextmanager
+def _launched_rank(runner, out):
+    """(rank PID, launcher PID) of the runner -> launcher -> rank tree ``runner`` started (the
+    rank prints "pid N" into ``out``); whatever is left of it is killed at the end."""
+    launcher = None
+    try:
+        wait_for(lambda: "pid " in (out.read_text() if out.is_file() else ""), timeout=60)
+        rank = int(out.read_text().split("pid ")[1].split()[0])
+        launcher = proc_stat(rank).ppid
+        yield rank, launcher
+    finally:
+        runner.kill()
+        runner.wait()
+        if launcher is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launcher, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("then", ["launcher lives", "launcher dies"])
 def test_the_runners_death_alone_leaves_the_exit_save_to_the_living_launcher(tmp_path, then):
     # The per-node launcher gives its ranks no deadline while it lives (it got no signal):
@@ -411,22 +429,12 @@ def test_the_runners_death_alone_leaves_the_exit_save_to_the_living_launcher(tmp
     save_s = "4" if then == "launcher lives" else "600"
     runner = python(_RUNNER, textwrap.dedent(_NODE_LAUNCHER), textwrap.dedent(_RUNNER_SAVING_RANK),
                     str(out), SAVE_S=save_s)  # fmt: skip
-    launcher = None
-    try:
-        wait_for(lambda: "pid " in (out.read_text() if out.is_file() else ""), timeout=60)
-        rank = int(out.read_text().split("pid ")[1].split()[0])
-        launcher = proc_stat(rank).ppid
+    with _launched_rank(runner, out) as (rank, launcher):
         runner.kill()
         wait_for(lambda: "saving" in out.read_text(), timeout=10)
         if then == "launcher dies":
             os.kill(launcher, signal.SIGKILL)
         wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z", timeout=30)
-    finally:
-        runner.kill()
-        runner.wait()
-        if launcher is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(launcher, signal.SIGKILL)
     lines = out.read_text().splitlines()[2:]
     if then == "launcher lives":  # before: abandoned 1 s after the runner's death
         assert lines == ["saved and returned"]
@@ -545,20 +553,10 @@ def test_a_rank_is_tied_to_its_launcher_before_its_flags_are_checked(tmp_path, d
     out = tmp_path / "rank.out"
     runner = python(_RUNNER, textwrap.dedent(_NODE_LAUNCHER), textwrap.dedent(_SLOW_START_RANK),
                     str(out))  # fmt: skip
-    launcher = None
-    try:
-        wait_for(lambda: "pid " in (out.read_text() if out.is_file() else ""), timeout=60)
-        rank = int(out.read_text().split("pid ")[1].split()[0])
-        launcher = proc_stat(rank).ppid
+    with _launched_rank(runner, out) as (rank, launcher):
         os.kill(launcher if dies == "launcher" else runner.pid, signal.SIGKILL)
         # The kernel's death signal (launcher) or the watchdog (runner), within seconds.
         wait_for(lambda: proc_stat(rank) is None or proc_stat(rank).state == "Z", timeout=10)
-    finally:
-        runner.kill()
-        runner.wait()
-        if launcher is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(launcher, signal.SIGKILL)
     who = launcher if dies == "launcher" else runner.pid
     lines = [line for line in out.read_text().splitlines() if ": error: " in line]
     assert lines == [
