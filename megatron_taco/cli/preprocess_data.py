@@ -16,12 +16,9 @@ from megatron_taco.arguments import (
     dataclass_from_args,
     program_name,
 )
-from megatron_taco.preprocessing.preprocess import (
-    PreprocessConfig,
-    PreprocessError,
-    PreprocessInterrupted,
-    preprocess,
-)
+from megatron_taco.preprocessing.config import PreprocessConfig, PreprocessError
+from megatron_taco.preprocessing.preprocess import preprocess
+from megatron_taco.preprocessing.staging import PreprocessInterrupted
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,14 +46,10 @@ from megatron_taco.data.tokenizer import (
     canonical_tokenizer_type,
     tokenizer_type_option,
 )
-from megatron_taco.preprocessing.corpora import (
-    FORMATS,
-    CorpusError,
-    Document,
-    detect_format,
-    expand_inputs,
-    iter_records,
-)
+from megatron_taco.preprocessing.corpora import iter_records
+from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
+from megatron_taco.preprocessing.readers import FORMATS
+from megatron_taco.preprocessing.records import CorpusError, Document
 from megatron_taco.preprocessing.text import (
     DEFAULT_SENTENCE_SPLITTER,
     SENTENCE_SPLITTERS,

@@ -1,4 +1,4 @@
-"""corpora.py on the realistic fixtures in tests/fixtures/corpora (see make_fixtures.py)."""
+"""Reading the corpora (corpora.py, readers.py, jsonl.py, tables.py, streams.py, inputs.py) on the realistic fixtures in tests/fixtures/corpora (see make_fixtures.py)."""
 
 import bz2
 import gzip
@@ -13,23 +13,19 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from megatron_taco.preprocessing import corpora
-from megatron_taco.preprocessing.corpora import (
-    FORMATS,
+from megatron_taco.preprocessing import jsonl, readers
+from megatron_taco.preprocessing.corpora import iter_raw, iter_records, parse_raw
+from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
+from megatron_taco.preprocessing.jsonl import iter_jsonl_blocks
+from megatron_taco.preprocessing.readers import FORMATS
+from megatron_taco.preprocessing.records import (
     SKIP_REASONS,
     CorpusError,
     Document,
     RawRecord,
     Skipped,
-    detect_format,
-    expand_inputs,
-    iter_jsonl_blocks,
-    iter_raw,
-    iter_records,
-    open_binary,
-    open_text,
-    parse_raw,
 )
+from megatron_taco.preprocessing.streams import open_binary, open_text
 
 CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 WIKI = CORPORA / "wikipedia" / "enwiki-20240101-pages-articles.xml"
@@ -217,7 +213,7 @@ def test_bookcorpus_lines_documents_split_on_blank_lines():
 
 def test_bookcorpus_lines_caps_document_length(monkeypatch):
     path = CORPORA / "bookcorpus" / "books_large_p1.txt"
-    monkeypatch.setattr(corpora, "BOOKCORPUS_MAX_LINES", 5)
+    monkeypatch.setattr(readers, "BOOKCORPUS_MAX_LINES", 5)
     docs, _, _ = read(path, "bookcorpus-lines")
     lines = [ln for ln in path.read_text().split("\n") if ln]
     assert all(d.text["text"].count("\n") < 5 for d in docs)
@@ -369,7 +365,7 @@ def test_jsonl_blocks_frame_exactly_like_iter_raw(rel):
 
 def test_jsonl_blocks_edge_cases_of_plain_files(tmp_path, monkeypatch):
     # Reads of a few bytes put every line boundary at some read boundary.
-    monkeypatch.setattr(corpora, "_SCAN_BYTES", 7)
+    monkeypatch.setattr(jsonl, "_SCAN_BYTES", 7)
     long = json.dumps({"text": "word " * 200})
     contents = {
         "no_final_newline": '{"text": "a"}\n{"text": "b"}',
