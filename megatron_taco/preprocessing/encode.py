@@ -11,13 +11,36 @@ import numpy as np
 
 from megatron_taco.preprocessing.corpora import parse_raw
 from megatron_taco.preprocessing.jsonl import RawLines
-from megatron_taco.preprocessing.records import RawRecord, Skipped
+from megatron_taco.preprocessing.records import Document, RawRecord, Skipped
 
 # A record whose parsing raised instead of returning Skipped (a bug or a pathological page
 # deep in a 20 GB dump): counted and reported with its source, like any other skip, so one
 # bad page cannot kill a day-long run.
 PARSE_ERROR = "parse_error"
 _EXAMPLES_PER_REASON = 3
+
+
+class Skips:
+    """Skipped records counted by reason, with the sources of the first few of each."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def add(self, reason: str, source: str) -> None:
+        self.counts[reason] += 1
+        self._example(reason, source)
+
+    def _example(self, reason: str, source: str) -> None:
+        lst = self.examples.setdefault(reason, [])
+        if len(lst) < _EXAMPLES_PER_REASON:
+            lst.append(source)
+
+    def update(self, other: Skips) -> None:
+        self.counts.update(other.counts)
+        for reason, sources in other.examples.items():
+            for source in sources:
+                self._example(reason, source)
 
 
 @dataclass
@@ -33,14 +56,7 @@ class EncodedBatch:
     documents: int
     unk_tokens: int  # [UNK]s over all keys, for the per-corpus rate in the summary
     tokens: int
-    skipped: Counter
-    examples: dict[str, list[str]]
-
-
-def add_example(examples: dict[str, list[str]], reason: str, source: str) -> None:
-    lst = examples.setdefault(reason, [])
-    if len(lst) < _EXAMPLES_PER_REASON:
-        lst.append(source)
+    skips: Skips
 
 
 class BatchEncoder:
@@ -64,28 +80,50 @@ class BatchEncoder:
         self.encode_threads = encode_threads
 
     def encode(self, records: list[RawRecord | Skipped] | RawLines) -> EncodedBatch:
-        skipped: Counter = Counter()
-        examples: dict[str, list[str]] = {}
-        docs = []
+        skips = Skips()
+        docs = self._parse(records, skips)
+        per_key, flat = self._encode(docs)
+        # A record none of whose fields produced a token is skipped as empty; one where only
+        # some did keeps an empty document in the others, so document i of every key's
+        # dataset comes from the same record.
+        has_tokens = np.zeros(len(docs), dtype=bool)
+        for kb in per_key.values():
+            has_tokens |= kb.doc_seq_counts > 0
+        for i in np.flatnonzero(~has_tokens):
+            skips.add("empty", docs[int(i)].source)
+        for kb in per_key.values():
+            kb.doc_seq_counts = kb.doc_seq_counts[has_tokens]
+            if self.append_eod:
+                self._append_eod(kb)
+        return EncodedBatch(
+            per_key,
+            int(has_tokens.sum()),
+            int(np.count_nonzero(flat == self.tokenizer.unk_id)),
+            int(flat.shape[0]),
+            skips,
+        )
+
+    def _parse(self, records: list[RawRecord | Skipped] | RawLines, skips: Skips) -> list[Document]:
         if isinstance(records, RawLines):
             records = records.records()
+        docs = []
         for raw in records:
             if isinstance(raw, Skipped):  # framing skips of RawLines (blank, not UTF-8)
-                skipped[raw.reason] += 1
-                add_example(examples, raw.reason, raw.source)
+                skips.add(raw.reason, raw.source)
                 continue
             try:
                 res = parse_raw(raw, self.json_keys, min_chars=self.min_chars)
             except Exception as e:
-                skipped[PARSE_ERROR] += 1
-                add_example(examples, PARSE_ERROR, f"{raw.source}: {type(e).__name__}: {e}")
+                skips.add(PARSE_ERROR, f"{raw.source}: {type(e).__name__}: {e}")
                 continue
             if isinstance(res, Skipped):
-                skipped[res.reason] += 1
-                add_example(examples, res.reason, res.source)
+                skips.add(res.reason, res.source)
             else:
                 docs.append(res)
+        return docs
 
+    def _encode(self, docs: list[Document]) -> tuple[dict[str, KeyBatch], np.ndarray]:
+        """(per key: the documents' non-empty sentences as ids, every id of the batch)."""
         # Sentences of all documents of all keys in ONE encode call: sentencepiece's
         # per-call thread start-up makes per-document calls ~5x slower. Key-major order so
         # each key's sentences are one contiguous range.
@@ -117,28 +155,7 @@ class BatchEncoder:
                 toks, lens[keep], np.bincount(doc_of_sent[keep], minlength=len(docs))
             )
             sent_start += n
-
-        # A record none of whose fields produced a token is skipped as empty; one where only
-        # some did keeps an empty document in the others, so document i of every key's
-        # dataset comes from the same record.
-        has_tokens = np.zeros(len(docs), dtype=bool)
-        for kb in per_key.values():
-            has_tokens |= kb.doc_seq_counts > 0
-        for i in np.flatnonzero(~has_tokens):
-            skipped["empty"] += 1
-            add_example(examples, "empty", docs[int(i)].source)
-        for kb in per_key.values():
-            kb.doc_seq_counts = kb.doc_seq_counts[has_tokens]
-            if self.append_eod:
-                self._append_eod(kb)
-        return EncodedBatch(
-            per_key,
-            int(has_tokens.sum()),
-            int(np.count_nonzero(flat == self.tokenizer.unk_id)),
-            int(flat.shape[0]),
-            skipped,
-            examples,
-        )
+        return per_key, flat
 
     def _append_eod(self, kb: KeyBatch) -> None:
         nonempty = kb.doc_seq_counts > 0

@@ -9,7 +9,7 @@ import logging
 import os
 import re
 
-from megatron_taco.preprocessing.readers import READERS
+from megatron_taco.preprocessing.readers import READERS, TABLE_EXTS, table_columns
 from megatron_taco.preprocessing.records import CorpusError
 from megatron_taco.preprocessing.streams import (
     is_stream_error,
@@ -17,7 +17,6 @@ from megatron_taco.preprocessing.streams import (
     open_binary,
     strip_compression,
 )
-from megatron_taco.preprocessing.tables import TABLE_EXTS, table_columns
 
 logger = logging.getLogger(__name__)
 GLOB_CHARS = re.compile(r"[*?\[]")

@@ -35,14 +35,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-import numpy as np
-
-from megatron_taco.data.indexed_dataset import (
-    IndexedDataset,
-    best_dtype,
-    index_file_path,
-    unigram_path,
-)
+from megatron_taco.data.indexed_dataset import best_dtype
 from megatron_taco.data.tokenizer import load_config_tokenizer, tokenizer_file
 from megatron_taco.preprocessing.config import (
     InputFile,
@@ -56,16 +49,15 @@ from megatron_taco.preprocessing.config import (
 )
 from megatron_taco.preprocessing.corpora import iter_raw
 from megatron_taco.preprocessing.jsonl import RawLines, iter_jsonl_blocks
-from megatron_taco.preprocessing.progress import Progress
 from megatron_taco.preprocessing.records import CorpusError, RawRecord, Skipped
-from megatron_taco.preprocessing.shards import merge_key, shard_prefix
+from megatron_taco.preprocessing.report import Progress, Tally, build_summary, print_summary
+from megatron_taco.preprocessing.shards import merge_shards
 from megatron_taco.preprocessing.staging import (
     SignalGuard,
     commit,
     remove_stale_temps,
     temp_dir,
 )
-from megatron_taco.preprocessing.summary import Tally, build_summary, print_summary
 from megatron_taco.preprocessing.workers import WorkerPool, WorkerSpec, worker_main
 
 # Besides --chunk-size records, a batch is closed at this many payload bytes, so a corpus of
@@ -179,12 +171,12 @@ class Preprocessor:
             prog.close()
         tally.add_reports(reports)
         if tally.documents == 0:
-            detail = ", ".join(f"{r}: {n}" for r, n in sorted(tally.skipped.items()))
+            detail = ", ".join(f"{r}: {n}" for r, n in sorted(tally.skips.counts.items()))
             raise PreprocessError(
                 f"no document was written from {tally.records} records "
                 f"({detail or 'no records'}); check --input-format, --json-keys and --min-chars"
             )
-        datasets = self._merge(tmp_dir, shard_dir, reports)
+        datasets = merge_shards(shard_dir, reports, self.prefixes, tmp_dir, self.dtype)
         shutil.rmtree(shard_dir)
         pool.join()
         self._pool = None  # all workers exited cleanly
@@ -220,7 +212,7 @@ class Preprocessor:
         for item in _input_errors(f, blocks):
             if isinstance(item, Skipped):
                 tally.records += 1
-                tally.skip(item)
+                tally.skips.add(item.reason, item.source)
                 continue
             tally.records += item.count
             prog.meter.add_bytes(item.nbytes)
@@ -232,7 +224,7 @@ class Preprocessor:
         for item in _input_errors(f, iter_raw(f.path, f.fmt, json_keys=tuple(self.cfg.json_keys))):
             tally.records += 1
             if isinstance(item, Skipped):
-                tally.skip(item)
+                tally.skips.add(item.reason, item.source)
                 continue
             batch.append(item)
             batch_bytes += prog.meter.add_payload(item)
@@ -241,42 +233,6 @@ class Preprocessor:
                 batch, batch_bytes = [], 0
         if batch:  # a batch holds one file's records (the output does not change)
             yield batch
-
-    def _merge(self, tmp_dir: str, shard_dir: str, reports: list[dict]) -> dict[str, dict]:
-        """Per json key: the shards merged into ``tmp_dir``, unigram counts, verified."""
-        datasets = {}
-        for key in self.cfg.json_keys:
-            out_prefix = os.path.join(tmp_dir, os.path.basename(self.prefixes[key]))
-            shard_prefixes = [shard_prefix(shard_dir, r, key) for r in range(self.cfg.workers)]
-            n_seq, n_doc = merge_key(key, shard_prefixes, reports, out_prefix, self.dtype)
-            unigram = np.sum([rep["unigram"][key] for rep in reports], axis=0, dtype=np.int64)
-            np.save(unigram_path(out_prefix), unigram)
-            self._verify(out_prefix, key, n_seq, n_doc, reports, unigram)
-            datasets[key] = {
-                "prefix": self.prefixes[key],
-                "documents": n_doc,
-                "sequences": n_seq,
-                "tokens": sum(rep["tokens"][key] for rep in reports),
-            }
-        return datasets
-
-    def _verify(self, prefix, key, n_seq, n_doc, reports, unigram) -> None:
-        expect_seq = sum(rep["sequences"][key] for rep in reports)
-        expect_doc = sum(rep["documents"] for rep in reports)
-        ds = IndexedDataset(prefix)  # re-validates pointers against the .bin size
-        problems = []
-        if len(ds) != expect_seq or n_seq != expect_seq:
-            problems.append(f"{len(ds)} sequences, workers wrote {expect_seq}")
-        if ds.num_documents != expect_doc or n_doc != expect_doc:
-            problems.append(f"{ds.num_documents} documents, workers wrote {expect_doc}")
-        if int(ds.sizes.sum(dtype=np.int64)) != int(unigram.sum()):
-            problems.append(
-                f"{int(ds.sizes.sum())} tokens but unigram counts sum to {int(unigram.sum())}"
-            )
-        if problems:
-            raise PreprocessError(
-                f"{index_file_path(prefix)}: merged dataset is inconsistent: {'; '.join(problems)}"
-            )
 
 
 def preprocess(config: PreprocessConfig, *, progress: bool = True) -> dict:

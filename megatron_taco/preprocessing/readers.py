@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from megatron_taco.preprocessing.jsonl import read_jsonl
 from megatron_taco.preprocessing.records import (
+    CorpusError,
     RawRecord,
     Skip,
     Skipped,
@@ -56,6 +57,7 @@ from megatron_taco.preprocessing.records import (
     json_object,
 )
 from megatron_taco.preprocessing.streams import (
+    COMPRESSION_EXTS,
     Prefixed,
     decompress,
     is_tar,
@@ -63,12 +65,14 @@ from megatron_taco.preprocessing.streams import (
     open_binary,
     strip_compression,
 )
-from megatron_taco.preprocessing.tables import TABLE_EXTS, read_table
 from megatron_taco.preprocessing.text import wikitext_to_plain
 
 # About the length of a long novel; see the module docstring (bookcorpus-lines).
 BOOKCORPUS_MAX_LINES = 20_000
 _MAX_NESTING = 3  # archives inside archives (openwebtext has 2 levels)
+TABLE_EXTS = (".parquet", ".arrow", ".feather")
+_BATCH_ROWS = 1024
+_CC_NEWS_TEXT_FIELDS = ("title", "maintext", "text")
 
 
 @dataclass(frozen=True)
@@ -81,66 +85,6 @@ class Reader:
 
     read: Callable[[str, tuple[str, ...] | None], Iterator[RawRecord | Skipped]]
     text: Callable[[str | dict], tuple[str | None, dict]]
-
-
-_DOC_OPEN = re.compile(rb"^\s*<doc\s")
-_DOC_CLOSE = re.compile(rb"^\s*</doc>\s*$")
-_DOC_ATTR = re.compile(r'\b(id|url|title)="')
-
-
-def _doc_attrs(header: str) -> dict[str, str]:
-    # WikiExtractor writes attribute values unescaped, so a title may contain quotes:
-    # each value runs to the quote before the next attribute (or before the closing ">").
-    header = header.strip()
-    if header.endswith(">"):
-        header = header[:-1]
-    starts = [(m.group(1), m.end()) for m in _DOC_ATTR.finditer(header)]
-    attrs = {}
-    for i, (key, start) in enumerate(starts):
-        end = starts[i + 1][1] - len(starts[i + 1][0]) - 2 if i + 1 < len(starts) else len(header)
-        attrs[key] = header[start:end].rstrip().removesuffix('"')
-    return attrs
-
-
-def _read_wikiextractor(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
-    with open_binary(path) as f:
-        head = f.read(4096)
-    if head.lstrip().startswith(b"{"):
-        yield from read_jsonl(path, "wikiextractor")
-        return
-    doc: dict | None = None
-    body: list[bytes] = []
-    start = 0
-    for lineno, line in numbered_lines(path):
-        if doc is None:
-            if _DOC_OPEN.match(line):
-                header = decode(line)
-                doc = {"_bad": header is None, **_doc_attrs(header or "")}
-                body = []
-                start = lineno
-            elif line.strip():
-                yield Skipped("undecodable", f"{path}:{lineno}: text outside <doc>...</doc>")
-            continue
-        if _DOC_CLOSE.match(line):
-            src = f"{path}:{start}"
-            text = None if doc.pop("_bad") else decode(b"".join(body))
-            if text is None:
-                yield Skipped("undecodable", src)
-            else:
-                yield RawRecord("wikiextractor", {**doc, "text": text}, src)
-            doc = None
-        else:
-            body.append(line)
-    if doc is not None:
-        yield Skipped("undecodable", f"{path}:{start}: <doc> not closed before the end of the file")
-
-
-def _wikiextractor_text(payload) -> tuple[str, dict]:
-    obj = json_object(payload)
-    text = as_text(obj.get("text"))
-    title = (obj.get("title") or "").strip()
-    first, _, rest = text.lstrip("\n").partition("\n")
-    return (rest if title and first.strip() == title else text), obj
 
 
 def _local(tag: str) -> str:
@@ -218,6 +162,66 @@ def _wikipedia_text(page: dict) -> tuple[str, dict]:
     return wikitext_to_plain(wikitext), page
 
 
+_DOC_OPEN = re.compile(rb"^\s*<doc\s")
+_DOC_CLOSE = re.compile(rb"^\s*</doc>\s*$")
+_DOC_ATTR = re.compile(r'\b(id|url|title)="')
+
+
+def _doc_attrs(header: str) -> dict[str, str]:
+    # WikiExtractor writes attribute values unescaped, so a title may contain quotes:
+    # each value runs to the quote before the next attribute (or before the closing ">").
+    header = header.strip()
+    if header.endswith(">"):
+        header = header[:-1]
+    starts = [(m.group(1), m.end()) for m in _DOC_ATTR.finditer(header)]
+    attrs = {}
+    for i, (key, start) in enumerate(starts):
+        end = starts[i + 1][1] - len(starts[i + 1][0]) - 2 if i + 1 < len(starts) else len(header)
+        attrs[key] = header[start:end].rstrip().removesuffix('"')
+    return attrs
+
+
+def _read_wikiextractor(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
+    with open_binary(path) as f:
+        head = f.read(4096)
+    if head.lstrip().startswith(b"{"):
+        yield from read_jsonl(path, "wikiextractor")
+        return
+    doc: dict | None = None
+    body: list[bytes] = []
+    start = 0
+    for lineno, line in numbered_lines(path):
+        if doc is None:
+            if _DOC_OPEN.match(line):
+                header = decode(line)
+                doc = {"_bad": header is None, **_doc_attrs(header or "")}
+                body = []
+                start = lineno
+            elif line.strip():
+                yield Skipped("undecodable", f"{path}:{lineno}: text outside <doc>...</doc>")
+            continue
+        if _DOC_CLOSE.match(line):
+            src = f"{path}:{start}"
+            text = None if doc.pop("_bad") else decode(b"".join(body))
+            if text is None:
+                yield Skipped("undecodable", src)
+            else:
+                yield RawRecord("wikiextractor", {**doc, "text": text}, src)
+            doc = None
+        else:
+            body.append(line)
+    if doc is not None:
+        yield Skipped("undecodable", f"{path}:{start}: <doc> not closed before the end of the file")
+
+
+def _wikiextractor_text(payload) -> tuple[str, dict]:
+    obj = json_object(payload)
+    text = as_text(obj.get("text"))
+    title = (obj.get("title") or "").strip()
+    first, _, rest = text.lstrip("\n").partition("\n")
+    return (rest if title and first.strip() == title else text), obj
+
+
 def _plain_text(text: str) -> tuple[str, dict]:
     return text, {}
 
@@ -291,7 +295,7 @@ def _read_openwebtext(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
 
 def _read_cc_news(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
     if strip_compression(os.path.basename(path).lower()).endswith(TABLE_EXTS):
-        yield from read_table(path, "cc-news", json_keys)
+        yield from _read_table(path, "cc-news", json_keys)
         return
     # JSON lines if the first non-blank line is a JSON value on its own, otherwise a
     # single (pretty-printed) news-please article.
@@ -333,12 +337,103 @@ def _read_jsonl(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
     return read_jsonl(path, "jsonl")
 
 
-def _read_parquet(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
-    return read_table(path, "parquet", json_keys)
-
-
 def _fields(payload) -> tuple[None, dict]:
     return None, json_object(payload)
+
+
+def _is_text_type(t, numbers: bool = False) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return True
+    if numbers and (pa.types.is_integer(t) or pa.types.is_floating(t)):
+        return True
+    if hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t):
+        return True
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _is_text_type(t.value_type)
+    if pa.types.is_dictionary(t):
+        return _is_text_type(t.value_type)
+    return False
+
+
+def _open_table(path: str, fmt: str):
+    """(schema, batch iterator factory) of a parquet/arrow/feather file."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    name = os.path.basename(path).lower()
+    if name.endswith(COMPRESSION_EXTS):
+        raise CorpusError(f"{path}: compressed {fmt} tables are not supported; decompress the file")
+    try:
+        if name.endswith(".parquet"):
+            pf = pq.ParquetFile(path)
+            schema = pf.schema_arrow
+            return schema, lambda cols: pf.iter_batches(batch_size=_BATCH_ROWS, columns=cols)
+        source = pa.memory_map(path)
+        try:
+            reader = ipc.open_file(source)
+            schema = reader.schema
+
+            def batches(cols, reader=reader):
+                for i in range(reader.num_record_batches):
+                    b = reader.get_batch(i)
+                    yield b.select(cols) if cols is not None else b
+
+            return schema, batches
+        except pa.ArrowInvalid:
+            # Hugging Face datasets caches are IPC *streams*, not IPC files.
+            stream = ipc.open_stream(pa.memory_map(path))
+
+            def sbatches(cols, stream=stream):
+                for b in stream:
+                    yield b.select(cols) if cols is not None else b
+
+            return stream.schema, sbatches
+    except (OSError, pa.ArrowException) as e:
+        raise CorpusError(f"{path}: not a readable parquet/arrow/feather file ({e})") from e
+
+
+def _read_table(path: str, fmt: str, json_keys) -> Iterator[RawRecord | Skipped]:
+    schema, batches = _open_table(path, fmt)
+    names = list(schema.names)
+    if json_keys is None:
+        cols = [n for n in names if _is_text_type(schema.field(n).type)]
+    else:
+        wanted = list(json_keys)
+        if fmt == "cc-news":
+            if "maintext" not in names and "text" not in names:
+                raise CorpusError(
+                    f"{path}: a cc-news table needs a 'maintext' or 'text' column; columns are {names}"
+                )
+            wanted = [k for k in _CC_NEWS_TEXT_FIELDS if k in names] + list(json_keys[1:])
+        missing = [k for k in wanted if k not in names]
+        if missing:
+            raise CorpusError(
+                f"{path}: no column {missing} (json keys {list(json_keys)}); columns are {names}"
+            )
+        # Numbers are accepted for metadata keys (ids); binary, nested and time columns
+        # have no single text form.
+        not_text = [k for k in wanted if not _is_text_type(schema.field(k).type, numbers=True)]
+        if not_text:
+            raise CorpusError(
+                f"{path}: column(s) {not_text} are not text ({[str(schema.field(k).type) for k in not_text]})"
+            )
+        cols = list(dict.fromkeys(wanted))
+    row = 0
+    for batch in batches(cols):
+        for rec in batch.to_pylist():
+            yield RawRecord(fmt, rec, f"{path}#row={row}")
+            row += 1
+
+
+def table_columns(path: str) -> list[str]:
+    return list(_open_table(path, "parquet")[0].names)
+
+
+def _read_parquet(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
+    return _read_table(path, "parquet", json_keys)
 
 
 # The order is the order of --input-format's choices.

@@ -7,7 +7,6 @@ per batch, never per sequence), so the output is byte-identical whatever ``--wor
 from __future__ import annotations
 
 import os
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,10 +16,11 @@ from megatron_taco.data.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
     index_file_path,
+    unigram_path,
     write_index_header,
 )
 from megatron_taco.preprocessing.config import PreprocessError
-from megatron_taco.preprocessing.encode import EncodedBatch, add_example
+from megatron_taco.preprocessing.encode import EncodedBatch, Skips
 
 
 def shard_prefix(shard_dir: str, rank: int, key: str) -> str:
@@ -54,8 +54,7 @@ class ShardWriter:
         self.n_docs = 0
         self.batch_seq: list[int] = []
         self.batch_docs: list[int] = []
-        self.skipped: Counter = Counter()
-        self.examples: dict[str, list[str]] = {}
+        self.skips = Skips()
 
     def add(self, seq: int, enc: EncodedBatch) -> None:
         self.batch_seq.append(seq)
@@ -69,10 +68,7 @@ class ShardWriter:
             self.n_seqs[key] += int(kb.seq_lengths.shape[0])
             self.n_tokens[key] += int(kb.tokens.shape[0])
         self.n_docs += enc.documents
-        self.skipped.update(enc.skipped)
-        for reason, srcs in enc.examples.items():
-            for s in srcs:
-                add_example(self.examples, reason, s)
+        self.skips.update(enc.skips)
 
     def finish(self) -> dict:
         for key, builder in self.builders.items():
@@ -85,8 +81,7 @@ class ShardWriter:
             "sequences": self.n_seqs,
             "tokens": self.n_tokens,
             "unigram": self.unigram,
-            "skipped": dict(self.skipped),
-            "examples": self.examples,
+            "skips": self.skips,
         }
 
 
@@ -116,13 +111,37 @@ class _Piece:
     d1: int
 
 
-def merge_key(
-    key: str, shard_prefixes: list[str], reports: list[dict], out_prefix: str, dtype: np.dtype
-) -> tuple[int, int]:
-    """Concatenate every shard's batches in batch order into out_prefix.bin/.idx; returns
-    (sequences, documents)."""
-    shards = [IndexedDataset(p) for p in shard_prefixes]  # validates each shard
-    doc_counts = [np.fromfile(_doc_counts_path(p), dtype="<i8") for p in shard_prefixes]
+def merge_shards(
+    shard_dir: str, reports: list[dict], prefixes: dict[str, str], out_dir: str, dtype: np.dtype
+) -> dict[str, dict]:
+    """Per json key, the workers' shards merged in batch order into ``out_dir`` under the
+    names of the final ``prefixes``, with unigram counts, checked against the workers'
+    ``reports``; returns the summary's datasets."""
+    datasets = {}
+    for key, final in prefixes.items():
+        out_prefix = os.path.join(out_dir, os.path.basename(final))
+        shard_prefixes = [shard_prefix(shard_dir, r, key) for r in range(len(reports))]
+        n_seq, n_doc = _merge_key(shard_prefixes, reports, out_prefix, dtype)
+        unigram = np.sum([rep["unigram"][key] for rep in reports], axis=0, dtype=np.int64)
+        np.save(unigram_path(out_prefix), unigram)
+        _verify(out_prefix, key, n_seq, n_doc, reports, unigram)
+        datasets[key] = {
+            "prefix": final,
+            "documents": n_doc,
+            "sequences": n_seq,
+            "tokens": sum(rep["tokens"][key] for rep in reports),
+        }
+    return datasets
+
+
+def _batch_order(
+    shard_prefixes: list[str],
+    shards: list[IndexedDataset],
+    doc_counts: list[np.ndarray],
+    reports: list[dict],
+    dtype: np.dtype,
+) -> list[_Piece]:
+    """Where each batch lies in the shards, in batch order."""
     pieces: dict[int, _Piece] = {}
     for rank, rep in enumerate(reports):
         sh = shards[rank]
@@ -148,7 +167,17 @@ def merge_key(
     if sorted(pieces) != list(range(n_batches)):
         missing = sorted(set(range(max(pieces, default=-1) + 1)) - set(pieces))
         raise PreprocessError(f"batches missing from the shards: {missing[:10]}")
-    order = [pieces[b] for b in range(n_batches)]
+    return [pieces[b] for b in range(n_batches)]
+
+
+def _merge_key(
+    shard_prefixes: list[str], reports: list[dict], out_prefix: str, dtype: np.dtype
+) -> tuple[int, int]:
+    """Concatenate every shard's batches in batch order into out_prefix.bin/.idx; returns
+    (sequences, documents)."""
+    shards = [IndexedDataset(p) for p in shard_prefixes]  # validates each shard
+    doc_counts = [np.fromfile(_doc_counts_path(p), dtype="<i8") for p in shard_prefixes]
+    order = _batch_order(shard_prefixes, shards, doc_counts, reports, dtype)
 
     fds = [os.open(data_file_path(p), os.O_RDONLY) for p in shard_prefixes]
     try:
@@ -188,3 +217,22 @@ def merge_key(
             f.write((base + np.cumsum(counts)).astype("<i8").tobytes())
             base += pc.s1 - pc.s0
     return n_seq, n_doc
+
+
+def _verify(prefix, key, n_seq, n_doc, reports, unigram) -> None:
+    expect_seq = sum(rep["sequences"][key] for rep in reports)
+    expect_doc = sum(rep["documents"] for rep in reports)
+    ds = IndexedDataset(prefix)  # re-validates pointers against the .bin size
+    problems = []
+    if len(ds) != expect_seq or n_seq != expect_seq:
+        problems.append(f"{len(ds)} sequences, workers wrote {expect_seq}")
+    if ds.num_documents != expect_doc or n_doc != expect_doc:
+        problems.append(f"{ds.num_documents} documents, workers wrote {expect_doc}")
+    if int(ds.sizes.sum(dtype=np.int64)) != int(unigram.sum()):
+        problems.append(
+            f"{int(ds.sizes.sum())} tokens but unigram counts sum to {int(unigram.sum())}"
+        )
+    if problems:
+        raise PreprocessError(
+            f"{index_file_path(prefix)}: merged dataset is inconsistent: {'; '.join(problems)}"
+        )

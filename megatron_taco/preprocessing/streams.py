@@ -20,26 +20,21 @@ from megatron_taco.preprocessing.records import CorpusError
 COMPRESSION_EXTS = (".gz", ".bz2", ".xz", ".zst", ".zstd")
 
 
-class Prefixed(io.RawIOBase):
-    """``head`` followed by the rest of ``raw``: lets us sniff magic bytes on streams that
-    cannot seek (tar members in streaming mode, decompressors)."""
+class _Wrapper(io.RawIOBase):
+    """Reads of ``raw`` served from ``_buf`` first; closing it closes ``raw``."""
 
-    def __init__(self, head: bytes, raw):
-        self._head = head
+    def __init__(self, raw, buf: bytes = b""):
         self._raw = raw
+        self._buf = buf
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:
-        if self._head:
-            n = min(len(b), len(self._head))
-            b[:n] = self._head[:n]
-            self._head = self._head[n:]
-            return n
-        data = self._raw.read(len(b))
-        b[: len(data)] = data
-        return len(data)
+    def _from_buf(self, b) -> int:
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
 
     def close(self) -> None:
         if not self.closed:
@@ -47,7 +42,22 @@ class Prefixed(io.RawIOBase):
         super().close()
 
 
-class _ZstdReader(io.RawIOBase):
+class Prefixed(_Wrapper):
+    """``head`` followed by the rest of ``raw``: lets us sniff magic bytes on streams that
+    cannot seek (tar members in streaming mode, decompressors)."""
+
+    def __init__(self, head: bytes, raw):
+        super().__init__(raw, head)
+
+    def readinto(self, b) -> int:
+        if self._buf:
+            return self._from_buf(b)
+        data = self._raw.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+class _ZstdReader(_Wrapper):
     """Multi-frame zstd decoding that, unlike zstandard's stream_reader, notices a stream
     cut off in the middle of a frame (it would silently return a short read)."""
 
@@ -58,15 +68,10 @@ class _ZstdReader(io.RawIOBase):
             raise CorpusError(
                 f"{name}: zstd-compressed input needs the zstandard package (pip install zstandard)"
             ) from e
-        self._raw = raw
-        self._name = name
+        super().__init__(raw)
         self._dctx = zstandard.ZstdDecompressor()
         self._obj = self._dctx.decompressobj()
         self._in_frame = False
-        self._buf = b""
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, b) -> int:
         while not self._buf:
@@ -87,15 +92,7 @@ class _ZstdReader(io.RawIOBase):
                     chunk = self._obj.unused_data
                 else:
                     chunk = b""
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-    def close(self) -> None:
-        if not self.closed:
-            self._raw.close()
-        super().close()
+        return self._from_buf(b)
 
 
 def compression_kind(head: bytes) -> str | None:

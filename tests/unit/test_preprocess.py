@@ -32,8 +32,8 @@ from megatron_taco.preprocessing.corpora import iter_records
 from megatron_taco.preprocessing.encode import PARSE_ERROR, BatchEncoder
 from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
 from megatron_taco.preprocessing.preprocess import Preprocessor, preprocess
-from megatron_taco.preprocessing.progress import InputMeter
 from megatron_taco.preprocessing.records import RawRecord, Skipped
+from megatron_taco.preprocessing.report import InputMeter
 from megatron_taco.preprocessing.text import SentenceSplitter, make_sentence_splitter
 from megatron_taco.preprocessing.workers import (
     MATH_THREAD_VARS,
@@ -317,7 +317,7 @@ def test_batch_encoder_eod_only_on_last_sequence_and_empty_dropped(tokenizer, sp
     ]
     enc = BatchEncoder(tokenizer, ("text",), splitter=splitter, append_eod=True).encode(records)
     kb = enc.per_key["text"]
-    assert enc.documents == 2 and enc.skipped == Counter({"empty": 1})
+    assert enc.documents == 2 and enc.skips.counts == Counter({"empty": 1})
     assert kb.doc_seq_counts.tolist() == [3, 1]
     ends = np.cumsum(kb.seq_lengths) - 1
     is_eod = kb.tokens[ends] == tokenizer.eod_id
