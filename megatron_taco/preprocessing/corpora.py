@@ -32,6 +32,7 @@ from megatron_taco.preprocessing.records import (
     Skipped,
     as_text,
     decode,
+    json_object,
 )
 from megatron_taco.preprocessing.streams import corrupt_source, is_stream_error
 from megatron_taco.preprocessing.text import normalize_text
@@ -63,6 +64,9 @@ def iter_raw(
         yield Skipped("undecodable", corrupt_source(path, e))
 
 
+_FIELDS_ONLY = frozenset(name for name, reader in READERS.items() if reader.text is None)
+
+
 def _canonical(raw: RawRecord) -> tuple[str | None, dict]:
     """(the format's document text or None for field formats, the record's fields)."""
     payload = raw.payload
@@ -70,6 +74,8 @@ def _canonical(raw: RawRecord) -> tuple[str | None, dict]:
         payload = decode(payload)
         if payload is None:
             raise Skip("undecodable")
+    if raw.fmt in _FIELDS_ONLY:  # first, and inline: most records are JSON lines
+        return None, json_object(payload)
     reader = READERS.get(raw.fmt)
     if reader is None:
         raise ValueError(f"{raw.source}: RawRecord has unknown format {raw.fmt!r}")

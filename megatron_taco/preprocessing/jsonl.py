@@ -22,7 +22,7 @@ from megatron_taco.preprocessing.streams import (
 )
 
 
-def jsonl_record(line: bytes, src: str, fmt: str = "jsonl") -> RawRecord | Skipped:
+def _jsonl_record(line: bytes, src: str, fmt: str = "jsonl") -> RawRecord | Skipped:
     if not line or line.isspace():  # not line.strip(): no copy of every line
         return Skipped("empty", src)
     text = decode(line)
@@ -33,7 +33,7 @@ def jsonl_record(line: bytes, src: str, fmt: str = "jsonl") -> RawRecord | Skipp
 
 def read_jsonl(path: str, fmt: str) -> Iterator[RawRecord | Skipped]:
     for lineno, line in numbered_lines(path):
-        yield jsonl_record(line, f"{path}:{lineno}", fmt)
+        yield _jsonl_record(line, f"{path}:{lineno}", fmt)
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class RawLines:
         """What ``iter_raw(path, "jsonl")`` yields for these lines."""
         path, first = self.path, self.first_lineno
         return [
-            jsonl_record(line, f"{path}:{first + i}") for i, line in enumerate(self.read_lines())
+            _jsonl_record(line, f"{path}:{first + i}") for i, line in enumerate(self.read_lines())
         ]
 
 

@@ -80,11 +80,11 @@ class Reader:
     """One format. ``read(path, json_keys)`` frames the records of one file (stage 1, the
     reader process; ``json_keys`` only narrows which table columns are read).
     ``text(payload)`` runs in the workers (stage 2) on a record's decoded payload and
-    returns (the format's document text, or None where every json key is a field; the
-    record's fields), or raises ``records.Skip``."""
+    returns (the format's document text, the record's fields), or raises ``records.Skip``;
+    None for formats whose records are JSON objects (or table rows) of fields only."""
 
     read: Callable[[str, tuple[str, ...] | None], Iterator[RawRecord | Skipped]]
-    text: Callable[[str | dict], tuple[str | None, dict]]
+    text: Callable[[str | dict], tuple[str, dict]] | None = None
 
 
 def _local(tag: str) -> str:
@@ -337,10 +337,6 @@ def _read_jsonl(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
     return read_jsonl(path, "jsonl")
 
 
-def _fields(payload) -> tuple[None, dict]:
-    return None, json_object(payload)
-
-
 def _is_text_type(t, numbers: bool = False) -> bool:
     import pyarrow as pa
 
@@ -444,8 +440,8 @@ READERS: dict[str, Reader] = {
     "bookcorpus-lines": Reader(_read_bookcorpus_lines, _plain_text),
     "openwebtext": Reader(_read_openwebtext, _plain_text),
     "cc-news": Reader(_read_cc_news, _cc_news_text),
-    "jsonl": Reader(_read_jsonl, _fields),
-    "parquet": Reader(_read_parquet, _fields),
+    "jsonl": Reader(_read_jsonl),
+    "parquet": Reader(_read_parquet),
 }
 # "auto": detected per file by inputs.detect_format.
 FORMATS = ("auto", *READERS)

@@ -23,7 +23,7 @@ from megatron_taco.preprocessing.config import PreprocessError
 from megatron_taco.preprocessing.encode import EncodedBatch, Skips
 
 
-def shard_prefix(shard_dir: str, rank: int, key: str) -> str:
+def _shard_prefix(shard_dir: str, rank: int, key: str) -> str:
     return os.path.join(shard_dir, f"shard{rank:03d}_{key}")
 
 
@@ -42,7 +42,7 @@ class ShardWriter:
         self, shard_dir: str, rank: int, json_keys: tuple[str, ...], dtype: str, vocab_size: int
     ) -> None:
         self.dtype = np.dtype(dtype)
-        self.prefixes = {k: shard_prefix(shard_dir, rank, k) for k in json_keys}
+        self.prefixes = {k: _shard_prefix(shard_dir, rank, k) for k in json_keys}
         self.builders = {
             k: IndexedDatasetBuilder(data_file_path(p), self.dtype)
             for k, p in self.prefixes.items()
@@ -120,7 +120,7 @@ def merge_shards(
     datasets = {}
     for key, final in prefixes.items():
         out_prefix = os.path.join(out_dir, os.path.basename(final))
-        shard_prefixes = [shard_prefix(shard_dir, r, key) for r in range(len(reports))]
+        shard_prefixes = [_shard_prefix(shard_dir, r, key) for r in range(len(reports))]
         n_seq, n_doc = _merge_key(shard_prefixes, reports, out_prefix, dtype)
         unigram = np.sum([rep["unigram"][key] for rep in reports], axis=0, dtype=np.int64)
         np.save(unigram_path(out_prefix), unigram)

@@ -92,15 +92,23 @@ class SignalGuard:
             self._defer = False
 
 
-def commit(tmp_dir: str, prefixes: list[str], summary_file: str) -> None:
-    """Move the finished files to their final names: per dataset the old index goes first
-    and the new one comes last, so a reader never pairs an index with a data file of
+def replace_dataset(tmp: str, prefix: str, *, unigram: bool = True) -> None:
+    """Rename dataset ``tmp`` (and its unigram counts) to ``prefix``: the old index goes
+    first and the new one comes last, so a reader never pairs an index with a data file of
     another run, even if this process dies between two renames."""
-    for prefix in prefixes:
-        tmp = os.path.join(tmp_dir, os.path.basename(prefix))
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(index_file_path(prefix))
-        os.replace(data_file_path(tmp), data_file_path(prefix))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(index_file_path(prefix))
+    os.replace(data_file_path(tmp), data_file_path(prefix))
+    if unigram:
         os.replace(unigram_path(tmp), unigram_path(prefix))
-        os.replace(index_file_path(tmp), index_file_path(prefix))
+    else:  # a stale count file would describe other data
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(unigram_path(prefix))
+    os.replace(index_file_path(tmp), index_file_path(prefix))
+
+
+def commit(tmp_dir: str, prefixes: list[str], summary_file: str) -> None:
+    """Move the finished files from ``tmp_dir`` to their final names, the summary last."""
+    for prefix in prefixes:
+        replace_dataset(os.path.join(tmp_dir, os.path.basename(prefix)), prefix)
     os.replace(os.path.join(tmp_dir, os.path.basename(summary_file)), summary_file)

@@ -1,4 +1,5 @@
-"""Reading the corpora (corpora.py, readers.py, jsonl.py, tables.py, streams.py, inputs.py) on the realistic fixtures in tests/fixtures/corpora (see make_fixtures.py)."""
+"""Reading the corpora (corpora.py and the modules under it: records, streams, jsonl,
+readers, inputs) on the realistic fixtures in tests/fixtures/corpora (see make_fixtures.py)."""
 
 import bz2
 import gzip
@@ -17,7 +18,7 @@ from megatron_taco.preprocessing import jsonl, readers
 from megatron_taco.preprocessing.corpora import iter_raw, iter_records, parse_raw
 from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
 from megatron_taco.preprocessing.jsonl import iter_jsonl_blocks
-from megatron_taco.preprocessing.readers import FORMATS
+from megatron_taco.preprocessing.readers import FORMATS, READERS
 from megatron_taco.preprocessing.records import (
     SKIP_REASONS,
     CorpusError,
@@ -520,6 +521,16 @@ def test_missing_input_and_unknown_format_name_the_path(tmp_path):
         expand_inputs([str(tmp_path / "*.jsonl")])
     with pytest.raises(CorpusError, match=r"unknown format 'epub'.*sonnets\.jsonl"):
         list(iter_raw(str(CORPORA / "jsonl" / "sonnets.jsonl"), "epub"))
+
+
+def test_one_reader_per_format_in_the_order_of_the_flag_choices():
+    assert " ".join(FORMATS) == (
+        "auto wikipedia-xml wikiextractor bookcorpus bookcorpus-lines openwebtext cc-news "
+        "jsonl parquet"
+    )
+    assert FORMATS[1:] == tuple(READERS)
+    with pytest.raises(ValueError, match=r"^src: RawRecord has unknown format 'epub'$"):
+        parse_raw(RawRecord("epub", "text", "src"), TEXT)
 
 
 def test_expand_inputs_sorted_recursive_deduplicated(tmp_path):
