@@ -166,7 +166,10 @@ def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_exit_save",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+    )
     p.add_argument("--models", default="taco,sas")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--deepspeed-config", default="ds_configs/zero1_fp32.json")

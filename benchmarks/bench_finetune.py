@@ -322,7 +322,9 @@ def pretraining_rows(args, device) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_finetune",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--batch", type=int, default=16, help="Examples per step.")
     parser.add_argument("--seq-length", type=int, default=128)

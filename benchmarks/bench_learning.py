@@ -65,7 +65,9 @@ def log(msg: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_learning", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--eval-interval", type=int, default=50)

@@ -371,7 +371,9 @@ def bench_megatron(root: str, model: str, args) -> dict:
 def main(argv=None) -> int:
     import compileall
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_preprocess", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument(
         "--level",

@@ -254,7 +254,9 @@ def median_and_spread(ours: list[float], peer: list[float], higher_is_better: bo
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_samples", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--mb", type=float, default=20.0, help="corpus size in MB of JSON lines")
     ap.add_argument("--vocab-size", type=int, default=16000)
     ap.add_argument("--seq-length", type=int, default=512)

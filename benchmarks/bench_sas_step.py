@@ -196,7 +196,9 @@ def step_flops(rows: int, seq: int, labelled: int, sas_models: dict) -> dict[str
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_sas_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-length", type=int, default=128)

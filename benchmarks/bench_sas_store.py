@@ -180,7 +180,9 @@ def main(argv=None) -> None:
         print(json.dumps(_rss_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
         return
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_sas_store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)

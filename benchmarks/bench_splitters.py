@@ -67,7 +67,9 @@ def rate(split, docs: list[str], mb: float) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_splitters", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--batch", type=int, default=256, help="documents per split_many call")
     ap.add_argument(

@@ -111,7 +111,9 @@ def deberta_train_flops(dcfg, seq: int, rows: int, head_fraction: float = 1.0) -
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_taco_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     TacoConfig.add_args(parser)
     parser.add_argument(

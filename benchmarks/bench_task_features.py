@@ -97,7 +97,9 @@ def peer(folder: str, tokenizer: Tokenizer, seq_length: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_task_features", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--pairs", type=int, default=400_000)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--tokenizer-model", default=None)
