@@ -205,8 +205,9 @@ def main(argv=None) -> int:
     for n in args.only + args.skip:
         if short(n) not in by_name:
             ap.error(f"no benchmark {n!r}; there are: {', '.join(by_name)}")
-        if n in args.only and by_name[short(n)].command:
-            ap.error(f"{n} needs inputs; run: {by_name[short(n)].command}")
+        b = by_name[short(n)]
+        if n in args.only and b.command:
+            ap.error(f"{b.name} needs inputs; run: {b.command}")
     only, skip = {short(n) for n in args.only}, {short(n) for n in args.skip}
     chosen = [b for n, b in by_name.items() if not b.command and (not only or n in only)]
     chosen = [b for b in chosen if short(b.name) not in skip]
