@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.corpora import CORPORA, prepare
 from benchmarks.harness.results import write_json
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
@@ -134,7 +135,15 @@ def main(argv=None) -> int:
     p.add_argument("--sas", nargs="+", required=True, metavar="VARIANT=FOLDER",
                    help="SAS variants' run folders (checkpoints/ and metrics.jsonl).")  # fmt: skip
     p.add_argument("--electra", required=True, help="The ELECTRA run's folder.")
-    p.add_argument("--data-path", required=True)
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data-path", help="The dataset prefix the SAS runs trained on.")
+    data.add_argument(
+        "--corpus",
+        choices=list(CORPORA),
+        help="Or the benchmarks/harness/corpora.py corpus they trained on (built in "
+        "build/corpora with --vocab-size pieces, as bench_sas_variants --corpus builds it).",
+    )
+    p.add_argument("--vocab-size", type=int, default=2000, help="--corpus's tokenizer pieces.")
     p.add_argument("--split", required=True)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -179,6 +188,8 @@ def main(argv=None) -> int:
     from megatron_taco.data.indexed_dataset import IndexedDatasetError
     from megatron_taco.training.consolidate import CheckpointError
 
+    if args.corpus:
+        args.data_path = prepare(args.corpus, vocab_size=args.vocab_size).prefix
     try:
         return compare(args, runs, points)
     except (ConfigError, CheckpointError, IndexedDatasetError) as e:

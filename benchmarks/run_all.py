@@ -38,7 +38,11 @@ class Benchmark:
     command: str = ""
 
 
-SAS_LONG_RUN = "--split 90,5,5 --layers 2 --hidden 128 --seq-length 32 --batch 64"
+# docs/sas_variants.md's long run: the bundled corpus with the learning tier's tokenizer.
+SAS_LONG_RUN = (
+    "--corpus demo --vocab-size 1000 --split 90,5,5 --layers 2 --hidden 128 --seq-length 32 "
+    "--batch 64"
+)
 BENCHMARKS = (
     Benchmark(
         "bench_preprocess",
@@ -86,17 +90,16 @@ BENCHMARKS = (
         "SAS's variants (the paper's recipe, the release's cold starts, departures) "
         "beside ELECTRA and BERT: tokens to leave the plateau, MLM, RTD, collapse",
         "the paper's recipe off the plateau within ~10M tokens",
-        "python -m benchmarks.bench_sas_variants --corpus demo --iters 5000 "
-        f"{SAS_LONG_RUN} --lr 1e-3 --variants paper electra",
+        f"python -m benchmarks.bench_sas_variants {SAS_LONG_RUN} --iters 5000 --eval-interval "
+        "250 --lr 1e-3 --variants paper electra --out OUT",
     ),
     Benchmark(
         "bench_sas_downstream",
         "SAS checkpoints vs ELECTRA's at equal training FLOPs and time: zero-shot "
         "word order, frozen probe, or (--finetune) fine-tuned, beside random twins",
         "SAS >= ELECTRA (the paper's claim)",
-        "python -m benchmarks.bench_sas_downstream --data-path DATA --sas "
-        f"paper=OUT/paper_s1234 --electra OUT/electra_s1234 {SAS_LONG_RUN} "
-        "(OUT: bench_sas_variants' --out)",
+        f"python -m benchmarks.bench_sas_downstream {SAS_LONG_RUN} --sas "
+        "paper=OUT/paper_s1234 --electra OUT/electra_s1234 (OUT: bench_sas_variants' --out)",
     ),
     Benchmark(
         "bench_finetune",
@@ -123,10 +126,11 @@ def listing() -> str:
     for b in BENCHMARKS:
         how = "" if not b.command else " (needs inputs: not run by make bench)"
         lines.append(f"{b.name}{how}")
-        parts = [("what", b.what), ("goal", b.goal)] + ([("run", b.command)] if b.command else [])
-        for key, text in parts:
+        for key, text in (("what", b.what), ("goal", b.goal)):
             first = f"    {key + ':':<6}"
             lines += textwrap.wrap(text, 96, initial_indent=first, subsequent_indent=" " * 10)
+        if b.command:  # one line, to be pasted
+            lines.append(f"    run:  {b.command}")
     return "\n".join(lines)
 
 

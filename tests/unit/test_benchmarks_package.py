@@ -33,7 +33,7 @@ def test_every_benchmark_is_listed_with_its_goal(capsys):
     for b in run_all.BENCHMARKS:
         assert re.search(rf"^{b.name}\b", out, re.M), b.name
     # The ones that need inputs say how their table is made, and are not run.
-    assert "python -m benchmarks.bench_sas_variants --corpus demo" in out
+    assert "python -m benchmarks.bench_sas_variants --corpus demo --vocab-size 1000" in out
     with pytest.raises(SystemExit) as stop:
         run_all.main(["--only", "sas_variants", "--out", "unused"])
     assert stop.value.code == 2
