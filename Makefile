@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv system-deps test demo lint format clean bench gpu-test gpu-wheels gpu-rehearsal
+.PHONY: venv system-deps test demo lint format clean bench bench-list gpu-test gpu-wheels gpu-rehearsal
 
 venv: $(STAMP)
 
@@ -51,9 +51,13 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# Every benchmarks/bench_*.py, then one table of their ratios and goals (benchmarks/run_all.py).
+# Every benchmark that runs on its defaults, then one table of their ratios and goals
+# (benchmarks/run_all.py); `make bench-list` prints what each measures and its goal.
 bench: venv
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks.run_all
+
+bench-list: venv
+	$(PY) -m benchmarks.run_all --list
 
 # The GPU tier (tests/gpu; docs/gpus.md). `make gpu-test` runs where $(GPU_PYTHON) (default
 # python3 on PATH) already has torch's CUDA build (>= 2.6) and sees a GPU. It checks that first

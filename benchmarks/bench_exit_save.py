@@ -2,7 +2,7 @@
 to finish its iteration, agree to stop and write a complete checkpoint, for TACO-base and
 SAS-base.
 
-    python benchmarks/bench_exit_save.py [--models taco,sas] [--seq-length 128]
+    python -m benchmarks.bench_exit_save [--models taco,sas] [--seq-length 128]
         [--deepspeed-config ds_configs/zero1_fp32.json] [--repeats 2] [--results-json PATH]
 
 One rank (plain python: a real gloo world of one), each model's base preset with BERT's
@@ -23,7 +23,6 @@ printed so the time can be scaled to another disk's write rate.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -34,6 +33,8 @@ import threading
 import time
 
 import torch
+
+from benchmarks.harness.results import Result, write_results
 
 VOCAB = 30522
 LAUNCHER_GRACE_S = 30.0  # deepspeed.launcher.launch: SIGTERM, 30 s, SIGKILL
@@ -165,7 +166,10 @@ def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_exit_save",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+    )
     p.add_argument("--models", default="taco,sas")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--deepspeed-config", default="ds_configs/zero1_fp32.json")
@@ -197,15 +201,28 @@ def main(argv=None) -> None:
             note = (f"{name}, 1 rank, seq {args.seq_length}, {args.deepspeed_config}, "
                     f"{med['checkpoint_gb']:.2f} GB checkpoint; median of {args.repeats}")  # fmt: skip
             results += [
-                {"benchmark": "bench_exit_save.py", "metric": f"{kind}_signal_to_saved_s",
-                 "value": med["signal_to_saved_s"], "goal": LAUNCHER_GRACE_S, "op": "<=",
-                 "unit": "s", "note": note},
-                {"benchmark": "bench_exit_save.py", "metric": f"{kind}_save_s",
-                 "value": med["save_s"], "goal": None, "op": "<=", "unit": "s", "note": note},
-                {"benchmark": "bench_exit_save.py", "metric": f"{kind}_worst_case_s",
-                 "value": worst, "goal": LAUNCHER_GRACE_S, "op": "<=", "unit": "s",
-                 "note": note + " (one full iteration + the save)"},
-            ]  # fmt: skip
+                Result(
+                    "bench_exit_save.py",
+                    f"{kind}_signal_to_saved_s",
+                    med["signal_to_saved_s"],
+                    LAUNCHER_GRACE_S,
+                    "<=",
+                    "s",
+                    note,
+                ),
+                Result(
+                    "bench_exit_save.py", f"{kind}_save_s", med["save_s"], None, "<=", "s", note
+                ),
+                Result(
+                    "bench_exit_save.py",
+                    f"{kind}_worst_case_s",
+                    worst,
+                    LAUNCHER_GRACE_S,
+                    "<=",
+                    "s",
+                    note + " (one full iteration + the save)",
+                ),
+            ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\nsignal -> completed save, 1 rank on {os.cpu_count()} CPU cores, seq "
@@ -216,9 +233,7 @@ def main(argv=None) -> None:
         print(f"{kind:<6} {m['parameters_m']:>7.1f}M {m['checkpoint_gb']:>8.2f} "
               f"{m['iteration_s']:>8.2f} {m['save_s']:>8.2f} {m['signal_to_saved_s']:>16.2f} "
               f"{worst:>8.2f} {worst / LAUNCHER_GRACE_S:>7.2f}x")  # fmt: skip
-    if args.results_json:
-        with open(args.results_json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(args.results_json, results)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ padded path, whose every step has the same shape, over --steps steps. Goals: our
 our padded path on single sentences, >= 1.0x the Trainer. The paths run alternately
 (A B C A B C ...); the median of the per-repeat ratios is reported.
 
-    python benchmarks/bench_finetune.py [--threads 1 --clock cpu] [--repeats 3]   # ~2.5 CPU-min a repeat
-    python benchmarks/bench_finetune.py --vs-pretraining   # also fine-tuning / pretraining
+    python -m benchmarks.bench_finetune [--threads 1 --clock cpu] [--repeats 3]   # ~2.5 CPU-min a repeat
+    python -m benchmarks.bench_finetune --vs-pretraining   # also fine-tuning / pretraining
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ import time
 
 import numpy as np
 import torch
-from timing import add_common_args, ratio_row, report, setup, sync, time_steps
 
+from benchmarks.harness.paths import BENCH_OUT, BUNDLED_CORPUS, REPO
+from benchmarks.harness.timing import add_common_args, ratio_row, report, setup, sync, time_steps
 from megatron_taco.models.finetune import TaskModel
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.recipes.finetune import LENGTH_GROUP_BATCHES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPORA = (
-    os.path.join(REPO, "examples", "corpus", "demo.jsonl.gz"),
+    BUNDLED_CORPUS,
     os.path.join(REPO, "tests", "fixtures", "text", "botchan_excerpt.txt"),
 )
 PIECES = 8000
@@ -220,7 +220,7 @@ def dynamic_padding_rows(args, device) -> list[dict]:
     from megatron_taco.data.tokenizer import Tokenizer
 
     sentences = corpus_sentences()
-    out_dir = os.path.join(REPO, "build", "bench")
+    out_dir = BENCH_OUT
     spm = tokenizer_model(sentences, out_dir)
     tokenizer = Tokenizer(spm)
     rows = []
@@ -269,9 +269,7 @@ def dynamic_padding_rows(args, device) -> list[dict]:
 def pretraining_rows(args, device) -> list[dict]:
     """Fine-tuning step throughput against pretraining's, same small model and batch x
     --seq-length (goal >= 0.9x, in sequences/s; TACO's pretraining sample is two rows)."""
-    from bench_sas_step import sas_batch
-    from bench_taco_step import taco_batch
-
+    from benchmarks.harness.batches import sas_batch, taco_batch
     from megatron_taco.models.sas.model import SasForPretraining
     from megatron_taco.models.taco.config import TacoConfig
     from megatron_taco.models.taco.model import TacoForPretraining
@@ -324,7 +322,9 @@ def pretraining_rows(args, device) -> list[dict]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_finetune",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--batch", type=int, default=16, help="Examples per step.")
     parser.add_argument("--seq-length", type=int, default=128)

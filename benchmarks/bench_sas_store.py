@@ -11,8 +11,8 @@
    by at most FLAT_MIB from the smallest to the largest N; the buffer's grows by
    N x seq_len x 2 bytes).
 
-    python benchmarks/bench_sas_store.py [--results-json PATH]
-    python benchmarks/bench_sas_store.py --micro-batch 64 --sizes 100000 1000000 4000000
+    python -m benchmarks.bench_sas_store [--results-json PATH]
+    python -m benchmarks.bench_sas_store --micro-batch 64 --sizes 100000 1000000 4000000
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import tempfile
 
 import numpy as np
 import torch
-from timing import time_steps
+
+from benchmarks.harness.paths import REPO
+from benchmarks.harness.timing import time_steps
 
 SEQ, VOCAB, MASK_PROB = 128, 30522, 0.15
 FLAT_MIB = 32.0
@@ -81,7 +83,8 @@ def memory_table(sizes: list[int]) -> dict[int, dict[str, float]]:
         for kind in ("store", "buffer"):
             with tempfile.TemporaryDirectory() as root:
                 res = subprocess.run(
-                    [sys.executable, __file__, "--child", kind, str(n), root],
+                    [sys.executable, "-m", "benchmarks.bench_sas_store", "--child", kind, str(n), root],
+                    cwd=REPO,
                     capture_output=True, text=True, check=True,
                 )  # fmt: skip
                 row[kind] = json.loads(res.stdout.splitlines()[-1])["peak_rss_mib"]
@@ -177,17 +180,19 @@ def main(argv=None) -> None:
         print(json.dumps(_rss_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
         return
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_sas_store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 3_000_000])
-    parser.add_argument("--results-json", help="also write the results there (results.py)")
+    parser.add_argument("--results-json", help="also write the results there (harness/results.py)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     med = overhead(args.micro_batch, args.repeats)
     rss = memory_table(args.sizes)
-    from results import Result, write_results
+    from benchmarks.harness.results import Result, write_results
 
     lo, hi = min(rss), max(rss)
     growth = rss[hi]["store"] - rss[lo]["store"]

@@ -1,10 +1,12 @@
 """What takes SAS off the plateau: the paper's recipe, the reference release's cold starts,
 the named departures and their useful pairs, beside transformers' ELECTRA and BERT, on the
-same batches, optimizer and schedule (benchmarks/bench_learning.py runs every one of them).
+same batches, optimizer and schedule (bench_learning's runs, benchmarks/learning/; the
+variants are listed in benchmarks/learning/variants.py).
 
-    python benchmarks/bench_sas_variants.py --data-path demo_output/demo_text_sentence \\
+    python -m benchmarks.bench_sas_variants --data-path demo_output/demo_text_sentence \\
         --tokenizer-model demo_output/tokenizer.model --split 90,5,5 --iters 600
-    python benchmarks/bench_sas_variants.py ... --variants paper mlm mlm_lambda_small electra
+    python -m benchmarks.bench_sas_variants ... --variants paper mlm mlm_lambda_small electra
+    python -m benchmarks.bench_sas_variants --corpus wiki --iters 600   # on Wikipedia leads
 
 Per variant, at the end of the run: the tokens after which held-out MLM accuracy first
 reaches --left-plateau (1.5) x the most frequent target's share ("leaves the plateau"), the
@@ -20,90 +22,31 @@ and ELECTRA's generator at [MASK]ed positions. A PNG of the curves goes to --out
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import bench_learning as bl  # noqa: E402
-
-LAMBDA_SMALL = ("--rtd-weight", "1", "--rtd-weight-final", "4")  # the paper's x 0.02
-LAMBDA_ZERO = ("--rtd-weight", "0", "--rtd-weight-final", "0")
-GDES = ("--gradient-disentangled-embedding",)
-MASK_SHARE = ("--stored-mask-share", "0.8")
-
-# name -> (model, cold start, extra flags, what it is). "{warmup}" is half the run.
-VARIANTS = {
-    "paper": ("sas", "unigram", (), "the paper: unigram cold start, lambda 50 -> 200"),
-    "uniform": ("sas", "uniform", (), "the paper's Table 4 alternative cold start"),
-    "mask": ("sas", "mask", (), "release: [MASK] at S in epoch 1"),
-    "mlm": ("sas", "mlm", (), "release: BERT's MLM in epoch 1, no RTD loss"),
-    "gdes": ("sas", "unigram", GDES, "departure: RTD kept out of the word embedding"),
-    "rtd_warmup": ("sas", "unigram", ("--rtd-weight-warmup-iters", "{warmup}"),
-                   "departure: lambda 0 for the first half"),
-    "rate30": ("sas", "unigram", ("--mask-prob", "0.3"), "departure: 30% replaced"),
-    "lambda_small": ("sas", "unigram", LAMBDA_SMALL, "departure: lambda 1 -> 4"),
-    "mask_share": ("sas", "unigram", MASK_SHARE, "departure: 80% of S [MASK] from epoch 2"),
-    "mlm_gdes": ("sas", "mlm", GDES, "release mlm + GDES"),
-    "mlm_warmup": ("sas", "mlm", ("--rtd-weight-warmup-iters", "{warmup}"),
-                   "release mlm + lambda 0 for the first half"),
-    "mlm_rate30": ("sas", "mlm", ("--mask-prob", "0.3"), "release mlm + 30% replaced"),
-    "mlm_lambda_small": ("sas", "mlm", LAMBDA_SMALL, "release mlm + lambda 1 -> 4"),
-    "mlm_lambda0": ("sas", "mlm", LAMBDA_ZERO, "release mlm + no RTD loss: MLM on own samples"),
-    "mlm_mask_share": ("sas", "mlm", (*MASK_SHARE, *LAMBDA_SMALL),
-                       "release mlm + 80% of S [MASK] later + lambda 1 -> 4"),
-    "mlm_gdes_lambda_small": ("sas", "mlm", (*GDES, *LAMBDA_SMALL),
-                              "release mlm + GDES + lambda 1 -> 4"),
-    "bert_control": ("sas", "mlm", ("--stored-mask-share", "1", *LAMBDA_ZERO),
-                     "control: every epoch [MASK] at S, no RTD (BERT in SAS's code)"),
-    "sas_c": ("sas_c", "unigram", (), "SAS^c: the paper's recipe with a constant lambda 50"),
-    "sas_da": ("sas_da", "unigram", (), "SAS^DA: the paper's recipe with DeBERTa's attention"),
-    "sas_c_mlm_lambda_small": ("sas_c", "mlm", ("--rtd-weight", "1", "--rtd-weight-final", "1"),
-                               "SAS^c: release mlm + constant lambda 1"),
-    "sas_da_mlm_lambda_small": ("sas_da", "mlm", LAMBDA_SMALL,
-                                "SAS^DA: release mlm + lambda 1 -> 4"),
-    "electra": ("electra", "unigram", (), "transformers' ELECTRA (generator 1/4 wide)"),
-    "bert": ("bert", "unigram", (), "transformers' BERT ([MASK] MLM)"),
-}  # fmt: skip
-
-
-def train_flops_per_iteration(model: str, s: bl.Setting, vocab: int) -> float:
-    """ELECTRA's convention (tools/count_flops.py) for one iteration of ``s.batch`` rows."""
-    from megatron_taco.models import flops
-
-    size = s.size()
-    shape = flops.EncoderShape(
-        layers=size.layers, hidden=size.hidden, ffn=size.ffn, heads=size.heads,
-        head_size=size.hidden // size.heads, embedding_size=size.hidden, vocab_size=vocab,
-        seq_length=s.seq_length,
-    )  # fmt: skip
-    if model == "electra":
-        import dataclasses
-
-        disc = dataclasses.replace(shape, embedding_size=size.hidden // 2)
-        return flops.electra_train_flops(disc, flops.generator_shape(disc), s.batch, 1)
-    if model == "bert":
-        return flops.bert_train_flops(shape, s.batch, 1)
-    return flops.sas_train_flops(shape, s.batch, 1, disentangled_attention=model == "sas_da")
+from benchmarks.harness.corpora import CORPORA, prepare
+from benchmarks.harness.paths import BENCH_OUT
+from benchmarks.harness.results import write_json
+from benchmarks.learning.curves import left_plateau, load_curves, mean
+from benchmarks.learning.runs import Job, run_jobs
+from benchmarks.learning.setting import Setting
+from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
 
 
 def summarise(curves: dict, tokens: int, factor: float) -> dict:
     out = {}
     for name, points in curves.items():
         end = points[max(points)]
-        left = bl.left_plateau(points, factor)
-        acc, base = bl._mean(end, "mlm_acc"), bl._mean(end, "mlm_baseline_acc")
+        left = left_plateau(points, factor)
+        acc, base = mean(end, "mlm_acc"), mean(end, "mlm_baseline_acc")
         out[name] = {
             "left_plateau_tokens": None if left is None else left * tokens,
             "mlm_acc": acc,
             "baseline": base,
             "ratio": acc / base if acc is not None and base else None,
-            "collapse": bl._mean(end, "collapse_cosine"),
-            "rtd_replaced": bl._mean(end, "rtd_acc_replaced"),
-            "rtd_original": bl._mean(end, "rtd_acc_original"),
+            "collapse": mean(end, "collapse_cosine"),
+            "rtd_replaced": mean(end, "rtd_acc_replaced"),
+            "rtd_original": mean(end, "rtd_acc_original"),
             "tokens": max(points) * tokens,
         }
     return out
@@ -111,7 +54,7 @@ def summarise(curves: dict, tokens: int, factor: float) -> dict:
 
 def at_equal_flops(curve: dict, per_iteration: float, budget: float) -> float | None:
     """MLM accuracy of ``curve`` after ``budget`` training FLOPs, linear between evaluations."""
-    points = sorted((it * per_iteration, bl._mean(rs, "mlm_acc")) for it, rs in curve.items())
+    points = sorted((it * per_iteration, mean(rs, "mlm_acc")) for it, rs in curve.items())
     for (f0, a0), (f1, a1) in zip(points, points[1:]):
         if f0 <= budget <= f1:
             return a0 + (a1 - a0) * (budget - f0) / (f1 - f0)
@@ -122,7 +65,7 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(curves: dict, variants: dict, s: bl.Setting, args, vocab: int) -> dict:
+def report(curves: dict, variants: dict, s: Setting, args, vocab: int) -> dict:
     tokens = s.batch * s.seq_length
     table = summarise(curves, tokens, args.left_plateau)
     flops = {n: train_flops_per_iteration(variants[n][0], s, vocab) for n in curves}
@@ -168,21 +111,21 @@ def plot(curves: dict, table: dict, flops: dict, tokens: int, path: str) -> None
         its = sorted(points)
         style = dict(marker="o", markersize=3, color=f"C{k % 10}",
                      linestyle="-" if k < 10 else "--")  # fmt: skip
-        ratio = [bl._mean(points[i], "mlm_acc") / bl._mean(points[i], "mlm_baseline_acc")
+        ratio = [mean(points[i], "mlm_acc") / mean(points[i], "mlm_baseline_acc")
                  for i in its]  # fmt: skip
         axes[0].plot([i * tokens for i in its], ratio, label=name, **style)
         axes[1].plot(
             [i * tokens for i in its],
-            [bl._mean(points[i], "collapse_cosine") for i in its],
+            [mean(points[i], "collapse_cosine") for i in its],
             label=name,
             **style,
         )
-        rtd = [bl._mean(points[i], "rtd_acc_replaced") for i in its]
+        rtd = [mean(points[i], "rtd_acc_replaced") for i in its]
         if any(r is not None for r in rtd):
             axes[2].plot([i * tokens for i in its], rtd, label=name, **style)
         axes[3].plot(
             [i * flops[name] for i in its],
-            [bl._mean(points[i], "mlm_acc") for i in its],
+            [mean(points[i], "mlm_acc") for i in its],
             label=name,
             **style,
         )
@@ -203,7 +146,9 @@ def plot(curves: dict, table: dict, flops: dict, tokens: int, path: str) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_sas_variants.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_sas_variants", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument(
         "--variants",
         nargs="*",
@@ -211,10 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(VARIANTS),
         help="Variants to run (none: only report the --with ones).",
     )
-    p.add_argument("--data-path", required=True)
-    p.add_argument("--tokenizer-model", required=True)
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data-path", help="A dataset prefix (give its --tokenizer-model).")
+    data.add_argument(
+        "--corpus",
+        choices=list(CORPORA),
+        help="A corpus of benchmarks/harness/corpora.py instead, built in build/corpora (or "
+        "reused) with a --vocab-size tokenizer trained on it; --split defaults to 90,5,5.",
+    )
+    p.add_argument("--tokenizer-model")
+    p.add_argument("--vocab-size", type=int, default=2000, help="--corpus's tokenizer pieces.")
     p.add_argument("--data-cache-path")
-    p.add_argument("--split", default="949,50,1")
+    p.add_argument("--split", help="Default 949,50,1 (--data-path), 90,5,5 (--corpus).")
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=8)
@@ -234,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="VARIANT=METRICS",
         help="A variant's metrics.jsonl from an earlier run of the same setting.",
     )
-    p.add_argument("--out", default=os.path.join(bl.REPO, "build", "bench", "sas_variants"))
+    p.add_argument("--out", default=os.path.join(BENCH_OUT, "sas_variants"))
     p.add_argument("--json", help="Write the summary here.")
     args = p.parse_args(argv)
     existing = {}
@@ -244,13 +197,20 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--with {item}: expected VARIANT=METRICS with a variant of --variants' "
                     "choices and an existing metrics.jsonl")  # fmt: skip
         existing[name] = path
+    if bool(args.data_path) != bool(args.tokenizer_model):
+        p.error("--tokenizer-model goes with --data-path (a --corpus has its own)")
     from megatron_taco.data.tokenizer import Tokenizer
 
-    s = bl.Setting(prefix=args.data_path, tokenizer=args.tokenizer_model,
+    if args.corpus:
+        corpus = prepare(args.corpus, vocab_size=args.vocab_size)
+        args.data_path, args.tokenizer_model = corpus.prefix, corpus.tokenizer
+        args.data_cache_path = args.data_cache_path or corpus.cache
+        args.split = args.split or corpus.split
+    s = Setting(prefix=args.data_path, tokenizer=args.tokenizer_model,
                    cache=args.data_cache_path or os.path.join(args.out, "cache"),
                    seq_length=args.seq_length, batch=args.batch, iters=args.iters, lr=args.lr,
                    warmup_fraction=0.1, eval_interval=args.eval_interval,
-                   eval_iters=args.eval_iters, split=args.split, seed=args.seed,
+                   eval_iters=args.eval_iters, split=args.split or "949,50,1", seed=args.seed,
                    layers=args.layers, hidden=args.hidden)  # fmt: skip
     variants = {name: VARIANTS[name] for name in [*args.variants, *existing]}
     jobs = []
@@ -259,17 +219,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         model, cold, flags, _ = VARIANTS[name]
         flags = tuple(f.replace("{warmup}", str(args.iters // 2)) for f in flags)
-        jobs.append(bl.Job(name, model, args.seed, cold, flags))
+        jobs.append(Job(name, model, args.seed, cold, flags))
     os.makedirs(args.out, exist_ok=True)
-    done = bl.run_jobs(jobs, s, args.out, args.jobs)
+    done = run_jobs(jobs, s, args.out, args.jobs)
     done.update({(name, args.seed): path for name, path in existing.items()})
-    curves = {name: points for name, points in bl.load_curves(done).items()}
+    curves = {name: points for name, points in load_curves(done).items()}
     order = [n for n in variants if n in curves]
     table = report({n: curves[n] for n in order}, variants, s, args,
                    Tokenizer(args.tokenizer_model).vocab_size)  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(table, f, indent=1)
+        write_json(args.json, table)
     return 0 if len(done) == len(jobs) + len(existing) else 1
 
 

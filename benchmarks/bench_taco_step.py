@@ -16,10 +16,10 @@ on CPU or an unknown GPU). TACO's batch carries the host numbers its collator co
 (models/common/host.py), so its step reads nothing back from the GPU. transformers'
 DeBERTa-v2 has no SDPA attention (transformers 5.23): it runs its own.
 
-    python benchmarks/bench_taco_step.py                          # base, seq 512, 2 rows
-    python benchmarks/bench_taco_step.py --model-size small --seq-length 128 --rows 8
-    python benchmarks/bench_taco_step.py --threads 1 --clock cpu  # a loaded shared machine
-    python benchmarks/bench_taco_step.py --profile docs/taco_profile.md
+    python -m benchmarks.bench_taco_step                          # base, seq 512, 2 rows
+    python -m benchmarks.bench_taco_step --model-size small --seq-length 128 --rows 8
+    python -m benchmarks.bench_taco_step --threads 1 --clock cpu  # a loaded shared machine
+    python -m benchmarks.bench_taco_step --profile docs/taco_profile.md
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import dataclasses
 import statistics
 
 import torch
-from timing import (
+
+from benchmarks.harness.batches import taco_batch
+from benchmarks.harness.timing import (
     add_common_args,
     compute_peak,
     interleaved_times,
@@ -40,8 +42,6 @@ from timing import (
     report,
     setup,
 )
-
-from megatron_taco.models.common.host import HOST_KEY
 from megatron_taco.models.flops import taco_train_flops
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
@@ -49,26 +49,6 @@ from megatron_taco.parallel.state import single_process_state
 
 GOAL_SPEED = 1.0  # TACO / DeBERTa-lab tokens/s
 GOAL_MEMORY = 1.0  # TACO / DeBERTa-lab peak activation bytes per token
-
-
-def taco_batch(rows: int, seq: int, vocab: int, max_pos: int, g: torch.Generator, device) -> dict:
-    """Rows [0, rows/2) MLM (15% tokens masked), rows [rows/2, rows) MPM (15% positions)."""
-    b = rows // 2
-    ids = torch.randint(5, vocab, (rows, seq), generator=g)
-    pos = torch.arange(seq).repeat(rows, 1)
-    mlm = torch.full((rows, seq), -100)
-    mpm = torch.full((rows, seq), -100)
-    pick = torch.rand(rows, seq, generator=g) < 0.15
-    mlm[:b][pick[:b]] = ids[:b][pick[:b]]
-    ids[:b][pick[:b]] = 4
-    mpm[b:][pick[b:]] = pos[b:][pick[b:]]
-    pos[b:][pick[b:]] = -1
-    mask = torch.ones(rows, seq, dtype=torch.bool)
-    batch = dict(
-        input_ids=ids, position_ids=pos, attention_mask=mask, mlm_labels=mlm, mpm_labels=mpm
-    )
-    host = TacoForPretraining.host_layout(batch)  # what the recipe's collate wrapper adds
-    return {**{k: v.to(device) for k, v in batch.items()}, HOST_KEY: host}
 
 
 def deberta_batch(rows: int, seq: int, vocab: int, g: torch.Generator, device) -> dict:
@@ -131,7 +111,9 @@ def deberta_train_flops(dcfg, seq: int, rows: int, head_fraction: float = 1.0) -
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_taco_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     TacoConfig.add_args(parser)
     parser.add_argument(

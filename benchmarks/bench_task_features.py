@@ -1,6 +1,6 @@
 """How fast does load_task build MNLI-sized GLUE features?
 
-    python benchmarks/bench_task_features.py [--pairs 400000] [--seq-length 128]
+    python -m benchmarks.bench_task_features [--pairs 400000] [--seq-length 128]
         [--tokenizer-model M] [--repeat 2] [--results-json PATH]
 
 Writes a synthetic MNLI train.tsv (the GLUE distribution's 12 columns) of --pairs sentence
@@ -24,7 +24,6 @@ on the same excerpt; with a 30k vocabulary both sides encode fewer, longer piece
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -34,11 +33,10 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from megatron_taco.data.tokenizer import Tokenizer  # noqa: E402
-from megatron_taco.tasks import load_task  # noqa: E402
+from benchmarks.harness.paths import REPO
+from benchmarks.harness.results import Result, write_results
+from megatron_taco.data.tokenizer import Tokenizer
+from megatron_taco.tasks import load_task
 
 BOTCHAN = os.path.join(REPO, "tests", "fixtures", "text", "botchan_excerpt.txt")
 HEADER = [
@@ -99,7 +97,9 @@ def peer(folder: str, tokenizer: Tokenizer, seq_length: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_task_features", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--pairs", type=int, default=400_000)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--tokenizer-model", default=None)
@@ -155,28 +155,29 @@ def main(argv=None) -> int:
         )
     if args.results_json:
         note = f"{args.pairs} pairs, seq {args.seq_length}: wall {a:.1f}s vs {b:.1f}s, CPU {ca:.1f}s vs {cb:.1f}s"
-        results = [
-            {
-                "benchmark": "bench_task_features.py",
-                "metric": "mnli_features_cpu_speedup_vs_megatron_loop",
-                "value": cb / ca,
-                "goal": 2.0,
-                "op": ">=",
-                "unit": "x",
-                "note": note,
-            },
-            {
-                "benchmark": "bench_task_features.py",
-                "metric": "mnli_features_wall_speedup_vs_megatron_loop",
-                "value": b / a,
-                "goal": None,
-                "op": ">=",
-                "unit": "x",
-                "note": note + " (wall: noisy on a shared machine)",
-            },
-        ]
-        with open(args.results_json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_results(
+            args.results_json,
+            [
+                Result(
+                    "bench_task_features.py",
+                    "mnli_features_cpu_speedup_vs_megatron_loop",
+                    cb / ca,
+                    2.0,
+                    ">=",
+                    "x",
+                    note,
+                ),
+                Result(
+                    "bench_task_features.py",
+                    "mnli_features_wall_speedup_vs_megatron_loop",
+                    b / a,
+                    None,
+                    ">=",
+                    "x",
+                    note + " (wall: noisy on a shared machine)",
+                ),
+            ],
+        )
     return 0
 
 

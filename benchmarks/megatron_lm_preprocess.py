@@ -1,8 +1,8 @@
 """Run Megatron-LM's own tools/preprocess_data.py, unmodified, on this offline CPU machine.
 
-    python benchmarks/megatron_lm_preprocess.py MEGATRON_LM_CHECKOUT [its arguments...]
+    python -m benchmarks.megatron_lm_preprocess MEGATRON_LM_CHECKOUT [its arguments...]
 
-Used by bench_preprocess.py as the peer. Nothing of Megatron-LM is copied here: the checkout
+Used by bench_preprocess as the peer (run from the repository root). Nothing of Megatron-LM is copied here: the checkout
 (a tag whose megatron/core matches the installed megatron-core, e.g. core_v0.16.1) is given
 on the command line, and its script runs as ``__main__`` after three environment shims:
 
@@ -42,7 +42,6 @@ def main() -> None:
     import nltk
     from nltk.tokenize.punkt import PunktTokenizer
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from megatron_taco.preprocessing.text import find_punkt_tab
 
     nltk.data.path.append(find_punkt_tab())

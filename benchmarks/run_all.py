@@ -1,53 +1,137 @@
 """Run every benchmark and print one table of their ratios against their goals (make bench).
 
-    python benchmarks/run_all.py [--only NAME ...] [--skip NAME ...] [--out build/bench]
+    python -m benchmarks.run_all [--only NAME ...] [--skip NAME ...] [--out build/bench]
+    python -m benchmarks.run_all --list      # what each measures and its goal; runs nothing
 
-Each benchmarks/bench_*.py runs in turn, with its own defaults, as
-``python bench_x.py --results-json OUT/bench_x.json`` (the convention of results.py); its
-output goes to the terminal and to OUT/bench_x.log. Then one table: every metric, its
-value, its goal and whether it is met or by how much it is missed, and the machine it ran
-on. OUT/results.json holds all of it. Exit status 1 if a benchmark failed to run (a missed
-goal is a result, not a failure).
+BENCHMARKS below names every benchmarks/bench_*.py with what it measures and its goal. Those
+that run on their own defaults run in turn, as ``python -m benchmarks.bench_x
+--results-json OUT/bench_x.json`` (the convention of benchmarks/harness/results.py); each
+one's output goes to the terminal and to OUT/bench_x.log. Those that need inputs (a corpus,
+other runs' folders) are listed with the one command that reproduces their table, and not
+run. Then one table: every metric, its value, its goal and whether it is met or by how
+much it is missed, and the machine it ran on. OUT/results.json holds all of it. Exit status
+1 if a benchmark failed to run (a missed goal is a result, not a failure).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
+import dataclasses
 import os
-import platform
-import subprocess
 import sys
+import textwrap
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from benchmarks.harness.jobs import run_logged
+from benchmarks.harness.paths import BENCH_OUT, REPO
+from benchmarks.harness.results import machine, read_results, write_json
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    memory = ""
-    try:
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        memory = f", {pages * size / 2**30:.0f} GiB"
-    except (ValueError, OSError, AttributeError):
-        pass
-    gpu = ""
-    try:
-        import torch
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """benchmarks/``name``.py: ``what`` it compares and its ``goal``; ``command``, for one
+    that needs inputs, is how its table is reproduced (make bench does not run it)."""
 
-        if torch.cuda.is_available():
-            gpu = f", {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    except ImportError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs{memory}{gpu or ', no GPU'}; {platform.platform()}"
+    name: str
+    what: str
+    goal: str
+    command: str = ""
+
+
+# docs/sas_variants.md's long run: the bundled corpus with the learning tier's tokenizer.
+SAS_LONG_RUN = (
+    "--corpus demo --vocab-size 1000 --split 90,5,5 --layers 2 --hidden 128 --seq-length 32 "
+    "--batch 64"
+)
+BENCHMARKS = (
+    Benchmark(
+        "bench_preprocess",
+        "sentence-level preprocessing vs Megatron-LM's preprocess_data.py (marginal MB/s, "
+        "same JSON lines and tokenizer), and the tool vs its bare split + encode loop",
+        ">= 2.0x Megatron-LM; >= 70% of the bare loop at both levels",
+    ),
+    Benchmark(
+        "bench_splitters",
+        "blingfire vs punkt on Wikipedia leads: punkt's boundaries kept, and speed",
+        "(chooses the default splitter)",
+    ),
+    Benchmark(
+        "bench_samples",
+        "our BERT sample index vs megatron-core's BERTMaskedWordPieceDataset: build "
+        "time and samples/s through a DataLoader",
+        ">= 1.0x on both",
+    ),
+    Benchmark(
+        "bench_sas_step",
+        "SAS-small (and SAS^DA-small) step time vs transformers' ELECTRA-small; peak "
+        "activation memory of the base encoders",
+        "<= 0.75x ELECTRA-small's step time",
+    ),
+    Benchmark(
+        "bench_sas_store",
+        "replacement-store work per micro-batch vs a SAS-small step; peak RSS vs "
+        "instances beside an in-RAM buffer",
+        "< 2% of a step; RSS growth 0.1M -> 3M instances <= 32 MiB",
+    ),
+    Benchmark(
+        "bench_taco_step",
+        "TACO-base tokens/s and peak activation memory vs transformers' DeBERTa-v2",
+        ">= 1.0x DeBERTa-lab's tokens/s; <= 1.0x its memory",
+    ),
+    Benchmark(
+        "bench_learning",
+        "held-out MLM, collapse and RTD curves on the same batches: our TACO, SAS, "
+        "SAS^c, SAS^DA vs transformers' BERT, ELECTRA and SAS's objective on ELECTRA's "
+        "encoder",
+        "TACO >= BERT at every point; SAS = the reference within seed noise",
+    ),
+    Benchmark(
+        "bench_sas_variants",
+        "SAS's variants (the paper's recipe, the release's cold starts, departures) "
+        "beside ELECTRA and BERT: tokens to leave the plateau, MLM, RTD, collapse",
+        "the paper's recipe off the plateau within ~10M tokens",
+        f"python -m benchmarks.bench_sas_variants {SAS_LONG_RUN} --iters 5000 --eval-interval "
+        "250 --lr 1e-3 --variants paper electra --out OUT",
+    ),
+    Benchmark(
+        "bench_sas_downstream",
+        "SAS checkpoints vs ELECTRA's at equal training FLOPs and time: zero-shot "
+        "word order, frozen probe, or (--finetune) fine-tuned, beside random twins",
+        "SAS >= ELECTRA (the paper's claim)",
+        f"python -m benchmarks.bench_sas_downstream {SAS_LONG_RUN} --sas "
+        "paper=OUT/paper_s1234 --electra OUT/electra_s1234 (OUT: bench_sas_variants' --out)",
+    ),
+    Benchmark(
+        "bench_finetune",
+        "fine-tuning examples/s: our dynamic padding vs our padded path vs transformers' Trainer",
+        ">= 2.5x padded (single sentences); >= 1.0x Trainer",
+    ),
+    Benchmark(
+        "bench_exit_save",
+        "signal -> completed checkpoint save of TACO-base and SAS-base on one rank",
+        "<= 30 s, the launcher's grace before SIGKILL",
+    ),
+    Benchmark(
+        "bench_task_features",
+        "load_task('mnli') features vs Megatron-LM's per-example featurisation loop",
+        ">= 2.0x in CPU seconds",
+    ),
+)
+
+
+def listing() -> str:
+    """Every benchmark: its name, what it compares, its goal (and, for one that needs
+    inputs, the command that reproduces its table)."""
+    lines = []
+    for b in BENCHMARKS:
+        how = "" if not b.command else " (needs inputs: not run by make bench)"
+        lines.append(f"{b.name}{how}")
+        for key, text in (("what", b.what), ("goal", b.goal)):
+            first = f"    {key + ':':<6}"
+            lines += textwrap.wrap(text, 96, initial_indent=first, subsequent_indent=" " * 10)
+        if b.command:  # one line, to be pasted
+            lines.append(f"    run:  {b.command}")
+    return "\n".join(lines)
 
 
 def status(r: dict) -> str:
@@ -71,67 +155,26 @@ def fmt(value, unit: str) -> str:
     return f"{value:.3g} {unit}" if unit != "x" else f"{value:.2f}x"
 
 
-def run(script: str, out_dir: str) -> tuple[list[dict], str | None, float]:
-    name = os.path.splitext(os.path.basename(script))[0]
+def run(name: str, out_dir: str) -> tuple[list[dict], str | None, float]:
     json_path = os.path.join(out_dir, f"{name}.json")
     log_path = os.path.join(out_dir, f"{name}.log")
     if os.path.exists(json_path):
         os.remove(json_path)
     print(f"\n===== {name} =====", flush=True)
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, script, "--results-json", json_path],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-        )
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-        rc = proc.wait()
+    argv = [sys.executable, "-m", f"benchmarks.{name}", "--results-json", json_path]
+    rc = run_logged(argv, log_path)
     elapsed = time.perf_counter() - t0
     error = None if rc == 0 else f"exit status {rc} (see {os.path.relpath(log_path, REPO)})"
     results = []
     if os.path.exists(json_path):
-        with open(json_path) as f:
-            results = json.load(f)
+        results = read_results(json_path)
     elif error is None:
         error = "wrote no --results-json"
     return results, error, elapsed
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", nargs="+", default=[], help="run only these (bench_x or x)")
-    ap.add_argument("--skip", nargs="+", default=[], help="leave these out")
-    ap.add_argument("--out", default=os.path.join(REPO, "build", "bench"), help="logs and JSON")
-    args = ap.parse_args(argv)
-
-    def short(n: str) -> str:
-        return n.removeprefix("bench_").removesuffix(".py")
-
-    scripts = sorted(glob.glob(os.path.join(HERE, "bench_*.py")))
-    names = {short(os.path.basename(s)): s for s in scripts}
-    for n in args.only + args.skip:
-        if short(n) not in names:
-            ap.error(f"no benchmark {n!r}; there are: {', '.join(names)}")
-    chosen = [s for n, s in names.items() if (not args.only or n in map(short, args.only))]
-    chosen = [s for s in chosen if short(os.path.basename(s)) not in map(short, args.skip)]
-    os.makedirs(args.out, exist_ok=True)
-
-    host = machine()
-    rows, failures = [], []
-    for script in chosen:
-        results, error, elapsed = run(script, args.out)
-        name = os.path.splitext(os.path.basename(script))[0]
-        if error:
-            failures.append((name, error))
-        rows.extend(results)
-        print(f"----- {name}: {elapsed:.0f} s" + (f", {error}" if error else ""), flush=True)
-
+def print_table(host: str, rows: list[dict], failures: list) -> None:
     print(f"\nBenchmarks on {host}")
     widths = (18, 56, 12, 10)
     header = ("benchmark", "metric", "value", "goal")
@@ -144,8 +187,50 @@ def main(argv=None) -> int:
             print(" " * (widths[0] + 2) + f"  {r['note']}")
     for name, error in failures:
         print(f"{name}: FAILED, {error}")
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"machine": host, "results": rows, "failures": failures}, f, indent=2)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.run_all", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--only", nargs="+", default=[], help="run only these (bench_x or x)")
+    ap.add_argument("--skip", nargs="+", default=[], help="leave these out")
+    ap.add_argument("--out", default=BENCH_OUT, help="logs and JSON")
+    ap.add_argument("--list", action="store_true", help="print what each measures; run nothing")
+    args = ap.parse_args(argv)
+    if args.list:
+        print(listing())
+        return 0
+
+    def short(n: str) -> str:
+        return n.removeprefix("benchmarks.").removeprefix("bench_").removesuffix(".py")
+
+    by_name = {short(b.name): b for b in BENCHMARKS}
+    for n in args.only + args.skip:
+        if short(n) not in by_name:
+            ap.error(f"no benchmark {n!r}; there are: {', '.join(by_name)}")
+        b = by_name[short(n)]
+        if n in args.only and b.command:
+            ap.error(f"{b.name} needs inputs; run: {b.command}")
+    only, skip = {short(n) for n in args.only}, {short(n) for n in args.skip}
+    chosen = [b for n, b in by_name.items() if not b.command and (not only or n in only)]
+    chosen = [b for b in chosen if short(b.name) not in skip]
+    os.makedirs(args.out, exist_ok=True)
+    print(listing())
+
+    host = machine()
+    rows, failures = [], []
+    for b in chosen:
+        results, error, elapsed = run(b.name, args.out)
+        if error:
+            failures.append((b.name, error))
+        rows.extend(results)
+        print(f"----- {b.name}: {elapsed:.0f} s" + (f", {error}" if error else ""), flush=True)
+    print_table(host, rows, failures)
+    write_json(
+        os.path.join(args.out, "results.json"),
+        {"machine": host, "results": rows, "failures": failures},
+    )
     return 1 if failures else 0
 
 

@@ -60,7 +60,7 @@ rm -rf "$OUT/sas" "$OUT/sas_paper"
     --save "$OUT/sas_paper/checkpoints" --tensorboard-dir "$OUT/sas_paper/tensorboard"
 
 echo "== 6/7 transformers' ELECTRA on the same batches, schedule and held-out evaluation"
-$PY benchmarks/bench_learning.py --models electra --data-path "$OUT/demo_text_sentence" \
+$PY -m benchmarks.bench_learning --models electra --data-path "$OUT/demo_text_sentence" \
     --tokenizer-model "$OUT/tokenizer.model" --data-cache-path "$OUT/cache" --split 90,5,5 \
     --seq-length $SEQ --batch 32 --iters "$ITERS" --eval-interval 100 --eval-iters 8 \
     --out "$OUT/curves" \

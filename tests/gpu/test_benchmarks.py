@@ -14,9 +14,9 @@ import pytest
 from tests.helpers import require_gpus, run
 
 
-def _bench(script: str, tmp_path, *args: str) -> tuple[str, list[dict]]:
-    results = tmp_path / f"{script}.json"
-    res = run([sys.executable, f"benchmarks/{script}", "--no-memory", "--repeats", "3",
+def _bench(name: str, tmp_path, *args: str) -> tuple[str, list[dict]]:
+    results = tmp_path / f"{name}.json"
+    res = run([sys.executable, "-m", f"benchmarks.{name}", "--no-memory", "--repeats", "3",
                "--results-json", str(results), *args], timeout=1800)  # fmt: skip
     return res.stdout, json.loads(results.read_text())
 
@@ -25,7 +25,7 @@ def _bench(script: str, tmp_path, *args: str) -> tuple[str, list[dict]]:
 @pytest.mark.timeout(1900)
 def test_bench_taco_step_on_the_gpu(tmp_path, record_property):
     require_gpus(1)
-    out, rows = _bench("bench_taco_step.py", tmp_path, "--steps", "5", "--warmup", "2",
+    out, rows = _bench("bench_taco_step", tmp_path, "--steps", "5", "--warmup", "2",
                        "--rows", "8")  # fmt: skip
     assert "MFU against:" in out and ("dense bf16 peak" in out or "measured bf16" in out)
     table = re.findall(r"^(TACO|DeBERTa-lab|DeBERTa)\s+[\d.]+M\s+([\d.]+)\s+(\d+)\s+[\d.]+\s+([\d.]+)%",
@@ -42,7 +42,7 @@ def test_bench_taco_step_on_the_gpu(tmp_path, record_property):
 @pytest.mark.timeout(1900)
 def test_bench_sas_step_on_the_gpu(tmp_path, record_property):
     require_gpus(1)
-    out, rows = _bench("bench_sas_step.py", tmp_path, "--steps", "10", "--warmup", "3",
+    out, rows = _bench("bench_sas_step", tmp_path, "--steps", "10", "--warmup", "3",
                        "--batch", "64")  # fmt: skip
     lines = re.findall(
         r"^\s+(\S+)\s+([\d.]+) ms/step\s+(\d+) tokens/s\s+MFU\s+([\d.]+)%", out, re.M

@@ -1,6 +1,6 @@
 """SAS's first training steps equal an independent implementation of its objective.
 
-The reference (benchmarks/learning_peers.py: transformers' ELECTRA encoder and heads, the
+The reference (benchmarks/learning/peers.py: transformers' ELECTRA encoder and heads, the
 losses and RTD labels written from the paper, sharing no code with models/sas) starts from
 our SAS's weights (exported by models/sas/hf.py) and both take the same optimizer steps on
 the same batches of our collator, built from the bundled corpus: epoch 1, cold-start
@@ -15,13 +15,7 @@ an RTD label taken from the wrong place (a hit counted as replaced, padding in t
 
 from __future__ import annotations
 
-import sys
-
 import torch
-
-from tests.learning.conftest import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 STEPS, BATCH, SEQ = 4, 8, 64
 
@@ -49,8 +43,7 @@ def _batches(demo_dataset, tokenizer):
 
 
 def _pair(vocab: int):
-    from learning_peers import SasObjective, Size
-
+    from benchmarks.learning.peers import SasObjective, Size
     from megatron_taco.models.sas.config import SasConfig
     from megatron_taco.models.sas.hf import electra_config_and_state
     from megatron_taco.models.sas.model import SasForPretraining
@@ -122,8 +115,7 @@ def test_sas_first_steps_equal_the_independent_objective_in_float64(demo_dataset
     batches = _batches(demo_dataset, tokenizer)
     ours, ref, config = _pair(tokenizer.vocab_size)
     # lambda of epoch 2 of 5 by each side's own schedule (not the model's default 50).
-    from learning_peers import rtd_weight
-
+    from benchmarks.learning.peers import rtd_weight
     from megatron_taco.recipes.sas import RtdScheduleConfig
 
     ours.set_rtd_weight(RtdScheduleConfig().weight(1, 5))

@@ -1,15 +1,11 @@
-"""benchmarks/bench_learning.py's arguments: what would only fail at the report, after the
+"""benchmarks.bench_learning's arguments: what would only fail at the report, after the
 runs' half hour, is one line before any run."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.helpers import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks import bench_learning
 
 
 @pytest.mark.parametrize(
@@ -20,8 +16,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
      ("taco=", "--with taco=: expected MODEL=METRICS")],
 )  # fmt: skip
 def test_bad_with_is_one_line_before_any_run(tmp_path, capsys, given, says):
-    import bench_learning
-
     file = tmp_path / "metrics.jsonl"
     file.write_text("")
     missing = tmp_path / "missing.jsonl"
@@ -38,8 +32,6 @@ def test_bad_with_is_one_line_before_any_run(tmp_path, capsys, given, says):
 
 
 def test_data_path_needs_its_tokenizer(tmp_path, capsys):
-    import bench_learning
-
     with pytest.raises(SystemExit):
         bench_learning.main(["--data-path", str(tmp_path / "x"), "--out", str(tmp_path / "o")])
     assert "--data-path needs --tokenizer-model" in capsys.readouterr().err

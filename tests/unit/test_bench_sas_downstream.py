@@ -1,21 +1,15 @@
-"""benchmarks/bench_sas_downstream.py reads transformers' ELECTRA as demo_evaluate reads
+"""benchmarks.bench_sas_downstream reads transformers' ELECTRA as demo_evaluate reads
 ours: its adapter must give what the peer's own training forward computes."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from tests.helpers import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "examples"))
+from benchmarks import bench_sas_downstream as bd
+from benchmarks.learning.peers import Electra, Size
 
 
 def test_electra_adapter_is_the_peers_own_heads():
-    import bench_sas_downstream as bd
-    from learning_peers import Electra, Size
 
     torch.manual_seed(0)
 
@@ -49,7 +43,6 @@ def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
     ended at 125), 75 and 100 iterations."""
     import json
 
-    import bench_sas_downstream as bd
     import pytest
 
     from megatron_taco.arguments import ConfigError
@@ -68,7 +61,6 @@ def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
-    import bench_sas_downstream as bd
     import pytest
 
     sas = tmp_path / "paper_s1"
@@ -102,7 +94,6 @@ def test_select_lr_takes_the_best_mean_not_the_best_median():
     """The SAS paper reports the configuration whose mean over seeds is best. Hand-derived:
     1e-4 has mean 0.70 and median 0.80, 3e-4 mean 0.75 and median 0.75, so the mean picks
     3e-4 where a median would pick 1e-4; of a tie in the mean, the first listed."""
-    import bench_sas_downstream as bd
 
     assert bd.select_lr({1e-4: [0.5, 0.8, 0.8], 3e-4: [0.75, 0.75, 0.75]}) == 3e-4
     assert bd.select_lr({1e-3: [0.6, 0.8], 1e-4: [0.7, 0.7], 3e-4: [0.5, 0.9]}) == 1e-3
@@ -112,7 +103,6 @@ def test_nearest_picks_electras_evaluation_at_sas_flops():
     """ELECTRA evaluated at iterations 250, 500, 750 at 2 FLOPs per iteration: SAS at 1100
     FLOPs is nearest 500's 1000 (off 100, 750's is off 400); at 1250 the two are off 250
     each and the first, 500, is kept."""
-    import bench_sas_downstream as bd
 
     points = [(250, 10.0, "a"), (500, 20.0, "b"), (750, 30.0, "c")]
     assert bd.nearest(points, lambda q: 2 * q[0], 1100)[2] == "b"
@@ -124,7 +114,8 @@ def test_word_order_rows_in_both_forms_split_by_sentence():
     """Each sentence gives an original and a swapped row, on the same side of the split: no
     dev sentence is seen in training in either form. 10 sentences -> 2 dev (4 rows), 8 train."""
     import numpy as np
-    from make_word_order_task import swap_adjacent, train_dev_rows
+
+    from examples.make_word_order_task import swap_adjacent, train_dev_rows
 
     sentences = [f"w{i} a b c d e f g" for i in range(10)]
     rows = train_dev_rows(sentences, "swap", np.random.default_rng(0), both_forms=True)
@@ -154,10 +145,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
     """The fine-tuning models hold the pretrained encoders unchanged: ELECTRA's
     ElectraForSequenceClassification gives the discriminator's own last layer, our TaskModel
     the pretraining model's; each returns its cross entropy on the [CLS] logits."""
-    import bench_sas_downstream as bd
-    import demo_evaluate as de
-    from learning_peers import Electra, Size
-
+    from examples import demo_evaluate as de
     from tests.helpers import VOCAB, build_sas, make_sas_batch, tiny_sas_config
 
     torch.manual_seed(0)

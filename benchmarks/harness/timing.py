@@ -1,10 +1,9 @@
-"""Timing, memory and result helpers shared by the step benchmarks (run as scripts:
-benchmarks/ is on sys.path)."""
+"""Timing, MFU peak and peak memory of the step benchmarks, and their report: every ratio
+with its goal, written as results (harness/results.py)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import weakref
@@ -14,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from benchmarks.harness.results import Result, write_results
 from megatron_taco.training.peaks import gpu_bf16_peak
 
 
@@ -91,7 +91,7 @@ def add_common_args(parser, repeats: int, steps: int, warmup: int) -> None:
         "--profile", metavar="PATH", help="Write torch.profiler tables of one step per model."
     )
     parser.add_argument(
-        "--results-json", metavar="PATH", help="Also write the ratios there (COMMON.md format)."
+        "--results-json", metavar="PATH", help="Also write the ratios there (harness/results.py)."
     )
 
 
@@ -151,9 +151,19 @@ def report(args, benchmark: str, rows: list[dict], setting: str) -> None:
         print(f"  {row['metric']}: {row['value']:.2f}{row.get('unit', 'x')} ({verdict(row)})")
         print(f"      {row['note']}")
     machine = f"{args.device}, {torch.get_num_threads()} threads, clock={args.clock}, {setting}"
-    for row in rows:
-        row["note"] = f"{row['note']} [{machine}]"
-    write_results(args.results_json, benchmark, rows)
+    results = [
+        Result(
+            benchmark,
+            row["metric"],
+            row["value"],
+            row.get("goal"),
+            row.get("op", ">="),
+            row.get("unit", "x"),
+            f"{row['note']} [{machine}]",
+        )
+        for row in rows
+    ]
+    write_results(args.results_json, results)
 
 
 def profile_table(path: str, steps: dict, title: str, rows: int = 25) -> None:
@@ -238,23 +248,3 @@ def peak_activation_bytes(forward_backward, params) -> int:
     for p in params:
         p.grad = None
     return mem.peak(grads - {None})
-
-
-def write_results(path: str | None, benchmark: str, rows: list[dict]) -> None:
-    """COMMON.md's --results-json: a JSON list of {benchmark, metric, value, goal, op, unit,
-    note}; ``op`` says how value compares with goal when the goal is met."""
-    if not path:
-        return
-    out = [
-        {
-            "benchmark": benchmark,
-            "metric": r["metric"],
-            "value": float(r["value"]),
-            "goal": None if r.get("goal") is None else float(r["goal"]),
-            "op": r.get("op", ">="),
-            "unit": r.get("unit", "x"),
-            "note": r.get("note", ""),
-        }
-        for r in rows
-    ]
-    Path(path).write_text(json.dumps(out, indent=1) + "\n")

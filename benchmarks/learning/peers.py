@@ -1,4 +1,4 @@
-"""Independent references that bench_learning.py trains beside our models, on the same
+"""Independent references that bench_learning trains beside our models, on the same
 batches: transformers' BERT (MLM with [MASK]), transformers' ELECTRA (generator +
 discriminator) and SAS's objective on transformers' ELECTRA encoder. The encoders, heads and
 attention are transformers'; the losses, the RTD labels, the lambda schedule and the
@@ -18,42 +18,16 @@ replacements.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.learning.setting import Size
 from megatron_taco.models.common.monitoring import monitoring_outputs
 
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class Size:
-    """A BERT-style encoder size shared by every model of a comparison."""
-
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    ffn: int = 1024
-    max_positions: int = 512
-
-    def kwargs(self, vocab: int, **extra) -> dict:
-        return dict(
-            vocab_size=vocab,
-            hidden_size=self.hidden,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            intermediate_size=self.ffn,
-            max_position_embeddings=self.max_positions,
-            hidden_act="gelu",
-            hidden_dropout_prob=0.1,
-            attention_probs_dropout_prob=0.1,
-            layer_norm_eps=1e-12,
-            **extra,
-        )
 
 
 def _accuracy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -79,7 +53,7 @@ def mlm_rows(batch: dict) -> dict:
     return {k: batch[k][:rows] for k in ("input_ids", "attention_mask", "mlm_labels")}
 
 
-def _no_token_types(model: nn.Module) -> None:
+def no_token_types(model: nn.Module) -> None:
     # SAS and TACO have no segment embeddings: zero and freeze transformers' (type 0 is
     # added to every token, which would otherwise be a free learned bias).
     emb = model.embeddings.token_type_embeddings
@@ -95,7 +69,7 @@ class BertMlm(nn.Module):
         from transformers import BertConfig, BertForMaskedLM
 
         self.bert = BertForMaskedLM(BertConfig(**size.kwargs(vocab)))
-        _no_token_types(self.bert.bert)
+        no_token_types(self.bert.bert)
         self.vocab = vocab
 
     def forward(self, batch: dict) -> dict:
@@ -131,7 +105,7 @@ class Electra(nn.Module):
         )
         self.gen.electra.embeddings = self.disc.electra.embeddings  # ELECTRA ties them
         self.gen.generator_lm_head.weight = self.disc.electra.embeddings.word_embeddings.weight
-        _no_token_types(self.disc.electra)
+        no_token_types(self.disc.electra)
         self.vocab, self.rtd_weight = vocab, rtd_weight
         self.sampler = torch.Generator().manual_seed(0)
 
@@ -187,7 +161,7 @@ class SasObjective(nn.Module):
         config = ElectraConfig(**size.kwargs(vocab, embedding_size=embedding or size.hidden))
         self.config = config
         self.electra = ElectraModel(config)
-        _no_token_types(self.electra)
+        no_token_types(self.electra)
         self.discriminator_predictions = ElectraDiscriminatorPredictions(config)
         self.generator_predictions = ElectraGeneratorPredictions(config)
         self.generator_lm_head = nn.Linear(config.embedding_size, vocab)

@@ -1,0 +1,41 @@
+"""Learning curves read back from the runs' metrics files: the held-out records by
+iteration, their means over seeds, and when a curve leaves the plateau."""
+
+from __future__ import annotations
+
+from benchmarks.learning.setting import sas_like
+
+
+def load_curves(done: dict) -> dict:
+    from megatron_taco.training.logging import read_metrics
+
+    curves: dict[str, dict[int, list[dict]]] = {}
+    for (model, _seed), path in done.items():
+        for r in read_metrics(path):
+            if r.get("split") == "valid":
+                curves.setdefault(model, {}).setdefault(int(r["iteration"]), []).append(r)
+    return curves
+
+
+def mean(records: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def spread(records: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return max(vals) - min(vals) if len(vals) > 1 else None
+
+
+def family_baseline(curves, models, it, sas: bool) -> float | None:
+    records = [r for m in models if sas_like(m) == sas for r in curves[m].get(it, [])]
+    return mean(records, "mlm_baseline_acc")
+
+
+def left_plateau(points: dict[int, list[dict]], factor: float) -> int | None:
+    """First evaluated iteration at which MLM accuracy >= factor x the baseline."""
+    for it in sorted(points):
+        acc, base = mean(points[it], "mlm_acc"), mean(points[it], "mlm_baseline_acc")
+        if acc is not None and base and acc >= factor * base:
+            return it
+    return None

@@ -1,0 +1,122 @@
+"""bench_learning's report: the held-out MLM table by training tokens, the end figures, its
+goals as results, and a PNG of the curves."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from benchmarks.harness.results import Result
+from benchmarks.learning.curves import family_baseline, left_plateau, mean, spread
+from benchmarks.learning.setting import MODELS, Setting, label, sas_like
+
+
+def colour(name: str, names: list[str]) -> str:
+    known = MODELS.index(name) if name in MODELS else len(MODELS) + names.index(name)
+    return f"C{known % 10}"
+
+
+def report(curves: dict, s: Setting, args, out_dir: str) -> list:
+    tokens = s.batch * s.seq_length
+    models = [m for m in MODELS if m in curves] + [m for m in curves if m not in MODELS]
+    iters = sorted({it for m in models for it in curves[m]})
+    print(f"\nheld-out MLM accuracy (mean over seeds) by training tokens; batch {s.batch} x "
+          f"seq {s.seq_length}, lr {s.lr:g}, warm-up {s.warmup_fraction:g} of {s.iters} "
+          "iterations")  # fmt: skip
+    print("(baseline: the most frequent target's share, of the [MASK]ed positions for TACO,")
+    print(" BERT and ELECTRA, of SAS's replaced set S for the SAS models)")
+    head = f"{'tokens':>10} {'base':>7} {'base S':>7} " + " ".join(f"{m:>8}" for m in models)
+    print(head)
+    for it in iters:
+        base = [family_baseline(curves, models, it, sas) for sas in (False, True)]
+        cells = [mean(curves[m].get(it, []), "mlm_acc") for m in models]
+        print(f"{it * tokens:>10,} "
+              + " ".join(f"{b:>7.4f}" if b is not None else f"{'-':>7}" for b in base) + " "
+              + " ".join(f"{c:>8.4f}" if c is not None else f"{'-':>8}" for c in cells))  # fmt: skip
+    print("\ncollapse_cosine (1 = one vector for every token) and RTD accuracy at the end")
+    for m in models:
+        last = curves[m][max(curves[m])]
+        rtd = ""
+        if mean(last, "rtd_acc_replaced") is not None:
+            rtd = (f"  RTD replaced {mean(last, 'rtd_acc_replaced'):.3f} "
+                   f"original {mean(last, 'rtd_acc_original'):.3f}")  # fmt: skip
+        collapse = mean(last, "collapse_cosine")
+        shown = "-" if collapse is None else f"{collapse:.4f}"
+        print(f"  {m:>8}: collapse {shown}{rtd}  ({label(m)})")
+    results = []
+    if "taco" in curves and "bert" in curves:
+        common = [it for it in iters if it in curves["taco"] and it in curves["bert"]]
+        ratios = [mean(curves["taco"][it], "mlm_acc") / max(mean(curves["bert"][it], "mlm_acc"),
+                  1e-9) for it in common]  # fmt: skip
+        worst = min(ratios) if ratios else None
+        met = [it * tokens for it, r in zip(common, ratios) if r >= 1.0]
+        since = next((it * tokens for it, r in zip(common, ratios)
+                      if all(q >= 1.0 for q in ratios[common.index(it):])), None)  # fmt: skip
+        results.append(Result("bench_learning", "taco_vs_bert_mlm_acc_worst_point", worst, 1.0,
+                              ">=", "x", f"TACO / BERT held-out MLM accuracy, worst of "
+                              f"{len(ratios)} points; at or above at {len(met)}, at every "
+                              f"point from {since:,} tokens on" if since is not None else
+                              f"TACO / BERT held-out MLM accuracy, worst of {len(ratios)} "
+                              f"points; at or above at {len(met)}"))  # fmt: skip
+    if "sas" in curves and "sas_ref" in curves:
+        end = max(curves["sas"])
+        for key in ("mlm_acc", "rtd_acc_replaced"):
+            a, b = mean(curves["sas"][end], key), mean(curves["sas_ref"].get(end, []), key)
+            noise = max(
+                spread(curves["sas"][end], key) or 0,
+                spread(curves["sas_ref"].get(end, []), key) or 0,
+            )
+            note = (
+                f"seed spread {noise:.4f}"
+                if noise
+                else "one seed each: give --seeds 2 for the noise"
+            )
+            results.append(Result("bench_learning", f"sas_minus_ref_{key}", None if b is None else a - b,
+                                   None, "<=", "abs", note))  # fmt: skip
+    for m in ("sas", "electra"):
+        if m in curves:
+            it = left_plateau(curves[m], args.left_plateau)
+            results.append(Result("bench_learning", f"{m}_left_plateau_tokens",
+                                  None if it is None else float(it * tokens), None, "<=", "tokens",
+                                  "not within the run" if it is None else f"iteration {it}"))  # fmt: skip
+    print()
+    for r in results:
+        shown = "not measured" if r.value is None else f"{r.value:.4g} {r.unit}"
+        goal = f" (goal {r.op} {r.goal:g})" if r.goal is not None else ""
+        print(f"  {r.metric}: {shown}{goal}  {r.note}")
+    plot(curves, models, s, os.path.join(out_dir, "learning_curves.png"))
+    return results
+
+
+def plot(curves: dict, models: list[str], s: Setting, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = s.batch * s.seq_length
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    for m in models:
+        its = sorted(curves[m])
+        x = [it * tokens for it in its]
+        style = dict(marker="o", color=colour(m, models))  # one colour per model
+        axes[0].plot(x, [mean(curves[m][it], "mlm_acc") for it in its], label=label(m), **style)
+        axes[1].plot(x, [mean(curves[m][it], "collapse_cosine") for it in its], label=m, **style)
+        if sas_like(m) or m == "electra":
+            axes[2].plot(x, [mean(curves[m][it], "rtd_acc_replaced") for it in its],
+                         label=f"{m} replaced", **style)  # fmt: skip
+    base_its = sorted({it for m in models for it in curves[m]})
+    for sas, line, what in ((False, "k--", "[MASK]ed positions"), (True, "k:", "SAS's S")):
+        base = [family_baseline(curves, models, it, sas) for it in base_its]
+        if any(b is not None for b in base):
+            axes[0].plot([it * tokens for it in base_its], base, line,
+                         label=f"most frequent token ({what})")  # fmt: skip
+    axes[0].set(title="held-out MLM accuracy", xlabel="training tokens")
+    axes[1].set(title="collapse_cosine (1 = collapsed)", xlabel="training tokens", ylim=(0, 1.02))
+    axes[2].set(title="RTD accuracy on replaced tokens", xlabel="training tokens")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"curves: {path}", file=sys.stderr, flush=True)
