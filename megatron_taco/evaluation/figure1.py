@@ -383,14 +383,9 @@ def probe(
             pair = [i + 1, j + 1]
             compared, left_out = compared_words(wa, wb, case_insensitive)
             for a, b in compared:
-                word = wa[a]
-                row = {
-                    "pair": pair,
-                    "word": word.text,
-                    "occurrence": word.occurrence,
-                    "pieces": list(word.pieces),
-                }
-                tokens.append({**row, **_measures(va[a], vb[b])})
+                w = wa[a]
+                row = dict(word=w.text, occurrence=w.occurrence, pieces=list(w.pieces))
+                tokens.append({"pair": pair, **row, **_measures(va[a], vb[b])})
             skipped += [{"pair": pair, **row} for row in left_out]
             cls_rows.append({"pair": pair, **_measures(ca, cb)})
     return {"label": model.label, "tokens": tokens, "cls": cls_rows, "skipped": skipped}
@@ -444,30 +439,10 @@ def write_csv(path: str, results: Sequence[dict]) -> None:
         out = csv.writer(f)
         out.writerow(["model", "pair", "token", "occurrence", "distance", "angle_rad", "angle_deg"])
         for model in results:
-            for row in model["tokens"]:
-                out.writerow(
-                    [
-                        model["label"],
-                        "{}-{}".format(*row["pair"]),
-                        row["word"],
-                        row["occurrence"] + 1,
-                        row["distance"],
-                        row["angle_rad"],
-                        row["angle_deg"],
-                    ]
-                )
-            for row in model["cls"]:
-                out.writerow(
-                    [
-                        model["label"],
-                        "{}-{}".format(*row["pair"]),
-                        "[CLS]",
-                        1,
-                        row["distance"],
-                        row["angle_rad"],
-                        row["angle_deg"],
-                    ]
-                )
+            cls = ({**r, "word": "[CLS]", "occurrence": 0} for r in model["cls"])
+            for r in [*model["tokens"], *cls]:
+                row = [model["label"], "{}-{}".format(*r["pair"]), r["word"], r["occurrence"] + 1]
+                out.writerow(row + [r["distance"], r["angle_rad"], r["angle_deg"]])
 
 
 def plot(path: str, results: Sequence[dict], pair: Sequence[int]) -> None:
@@ -484,19 +459,11 @@ def plot(path: str, results: Sequence[dict], pair: Sequence[int]) -> None:
     )
     for col, model in enumerate(results):
         rows = [r for r in model["tokens"] if r["pair"] == list(pair)]
+        title = f"({chr(97 + col)}) {model['label']}\nsentence {pair[0]} vs {pair[1]}"
+        cls_labels = ["{}-{}".format(*r["pair"]) for r in model["cls"]]
         panels = (
-            (
-                axes[0, col],
-                [_token_label(r) for r in rows],
-                rows,
-                f"({chr(97 + col)}) {model['label']}\nsentence {pair[0]} vs {pair[1]}",
-            ),
-            (
-                axes[1, col],
-                ["{}-{}".format(*r["pair"]) for r in model["cls"]],
-                model["cls"],
-                "[CLS], every pair of sentences",
-            ),
+            (axes[0, col], [_token_label(r) for r in rows], rows, title),
+            (axes[1, col], cls_labels, model["cls"], "[CLS], every pair of sentences"),
         )
         for ax, labels, data, title in panels:
             x = np.arange(len(labels))

@@ -163,18 +163,10 @@ def evaluate_checkpoint(path: str, config: TwinsConfig, sentences: list[str]) ->
         held = [held_out_metrics(m, info, tok) for m in models]
         zs, probes = word_order([OurEncoder(m, kind) for m in models], originals, shuffles, tok)
         first = next(iter(zs))
-        rows.append(
-            Row(
-                kind,
-                name,
-                float(np.mean([h["mlm_acc"] for h in held])),
-                float(np.mean([h["mlm_baseline_acc"] for h in held])),
-                float(np.mean([h["collapse_cosine"] for h in held])),
-                zs[first],
-                probes,
-                zs.get("mlm") if first != "mlm" else None,
-            )
-        )
+        keys = ("mlm_acc", "mlm_baseline_acc", "collapse_cosine")
+        means = [float(np.mean([h[k] for h in held])) for k in keys]
+        pll = zs.get("mlm") if first != "mlm" else None
+        rows.append(Row(kind, name, *means, zs[first], probes, pll))
     return rows
 
 
