@@ -4,12 +4,12 @@ equal training wall time, on evaluations a random encoder cannot win, each model
 random-init twins: zero-shot word order by the RTD head (a shuffled sentence should look
 more "replaced") and by the MLM head's pseudo-log-likelihood (ELECTRA: its generator's), and
 a frozen-feature probe (logistic regression on mean-pooled last-layer vectors) on 32, 64 and
-128 labelled sentences. The evaluations are examples/demo_evaluate.py's, on the held-out
+128 labelled sentences. The evaluations are megatron_taco/evaluation's (the demo's), on the held-out
 documents of --split.
 
 --finetune replaces them with what the SAS paper judges by (its GLUE Table 6 protocol):
 every encoder fine-tuned end to end under a classification head on the held-out word-order
-task of examples/make_word_order_task.py (original vs two adjacent words swapped; each
+task of megatron_taco/evaluation/word_order.py (original vs two adjacent words swapped; each
 sentence in both forms, 80/20 train/dev by sentence), for each learning rate of --ft-lrs and
 --ft-seeds seeds, one recipe for all: AdamW (0.9, 0.999, eps 1e-6, no weight decay), warmup
 0.1 then linear decay to 0, gradient norm clipped at 1 (ELECTRA's optimiser), dropout 0.1,
@@ -43,35 +43,22 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from benchmarks.harness.corpora import CORPORA, prepare
 from benchmarks.harness.results import write_json
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
-from examples import demo_evaluate as de  # the demo's evaluations (until evaluation/)
-from examples.make_word_order_task import held_out_sentences, train_dev_rows
+from megatron_taco.data.tokenizer import load_tokenizer
+from megatron_taco.evaluation import encoders, word_order
+from megatron_taco.evaluation.encoders import FrozenEncoder, OurEncoder, TransformersEncoder
+from megatron_taco.evaluation.random_twins import mean_std
+from megatron_taco.evaluation.word_order import held_out_sentences, train_dev_rows
 
 
-class ElectraEncoder(de.Encoder):
-    """benchmarks.learning.peers.Electra read as demo_evaluate reads ours: the
-    discriminator's vectors and RTD logits, the generator's MLM head."""
-
-    def __init__(self, net) -> None:
-        super().__init__(net.eval(), "ELECTRA")
-
-    def hidden(self, ids, mask, pos) -> torch.Tensor:
-        return self.model.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-
-    def rtd_logits(self, ids, mask) -> torch.Tensor:
-        return self.model.disc.discriminator_predictions(self.hidden(ids, mask, None))
-
-    def mlm_nll(self, ids, pos, mask, labels) -> torch.Tensor:
-        gen = self.model.gen
-        at = labels != -100
-        h = gen.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-        logits = gen.generator_lm_head(gen.generator_predictions(h[at]))
-        return F.cross_entropy(logits.double(), labels[at], reduction="none")
+def electra_encoder(net) -> FrozenEncoder:
+    """benchmarks.learning.peers.Electra read as ours are: the discriminator's vectors and
+    RTD logits, the generator's MLM head."""
+    return TransformersEncoder(net.disc.eval(), mlm=net.gen.eval(), rtd=net.disc, kind="ELECTRA")
 
 
 def electra_net(vocab: int, s: Setting, state: dict | None, seed: int = 0):
@@ -211,7 +198,7 @@ def compare(args, runs: dict, points: list) -> int:
         if file_sha256(file) != file_sha256(first[0]):
             raise ConfigError(f"--sas {label}: trained with the tokenizer {file}, not the first "
                               f"run's {first[0]}; the runs must share one")  # fmt: skip
-    tok = de.load_tokenizer(*first)
+    tok = load_tokenizer(*first)
     s = Setting(prefix=args.data_path, tokenizer=tok.model_path, cache="", split=args.split,
                    seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
                    warmup_fraction=0.0, eval_interval=0, eval_iters=0, seed=0,
@@ -234,7 +221,7 @@ def compare(args, runs: dict, points: list) -> int:
         if len(task[0][0]) < args.ft_batch or not len(task[1][0]):
             raise ConfigError(f"--data-path: {len(task[0][0])} training rows of the word-order "
                               f"task, fewer than --ft-batch {args.ft_batch}, or no dev row")  # fmt: skip
-    originals, shuffles = de.fitting(tok, sentences, args.seeds, args.seq_length)
+    originals, shuffles = word_order.fitting(tok, sentences, args.seeds, args.seq_length)
     if len(originals) < 2:
         raise ConfigError(f"--data-path: {len(originals)} held-out sentences of --split "
                           f"{args.split} fit --seq-length {args.seq_length}; need 2 or more")  # fmt: skip
@@ -249,11 +236,11 @@ def compare(args, runs: dict, points: list) -> int:
                          "finetune": finetune_grid(encoders, task, args)})  # fmt: skip
             print(f"  {name} ({init}): {ft_cell(rows[-1]['finetune'])}", flush=True)
             return
-        zs, probes = de.word_order(encoders, originals, shuffles, tok)
+        zs, probes = word_order.word_order(encoders, originals, shuffles, tok)
         rows.append(row(name, init, it, flops, seconds, zs, probes))
 
     for name, (variant, folder, step) in runs.items():
-        info, model, randoms = de.twins(os.path.join(folder, "checkpoints"), None,
+        info, model, randoms = encoders.twins(os.path.join(folder, "checkpoints"), None,
                                         args.random_twins, step)  # fmt: skip
         it = info.iteration
         shape = (model.config.num_layers, model.config.hidden_size)
@@ -262,10 +249,10 @@ def compare(args, runs: dict, points: list) -> int:
                               f"{args.layers} --hidden {args.hidden} (the FLOPs count reads them)")  # fmt: skip
         flops = it * train_flops_per_iteration(VARIANTS[variant][0], s, tok.vocab_size)
         seconds = sas_train_seconds(os.path.join(folder, "metrics.jsonl"), it)
-        add(f"SAS {name}", "pretrained", [de.Encoder(model.eval(), "SAS")], it, flops, seconds)
+        add(f"SAS {name}", "pretrained", [OurEncoder(model.eval(), "SAS")], it, flops, seconds)
         if task is None or name == next(iter(runs)):  # fine-tuned once: the same twins
             add(f"SAS {name}", f"random x{len(randoms)}",
-                [de.Encoder(m, "SAS") for m in randoms], 0, 0, 0)  # fmt: skip
+                [OurEncoder(m, "SAS") for m in randoms], 0, 0, 0)  # fmt: skip
         chosen = {"equal FLOPs": nearest(points, lambda q: q[0] * f_electra, flops)}
         if task is None:  # fine-tuning: the FLOPs match only (the grid is costly)
             chosen["equal time"] = nearest(points, lambda q: q[1], seconds)
@@ -284,11 +271,11 @@ def compare(args, runs: dict, points: list) -> int:
                     f"--hidden {args.hidden} over the SAS runs' {tok.vocab_size}-"
                     f"piece vocabulary: {str(e).strip().splitlines()[-1].strip()}"
                 ) from e
-            add(f"ELECTRA ({how} as SAS {name})", "pretrained", [ElectraEncoder(net)], e_it,
+            add(f"ELECTRA ({how} as SAS {name})", "pretrained", [electra_encoder(net)], e_it,
                 e_it * f_electra, e_s)  # fmt: skip
-    twins = [ElectraEncoder(electra_net(tok.vocab_size, s, None, seed=1000 + k))
-             for k in range(args.random_twins)]  # fmt: skip
-    add("ELECTRA", f"random x{len(twins)}", twins, 0, 0, 0)
+    electra_twins = [electra_encoder(electra_net(tok.vocab_size, s, None, seed=1000 + k))
+                     for k in range(args.random_twins)]  # fmt: skip
+    add("ELECTRA", f"random x{len(electra_twins)}", electra_twins, 0, 0, 0)
     (print_finetune_table if task is not None else print_table)(rows)
     if args.json:
         write_json(args.json, rows)
@@ -312,15 +299,15 @@ def finetune_task(tok, sentences: list[str], seq_length: int, corruption: str = 
     out = []
     splits = train_dev_rows(sentences, corruption, np.random.default_rng(seed), both_forms=True)
     for name in ("train", "dev"):
-        encoded = de._encode(tok, [text for text, _ in splits[name]])
+        encoded = encoders.token_rows(tok, [text for text, _ in splits[name]])
         keep = [i for i, r in enumerate(encoded) if len(r) <= seq_length]
-        ids, mask, _ = de._pad([encoded[i] for i in keep] or [[tok.cls_id]], tok.pad_id)
+        ids, mask, _ = encoders.pad_rows([encoded[i] for i in keep] or [[tok.cls_id]], tok.pad_id)
         labels = torch.tensor([int(splits[name][i][1] != "original") for i in keep])
         out.append((ids[: len(keep)], mask[: len(keep)], labels))
     return tuple(out)
 
 
-def classifier(enc: de.Encoder, seed: int):
+def classifier(enc: FrozenEncoder, seed: int):
     """(model, step): the encoder under a fresh 2-class head (its init seeded), and
     step(ids, mask, labels) -> (cross-entropy loss, logits [b, 2])."""
     torch.manual_seed(seed)
@@ -329,10 +316,10 @@ def classifier(enc: de.Encoder, seed: int):
 
         from benchmarks.learning.peers import no_token_types
 
-        config = copy.deepcopy(enc.model.disc.config)
+        config = copy.deepcopy(enc.model.config)
         config.num_labels = 2
         model = ElectraForSequenceClassification(config)
-        model.electra.load_state_dict(enc.model.disc.electra.state_dict())
+        model.electra.load_state_dict(enc.model.electra.state_dict())
         no_token_types(model.electra)  # as pretrained: no segments, none learned now
 
         def step(ids, mask, labels):
@@ -355,7 +342,7 @@ def classifier(enc: de.Encoder, seed: int):
     return model, step
 
 
-def finetune_run(enc: de.Encoder, task, lr: float, seed: int, epochs: int, batch: int):
+def finetune_run(enc: FrozenEncoder, task, lr: float, seed: int, epochs: int, batch: int):
     """(dev accuracy, mean training loss) after each epoch of one fine-tuning run."""
     from megatron_taco.training.optim import AnnealingLR
 
@@ -412,7 +399,7 @@ def finetune_grid(encoders: list, task, args) -> dict:
 
 def ft_cell(ft: dict) -> str:
     return (
-        f"lr {ft['lr']:g}: {de._ms(ft['dev_acc'])} (last epoch {de._ms(ft['last_epoch_acc'])}"
+        f"lr {ft['lr']:g}: {mean_std(ft['dev_acc'])} (last epoch {mean_std(ft['last_epoch_acc'])}"
         f", train loss {np.mean(ft['last_train_loss']):.3f})"
     )
 
@@ -427,9 +414,9 @@ def print_finetune_table(rows: list[dict]) -> None:
         ft = r["finetune"]
         print(f"{r['model']:<{w}} {r['init']:<12} {r['iteration']:>5} "
               f"{r['train_flops'] / 1e12:>7.2f} "
-              + " ".join(f"{de._ms(ft['best_epoch'][lr]):>13}" for lr in lrs)
-              + f" {ft['lr']:>9g} {de._ms(ft['dev_acc']):>13} "
-              f"{de._ms(ft['last_epoch_acc']):>13} {np.mean(ft['last_train_loss']):>10.3f}")  # fmt: skip
+              + " ".join(f"{mean_std(ft['best_epoch'][lr]):>13}" for lr in lrs)
+              + f" {ft['lr']:>9g} {mean_std(ft['dev_acc']):>13} "
+              f"{mean_std(ft['last_epoch_acc']):>13} {np.mean(ft['last_train_loss']):>10.3f}")  # fmt: skip
     print("\n(dev accuracy of the word-order task, mean ± std over the fine-tuning seeds: each "
           "run's best epoch; the chosen lr is the one with the best mean; train loss: its "
           "runs' last epoch, mean)")  # fmt: skip
@@ -444,8 +431,8 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['model']:<{w}} {r['init']:<12} {r['iteration']:>5} "
               f"{r['train_flops'] / 1e12:>7.2f} {r['train_seconds']:>8.0f} "
-              f"{de._ms(r['zero_shot_rtd']):>15} {de._ms(r['zero_shot_mlm']):>15} "
-              + " ".join(f"{de._ms(r['probe'][n]):>14}" for n in sizes))  # fmt: skip
+              f"{mean_std(r['zero_shot_rtd']):>15} {mean_std(r['zero_shot_mlm']):>15} "
+              + " ".join(f"{mean_std(r['probe'][n]):>14}" for n in sizes))  # fmt: skip
     print("\n(mean ± std over the shuffles' seeds and the random twins; a random encoder is at "
           "50 on the zero-shot columns by construction)")  # fmt: skip
 

@@ -1,40 +1,10 @@
-"""benchmarks.bench_sas_downstream reads transformers' ELECTRA as demo_evaluate reads
-ours: its adapter must give what the peer's own training forward computes."""
+"""benchmarks/bench_sas_downstream.py's own parts: timing, bad input, the learning-rate and
+FLOPs choices, the fine-tuning classifiers. (Its ELECTRA adapter and the word-order rows:
+tests/unit/test_evaluation.py.)"""
 
 from __future__ import annotations
 
 import torch
-
-from benchmarks import bench_sas_downstream as bd
-from benchmarks.learning.peers import Electra, Size
-
-
-def test_electra_adapter_is_the_peers_own_heads():
-
-    torch.manual_seed(0)
-
-    net = Electra(60, Size(1, 32, 2, 64, max_positions=16), embedding=16).double().eval()
-    ids = torch.randint(5, 60, (3, 10))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[2, 7:] = False
-    labels = torch.full_like(ids, -100)
-    labels[:, 2] = ids[:, 2]
-    labels[1, 5] = ids[1, 5]
-    masked = ids.masked_fill(labels != -100, 4)
-    enc = bd.ElectraEncoder(net)
-    # The generator's MLM loss as the peer trains it (rows doubled: it reads the first half).
-    twice = {"input_ids": masked.repeat(2, 1), "attention_mask": mask.repeat(2, 1),
-             "mlm_labels": labels.repeat(2, 1)}  # fmt: skip
-    with torch.no_grad():
-        own = net(twice)["mlm_loss"]
-        nll = enc.mlm_nll(masked, None, mask, labels)
-        assert nll.dtype == torch.float64 and nll.shape == (4,)
-        torch.testing.assert_close(nll.mean(), own, rtol=1e-12, atol=0)
-        # RTD logits: the discriminator's own (transformers' ElectraForPreTraining.logits).
-        theirs = net.disc(input_ids=ids, attention_mask=mask.long()).logits
-        torch.testing.assert_close(enc.rtd_logits(ids, mask), theirs, rtol=1e-12, atol=0)
-        vectors = enc.hidden(ids, mask, None)
-        assert vectors.shape == (3, 10, 32)
 
 
 def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
@@ -45,6 +15,7 @@ def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
 
     import pytest
 
+    from benchmarks import bench_sas_downstream as bd
     from megatron_taco.arguments import ConfigError
 
     metrics = tmp_path / "metrics.jsonl"
@@ -62,6 +33,8 @@ def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
 
 def test_bad_input_is_one_line(tmp_path, capsys):
     import pytest
+
+    from benchmarks import bench_sas_downstream as bd
 
     sas = tmp_path / "paper_s1"
     (sas / "checkpoints").mkdir(parents=True)
@@ -94,6 +67,7 @@ def test_select_lr_takes_the_best_mean_not_the_best_median():
     """The SAS paper reports the configuration whose mean over seeds is best. Hand-derived:
     1e-4 has mean 0.70 and median 0.80, 3e-4 mean 0.75 and median 0.75, so the mean picks
     3e-4 where a median would pick 1e-4; of a tie in the mean, the first listed."""
+    from benchmarks import bench_sas_downstream as bd
 
     assert bd.select_lr({1e-4: [0.5, 0.8, 0.8], 3e-4: [0.75, 0.75, 0.75]}) == 3e-4
     assert bd.select_lr({1e-3: [0.6, 0.8], 1e-4: [0.7, 0.7], 3e-4: [0.5, 0.9]}) == 1e-3
@@ -103,6 +77,7 @@ def test_nearest_picks_electras_evaluation_at_sas_flops():
     """ELECTRA evaluated at iterations 250, 500, 750 at 2 FLOPs per iteration: SAS at 1100
     FLOPs is nearest 500's 1000 (off 100, 750's is off 400); at 1250 the two are off 250
     each and the first, 500, is kept."""
+    from benchmarks import bench_sas_downstream as bd
 
     points = [(250, 10.0, "a"), (500, 20.0, "b"), (750, 30.0, "c")]
     assert bd.nearest(points, lambda q: 2 * q[0], 1100)[2] == "b"
@@ -110,42 +85,13 @@ def test_nearest_picks_electras_evaluation_at_sas_flops():
     assert bd.nearest(points, lambda q: q[1], 29.0)[2] == "c"
 
 
-def test_word_order_rows_in_both_forms_split_by_sentence():
-    """Each sentence gives an original and a swapped row, on the same side of the split: no
-    dev sentence is seen in training in either form. 10 sentences -> 2 dev (4 rows), 8 train."""
-    import numpy as np
-
-    from examples.make_word_order_task import swap_adjacent, train_dev_rows
-
-    sentences = [f"w{i} a b c d e f g" for i in range(10)]
-    rows = train_dev_rows(sentences, "swap", np.random.default_rng(0), both_forms=True)
-    assert (len(rows["dev"]), len(rows["train"])) == (4, 16)
-    for side in rows.values():
-        originals = [t for t, label in side if label == "original"]
-        swapped = [t for t, label in side if label == "swapped"]
-        assert len(originals) == len(swapped) == len(side) // 2
-        # The swapped rows are the originals' words, reordered, and never unchanged.
-        assert sorted(sorted(t.split()) for t in swapped) == sorted(
-            sorted(t.split()) for t in originals
-        )
-        assert not set(swapped) & set(originals)
-    dev_sentences = {t for t, label in rows["dev"] if label == "original"}
-    train_words = {t.split()[0] for t, _ in rows["train"]} | {
-        t.split()[1] for t, _ in rows["train"]
-    }
-    assert not {t.split()[0] for t in dev_sentences} & train_words
-    # The one-form default is the task file's, unchanged: half of the sentences swapped.
-    one = train_dev_rows(sentences, "swap", np.random.default_rng(0))
-    assert (len(one["dev"]), len(one["train"])) == (2, 8)
-    assert sum(label == "swapped" for side in one.values() for _, label in side) == 5
-    assert swap_adjacent("a b", np.random.default_rng(0)) == "b a"
-
-
 def test_classifiers_start_from_the_pretrained_encoders():
     """The fine-tuning models hold the pretrained encoders unchanged: ELECTRA's
     ElectraForSequenceClassification gives the discriminator's own last layer, our TaskModel
     the pretraining model's; each returns its cross entropy on the [CLS] logits."""
-    from examples import demo_evaluate as de
+    from benchmarks import bench_sas_downstream as bd
+    from benchmarks.learning.peers import Electra, Size
+    from megatron_taco.evaluation.encoders import OurEncoder
     from tests.helpers import VOCAB, build_sas, make_sas_batch, tiny_sas_config
 
     torch.manual_seed(0)
@@ -156,7 +102,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
     labels = torch.tensor([0, 1, 1])
     # Another seed than the discriminator's: built alike, a seed-0 classifier would start
     # from its weights even without the copy.
-    model, step = bd.classifier(bd.ElectraEncoder(net), seed=5)
+    model, step = bd.classifier(bd.electra_encoder(net), seed=5)
     model.double().eval()
     with torch.no_grad():
         want = net.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
@@ -168,7 +114,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
         assert logits.shape == (3, 2)
 
     pre = build_sas(tiny_sas_config(), seed=1).double().eval()
-    model, step = bd.classifier(de.Encoder(pre, "SAS"), seed=0)
+    model, step = bd.classifier(OurEncoder(pre, "SAS"), seed=0)
     model.double().eval()
     batch = make_sas_batch(3, vocab=VOCAB)
     ids, mask = batch["input_ids"], batch["attention_mask"]
