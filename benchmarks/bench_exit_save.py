@@ -94,17 +94,17 @@ def build(kind: str, parallel, rng_tracker):
 
 
 def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
+    from megatron_taco.checkpoint.layout import TrainingState
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.checkpointing import TrainingState
     from megatron_taco.training.config import (
         TrainingConfig,
         load_deepspeed_json,
         resolve_deepspeed_config,
     )
     from megatron_taco.training.engine import initialize_engine
-    from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import PretrainTask, Trainer
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.observability.log import TrainingLogger
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
     torch.manual_seed(0)
     model, make = build(kind, parallel, rng_tracker)
@@ -135,7 +135,7 @@ def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
     monitor = ExitMonitor(ExitConfig())
     monitor.install()
     logger = TrainingLogger(rank=0, train_iters=training.train_iters, progress_bar=False)
-    task = PretrainTask(model=engine.engine.module, collate_fn=lambda items: items[0],
+    task = PretrainTask(model=engine.model_engine.module, collate_fn=lambda items: items[0],
                         train_dataset=Batches(make, args.seq_length), callbacks=[Clock()])  # fmt: skip
     trainer = Trainer(engine, parallel, training, task, logger, seed=1, exit_monitor=monitor)
     saves: list[tuple[float, float]] = []

@@ -418,7 +418,7 @@ def run_jobs(jobs: list[Job], s0: Setting, out_dir: str, parallel: int) -> dict:
 
 
 def load_curves(done: dict) -> dict:
-    from megatron_taco.training.logging import read_metrics
+    from megatron_taco.training.observability.log import read_metrics
 
     curves: dict[str, dict[int, list[dict]]] = {}
     for (model, _seed), path in done.items():

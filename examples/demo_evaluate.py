@@ -69,9 +69,9 @@ def twins(path: str, tokenizer_model: str | None, count: int, ckpt_step: int | N
 
 def held_out_metrics(model, info, tokenizer: Tokenizer, batches: int = 8) -> dict:
     """On the checkpoint's own validation documents (its --data-path and --split)."""
-    from megatron_taco.arguments import ConfigError
     from megatron_taco.data.bert_dataset import build_train_valid_test_datasets
     from megatron_taco.data.config import DataConfig
+    from megatron_taco.errors import ConfigError
     from megatron_taco.parallel.state import single_process_state
     from megatron_taco.training.loop import evaluate_batches
 
@@ -276,7 +276,7 @@ def fitting(tok: Tokenizer, sentences: list[str], seeds: int, limit: int):
 
 
 def evaluate_checkpoint(path: str, args, sentences: list[str]) -> list[Row]:
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
     from megatron_taco.recipes.registry import checkpoint_tokenizer
 
     info, pretrained, randoms = twins(path, args.tokenizer_model, args.random_twins)
@@ -342,9 +342,9 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.checkpoint.errors import CheckpointError
     from megatron_taco.data.indexed_dataset import IndexedDatasetError
-    from megatron_taco.training.consolidate import CheckpointError
+    from megatron_taco.errors import ConfigError
 
     try:
         return evaluate(args)
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
 
 
 def evaluate(args) -> int:
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
 
     tok_file, split = _tokenizer_and_split_of(args.load[0], args.tokenizer_model)
     split = args.split or split
@@ -393,8 +393,8 @@ def evaluate(args) -> int:
 
 
 def _tokenizer_and_split_of(path: str, tokenizer_model: str | None):
+    from megatron_taco.checkpoint.plan import find_checkpoint
     from megatron_taco.recipes.registry import checkpoint_tokenizer
-    from megatron_taco.training.consolidate import find_checkpoint
 
     info = find_checkpoint(path)
     split = (info.configs.get("data") or {}).get("split")

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import single_process_state
-from megatron_taco.training.logging import read_metrics
+from megatron_taco.training.observability.log import read_metrics
 
 TACO_METRIC_KEYS = (
     "loss",
@@ -406,16 +406,16 @@ def train_tiny(model: str, parallel, tmp: str, ds_file: str, *, device_type: str
     tp is (parallel/layers.py); masking and replacements are seeded per sample, so the
     batches depend only on the global batch. Returns (DeepSpeed engine, rank 0's logged
     records; None on the other ranks)."""
+    from megatron_taco.checkpoint.layout import TrainingState
     from megatron_taco.parallel.random import model_parallel_seed
-    from megatron_taco.training.checkpointing import TrainingState
     from megatron_taco.training.config import (
         TrainingConfig,
         load_deepspeed_json,
         resolve_deepspeed_config,
     )
     from megatron_taco.training.engine import apply_numerics, initialize_engine
-    from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import PretrainTask, Trainer
+    from megatron_taco.training.observability.log import TrainingLogger
 
     values = dict(
         micro_batch_size=2, lr=3e-3, lr_warmup_iters=1, lr_decay_style="constant", log_interval=1,
@@ -442,7 +442,7 @@ def train_tiny(model: str, parallel, tmp: str, ds_file: str, *, device_type: str
     )
     logger.close()
     records = read_metrics(config.metrics_file) if parallel.rank == 0 else None
-    return engine.engine, records
+    return engine.model_engine, records
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import json
 import os
 import sys
 
-from megatron_taco.arguments import ConfigError, program_name, run_cli
+from megatron_taco.arguments import program_name, run_cli
+from megatron_taco.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

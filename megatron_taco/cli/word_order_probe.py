@@ -53,7 +53,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_taco.arguments import (
-    ConfigError,
     add_dataclass_args,
     dataclass_from_args,
     option,
@@ -61,7 +60,8 @@ from megatron_taco.arguments import (
     require,
     run_cli,
 )
-from megatron_taco.training.consolidate import CheckpointError
+from megatron_taco.checkpoint.errors import CheckpointError
+from megatron_taco.errors import ConfigError
 
 PROG = "word_order_probe.py"
 log = logging.getLogger(__name__)

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -75,6 +75,7 @@ from megatron_taco.data.tokenizer import (
     tokenizer_type_option,
     vocab_file_option,
 )
+from megatron_taco.errors import ConfigError
 from megatron_taco.preprocessing.corpora import (
     FORMATS,
     SKIP_REASONS,

@@ -42,8 +42,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.tokenizer import tokenizer_file
+from megatron_taco.errors import ConfigError
 from megatron_taco.tasks.metrics import GLUE_SCORE_TASKS
 
 # The 8 tasks of the GLUE score (WNLI excluded), as tasks.metrics defines them.
@@ -312,21 +313,19 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     """Every run of this shard that has not finished, in one set of processes (one process
     group for all of them), then the summary. Stops at the first run that is interrupted
     (an exit signal, a time limit): starting the command again continues from it."""
+    from megatron_taco.recipes.finetune import for_run, load_task_data
     from megatron_taco.recipes.registry import model_size_of
-    from megatron_taco.training.engine import (
-        accelerator_name,
-        destroy_distributed,
-        launcher_world_size,
-        release_memory,
-    )
-    from megatron_taco.training.pretrain import pretrain
+    from megatron_taco.runtime.launcher import launcher_world_size
+    from megatron_taco.training import driver
+    from megatron_taco.training.configure import build_parser, configs_from_args
+    from megatron_taco.training.engine import accelerator_name, destroy_distributed, release_memory
 
     root = args.output
     if not root:
         raise ConfigError("--output: the sweep's directory is required")
     tasks = expand_tasks(args.task or "")
     runs = plan_runs(sweep, tasks, args, model_size_of(args.load, args.ckpt_step))
-    fixed = check_fixed_settings(sweep.protocol, runs, args, spec.build_parser())
+    fixed = check_fixed_settings(sweep.protocol, runs, args, build_parser(spec))
     mine = runs[sweep.sweep_shard :: sweep.sweep_shards]
     world, device = launcher_world_size(), accelerator_name()
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -343,19 +342,20 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
                     _warn_unsubmitted(run.directory(root))
                 continue
             dp = world // args.tensor_model_parallel_size
-            cfg = spec.configs_from_args(
-                run_namespace(args, run, root, dp), world_size=world, device_type=device
+            cfg = configs_from_args(
+                spec, run_namespace(args, run, root, dp), world_size=world, device_type=device
             )
             if not dropout_checked and rank0:
                 _warn_encoder_dropout(cfg.model)
                 dropout_checked = True
             key = (cfg.data.task, cfg.data.data_dir, cfg.data.seq_length, tokenizer_file(cfg.data))
             if key not in features:
-                features = {key: spec.load_features(cfg)}  # keep one task's at a time
+                features = {key: load_task_data(cfg.data)}  # keep one task's at a time
             if rank0:
                 print(f"sweep: run {i + 1}/{len(mine)}: {run.directory(root)}", flush=True)
-            status = pretrain(cfg, spec.for_run(cfg, features[key]), monitor=monitor,
-                              keep_process_group=True)  # fmt: skip
+            status = driver.run(
+                cfg, for_run(spec, cfg, features[key]), monitor=monitor, keep_process_group=True
+            )
             release_memory()  # the run's engine, model and optimizer, before the next
             if status != 0 or not _finished(run.directory(root)):
                 print(f"sweep: stopped at {run.directory(root)} (not finished)", flush=True)

@@ -16,22 +16,18 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_taco.checkpoint.layout import TRACKER_FILENAME, TrainingState, rng_state_path
+from megatron_taco.checkpoint.load import load_checkpoint
 from megatron_taco.parallel.state import init_parallel
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.checkpointing import (
-    TRACKER_FILENAME,
-    TrainingState,
-    load_checkpoint,
-    rng_state_path,
-)
 from megatron_taco.training.config import (
     TrainingConfig,
     load_deepspeed_json,
     resolve_deepspeed_config,
 )
 from megatron_taco.training.engine import initialize_engine
-from megatron_taco.training.logging import TrainingLogger, read_metrics
 from megatron_taco.training.loop import PretrainTask, Trainer
+from megatron_taco.training.observability.log import TrainingLogger, read_metrics
 from tests.helpers import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,7 +104,7 @@ def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, de
     engine = initialize_engine(model, training, settings, parallel)
     state = state or TrainingState()
     if load_step is not None:
-        state = load_checkpoint(engine.engine, training.load, parallel, ckpt_step=load_step)
+        state = load_checkpoint(engine.model_engine, training.load, parallel, ckpt_step=load_step)
     logger = TrainingLogger(
         rank=parallel.rank,
         train_iters=training.train_iters,
@@ -276,8 +272,8 @@ def test_zero_stages_agree_with_each_other_and_with_fp32(zero_results):
 
 
 def _edge_worker(rank, world_size, tmp):
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.checkpointing import save_checkpoint
+    from megatron_taco.checkpoint.save import save_checkpoint
+    from megatron_taco.errors import ConfigError
 
     parallel = init_parallel(1)
     training = _training(tmp, lr_decay_style="constant")
@@ -351,7 +347,7 @@ class Recorder(Callback):
         self.events.append(("epoch_start", epoch, state.iteration))
 
     def after_micro_batch(self, trainer, state, batch, outputs):
-        assert trainer.ds.training, "after_micro_batch must never run during evaluation"
+        assert trainer.model_engine.training, "after_micro_batch must never run during evaluation"
         assert batch["tokens"].shape == (4, SEQ) and outputs["loss"].requires_grad
         self.micro_batches += 1
         # A count the loop sums over the interval and the data-parallel ranks for us.
@@ -414,10 +410,10 @@ def test_callbacks_and_epochs_on_a_real_engine(tmp_path):
 
 
 def _old_value_size_worker(rank, world_size, tmp):
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.checkpoint.save import save_checkpoint
+    from megatron_taco.errors import ConfigError
     from megatron_taco.models.taco.config import TacoConfig
     from megatron_taco.models.taco.model import TacoForPretraining
-    from megatron_taco.training.checkpointing import save_checkpoint
 
     parallel = init_parallel(1)
     training = _training(tmp, load=os.path.join(tmp, "ckpt"))
@@ -432,9 +428,9 @@ def _old_value_size_worker(rank, world_size, tmp):
             TacoForPretraining(config, parallel), training, settings, parallel
         )
         if save:
-            save_checkpoint(engine.engine, training.save, TrainingState(3, 12), parallel)
+            save_checkpoint(engine.model_engine, training.save, TrainingState(3, 12), parallel)
     try:
-        load_checkpoint(engine.engine, training.load, parallel)
+        load_checkpoint(engine.model_engine, training.load, parallel)
     except ConfigError as e:
         return str(e)
     return None

@@ -16,7 +16,7 @@ def _two_runs(rank, world, prefix, tokenizer, tmp):
     from megatron_taco.training.callbacks import Callback
     from megatron_taco.training.engine import release_memory
     from megatron_taco.training.pretrain import pretrain
-    from megatron_taco.training.signals import ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitMonitor
 
     refs: dict[str, weakref.ref] = {}
 
@@ -24,7 +24,7 @@ def _two_runs(rank, world, prefix, tokenizer, tmp):
         name = "spy"
 
         def on_train_start(self, trainer, state):
-            ds = trainer.ds
+            ds = trainer.model_engine
             objects = dict(engine=ds, model=ds.module, optimizer=ds.optimizer,
                            torch_optimizer=ds.basic_optimizer, scheduler=trainer.engine.scheduler)  # fmt: skip
             refs.update({k: weakref.ref(v) for k, v in objects.items()})

@@ -30,16 +30,13 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_taco.checkpoint.layout import METADATA_FILENAME, TRACKER_FILENAME
+from megatron_taco.checkpoint.manifest import manifest_entry as _manifest_entry
+from megatron_taco.checkpoint.manifest import verify_checkpoint
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
+from megatron_taco.checkpoint.safe_files import safe_torch_load
 from megatron_taco.cli.pretrain_taco import main as taco_main
-from megatron_taco.training.checkpointing import (
-    KILL_ENV,
-    METADATA_FILENAME,
-    TRACKER_FILENAME,
-    _manifest_entry,
-    _write_metadata,
-    safe_torch_load,
-    verify_checkpoint,
-)
+from megatron_taco.runtime.faults import KILL_ENV
 from tests.helpers import ENV, REPO, deepspeed_command, train_records
 
 pytestmark = pytest.mark.e2e

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.export_hf import main as export_main
 from megatron_taco.data.tokenizer import WordPieceTokenizer, file_sha256
+from megatron_taco.errors import ConfigError
 from tests.helpers import run, write_marker_task
 
 transformers = pytest.importorskip("transformers")

@@ -79,8 +79,8 @@ def test_sas_sampler_runs_deterministic_on_cuda_and_draws_what_cpu_draws():
 
 def test_a_cpu_checkpoint_resumes_on_the_gpu():
     require_gpus(1)
+    from megatron_taco.checkpoint.rng import get_rng_states, set_rng_states
     from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, RNGTracker
-    from megatron_taco.training.checkpointing import get_rng_states, set_rng_states
 
     on_cpu = RNGTracker("cpu")
     on_cpu.add(MODEL_PARALLEL_RNG, 11)

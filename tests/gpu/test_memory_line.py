@@ -11,7 +11,7 @@ def test_cuda_memory_is_the_peak_since_the_previous_line():
     require_gpus(1)
     import torch
 
-    from megatron_taco.training.logging import GIB, memory_metrics
+    from megatron_taco.training.observability.log import GIB, memory_metrics
 
     torch.cuda.init()
     memory_metrics()  # the previous line

@@ -48,10 +48,10 @@ def _syncs_per_micro_batch(spec_name, args):
         name = "end_of_micro_batch"
 
         def on_train_start(self, trainer, state):
-            trainer.ds.module.register_forward_pre_hook(start)
+            trainer.model_engine.module.register_forward_pre_hook(start)
 
         def after_micro_batch(self, trainer, state, batch, outputs):
-            if trainer.ds.module.training:
+            if trainer.model_engine.module.training:
                 torch.cuda.set_sync_debug_mode(0)
                 per_micro.append(list(found))
 

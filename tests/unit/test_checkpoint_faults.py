@@ -27,16 +27,12 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.checkpoint.errors import CheckpointInvalid
+from megatron_taco.checkpoint.layout import METADATA_FILENAME, TRACKER_FILENAME, TrainingState
+from megatron_taco.checkpoint.save import save_checkpoint
+from megatron_taco.errors import ConfigError
 from megatron_taco.training import checkpointing as ckpt
-from megatron_taco.training.checkpointing import (
-    METADATA_FILENAME,
-    TRACKER_FILENAME,
-    CheckpointInvalid,
-    TrainingState,
-    choose_checkpoint,
-    save_checkpoint,
-)
+from megatron_taco.training.checkpointing import choose_checkpoint
 from megatron_taco.training.config import TrainingConfig
 from tests.helpers import run_distributed
 
@@ -291,7 +287,7 @@ def test_io_errors_are_retried_then_stop_without_a_fallback(
     monkeypatch.setattr(ckpt, "IO_RETRY_DELAYS", (0.0, 0.0))
     path = load / "iter_0000008" / where
     failing_open(f"iter_0000008/{where}", code, times=2)  # a transient error: retried
-    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.checkpoint.plan"):
         assert choose_checkpoint(str(load), None) == 8
     assert caplog.text.count(f"{path}: {os.strerror(code)}; retrying") == 2
     failing_open(f"iter_0000008/{where}", code)  # and one that lasts

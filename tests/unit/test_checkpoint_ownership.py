@@ -12,13 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training.checkpointing import (
-    TRACKER_FILENAME,
-    CheckpointConfig,
-    check_own_save,
-    set_aside,
-)
+from megatron_taco.checkpoint.config import CheckpointConfig
+from megatron_taco.checkpoint.layout import TRACKER_FILENAME
+from megatron_taco.checkpoint.ownership import check_own_save, set_aside
+from megatron_taco.errors import ConfigError
 from megatron_taco.training.config import TrainingConfig
 from tests.helpers import run_in_process
 

@@ -26,23 +26,16 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.checkpoint.config import CheckpointConfig
+from megatron_taco.checkpoint.errors import CheckpointInvalid, CheckpointSaveError
+from megatron_taco.checkpoint.layout import METADATA_FILENAME, TRACKER_FILENAME, TrainingState
+from megatron_taco.checkpoint.load import load_checkpoint
+from megatron_taco.checkpoint.manifest import file_checksum, verify_checkpoint
+from megatron_taco.checkpoint.ownership import check_save_dir
+from megatron_taco.checkpoint.save import save_checkpoint
+from megatron_taco.errors import ConfigError
 from megatron_taco.training import checkpointing as ckpt
-from megatron_taco.training.checkpointing import (
-    METADATA_FILENAME,
-    TRACKER_FILENAME,
-    CheckpointConfig,
-    CheckpointInvalid,
-    CheckpointSaveError,
-    TrainingState,
-    check_save_dir,
-    choose_checkpoint,
-    file_checksum,
-    load_checkpoint,
-    prepare_checkpoints,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from megatron_taco.training.checkpointing import choose_checkpoint, prepare_checkpoints
 from megatron_taco.training.config import TrainingConfig
 from tests.helpers import run_distributed
 
@@ -163,14 +156,14 @@ def _save_worker(rank, world_size, tmp):
 
 def _nan_run(parallel, tmp, poison_rank):
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import NonFiniteLossError, PretrainTask, Trainer
+    from megatron_taco.training.observability.log import TrainingLogger
 
     training = _training(
         os.path.join(tmp, "nan"), train_iters=5, save_interval=1, global_batch_size=4
     )
     engine = _engine(training, parallel)
-    model = engine.engine.module
+    model = engine.model_engine.module
 
     class Poison(Callback):
         name = "poison"

@@ -16,12 +16,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.checkpoint.layout import FORMAT
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
+from megatron_taco.checkpoint.reshard import ModelLayout
+from megatron_taco.errors import ConfigError
 from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import ParallelState
-from megatron_taco.training.checkpointing import FORMAT, _write_metadata
-from megatron_taco.training.consolidate import ModelLayout, check_resume_layout
+from megatron_taco.training.consolidate import check_resume_layout
 from tests.helpers import VOCAB, tiny_config, tiny_sas_config
 
 MODELS = {

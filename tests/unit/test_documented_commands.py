@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taco.arguments import ConfigError, dataclass_from_args
+from megatron_taco.arguments import dataclass_from_args
+from megatron_taco.errors import ConfigError
 from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
 from tests.helpers import REPO
 

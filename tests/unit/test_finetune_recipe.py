@@ -419,7 +419,7 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
 def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path):
     """The run's chosen epoch has no test files and a resumed run cannot go back to its
     model: one line before anything runs, not a run that ends without its submission."""
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
     from megatron_taco.recipes.finetune import SPEC, check_test_predictable
 
     def command(results=None):  # what for_run reads of the command and the run's folder

@@ -145,10 +145,10 @@ def _count_syncs(rank, world, spec_name, args):
         name = "end_of_micro_batch"
 
         def on_train_start(self, trainer, state):
-            trainer.ds.module.register_forward_pre_hook(start)
+            trainer.model_engine.module.register_forward_pre_hook(start)
 
         def after_micro_batch(self, trainer, state, batch, outputs):
-            if trainer.ds.module.training:
+            if trainer.model_engine.module.training:
                 per_micro.append(recorder.found)
                 recorder.found = []  # recording on: the step's end, up to the next forward
 

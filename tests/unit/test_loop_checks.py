@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_taco.checkpoint.layout import TRACKER_FILENAME, TrainingState
 from megatron_taco.models.common.monitoring import monitoring_outputs
-from megatron_taco.training.checkpointing import TRACKER_FILENAME, TrainingState
 from megatron_taco.training.config import TrainingConfig
 from tests.helpers import run_distributed
 
@@ -82,8 +82,8 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
              **kw):  # fmt: skip
     from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
     from megatron_taco.training.engine import initialize_engine
-    from megatron_taco.training.logging import TrainingLogger
     from megatron_taco.training.loop import PretrainTask, Trainer
+    from megatron_taco.training.observability.log import TrainingLogger
 
     values = dict(train_iters=5, micro_batch_size=2, global_batch_size=2 * parallel.dp_size,
                   lr=1e-2, lr_warmup_iters=1, log_interval=1, eval_iters=0,
@@ -97,7 +97,7 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
     engine = initialize_engine(ToyModel(), training, settings, parallel)
     logger = TrainingLogger(rank=parallel.rank, train_iters=training.train_iters,
                             progress_bar=False)  # fmt: skip
-    task = PretrainTask(model=engine.engine.module, collate_fn=collate,
+    task = PretrainTask(model=engine.model_engine.module, collate_fn=collate,
                         train_dataset=train or ToyDataset(), valid_dataset=valid,
                         callbacks=list(callbacks))  # fmt: skip
     trainer = Trainer(engine, parallel, training, task, logger, seed=1, exit_monitor=exit_monitor,
@@ -136,7 +136,7 @@ def _grad_worker(rank, world_size, tmp, stage, overrides=None):
 
     kw = {"save_interval": 1, **(overrides or {})}
     trainer, logger = _trainer(parallel, tmp, stage, callbacks=[PoisonGrad()], **kw)
-    holder.update(model=trainer.ds.module, losses=[])
+    holder.update(model=trainer.model_engine.module, losses=[])
     records = []
     real_log = logger.log
     logger.log = lambda split, it, metrics: (records.append((split, it, metrics)),
@@ -227,9 +227,9 @@ def _store_layout():
 
 def _corrupt_row_worker(rank, world_size, tmp, root):
     from megatron_taco.data.sas_collator import ColdStart, ReplacementConfig, SasCollator
+    from megatron_taco.errors import RunError
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.recipes.sas_augmentation import StoreSource
-    from megatron_taco.training.checkpointing import RunError
 
     parallel = init_parallel(1)
     probs = np.r_[np.zeros(5), np.full(VOCAB - 5, 1.0 / (VOCAB - 5))]
@@ -284,7 +284,7 @@ def test_a_store_row_changed_on_disk_read_by_one_rank_stops_every_rank_with_its_
 def _exit_worker(rank, world_size, tmp):
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
     parallel = init_parallel(1)
     monitor = ExitMonitor(ExitConfig())
@@ -344,8 +344,9 @@ def _slow_cleanup_worker(rank, world_size, tmp):
     from datetime import timedelta
 
     from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.runtime.faults import PAUSE_ENV
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.signals import PAUSE_ENV, ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
     parallel = init_parallel(1)
     monitor = ExitMonitor(ExitConfig())
@@ -431,7 +432,7 @@ def test_no_future_warning_and_no_op_compiled_by_an_engine(tmp_path):
 def _collapse_worker(rank, world_size, tmp):
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.monitor import (
+    from megatron_taco.training.observability.monitor import (
         CollapseError,
         LearningMonitor,
         LearningMonitorConfig,
@@ -446,7 +447,7 @@ def _collapse_worker(rank, world_size, tmp):
 
         def after_micro_batch(self, trainer, state, batch, outputs):
             # From iteration 5 on, one vector for every token (on every rank).
-            trainer.ds.module.collapsed = state.iteration >= 4
+            trainer.model_engine.module.collapsed = state.iteration >= 4
 
     trainer, logger = _trainer(parallel, tmp, 1, callbacks=[Collapse()], learning_monitor=monitor,
                                train_iters=8, eval_iters=4, eval_interval=2, save_interval=2,
@@ -481,10 +482,10 @@ def test_exit_on_collapse_stops_before_the_collapsed_iteration_is_saved(tmp_path
 def _collapse_resume_worker(rank, world_size, tmp):
     """An exit (--exit-interval) at the first collapsed evaluation still saves (it is what the
     run resumes from); the resumed run goes on counting the streak and stops at the next."""
+    from megatron_taco.checkpoint.load import load_checkpoint
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.checkpointing import load_checkpoint
-    from megatron_taco.training.monitor import (
+    from megatron_taco.training.observability.monitor import (
         CollapseError,
         LearningMonitor,
         LearningMonitorConfig,
@@ -496,7 +497,7 @@ def _collapse_resume_worker(rank, world_size, tmp):
         name = "collapse"
 
         def after_micro_batch(self, trainer, state, batch, outputs):
-            trainer.ds.module.collapsed = state.iteration >= 4  # collapsed from iteration 5
+            trainer.model_engine.module.collapsed = state.iteration >= 4  # collapsed from iteration 5
 
     def trainer_for(**kw):
         lines = []
@@ -516,7 +517,7 @@ def _collapse_resume_worker(rank, world_size, tmp):
         logger.close()
     listing = _listing(first.training.save)
     second, logger, _, _ = trainer_for()
-    state = load_checkpoint(second.ds, second.training.save, parallel)
+    state = load_checkpoint(second.model_engine, second.training.save, parallel)
     error = None
     try:
         second.train(state)

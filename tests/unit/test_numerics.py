@@ -56,7 +56,7 @@ def _during_build(rank, world, args):
     cfg = spec.configs_from_args(spec.build_parser().parse_args(args), world_size=world,
                                  device_type="cpu")  # fmt: skip
     assert pretrain(cfg, spec, keep_process_group=True) == 0
-    from megatron_taco.training.checkpointing import read_metadata
+    from megatron_taco.checkpoint.manifest import read_metadata
 
     return seen, read_metadata(os.path.join(cfg.training.save, "iter_0000001"))["optimizer"]
 

@@ -14,15 +14,16 @@ import sys
 import textwrap
 from pathlib import Path
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training.checkpointing import FORMAT, LoadChoice, _write_metadata
-from megatron_taco.training.rendezvous import agree_on_load, describe_disagreement
+from megatron_taco.checkpoint.layout import FORMAT
+from megatron_taco.checkpoint.rendezvous import agree_on_load, describe_disagreement
+from megatron_taco.errors import ConfigError
+from megatron_taco.training.checkpointing import LoadChoice, _write_metadata
 from tests.helpers import ENV, REPO, free_port, run_distributed
 
 
 def _checkpoint(load: Path, iteration: int, payload: bytes) -> None:
     """A checkpoint in the layout the verifier checks (one data file, its manifest)."""
-    from megatron_taco.training.checkpointing import _manifest_entry
+    from megatron_taco.checkpoint.manifest import manifest_entry as _manifest_entry
 
     iter_dir = load / f"iter_{iteration:07d}"
     iter_dir.mkdir(parents=True)
@@ -38,7 +39,7 @@ _RANK = """
     import json, os, sys, time
     from megatron_taco.arguments import ConfigError
     from megatron_taco.training import checkpointing as ckpt
-    from megatron_taco.training.rendezvous import once_per_node
+    from megatron_taco.checkpoint.rendezvous import once_per_node
 
     reads = []
     real = ckpt.checksum_regular

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from megatron_taco.training.logging import TrainingLogger, _duration, read_metrics
+from megatron_taco.training.observability.log import TrainingLogger, _duration, read_metrics
 from tests.helpers import wandb_offline_runs
 
 
@@ -57,7 +57,7 @@ def test_train_line_says_elapsed_eta_and_memory_everywhere(tmp_path, capsys):
 def test_host_memory_is_the_resident_set_now_not_the_peak(tmp_path):
     # On CPU the current resident set (the CUDA peaks, reset after each line: tests/gpu): a
     # quarter GiB touched shows, and shows no more once freed (ru_maxrss would keep it).
-    from megatron_taco.training.logging import memory_metrics
+    from megatron_taco.training.observability.log import memory_metrics
 
     before = memory_metrics()
     block = b"\x01" * 2**28  # every page written
@@ -70,7 +70,7 @@ def test_host_memory_is_the_resident_set_now_not_the_peak(tmp_path):
 
 
 def _run(tmp_path, run_id=None, name="tiny"):
-    from megatron_taco.training.tracking import WandbRun
+    from megatron_taco.training.observability.tracking import WandbRun
 
     return WandbRun(project="taco-tests", name=name, save_dir=str(tmp_path), entity=None,
                     mode="offline", config={"training": {"lr": 1e-3, "train_iters": 30}},
@@ -83,7 +83,7 @@ def test_wandb_gets_the_records_and_a_resume_continues_the_run(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_taco.training.tracking import WandbRunState, saved_run_id
+    from megatron_taco.training.observability.tracking import WandbRunState, saved_run_id
 
     png = str(tmp_path / "loss_curve.png")
     plt.plot([1, 2, 3])
@@ -129,7 +129,7 @@ class _Refuses:
 def test_wandb_flags_need_a_project_and_the_package(monkeypatch):
     import importlib.util
 
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
     from megatron_taco.training.config import TrainingConfig
 
     with pytest.raises(ConfigError, match="^--wandb-exp-name: needs --wandb-project$"):
@@ -149,8 +149,8 @@ def test_wandb_flags_need_a_project_and_the_package(monkeypatch):
 def test_wandb_online_without_an_api_key_is_one_line(tmp_path, monkeypatch):
     # The real library, no credentials anywhere (no key, an empty home): its UsageError
     # becomes one line naming the flag and the ways out, not a traceback from rank 0.
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.tracking import WandbRun
+    from megatron_taco.errors import ConfigError
+    from megatron_taco.training.observability.tracking import WandbRun
 
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
         monkeypatch.delenv(name, raising=False)
@@ -169,7 +169,11 @@ def test_the_wandb_run_id_survives_runs_without_wandb():
     # id a resumed run without --wandb-project read stays in the checkpoints it writes, so a
     # later run with W&B continues the same run.
     from megatron_taco.training.callbacks import CallbackList
-    from megatron_taco.training.tracking import WANDB_STATE, WandbRunState, saved_run_id
+    from megatron_taco.training.observability.tracking import (
+        WANDB_STATE,
+        WandbRunState,
+        saved_run_id,
+    )
 
     assert saved_run_id({}) is None and saved_run_id({WANDB_STATE: {}}) is None
     assert WandbRunState(None).state_dict() == {}

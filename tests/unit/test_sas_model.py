@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.models.sas import PRESETS, SasConfig, SasForPretraining
 from megatron_taco.models.sas.model import rtd_labels
 from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, model_parallel_seed

@@ -17,8 +17,10 @@ from datetime import timedelta
 import pytest
 import torch.multiprocessing as mp
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
-from megatron_taco.training.signals import REPEAT_WINDOW_S, ExitConfig, ExitMonitor, proc_stat
+from megatron_taco.arguments import add_dataclass_args, dataclass_from_args
+from megatron_taco.errors import ConfigError
+from megatron_taco.runtime.procfs import proc_stat
+from megatron_taco.training.resilience.exit import REPEAT_WINDOW_S, ExitConfig, ExitMonitor
 from tests.helpers import ENV, REPO, free_port
 
 
@@ -113,7 +115,7 @@ def test_time_limit_is_measured_from_the_process_start():
     before = time.time()
     code = (
         "import time; t = time.time()\n"
-        "from megatron_taco.training.signals import ExitConfig, ExitMonitor\n"
+        "from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor\n"
         "print(ExitMonitor(ExitConfig()).start_time, t)"
     )
     out = subprocess.run(
@@ -137,7 +139,7 @@ def python(code: str, *args: str, **env: str) -> subprocess.Popen:
 # reports the first flag, then keeps running (a save).
 _HANDLER_CHILD = """
     import sys, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     monitor = ExitMonitor(ExitConfig())
     monitor.install()
     with monitor.deferred():
@@ -193,7 +195,7 @@ def test_later_signals_are_absorbed_until_the_save_is_done(first):
 # read): it completes, then the rank ends with one line.
 _SAVING_CHILD = """
     import sys, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     monitor = ExitMonitor(ExitConfig(), program="rank.py")
     monitor.install()
     with monitor.deferred():
@@ -223,7 +225,8 @@ def test_a_signal_during_a_save_waits_for_it_then_ends_the_rank(tmp_path):
 
 _WORKER_CHILD = """
     import os, sys, time, torch
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor, get_pdeathsig
+    from megatron_taco.runtime.procfs import get_pdeathsig
+from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
     class Pids(torch.utils.data.Dataset):
         def __len__(self):
@@ -280,7 +283,7 @@ _LAUNCHER = """
 """
 _RANK = """
     import os, sys, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     mode = os.environ["MODE"]
     config = ExitConfig(exit_signal_handler=mode != "no handler")
     monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
@@ -334,7 +337,7 @@ def test_a_rank_stops_when_its_launcher_dies(tmp_path, mode, launched_by):
 # A rank whose exit save takes SAVE_S seconds (a stalled peer in the real one).
 _SAVING_RANK = """
     import os, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     config = ExitConfig(orphan_grace_seconds=1)
     monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
     monitor.install()
@@ -386,7 +389,7 @@ def test_a_rank_without_its_launcher_abandons_its_exit_save_after_the_grace(
 # asked for by the runner's death alone: the per-node launcher, its parent, lives.
 _RUNNER_SAVING_RANK = """
     import os, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     config = ExitConfig(orphan_grace_seconds=1)
     monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
     monitor.install()
@@ -472,7 +475,7 @@ _STORE_RANK = """
     import os, sys
     from datetime import timedelta
     import torch.distributed as dist
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     monitor = ExitMonitor(ExitConfig(), program="rank.py")
     monitor.tie_to_launcher()
     monitor.install()
@@ -576,7 +579,11 @@ def _peer(rank: int, port: int, mode: str, queue) -> None:
     import torch.distributed as dist
 
     from megatron_taco.training.engine import init_distributed
-    from megatron_taco.training.signals import describe_peer_failure, gather_peers, is_peer_failure
+    from megatron_taco.training.resilience.peers import (
+        describe_peer_failure,
+        gather_peers,
+        is_peer_failure,
+    )
 
     parallel = init_distributed(1, timeout=timedelta(minutes=0.05))
     peers = gather_peers()
@@ -626,7 +633,7 @@ def test_a_dead_or_hung_peer_is_one_line(mode):
 
 
 def test_nccl_environment_makes_errors_raise_and_keeps_the_users_settings():
-    from megatron_taco.training.signals import nccl_environment
+    from megatron_taco.training.resilience.peers import nccl_environment
 
     assert nccl_environment({}) == {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # abort the communicators, keep the process
@@ -642,7 +649,7 @@ def _sleeper() -> subprocess.Popen:
 
 
 def test_peer_watch_reports_a_dead_local_rank_at_once():
-    from megatron_taco.training.signals import Peer, PeerWatch
+    from megatron_taco.training.resilience.peers import Peer, PeerWatch
 
     procs = [_sleeper(), _sleeper()]
     me = Peer("here", os.getpid(), proc_stat(os.getpid()).start_ticks)
@@ -703,7 +710,11 @@ NCCL_REMOTE = (
 def test_nccl_errors_are_one_line():
     import torch.distributed as dist
 
-    from megatron_taco.training.signals import Peer, describe_peer_failure, is_peer_failure
+    from megatron_taco.training.resilience.peers import (
+        Peer,
+        describe_peer_failure,
+        is_peer_failure,
+    )
 
     dead = _sleeper()
     dead.kill()

@@ -11,8 +11,9 @@ from collections import Counter
 
 import pytest
 
-from megatron_taco.arguments import ConfigError, dataclass_from_args
+from megatron_taco.arguments import dataclass_from_args
 from megatron_taco.cli.glue_score import main as glue_score_main
+from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.sweep import (
     RunSpec,
     SweepConfig,

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.checkpoint.layout import FORMAT
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
+from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
 from megatron_taco.data.config import DataConfig
 from megatron_taco.data.tokenizer import (
@@ -28,9 +30,8 @@ from megatron_taco.data.tokenizer import (
     save_tokenizer_copy,
     saved_tokenizer_record,
 )
+from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.registry import checkpoint_tokenizer
-from megatron_taco.training.checkpointing import FORMAT, _write_metadata
-from megatron_taco.training.consolidate import find_checkpoint
 
 
 @pytest.fixture(scope="module")

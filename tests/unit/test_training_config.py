@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.pretrain_taco import SPEC, main
+from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.training.config import (
     DEFAULT_WARMUP_ITERS,

@@ -11,7 +11,6 @@ import math
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.word_order_probe import (
     PAPER_SENTENCES,
     ProbeConfig,
@@ -25,6 +24,7 @@ from megatron_taco.cli.word_order_probe import (
     word_vectors,
     words_of,
 )
+from megatron_taco.errors import ConfigError
 
 
 def test_distance_and_angle_by_hand():
