@@ -272,7 +272,7 @@ def execute_plan(
         action=FALLBACK if plan.action == RESUME else plan.action,
         iteration=older[0],
         checksum=older[1],
-        note=f"resumed from {plan.load_dir} at iteration {older[0]} (--load-fallback: {misfit})",
+        note=f"resumed from {plan.load_dir} at iteration {older[0]} (--load-fallback)",
         warning=None,  # warned above
     )
     state = load_checkpoint(engine, plan.load_dir, older[0], parallel, rng_tracker, **kw)

@@ -206,11 +206,12 @@ def _plan_for(request: ResumeRequest, chosen: tuple[int, str, str | None] | None
             raise CheckpointError(
                 f"--load: {tracker_path(ck.load)} does not exist; give --ckpt-step"
             )
+        line = f"--load {ck.load}: no {os.path.basename(tracker_path(ck.load))} found"
         return ResumePlan(
             FRESH,
             load_dir=ck.load,
-            note=f"--load {ck.load}: no {os.path.basename(tracker_path(ck.load))} found, "
-            "training from scratch",
+            note="starting from scratch",
+            warning=f"{line}, training from scratch",
         )
     iteration, checksum, fell_back = chosen
     candidate = Candidate(
@@ -220,19 +221,23 @@ def _plan_for(request: ResumeRequest, chosen: tuple[int, str, str | None] | None
     if request.layout is None:
         action, note = READ, f"reading {candidate.iter_dir}"
     elif ck.finetune:
-        action, note = WEIGHTS, f"fine-tuning from {ck.load} (iteration {iteration}'s weights)"
+        action, note = WEIGHTS, f"fine-tuning from {ck.load}"
     else:
         action = RESUME if fell_back is None else FALLBACK
         note = f"resumed from {ck.load} at iteration {iteration}" + (
-            "" if fell_back is None else f" (--load-fallback: {fell_back})"
+            "" if fell_back is None else " (--load-fallback)"
         )
     restore = action in (RESUME, FALLBACK)
+    warning = None
+    if fell_back is not None:
+        warning = f"{fell_back}; --load-fallback: loading iteration {iteration} instead"
     return ResumePlan(
         action,
         ck.load,
         iteration,
         checksum,
         note,
+        warning,
         restore_optimizer=restore and not ck.no_load_optim,
         restore_rng=restore and not ck.no_load_rng,
     )
@@ -294,7 +299,11 @@ def _choose(
         meta = verify_checkpoint(load_dir, iteration, **kw)
         return iteration, meta["checksum"], None
     except CheckpointInvalid as e:
-        problem = f"--load: checkpoint iteration {iteration} is incomplete or corrupt: {e}"
+        named = "--ckpt-step" if ck.ckpt_step is not None else tracker_path(load_dir)
+        problem = (
+            f"--load: checkpoint iteration {iteration} (named by {named}) is incomplete or "
+            f"corrupt: {e}"
+        )
         older = newest_verified(load_dir, iteration, **kw)
     if older is None:
         raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")

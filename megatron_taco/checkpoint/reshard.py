@@ -21,6 +21,7 @@ from torch import nn
 from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.parallel.layers import merge_partitions, pad_vocab_size, split_partition
 from megatron_taco.parallel.state import ParallelState
+from megatron_taco.param_groups import split_weight_decay
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,6 @@ class ModelLayout:
     and the optimizer's parameter groups (names in the order DeepSpeed flattens them)."""
 
     def __init__(self, build: ModelBuilder, tp_size: int, vocab_size: int) -> None:
-        from megatron_taco.training.optim import split_weight_decay
-
         self.tp_size, self.vocab_size = tp_size, vocab_size
         self.padded_vocab_size = pad_vocab_size(vocab_size, tp_size)
         model = _build_meta(build, tp_size, vocab_size)

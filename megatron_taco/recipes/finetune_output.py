@@ -21,7 +21,7 @@ def check_test_predictable(output: str) -> None:
     would end without the test files, silently (a finished run at once). Refused, unless a
     later epoch is sure to be the chosen one (--epoch-selection last, not finished)."""
     from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-    from megatron_taco.recipes.sweep import read_result
+    from megatron_taco.recipes.sweep_summary import read_result
 
     path = os.path.join(output, RESULTS_FILE)
     if not os.path.isfile(path):

@@ -158,9 +158,9 @@ class Trainer:
         parallel: ParallelState,
         training: TrainingConfig,
         parts: ModelParts,
-        checkpoint: CheckpointConfig,
         logger: TrainingLogger,
         *,
+        checkpoint: CheckpointConfig | None = None,
         seed: int,
         num_workers: int = 0,
         rng_tracker: RNGTracker | None = None,
@@ -173,7 +173,7 @@ class Trainer:
         self.parallel = parallel
         self.training = training
         self.parts = parts
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint or CheckpointConfig()  # none: nothing saved
         self.logger = logger
         self.seed = seed
         self.num_workers = num_workers

@@ -25,7 +25,6 @@ from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
 from megatron_taco.data.replacement_store import (
     GenerationReader,
     StoreLayout,
-    committed_generations,
 )
 from megatron_taco.data.sas_collator import ColdStart, replaced_positions
 from megatron_taco.parallel.layers import pad_vocab_size
@@ -37,7 +36,7 @@ from megatron_taco.recipes.sas_augmentation import (
     generations_needed,
 )
 from megatron_taco.training.loop import MetricAccumulator
-from tests.helpers import chi2_goodness_of_fit, run_distributed
+from tests.helpers import chi2_goodness_of_fit, committed_generations, run_distributed
 
 N, SEQ, VOCAB, MICRO = 16, 22, 300, 4
 WIDTH = 3  # ceil(0.15 * (SEQ - 2))

@@ -149,7 +149,8 @@ def test_corrupt_model_file_is_refused_before_rendezvous_or_fallen_back_from(
     assert res.returncode == 2, show(res)
     assert "world size 2" not in res.stdout  # stopped before the process groups
     (line,) = errors(res)  # the same one line from both ranks
-    assert f"checkpoint iteration 4 is incomplete or corrupt: {model} is corrupt: CRC-32" in line
+    assert "checkpoint iteration 4 (named by " in line
+    assert f"is incomplete or corrupt: {model} is corrupt: CRC-32" in line
     assert "the last complete checkpoint there is iteration 2: pass --ckpt-step 2" in line
     metrics = tmp_path / "m.jsonl"
     res = launch(botchan_dataset, save, "--load", str(save), "--train-iters", "4",

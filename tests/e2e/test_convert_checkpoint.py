@@ -27,6 +27,7 @@ from megatron_taco.cli.convert_checkpoint import main as convert_main
 from megatron_taco.data.tokenizer import file_sha256
 from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.registry import read_checkpoint
+from megatron_taco.training.configure import build_parser, configs_from_args
 from tests.helpers import REPO, TACO_METRIC_KEYS, run, run_distributed, train_records
 
 pytestmark = pytest.mark.e2e
@@ -186,8 +187,8 @@ def test_sas_da_converted_to_zero_at_tp2_resumes_with_the_same_losses(
 def configs(dataset, save: Path, world: int, *extra: str):
     from megatron_taco.cli.pretrain_taco import SPEC
 
-    args = SPEC.build_parser().parse_args(train_args(dataset, save, *extra))
-    return SPEC.configs_from_args(args, world_size=world, device_type="cpu")
+    args = build_parser(SPEC).parse_args(train_args(dataset, save, *extra))
+    return configs_from_args(SPEC, args, world_size=world, device_type="cpu")
 
 
 def test_data_parallel_change_is_refused_before_rendezvous_or_converted(

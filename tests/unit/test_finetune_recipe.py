@@ -25,10 +25,11 @@ import torch
 
 from megatron_taco.models.finetune import TaskModel, encoder_state_from_pretraining
 from megatron_taco.parallel.state import single_process_state
-from megatron_taco.recipes.finetune import EpochShuffled, finetune_collate
+from megatron_taco.recipes.finetune import EpochShuffled, finetune_collate, for_run
 from megatron_taco.recipes.finetune_eval import DevEvaluation, predict
 from megatron_taco.tasks import TASKS
 from megatron_taco.tasks.base import Collate, row_lengths
+from megatron_taco.training.configure import build_parser
 from tests.helpers import FINETUNE_ENCODERS as ENCODERS
 from tests.helpers import FINETUNE_HEADS as HEADS
 from tests.helpers import FINETUNE_SEQ as SEQ
@@ -179,26 +180,31 @@ def test_group_by_length_keeps_epochs_permutations_and_groups_lengths():
 
 def _built(tmp_path, **data_flags):
     """build_finetune's parts for a randomly initialised tiny SAS on 70 features."""
+    from megatron_taco.checkpoint.config import CheckpointConfig
     from megatron_taco.parallel.config import ParallelConfig
-    from megatron_taco.recipes.finetune import (
+    from megatron_taco.recipes.finetune import build_finetune
+    from megatron_taco.recipes.finetune_config import (
         FinetuneConfig,
+        FinetuneRecipe,
         PretrainedCheckpoint,
         TaskDataConfig,
-        build_finetune,
     )
     from megatron_taco.tasks.base import TaskData
     from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
-    from megatron_taco.training.pretrain import BuildContext, PretrainConfigs
+    from megatron_taco.training.spec import BuildContext, RunConfigs
     from tests.helpers import tiny_sas_config
 
     training = TrainingConfig(train_epochs=2, micro_batch_size=4, global_batch_size=8)
-    cfg = PretrainConfigs(
+    cfg = RunConfigs(
         parallel=ParallelConfig(),
         model=tiny_sas_config(),
         data=TaskDataConfig(task="sst2", data_dir=str(tmp_path), seq_length=SEQ, **data_flags),
-        task={"finetune": FinetuneConfig(load="ckpt", output=str(tmp_path), random_init=True),
-              "pretrained": PretrainedCheckpoint(load="ckpt", iteration=1, model="SAS")},
+        recipe=FinetuneRecipe(
+            FinetuneConfig(load="ckpt", output=str(tmp_path), random_init=True),
+            PretrainedCheckpoint(load="ckpt", iteration=1, model="SAS"),
+        ),
         training=training,
+        checkpoint=CheckpointConfig(),
         deepspeed=resolve_deepspeed_config(training, 1, device_type="cpu"),
         world_size=1,
         device_type="cpu",
@@ -436,9 +442,9 @@ def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path)
 
     refused = r"^--predict-test: .*run\d chose epoch 2 before --predict-test was given"
     with pytest.raises(ConfigError, match=refused):
-        SPEC.for_run(*command({}))
+        for_run(SPEC, *command({}))
     with pytest.raises(ConfigError, match=refused):  # unfinished: epoch 2 may stay the best
-        SPEC.for_run(*command({"finished": False, "submission": {"epoch": 1}}))
+        for_run(SPEC, *command({"finished": False, "submission": {"epoch": 1}}))
     # Accepted: the chosen epoch's files written, a later epoch sure to be chosen, a new run.
     for results in ({"submission": {"epoch": 2, "files": ["SST-2.tsv"]}},
                     {"selection": "last", "finished": False}, None):  # fmt: skip
@@ -449,7 +455,7 @@ def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path)
 def test_task_help_lists_every_task_and_the_parser_takes_megatrons_precision_flags():
     from megatron_taco.recipes.finetune import SPEC
 
-    parser = SPEC.build_parser()
+    parser = build_parser(SPEC)
     text = " ".join(parser.format_help().split())
     assert all(name in text for name in TASKS), text  # it used to say "(tasks.TASKS)"
     args = parser.parse_args(["--load", "x", "--task", "cola", "--data-dir", "d", "--bf16"])

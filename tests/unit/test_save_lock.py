@@ -15,10 +15,10 @@ import textwrap
 
 import pytest
 
+from megatron_taco.checkpoint import ownership as save_lock_module
 from megatron_taco.checkpoint.ownership import LOCK_FILENAME, save_lock, take_save_lock
 from megatron_taco.errors import ConfigError
 from megatron_taco.runtime.procfs import proc_stat
-from megatron_taco.training import save_lock as save_lock_module
 from tests.helpers import ENV, REPO
 
 # Takes the lock on argv[1] (through the exit watchdog's actions), says so, waits.

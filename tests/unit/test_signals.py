@@ -538,15 +538,15 @@ _NODE_LAUNCHER = """
 _SLOW_START_RANK = """
     import os, sys, time
     from megatron_taco.recipes.taco import SPEC
-    from megatron_taco.training.pretrain import ModelSpec
+    from megatron_taco.training import driver
 
-    def slow(self, args, **kw):
+    def slow(spec, args, **kw):
         print("pid", os.getpid(), flush=True)
         time.sleep(60)  # a checkpoint of many GB being checksummed
         raise SystemExit("still running: not tied to the launcher")
 
-    ModelSpec.configs_from_args = slow
-    SPEC.main(["--data-path", "x", "--tokenizer-model", "x", "--train-iters", "1",
+    driver.configs_from_args = slow
+    driver.main(SPEC, ["--data-path", "x", "--tokenizer-model", "x", "--train-iters", "1",
                "--micro-batch-size", "1"])
 """
 

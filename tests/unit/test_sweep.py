@@ -20,13 +20,11 @@ from megatron_taco.recipes.sweep import (
     _finished,
     check_fixed_settings,
     expand_tasks,
-    markdown_table,
     plan_runs,
     run_namespace,
-    summarize,
-    write_plan,
-    write_summary,
 )
+from megatron_taco.recipes.sweep_summary import markdown_table, summarize, write_plan, write_summary
+from megatron_taco.training.configure import build_parser
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -97,7 +95,7 @@ def test_taco_protocol_follows_its_table_8():
 def _parse(*flags: str):
     from megatron_taco.recipes.finetune import SPEC
 
-    parser = SPEC.build_parser()
+    parser = build_parser(SPEC)
     argv = ["--load", "ckpt", "--task", "cola", "--data-dir", "/data", "--output", "/out"]
     return parser, parser.parse_args([*argv, *flags])
 

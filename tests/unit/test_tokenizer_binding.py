@@ -32,6 +32,7 @@ from megatron_taco.data.tokenizer import (
 )
 from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.registry import checkpoint_tokenizer
+from megatron_taco.training.configure import build_parser, configs_from_args
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +121,9 @@ def test_pretraining_refuses_before_any_process_group(botchan_dataset, other_mod
     argv = ["--model-size", "tiny", "--seq-length", "64", "--data-path", botchan_dataset["prefix"],
             "--tokenizer-model", other_model, "--micro-batch-size", "2",
             "--global-batch-size", "2", "--train-iters", "2", "--save", str(tmp_path / "s")]  # fmt: skip
-    args = SPEC.build_parser().parse_args(argv)
+    args = build_parser(SPEC).parse_args(argv)
     with pytest.raises(ConfigError, match="^--tokenizer-model: .* is not the tokenizer"):
-        SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+        configs_from_args(SPEC, args, world_size=1, device_type="cpu")
     assert not torch.distributed.is_initialized()
 
 
@@ -199,8 +200,8 @@ def _pretraining_configs(dataset: dict, tokenizer_model: str, load: Path):
     argv = ["--model-size", "tiny", "--seq-length", "64", "--data-path", dataset["prefix"],
             "--tokenizer-model", tokenizer_model, "--micro-batch-size", "2",
             "--global-batch-size", "2", "--train-iters", "4", "--load", str(load)]  # fmt: skip
-    args = SPEC.build_parser().parse_args(argv)
-    return SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+    args = build_parser(SPEC).parse_args(argv)
+    return configs_from_args(SPEC, args, world_size=1, device_type="cpu")
 
 
 def test_pretraining_resume_refuses_another_tokenizer_naming_both_files(
@@ -235,8 +236,8 @@ def _finetune_configs(pretrained: Path, output: Path, data: Path, *extra: str):
     argv = ["--load", str(pretrained), "--task", "custom", "--data-dir", str(data),
             "--output", str(output), "--micro-batch-size", "4", "--global-batch-size", "4",
             "--seq-length", "32", *extra]  # fmt: skip
-    args = SPEC.build_parser().parse_args(argv)
-    return SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+    args = build_parser(SPEC).parse_args(argv)
+    return configs_from_args(SPEC, args, world_size=1, device_type="cpu")
 
 
 def _finetune_checkpoint(output: Path, tokenizer: Tokenizer) -> None:
@@ -257,7 +258,7 @@ def test_finetuning_resume_checks_its_own_checkpoints_tokenizer(
     pretrained checkpoint gives now (here --load's directory was trained again with another
     vocabulary of the same size since the run saved); the same tokenizer given at another
     path resumes."""
-    from megatron_taco.recipes.finetune import claim_output, run_record
+    from megatron_taco.recipes.finetune_output import claim_output, run_record
     from tests.helpers import write_marker_task
 
     write_marker_task(tmp_path / "task")
