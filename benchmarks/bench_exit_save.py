@@ -137,10 +137,22 @@ def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
     monitor = ExitMonitor(ExitConfig())
     monitor.install()
     logger = TrainingLogger(rank=0, train_iters=training.train_iters, progress_bar=False)
-    parts = ModelParts(model=engine.model_engine.module, collate_fn=lambda items: items[0],
-                       train_dataset=Batches(make, args.seq_length), callbacks=[Clock()])
-    trainer = Trainer(engine, parallel, training, parts, logger, checkpoint=CheckpointConfig(save=save),
-                      seed=1, exit_monitor=monitor)
+    parts = ModelParts(
+        model=engine.model_engine.module,
+        collate_fn=lambda items: items[0],
+        train_dataset=Batches(make, args.seq_length),
+        callbacks=[Clock()],
+    )
+    trainer = Trainer(
+        engine,
+        parallel,
+        training,
+        parts,
+        logger,
+        checkpoint=CheckpointConfig(save=save),
+        seed=1,
+        exit_monitor=monitor,
+    )
     saves: list[tuple[float, float]] = []
     real_save = trainer.save
 

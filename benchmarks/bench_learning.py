@@ -8,7 +8,7 @@ Models (matched sizes: 4 layers, hidden 256 (TACO: 192 + 64), FFN 1024, as --siz
 
 - ``taco``, ``sas``, ``sas_c``, ``sas_da``: ours, trained by the real driver
   (``pretrain_taco.py`` / ``pretrain_sas.py``: DeepSpeed engine, one CPU rank, ZeRO-0 fp32),
-  evaluated by its own validation (training/monitor.py's figures included);
+  evaluated by its own validation (training/observability/monitor.py's figures included);
 - ``bert``: transformers' BertForMaskedLM on the MLM rows of the same TACO batches (the same
   masked positions and [MASK]/random/kept tokens), i.e. BERT's objective;
 - ``electra``: transformers' ELECTRA (generator 1/4 wide, embeddings tied, loss MLM + 50 RTD)

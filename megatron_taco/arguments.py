@@ -180,8 +180,12 @@ def run_cli(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         body(args)
-    except user_errors as e:  # before ConfigError: a CheckpointError is one too
-        parser.exit(1, f"{parser.prog}: error: {e}\n")
     except ConfigError as e:
+        # A kind of ConfigError listed in ``user_errors`` (a CheckpointError) is a bad input
+        # file, not a usage error.
+        if any(issubclass(u, ConfigError) and isinstance(e, u) for u in user_errors):
+            parser.exit(1, f"{parser.prog}: error: {e}\n")
         parser.error(str(e))
+    except user_errors as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
     return 0

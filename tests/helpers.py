@@ -904,8 +904,10 @@ def chosen(load, ckpt_step=None, *, fallback=False, models=None, tp_size=None):
     layout = None if tp_size is None else RunLayout(world_size=tp_size, tp_size=tp_size)
     request = ResumeRequest(checkpoint, layout=layout, models=models)
     if layout is not None:  # only the verification's own checks: no layout or RNG checks
-        request = dataclasses.replace(request, checkpoint=dataclasses.replace(
-            checkpoint, no_load_optim=True, no_load_rng=True))
+        request = dataclasses.replace(
+            request,
+            checkpoint=dataclasses.replace(checkpoint, no_load_optim=True, no_load_rng=True),
+        )
     return plan_resume(request).iteration
 
 

@@ -1,5 +1,5 @@
 """Fine-tune a pretrained TACO or SAS checkpoint on a downstream task, on the pretraining
-driver (training/pretrain.py): the same launchers, tensor/data parallelism, ZeRO stages,
+driver (training/driver.py): the same launchers, tensor/data parallelism, ZeRO stages,
 checkpoints, exact resume, preemption handling and logs.
 
     taco-finetune --load ckpt/sas_small --task cola --data-dir glue_data/CoLA \\
@@ -15,8 +15,10 @@ everything of the run: results.json, metrics.jsonl, tensorboard/, the PNG, check
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 from typing import Any
 
 from megatron_taco.checkpoint.plan import find_checkpoint
@@ -29,6 +31,16 @@ from megatron_taco.recipes.finetune_config import (
     finetune_parser,
 )
 from megatron_taco.recipes.finetune_output import check_test_predictable, claim_output, run_record
+from megatron_taco.recipes.sweep import (
+    SAS_DROPOUT,
+    SweepConfig,
+    check_fixed_settings,
+    expand_tasks,
+    plan_runs,
+    run_namespace,
+)
+from megatron_taco.recipes.sweep_summary import read_result, write_plan, write_summary
+from megatron_taco.training.observability.log import run_log
 from megatron_taco.training.spec import BuildContext, ModelParts, ModelSpec, RunConfigs
 
 
@@ -336,7 +348,7 @@ def for_run(spec: ModelSpec, cfg: RunConfigs, task_data=None) -> ModelSpec:
 
 def run_finetuning(spec: ModelSpec, args, monitor) -> int:
     """taco-finetune after its flags are parsed: one run, or a protocol's sweep of runs."""
-    from megatron_taco.recipes.sweep import run_sweep, sweep_from_args
+    from megatron_taco.recipes.sweep import sweep_from_args
     from megatron_taco.runtime.launcher import launcher_world_size
     from megatron_taco.training import driver
     from megatron_taco.training.configure import configs_from_args
@@ -348,6 +360,101 @@ def run_finetuning(spec: ModelSpec, args, monitor) -> int:
         spec, args, world_size=launcher_world_size(), device_type=driver.accelerator_name()
     )
     return driver.run(cfg, for_run(spec, cfg), monitor=monitor)
+
+
+def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) -> int:
+    """Every run of this shard that has not finished, in one set of processes (one process
+    group for all of them), then the summary. Stops at the first run that is interrupted
+    (an exit signal, a time limit): starting the command again continues from it."""
+    from megatron_taco.recipes.registry import model_size_of
+    from megatron_taco.runtime.launcher import launcher_world_size
+    from megatron_taco.training import driver
+    from megatron_taco.training.configure import build_parser, configs_from_args
+    from megatron_taco.training.engine import accelerator_name, destroy_distributed, release_memory
+
+    root = args.output
+    if not root:
+        raise ConfigError("--output: the sweep's directory is required")
+    tasks = expand_tasks(args.task or "")
+    runs = plan_runs(sweep, tasks, args, model_size_of(args.load, args.ckpt_step))
+    fixed = check_fixed_settings(sweep.protocol, runs, args, build_parser(spec))
+    mine = runs[sweep.sweep_shard :: sweep.sweep_shards]
+    world, device = launcher_world_size(), accelerator_name()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        write_plan(root, sweep.protocol, runs)
+        if fixed:
+            run_log().info(fixed)
+    features: dict[tuple, Any] = {}  # one tokenisation per task for all its runs
+    status, dropout_checked = 0, sweep.protocol != "sas"
+    try:
+        for i, run in enumerate(mine):
+            if _finished(run.directory(root)):
+                if getattr(args, "predict_test", False) and rank0:
+                    _warn_unsubmitted(run.directory(root))
+                continue
+            dp = world // args.tensor_model_parallel_size
+            cfg = configs_from_args(
+                spec, run_namespace(args, run, root, dp), world_size=world, device_type=device
+            )
+            if not dropout_checked and rank0:
+                _warn_encoder_dropout(cfg.model)
+                dropout_checked = True
+            key = (cfg.data.task, cfg.data.data_dir, cfg.data.seq_length, tokenizer_file(cfg.data))
+            if key not in features:
+                features = {key: load_task_data(cfg.data)}  # keep one task's at a time
+            if rank0:
+                run_log().info(f"sweep: run {i + 1}/{len(mine)}: {run.directory(root)}")
+            status = driver.run(
+                cfg, for_run(spec, cfg, features[key]), monitor=monitor, keep_process_group=True
+            )
+            release_memory()  # the run's engine, model and optimizer, before the next
+            if status != 0 or not _finished(run.directory(root)):
+                run_log().info(f"sweep: stopped at {run.directory(root)} (not finished)")
+                break
+    finally:
+        destroy_distributed(None)
+    if rank0:
+        table = write_summary(root, sweep.protocol)
+        run_log().info(table)
+    return status
+
+
+def _finished(directory: str) -> bool:
+    """Whether a run's results.json says finished; an unreadable one stops the sweep (it
+    would otherwise rerun, or skip, a run whose state nobody knows)."""
+    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
+
+    path = os.path.join(directory, RESULTS_FILE)
+    if not os.path.isfile(path):
+        return False
+    result, problem = read_result(path)
+    if result is None:
+        raise ConfigError(f"{problem}; fix or remove it to run {directory} again")
+    return bool(result["finished"])
+
+
+def _warn_unsubmitted(directory: str) -> None:
+    """A finished run is not run again: one that finished without --predict-test has no
+    test files for OUTPUT/submission/, and the sweep says so rather than submit less."""
+    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
+
+    result, _ = read_result(os.path.join(directory, RESULTS_FILE))
+    if result is not None and not result.get("submission"):
+        run_log().warning(
+            f"sweep: warning: --predict-test: {directory} finished without it, so its test "
+            "files are not submitted (remove the directory to run it again)",
+        )
+
+
+def _warn_encoder_dropout(model) -> None:
+    dropouts = (getattr(model, "hidden_dropout", None), getattr(model, "attention_dropout", None))
+    if any(d is not None and d != SAS_DROPOUT for d in dropouts):
+        run_log().warning(
+            f"sweep: warning: --protocol sas: the encoder keeps its checkpoint's dropout "
+            f"(hidden {dropouts[0]}, attention {dropouts[1]}), not Table 6's {SAS_DROPOUT} "
+            "(fine-tuning has no flag for it; the head's dropout is 0.1)",
+        )
 
 
 def _unbound_build(ctx: BuildContext) -> ModelParts:

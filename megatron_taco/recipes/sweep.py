@@ -40,11 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_taco.arguments import option, require
-from megatron_taco.data.tokenizer import tokenizer_file
 from megatron_taco.errors import ConfigError
-from megatron_taco.recipes.sweep_summary import read_result, show, write_plan, write_summary
+from megatron_taco.recipes.sweep_summary import show
 from megatron_taco.tasks.metrics import GLUE_SCORE_TASKS
-from megatron_taco.training.observability.log import run_log
 
 # The folders of the GLUE distribution (download_glue_data.py).
 GLUE_FOLDERS = {
@@ -150,7 +148,7 @@ _SAS_FIXED = {
     "layerwise_lr_decay": None,
     "classifier_dropout": 0.1,
 }
-_SAS_DROPOUT = 0.1
+SAS_DROPOUT = 0.1
 
 
 def protocol_grid(protocol: str | None, task: str, model_size: str | None, kind: str):
@@ -299,102 +297,6 @@ def run_namespace(
         if not _same(dest, getattr(ns, dest), value):
             setattr(ns, dest, value)
     return ns
-
-
-def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) -> int:
-    """Every run of this shard that has not finished, in one set of processes (one process
-    group for all of them), then the summary. Stops at the first run that is interrupted
-    (an exit signal, a time limit): starting the command again continues from it."""
-    from megatron_taco.recipes.finetune import for_run, load_task_data
-    from megatron_taco.recipes.registry import model_size_of
-    from megatron_taco.runtime.launcher import launcher_world_size
-    from megatron_taco.training import driver
-    from megatron_taco.training.configure import build_parser, configs_from_args
-    from megatron_taco.training.engine import accelerator_name, destroy_distributed, release_memory
-
-    root = args.output
-    if not root:
-        raise ConfigError("--output: the sweep's directory is required")
-    tasks = expand_tasks(args.task or "")
-    runs = plan_runs(sweep, tasks, args, model_size_of(args.load, args.ckpt_step))
-    fixed = check_fixed_settings(sweep.protocol, runs, args, build_parser(spec))
-    mine = runs[sweep.sweep_shard :: sweep.sweep_shards]
-    world, device = launcher_world_size(), accelerator_name()
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    if rank0:
-        write_plan(root, sweep.protocol, runs)
-        if fixed:
-            run_log().info(fixed)
-    features: dict[tuple, Any] = {}  # one tokenisation per task for all its runs
-    status, dropout_checked = 0, sweep.protocol != "sas"
-    try:
-        for i, run in enumerate(mine):
-            if _finished(run.directory(root)):
-                if getattr(args, "predict_test", False) and rank0:
-                    _warn_unsubmitted(run.directory(root))
-                continue
-            dp = world // args.tensor_model_parallel_size
-            cfg = configs_from_args(
-                spec, run_namespace(args, run, root, dp), world_size=world, device_type=device
-            )
-            if not dropout_checked and rank0:
-                _warn_encoder_dropout(cfg.model)
-                dropout_checked = True
-            key = (cfg.data.task, cfg.data.data_dir, cfg.data.seq_length, tokenizer_file(cfg.data))
-            if key not in features:
-                features = {key: load_task_data(cfg.data)}  # keep one task's at a time
-            if rank0:
-                run_log().info(f"sweep: run {i + 1}/{len(mine)}: {run.directory(root)}")
-            status = driver.run(
-                cfg, for_run(spec, cfg, features[key]), monitor=monitor, keep_process_group=True
-            )
-            release_memory()  # the run's engine, model and optimizer, before the next
-            if status != 0 or not _finished(run.directory(root)):
-                run_log().info(f"sweep: stopped at {run.directory(root)} (not finished)")
-                break
-    finally:
-        destroy_distributed(None)
-    if rank0:
-        table = write_summary(root, sweep.protocol)
-        run_log().info(table)
-    return status
-
-
-def _finished(directory: str) -> bool:
-    """Whether a run's results.json says finished; an unreadable one stops the sweep (it
-    would otherwise rerun, or skip, a run whose state nobody knows)."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-
-    path = os.path.join(directory, RESULTS_FILE)
-    if not os.path.isfile(path):
-        return False
-    result, problem = read_result(path)
-    if result is None:
-        raise ConfigError(f"{problem}; fix or remove it to run {directory} again")
-    return bool(result["finished"])
-
-
-def _warn_unsubmitted(directory: str) -> None:
-    """A finished run is not run again: one that finished without --predict-test has no
-    test files for OUTPUT/submission/, and the sweep says so rather than submit less."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-
-    result, _ = read_result(os.path.join(directory, RESULTS_FILE))
-    if result is not None and not result.get("submission"):
-        run_log().warning(
-            f"sweep: warning: --predict-test: {directory} finished without it, so its test "
-            "files are not submitted (remove the directory to run it again)",
-        )
-
-
-def _warn_encoder_dropout(model) -> None:
-    dropouts = (getattr(model, "hidden_dropout", None), getattr(model, "attention_dropout", None))
-    if any(d is not None and d != _SAS_DROPOUT for d in dropouts):
-        run_log().warning(
-            f"sweep: warning: --protocol sas: the encoder keeps its checkpoint's dropout "
-            f"(hidden {dropouts[0]}, attention {dropouts[1]}), not Table 6's {_SAS_DROPOUT} "
-            "(fine-tuning has no flag for it; the head's dropout is 0.1)",
-        )
 
 
 def sweep_from_args(args: argparse.Namespace) -> SweepConfig:

@@ -81,7 +81,7 @@ def optimizer_implementation() -> str:
     """The Adam build_optimizer uses on this node, as recorded in checkpoints: apex's
     FusedAdam where apex and its CUDA extensions import and a GPU is there, else torch's
     AdamW. Their states differ (apex keeps ``step`` per parameter group, torch per
-    parameter), so a resume must not mix them (training/consolidate.py)."""
+    parameter), so a resume must not mix them (checkpoint/reshard.py)."""
     return APEX_ADAM if _ApexFusedAdam is not None and torch.cuda.is_available() else TORCH_ADAMW
 
 

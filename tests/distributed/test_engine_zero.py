@@ -137,8 +137,9 @@ def _run(parallel, run, ds_file, model_seed, state=None, load_step=None, device_
         train_flops=lambda n: 6.0 * n * SEQ * 32 * 32,
         **task_kwargs,
     )
-    trainer = Trainer(engine, parallel, training, parts, logger, checkpoint=run.checkpoint,
-                      seed=7, num_workers=0)
+    trainer = Trainer(
+        engine, parallel, training, parts, logger, checkpoint=run.checkpoint, seed=7, num_workers=0
+    )
     state = trainer.train(state)
     logger.close()
     return engine, state

@@ -45,7 +45,8 @@ def _two_runs(rank, world, prefix, tokenizer, tmp):
                 "--lr", "1e-3", "--lr-warmup-iters", "0", "--train-iters", "1", "--eval-iters",
                 "0", "--no-progress-bar", "--deepspeed-config",
                 f"ds_configs/zero{stage}_fp32.json"]  # fmt: skip
-        cfg = configs_from_args(spec, build_parser(spec).parse_args(args), world_size=world, device_type="cpu"
+        cfg = configs_from_args(
+            spec, build_parser(spec).parse_args(args), world_size=world, device_type="cpu"
         )
         assert pretrain(cfg, spec, monitor=monitor, keep_process_group=True) == 0
         release_memory()  # what the sweep calls after each run

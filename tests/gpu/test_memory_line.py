@@ -1,4 +1,4 @@
-"""The train line's CUDA memory (training/logging.py memory_metrics): the caching
+"""The train line's CUDA memory (training/observability/log.py memory_metrics): the caching
 allocator's peak allocated and reserved since the previous line, read without a device
 sync and reset for the next one."""
 

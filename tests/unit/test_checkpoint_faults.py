@@ -58,7 +58,11 @@ def _engine(save: str, parallel):
     from megatron_taco.training.engine import initialize_engine
 
     training = TrainingConfig(
-        train_iters=4, micro_batch_size=2, lr=1e-2, lr_warmup_iters=1, eval_iters=0,
+        train_iters=4,
+        micro_batch_size=2,
+        lr=1e-2,
+        lr_warmup_iters=1,
+        eval_iters=0,
         progress_bar=False,
     )
     ds_json = load_deepspeed_json(str(REPO / "ds_configs" / "zero1_fp32.json"))

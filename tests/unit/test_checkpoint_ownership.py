@@ -73,7 +73,9 @@ def test_a_save_holding_checkpoints_needs_a_matching_load_or_the_override(tmp_pa
     # Moved aside first, the checkpoint --finetune loads would be gone (before: accepted;
     # rank 0 moved them, and the load failed once the process groups were up).
     with pytest.raises(ConfigError) as e:
-        check_own_save(_flags(save, load=str(save), finetune=True, override_existing_checkpoints=True))
+        check_own_save(
+            _flags(save, load=str(save), finetune=True, override_existing_checkpoints=True)
+        )
     assert str(e.value) == (
         f"--override-existing-checkpoints: --finetune loads --load {save}, which is --save: "
         "its checkpoints up to iteration 4 would be moved aside before they are loaded; give "

@@ -94,8 +94,15 @@ class Marker:
 
 
 def _training(tmp: str, **kw) -> TrainingConfig:
-    values = dict(train_iters=4, micro_batch_size=2, lr=1e-2, lr_warmup_iters=1,
-                  log_interval=1, eval_iters=0, progress_bar=False)
+    values = dict(
+        train_iters=4,
+        micro_batch_size=2,
+        lr=1e-2,
+        lr_warmup_iters=1,
+        log_interval=1,
+        eval_iters=0,
+        progress_bar=False,
+    )
     values.update(kw)
     return TrainingConfig(**values)
 
@@ -183,8 +190,9 @@ def _nan_run(parallel, tmp, poison_rank):
             model.poison = state.iteration >= 2 and parallel.rank == poison_rank
 
     logger = TrainingLogger(rank=parallel.rank, train_iters=5, progress_bar=False)
-    parts = ModelParts(model=model, collate_fn=_collate, train_dataset=ToyDataset(),
-                       callbacks=[Poison()])
+    parts = ModelParts(
+        model=model, collate_fn=_collate, train_dataset=ToyDataset(), callbacks=[Poison()]
+    )
     try:
         Trainer(engine, parallel, training, parts, logger, checkpoint=checkpoint, seed=1).train(
             TrainingState()
@@ -395,7 +403,10 @@ def _malicious_worker(rank, world_size, tmp):
         load = Path(tmp, f"load_{name}")
         shutil.copytree(save, load)
         _plant(load / "iter_0000003" / name, marker)
-        for key, kwargs in (("refused", {}), ("finetune", dict(weights_only=True, restore_rng=False))):
+        for key, kwargs in (
+            ("refused", {}),
+            ("finetune", dict(weights_only=True, restore_rng=False)),
+        ):
             try:
                 load_checkpoint(engine, str(load), 3, parallel, **kwargs)
                 out[key][name] = None
@@ -510,7 +521,10 @@ def test_checkpoint_flags_are_cross_checked(tmp_path):
         prepare(CheckpointConfig(save=save), ds={"checkpoint": {"load_universal": True}})
     # A --load without a tracker is a fresh start, as in Megatron.
     plan = prepare(CheckpointConfig(save=save, load=load))
-    assert (plan.action, plan.iteration) == (FRESH, None) and "training from scratch" in plan.warning
+    assert (plan.action, plan.iteration) == (
+        FRESH,
+        None,
+    ) and "training from scratch" in plan.warning
 
 
 # ---------------------------------------------------------------------------------------

@@ -97,8 +97,14 @@ def _checkpoint(tmp_path, *, tp=1, dp=2, stage=1, precision="fp32", **extra):
 
 
 def _request(load, world=2, tp=1, stage=1, precision="fp32", optimizer=None, **flags):
-    layout = RunLayout(world_size=world, tp_size=tp, zero_stage=stage, precision=precision,
-                       optimizer=optimizer, deepspeed_config="ds.json")
+    layout = RunLayout(
+        world_size=world,
+        tp_size=tp,
+        zero_stage=stage,
+        precision=precision,
+        optimizer=optimizer,
+        deepspeed_config="ds.json",
+    )
     return ResumeRequest(CheckpointConfig(load=load, **flags), layout=layout)
 
 

@@ -258,8 +258,13 @@ def _check_finetuning(command: Command) -> None:
     else:
         namespaces = [args]
     for ns in namespaces:  # the TrainingConfig each run builds (recipes/finetune.py)
-        training = dataclass_from_args(TrainingConfig, ns, train_epochs=ns.train_epochs,
-                                       eval_iters=0, **output_paths(ns.output))
+        training = dataclass_from_args(
+            TrainingConfig,
+            ns,
+            train_epochs=ns.train_epochs,
+            eval_iters=0,
+            **output_paths(ns.output),
+        )
         checkpoints = f"{ns.output}/{CHECKPOINTS}"
         dataclass_from_args(CheckpointConfig, ns, save=checkpoints, load=checkpoints)
         resolve_deepspeed_config(training, dp, device_type="cuda")

@@ -90,7 +90,7 @@ def test_collate_keeps_full_length_when_every_row_fills_it():
 
 
 def _trainer(model) -> SimpleNamespace:
-    return SimpleNamespace(parallel=single_process_state(), ds=EngineLike(model))
+    return SimpleNamespace(parallel=single_process_state(), model_engine=EngineLike(model))
 
 
 class _Recording(EngineLike):
@@ -114,7 +114,7 @@ def test_evaluation_sorts_by_length_and_returns_feature_order(task_kind):
     features = _features(task_kind, n=13, seed=3)
     model = _model("SAS^DA", task_kind, seed=2)
     engine = _Recording(model)
-    trainer = SimpleNamespace(parallel=single_process_state(), ds=engine)
+    trainer = SimpleNamespace(parallel=single_process_state(), model_engine=engine)
     got = predict(trainer, features, micro_batch_size=4, collate_fn=Collate())
     model.eval()  # predict() hands the model back in training mode
     # The micro-batches took the features shortest first (ties in feature order), each cut
@@ -391,7 +391,7 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
     logged = []
     trainer = SimpleNamespace(
         parallel=single_process_state(),
-        ds=EngineLike(model),
+        model_engine=EngineLike(model),
         logger=SimpleNamespace(log=lambda split, it, values: logged.append((split, values))),
         num_epochs=lambda: 3,
     )
@@ -426,7 +426,8 @@ def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path)
     """The run's chosen epoch has no test files and a resumed run cannot go back to its
     model: one line before anything runs, not a run that ends without its submission."""
     from megatron_taco.errors import ConfigError
-    from megatron_taco.recipes.finetune import SPEC, check_test_predictable
+    from megatron_taco.recipes.finetune import SPEC
+    from megatron_taco.recipes.finetune_output import check_test_predictable
 
     def command(results=None):  # what for_run reads of the command and the run's folder
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
@@ -435,9 +436,11 @@ def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path)
             (out / "results.json").write_text(json.dumps(
                 {"task": "sst2", "main_metric": "acc", "dev": {}, "hyperparameters": {},
                  "selection": "best", "finished": True, "chosen_epoch": 2, **results}))  # fmt: skip
-        cfg = SimpleNamespace(data=SimpleNamespace(predict_test=True, data_dir="SST-2"),
-                              deepspeed=SimpleNamespace(global_batch_size=2),
-                              task={"finetune": SimpleNamespace(output=str(out))})  # fmt: skip
+        cfg = SimpleNamespace(
+            data=SimpleNamespace(predict_test=True, data_dir="SST-2"),
+            deepspeed=SimpleNamespace(global_batch_size=2),
+            recipe=SimpleNamespace(finetune=SimpleNamespace(output=str(out))),
+        )
         return cfg, SimpleNamespace(info=TASKS["sst2"], train=[0] * 4)
 
     refused = r"^--predict-test: .*run\d chose epoch 2 before --predict-test was given"
@@ -449,7 +452,7 @@ def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path)
     for results in ({"submission": {"epoch": 2, "files": ["SST-2.tsv"]}},
                     {"selection": "last", "finished": False}, None):  # fmt: skip
         cfg, _ = command(results)
-        check_test_predictable(cfg.task["finetune"].output)
+        check_test_predictable(cfg.recipe.finetune.output)
 
 
 def test_task_help_lists_every_task_and_the_parser_takes_megatrons_precision_flags():

@@ -1,4 +1,4 @@
-"""The learning monitor's figures (training/monitor.py) against hand-computed values, its
+"""The learning monitor's figures (training/observability/monitor.py) against hand-computed values, its
 warnings and its stop, and the eval-mode outputs TACO and SAS give it."""
 
 from __future__ import annotations

@@ -87,9 +87,16 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
     from megatron_taco.training.observability.log import TrainingLogger
     from megatron_taco.training.spec import ModelParts
 
-    values = dict(train_iters=5, micro_batch_size=2, global_batch_size=2 * parallel.dp_size,
-                  lr=1e-2, lr_warmup_iters=1, log_interval=1, eval_iters=0,
-                  progress_bar=False)
+    values = dict(
+        train_iters=5,
+        micro_batch_size=2,
+        global_batch_size=2 * parallel.dp_size,
+        lr=1e-2,
+        lr_warmup_iters=1,
+        log_interval=1,
+        eval_iters=0,
+        progress_bar=False,
+    )
     ckpt = {"save": os.path.join(tmp, "ckpt")}
     for key in ("save", "save_interval", "save_retain"):
         if key in kw:
@@ -104,12 +111,25 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
     engine = initialize_engine(ToyModel(), training, settings, parallel)
     logger = TrainingLogger(rank=parallel.rank, train_iters=training.train_iters,
                             progress_bar=False)  # fmt: skip
-    parts = ModelParts(model=engine.model_engine.module, collate_fn=collate,
-                       train_dataset=train or ToyDataset(), valid_dataset=valid,
-                       callbacks=list(callbacks))
-    trainer = Trainer(engine, parallel, training, parts, logger, checkpoint=checkpoint, seed=1,
-                      exit_monitor=exit_monitor, learning_monitor=learning_monitor,
-                      num_workers=num_workers)
+    parts = ModelParts(
+        model=engine.model_engine.module,
+        collate_fn=collate,
+        train_dataset=train or ToyDataset(),
+        valid_dataset=valid,
+        callbacks=list(callbacks),
+    )
+    trainer = Trainer(
+        engine,
+        parallel,
+        training,
+        parts,
+        logger,
+        checkpoint=checkpoint,
+        seed=1,
+        exit_monitor=exit_monitor,
+        learning_monitor=learning_monitor,
+        num_workers=num_workers,
+    )
     return trainer, logger
 
 
@@ -376,8 +396,7 @@ def _slow_cleanup_worker(rank, world_size, tmp):
                 monitor.received = int(signal.SIGTERM)
 
     trainer, logger = _trainer(parallel, tmp, 0, exit_monitor=monitor, callbacks=[SlowFileSystem()],
-                               train_iters=8, save_interval=1)  # fmt: skip
-    trainer.save_retain = 1
+                               train_iters=8, save_interval=1, save_retain=1)  # fmt: skip
     lines = []
     real_print = logger.print
     logger.print = lambda text: (lines.append(text), real_print(text))
@@ -506,7 +525,9 @@ def _collapse_resume_worker(rank, world_size, tmp):
         name = "collapse"
 
         def after_micro_batch(self, trainer, state, batch, outputs):
-            trainer.model_engine.module.collapsed = state.iteration >= 4  # collapsed from iteration 5
+            trainer.model_engine.module.collapsed = (
+                state.iteration >= 4
+            )  # collapsed from iteration 5
 
     def trainer_for(**kw):
         lines = []

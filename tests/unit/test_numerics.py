@@ -59,7 +59,7 @@ def _during_build(rank, world, args):
     assert pretrain(cfg, spec, keep_process_group=True) == 0
     from megatron_taco.checkpoint.manifest import read_metadata
 
-    return seen, read_metadata(os.path.join(cfg.training.save, "iter_0000001"))["optimizer"]
+    return seen, read_metadata(os.path.join(cfg.checkpoint.save, "iter_0000001"))["optimizer"]
 
 
 @pytest.mark.parametrize("flags", [(), ("--deterministic", "--no-tf32")])

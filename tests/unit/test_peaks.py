@@ -1,4 +1,4 @@
-"""The GPU peak table MFU divides by (megatron_taco/training/peaks.py)."""
+"""The GPU peak table MFU divides by (megatron_taco/training/observability/peaks.py)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""What a person watching a long run reads, rank 0's outputs (training/logging.py and
-training/tracking.py): every train line's elapsed time, ETA and memory, in the console line,
+"""What a person watching a long run reads, rank 0's outputs (training/observability/log.py and
+training/observability/tracking.py): every train line's elapsed time, ETA and memory, in the console line,
 the metrics file and TensorBoard alike, and the same records in a real Weights & Biases run
 (offline mode: files only), which a resumed run continues under the same id."""
 
 from __future__ import annotations
 
 import json
+import time
 import re
 
 import pytest
@@ -99,6 +100,9 @@ def test_wandb_gets_the_records_and_a_resume_continues_the_run(tmp_path):
     logger.close()
     assert state == {"run_id": run.run_id}
 
+    # W&B names an offline run's folder by the second it starts and the run id: a resume
+    # within the same second (never a real requeue's) would share the first run's folder.
+    time.sleep(1.1)
     resumed = _run(tmp_path, run_id=saved_run_id({"wandb": state}))
     other_rank = TrainingLogger(rank=1, train_iters=30, progress_bar=False, tracker=_Refuses())
     other_rank.log("train", 30, {"loss": 9.0})  # rank 0 only: nothing is sent
@@ -136,8 +140,8 @@ def test_wandb_flags_need_a_project_and_the_package(monkeypatch):
         TrainingConfig(train_iters=10, wandb_exp_name="x")
     with pytest.raises(ConfigError, match="^--wandb-mode: must be online, offline or disabled"):
         TrainingConfig(train_iters=10, wandb_project="p", wandb_mode="sometimes")
-    t = TrainingConfig(train_iters=10, wandb_project="p", save="ckpt")
-    assert t.resolved_wandb_dir == "ckpt"  # W&B's wandb/ beside the metrics file
+    t = TrainingConfig(train_iters=10, wandb_project="p")
+    assert t.wandb_dir("ckpt") == "ckpt"  # W&B's wandb/ beside the metrics file (in --save)
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a)

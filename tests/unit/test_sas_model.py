@@ -550,7 +550,8 @@ def test_departures_that_would_train_something_else_are_refused_in_one_line(
                 "--tokenizer-model", botchan_dataset["tokenizer"], "--micro-batch-size", "2",
                 "--global-batch-size", "2", "--train-iters", "4", "--cold-start", "uniform",
                 "--save", str(tmp_path / "s"), *extra]  # fmt: skip
-        return configs_from_args(SPEC, build_parser(SPEC).parse_args(argv), world_size=1, device_type="cpu"
+        return configs_from_args(
+            SPEC, build_parser(SPEC).parse_args(argv), world_size=1, device_type="cpu"
         )
 
     with pytest.raises(ConfigError, match=message):

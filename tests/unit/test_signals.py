@@ -19,15 +19,29 @@ import torch.multiprocessing as mp
 
 from megatron_taco.arguments import add_dataclass_args, dataclass_from_args
 from megatron_taco.errors import ConfigError
+from megatron_taco.parallel.config import ParallelConfig
 from megatron_taco.runtime.procfs import proc_stat
 from megatron_taco.training.resilience.exit import REPEAT_WINDOW_S, ExitConfig, ExitMonitor
 from tests.helpers import ENV, REPO, free_port
 
 
-def parse(*argv: str) -> ExitConfig:
+class _Flags:
+    """ExitConfig and ParallelConfig (the process groups' timeouts) of one command line."""
+
+    def __init__(self, *configs) -> None:
+        self.configs = configs
+
+    def __getattr__(self, name):
+        owner = next((c for c in self.configs if hasattr(c, name)), self.configs[0])
+        return getattr(owner, name)
+
+
+def parse(*argv: str) -> _Flags:
     parser = argparse.ArgumentParser()
     add_dataclass_args(parser, ExitConfig)
-    return dataclass_from_args(ExitConfig, parser.parse_args(list(argv)))
+    add_dataclass_args(parser, ParallelConfig)
+    args = parser.parse_args(list(argv))
+    return _Flags(dataclass_from_args(ExitConfig, args), dataclass_from_args(ParallelConfig, args))
 
 
 def test_flags_defaults_and_spellings():
@@ -226,7 +240,7 @@ def test_a_signal_during_a_save_waits_for_it_then_ends_the_rank(tmp_path):
 _WORKER_CHILD = """
     import os, sys, time, torch
     from megatron_taco.runtime.procfs import get_pdeathsig
-from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
     class Pids(torch.utils.data.Dataset):
         def __len__(self):

@@ -14,10 +14,10 @@ import pytest
 from megatron_taco.arguments import dataclass_from_args
 from megatron_taco.cli.glue_score import main as glue_score_main
 from megatron_taco.errors import ConfigError
+from megatron_taco.recipes.finetune import _finished
 from megatron_taco.recipes.sweep import (
     RunSpec,
     SweepConfig,
-    _finished,
     check_fixed_settings,
     expand_tasks,
     plan_runs,
@@ -315,7 +315,7 @@ def test_sweep_submits_the_best_runs_test_files(tmp_path):
 def test_a_finished_run_without_test_files_is_named(tmp_path, capsys):
     """A sweep given --predict-test does not rerun finished runs: the ones that finished
     without it are named, rather than OUTPUT/submission/ quietly lacking their files."""
-    from megatron_taco.recipes.sweep import _warn_unsubmitted
+    from megatron_taco.recipes.finetune import _warn_unsubmitted
 
     bare = _write(tmp_path, "rte", {"acc": 70}).parent
     submitted = _write(tmp_path, "rte", {"acc": 80}, seed=1)

@@ -227,7 +227,7 @@ def test_pretraining_resume_accepts_the_same_tokenizer_at_another_path(botchan_d
     _checkpoint(tmp_path / "save", Tokenizer(elsewhere))
     elsewhere.unlink()  # neither its path nor its presence matters, its content does
     cfg = _pretraining_configs(botchan_dataset, botchan_dataset["tokenizer"], tmp_path / "save")
-    assert cfg.load.iteration == 2
+    assert cfg.plan.iteration == 2
 
 
 def _finetune_configs(pretrained: Path, output: Path, data: Path, *extra: str):
@@ -280,7 +280,7 @@ def test_finetuning_resume_checks_its_own_checkpoints_tokenizer(
     elsewhere = shutil.copy(tokenizer_model, tmp_path / "elsewhere.model")
     resumed = _finetune_configs(pretrained, output, tmp_path / "task",
                                 "--tokenizer-model", str(elsewhere))  # fmt: skip
-    assert resumed.load.iteration == 2 and resumed.data.tokenizer_model == str(elsewhere)
+    assert resumed.plan.iteration == 2 and resumed.data.tokenizer_model == str(elsewhere)
 
 
 def test_pretraining_resumes_a_checkpoint_written_before_the_record(
@@ -290,7 +290,7 @@ def test_pretraining_resumes_a_checkpoint_written_before_the_record(
     resumes unchecked: nothing tells its tokenizer's content, and refusing would strand it."""
     _checkpoint(tmp_path / "save", Tokenizer(other_model), record=False)
     cfg = _pretraining_configs(botchan_dataset, botchan_dataset["tokenizer"], tmp_path / "save")
-    assert cfg.load.iteration == 2
+    assert cfg.plan.iteration == 2
 
 
 def test_pretraining_resume_refuses_another_tokenizer_when_the_recorded_file_is_gone(

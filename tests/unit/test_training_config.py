@@ -557,7 +557,9 @@ def test_train_iters_or_epochs_exactly_one():
 def test_taco_refuses_train_epochs_before_process_groups(tmp_path):
     args = [a for a in cli_args(tmp_path) if a not in ("--train-iters", "4")]
     with pytest.raises(ConfigError, match="^--train-epochs: TACO trains a number of iterations"):
-        configs_from_args(SPEC, build_parser(SPEC).parse_args([*args, "--train-epochs", "2"]),
+        configs_from_args(
+            SPEC,
+            build_parser(SPEC).parse_args([*args, "--train-epochs", "2"]),
             world_size=1,
             device_type="cpu",
         )

@@ -1,6 +1,6 @@
 """Rank-0 outputs of a run: console lines, a tqdm progress bar, TensorBoard scalars, the
 metrics JSON-lines file (one object per logged step or evaluation; plots and tests read it)
-and, with --wandb-project, Weights & Biases (training/tracking.py).
+and, with --wandb-project, Weights & Biases (training/observability/tracking.py).
 
 Every train line also says where the run is, for a person reading a SLURM log: the wall
 time since this process started training (``elapsed_s``), the time left to --train-iters at

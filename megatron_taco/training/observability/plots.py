@@ -119,7 +119,7 @@ def plot_loss_curves(metrics_file: str, output: str | None = None) -> str | None
 
 
 def plot_learning_curves(metrics_file: str, output: str | None = None) -> str | None:
-    """Is it learning? The validation figures of training/monitor.py: each head's accuracy
+    """Is it learning? The validation figures of training/observability/monitor.py: each head's accuracy
     beside its most-frequent-target baseline, and the collapse cosine. Returns the PNG path,
     or None when no evaluation recorded them."""
     records = read_metrics(metrics_file)
