@@ -94,6 +94,7 @@ def build(kind: str, parallel, rng_tracker):
 
 
 def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
+    from megatron_taco.checkpoint.config import CheckpointConfig
     from megatron_taco.checkpoint.layout import TrainingState
     from megatron_taco.training.callbacks import Callback
     from megatron_taco.training.config import (
@@ -102,11 +103,10 @@ def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
         resolve_deepspeed_config,
     )
     from megatron_taco.training.engine import initialize_engine
-    from megatron_taco.checkpoint.config import CheckpointConfig
     from megatron_taco.training.loop import Trainer
-    from megatron_taco.training.spec import ModelParts
     from megatron_taco.training.observability.log import TrainingLogger
     from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
+    from megatron_taco.training.spec import ModelParts
 
     torch.manual_seed(0)
     model, make = build(kind, parallel, rng_tracker)

@@ -6,8 +6,8 @@ the metrics file and TensorBoard alike, and the same records in a real Weights &
 from __future__ import annotations
 
 import json
-import time
 import re
+import time
 
 import pytest
 
