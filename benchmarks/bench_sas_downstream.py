@@ -76,8 +76,8 @@ def sas_train_seconds(metrics: str, upto: int) -> float:
     """Training time of our run to iteration ``upto``: each train record's mean iteration
     time x the iterations since the previous record. (Not x --log-interval: the driver also
     closes a window at every epoch's end, so windows are often shorter.)"""
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.logging import read_metrics
+    from megatron_taco.errors import ConfigError
+    from megatron_taco.training.observability.log import read_metrics
 
     records = sorted((int(r["iteration"]), r["elapsed_ms"]) for r in read_metrics(metrics)
                      if r.get("split") == "train" and "elapsed_ms" in r)  # fmt: skip
@@ -96,7 +96,7 @@ def sas_train_seconds(metrics: str, upto: int) -> float:
 
 def electra_points(folder: str) -> list[tuple[int, float, str]]:
     """(iteration, training seconds, weights file) at every evaluation of the ELECTRA run."""
-    from megatron_taco.training.logging import read_metrics
+    from megatron_taco.training.observability.log import read_metrics
 
     seconds = {int(r["iteration"]): r["train_seconds"]
                for r in read_metrics(os.path.join(folder, "metrics.jsonl"))
@@ -171,9 +171,9 @@ def main(argv=None) -> int:
     points = electra_points(args.electra)
     if not points:
         p.error(f"--electra {args.electra}: no peer_iter_*.pt with train_seconds in metrics.jsonl")
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.checkpoint.errors import CheckpointError
     from megatron_taco.data.indexed_dataset import IndexedDatasetError
-    from megatron_taco.training.consolidate import CheckpointError
+    from megatron_taco.errors import ConfigError
 
     if args.corpus:
         args.data_path = prepare(args.corpus, vocab_size=args.vocab_size).prefix
@@ -185,10 +185,10 @@ def main(argv=None) -> int:
 
 
 def compare(args, runs: dict, points: list) -> int:
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.checkpoint.plan import find_checkpoint
     from megatron_taco.data.tokenizer import file_sha256
+    from megatron_taco.errors import ConfigError
     from megatron_taco.recipes.registry import checkpoint_tokenizer
-    from megatron_taco.training.consolidate import find_checkpoint
 
     tokenizers = {label: checkpoint_tokenizer(find_checkpoint(os.path.join(folder, "checkpoints"),
                                                               step), None)

@@ -14,7 +14,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
+from megatron_taco.arguments import add_dataclass_args, dataclass_from_args
+from megatron_taco.errors import ConfigError
 from megatron_taco.evaluation.random_twins import TwinsConfig, evaluate
 
 
@@ -27,8 +28,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from megatron_taco.checkpoint.errors import CheckpointError
     from megatron_taco.data.indexed_dataset import IndexedDatasetError
-    from megatron_taco.training.consolidate import CheckpointError
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:

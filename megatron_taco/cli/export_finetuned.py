@@ -64,7 +64,7 @@ def save_task_model(config, task, state_dict: dict[str, torch.Tensor], out: str,
         head_kwargs, head = task_head(family, task.kind, state_dict["head.weight"],
                                       state_dict["head.bias"])  # fmt: skip
     except ValueError as e:  # a head transformers' class cannot hold: the checkpoint's, one line
-        from megatron_taco.training.consolidate import CheckpointError
+        from megatron_taco.checkpoint.errors import CheckpointError
 
         raise CheckpointError(f"--load: {task.task} cannot be exported: {e}") from None
     dropout = config.hidden_dropout if classifier_dropout is None else classifier_dropout

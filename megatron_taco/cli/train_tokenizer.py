@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import sentencepiece as spm
 
 from megatron_taco.arguments import (
-    ConfigError,
     add_dataclass_args,
     dataclass_from_args,
     option,
@@ -46,6 +45,7 @@ from megatron_taco.data.tokenizer import (
     canonical_tokenizer_type,
     tokenizer_type_option,
 )
+from megatron_taco.errors import ConfigError
 from megatron_taco.preprocessing.corpora import iter_records
 from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
 from megatron_taco.preprocessing.readers import FORMATS

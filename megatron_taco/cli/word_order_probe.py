@@ -7,9 +7,9 @@ import argparse
 import sys
 
 from megatron_taco.arguments import add_dataclass_args, dataclass_from_args, program_name, run_cli
+from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.evaluation import figure1
 from megatron_taco.evaluation.figure1 import ProbeConfig, run
-from megatron_taco.training.consolidate import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.blending import parse_data_path
 from megatron_taco.data.indexed_dataset import data_file_path, index_file_path
 from megatron_taco.data.samples import NUM_SPECIAL_TOKENS, parse_split
@@ -19,6 +19,7 @@ from megatron_taco.data.tokenizer import (
     tokenizer_type_option,
     vocab_file_option,
 )
+from megatron_taco.errors import ConfigError
 
 MIN_SEQ_LENGTH = 8
 

@@ -28,13 +28,14 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
+
+from megatron_taco import io
 
 logger = logging.getLogger(__name__)
 
@@ -275,18 +276,6 @@ def manifest_path(root: str | os.PathLike, generation: int) -> str:
     return os.path.join(generation_dir(root, generation), MANIFEST_NAME)
 
 
-def shard_path(root: str | os.PathLike, generation: int, layout: StoreLayout, shard: int) -> str:
-    return os.path.join(generation_dir(root, generation), layout.shard_file(shard))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
@@ -307,23 +296,6 @@ def _pread_exact(fd: int, size: int, offset: int, path: str) -> bytes:
 
 def _as_bytes(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array)).cast("B")
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    """Temp file + fsync + rename + fsync dir: readers see the old file or the whole new one."""
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
 
 
 def _check_size(path: str, expected: int) -> None:
@@ -584,20 +556,12 @@ def _fill_sentinel(fd: int, nbytes: int, layout: StoreLayout) -> None:
 
 def _create_shard(path: str, layout: StoreLayout, shard: int) -> None:
     """Pre-fills a temp file and renames it: a shard under its final name is always whole."""
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
+    with io.atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY)
         try:
             _fill_sentinel(fd, layout.shard_bytes(shard), layout)
-            os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
 
 
 def _remove_stale_temps(directory: str, names: Iterable[str]) -> None:
@@ -616,7 +580,7 @@ def _prepare_generation_dir(root: str, generation: int, layout: StoreLayout) -> 
     directory = generation_dir(root, generation)
     if not os.path.isdir(directory):
         os.makedirs(directory, exist_ok=True)
-        _fsync_dir(root)
+        io.fsync_dir(root)
     path = os.path.join(directory, LAYOUT_NAME)
     if os.path.exists(path):
         stored = read_layout_file(path)
@@ -627,7 +591,7 @@ def _prepare_generation_dir(root: str, generation: int, layout: StoreLayout) -> 
             )
         check_origin(path, stored, layout)
     else:
-        _atomic_write(path, _layout_json_bytes(layout))  # racing writers write equal bytes
+        io.atomic_write(path, _layout_json_bytes(layout))  # racing writers write equal bytes
     return directory
 
 
@@ -638,7 +602,7 @@ def _uncommit(directory: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
         logger.info("%s removed: the generation is being written again", path)
-        _fsync_dir(directory)
+        io.fsync_dir(directory)
 
 
 def _check_owned(owned_shards: Iterable[int], layout: StoreLayout) -> list[int]:
@@ -802,7 +766,7 @@ def commit_generation(root: str | os.PathLike, generation: int, layout: StoreLay
         records.append(ShardRecord(layout.shard_file(k), first, stop - first, size, scan.crc32))
     manifest = Manifest(_check_generation(generation), layout, tuple(records))
     text = json.dumps(manifest.to_json(), indent=1) + "\n"
-    _atomic_write(os.path.join(directory, MANIFEST_NAME), text.encode("utf-8"))
+    io.atomic_write(os.path.join(directory, MANIFEST_NAME), text.encode("utf-8"))
     return manifest
 
 
@@ -936,16 +900,6 @@ def list_generations(root: str | os.PathLike) -> list[int]:
     return sorted(found)
 
 
-def committed_generations(root: str | os.PathLike) -> list[int]:
-    """Generations with a manifest; a corrupt manifest raises rather than being skipped."""
-    committed = []
-    for generation in list_generations(root):
-        if os.path.exists(manifest_path(root, generation)):
-            read_manifest(root, generation)
-            committed.append(generation)
-    return committed
-
-
 def delete_generations(root: str | os.PathLike, keep: Iterable[int]) -> list[int]:
     """Removes every generation directory not in ``keep``; returns what was removed.
 
@@ -961,9 +915,9 @@ def delete_generations(root: str | os.PathLike, keep: Iterable[int]) -> list[int
         # committed but has lost shards.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, MANIFEST_NAME))
-            _fsync_dir(directory)
+            io.fsync_dir(directory)
         shutil.rmtree(directory)
         deleted.append(generation)
     if deleted:
-        _fsync_dir(os.fspath(root))
+        io.fsync_dir(os.fspath(root))
     return deleted

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

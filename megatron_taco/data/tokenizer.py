@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from megatron_taco.arguments import ConfigError, option
+from megatron_taco.arguments import option
+from megatron_taco.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 
 
 class FrozenEncoder:

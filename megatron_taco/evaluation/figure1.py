@@ -50,13 +50,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
+from megatron_taco.checkpoint.errors import CheckpointError
+from megatron_taco.errors import ConfigError
 from megatron_taco.evaluation.encoders import (
     FrozenEncoder,
     OurEncoder,
     load_transformers_encoder,
 )
-from megatron_taco.training.consolidate import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.tokenizer import Tokenizer, load_tokenizer
+from megatron_taco.errors import ConfigError
 from megatron_taco.evaluation.encoders import OurEncoder, twins
 from megatron_taco.evaluation.word_order import (
     PROBE_SIZES,
@@ -220,8 +221,8 @@ def print_table(rows: list[Row]) -> None:
 
 
 def _tokenizer_and_split_of(path: str, tokenizer_model: str | None):
+    from megatron_taco.checkpoint.plan import find_checkpoint
     from megatron_taco.recipes.registry import checkpoint_tokenizer
-    from megatron_taco.training.consolidate import find_checkpoint
 
     info = find_checkpoint(path)
     split = (info.configs.get("data") or {}).get("split")

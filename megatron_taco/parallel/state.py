@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.config import check_world_size
 

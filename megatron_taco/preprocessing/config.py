@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.tokenizer import (
     SUMMARY_SUFFIX,
     check_tokenizer_options,
     tokenizer_type_option,
     vocab_file_option,
 )
+from megatron_taco.errors import ConfigError
 from megatron_taco.preprocessing.inputs import GLOB_CHARS, detect_format, expand_inputs
 from megatron_taco.preprocessing.readers import FORMATS
 from megatron_taco.preprocessing.records import CorpusError

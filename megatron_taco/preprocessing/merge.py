@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -24,6 +24,7 @@ from megatron_taco.data.indexed_dataset import (
     index_file_path,
     unigram_path,
 )
+from megatron_taco.errors import ConfigError
 from megatron_taco.preprocessing.staging import replace_dataset
 
 logger = logging.getLogger(__name__)

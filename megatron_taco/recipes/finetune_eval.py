@@ -54,7 +54,7 @@ def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np
     """The model's outputs on every feature of ``dataset``, in feature order, on every rank."""
     from megatron_taco.training.engine import to_device
 
-    parallel, engine = trainer.parallel, trainer.ds
+    parallel, engine = trainer.parallel, trainer.model_engine
     n, dp = len(dataset), parallel.dp_size
     mine, gathered_order = evaluation_order(dataset, dp, parallel.dp_rank)
     seq_length = getattr(dataset, "seq_length", None)

@@ -40,7 +40,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError, flag_of, option, require
+from megatron_taco.arguments import flag_of, option, require
+from megatron_taco.checkpoint.errors import (
+    CheckpointInvalid,
+    CheckpointTooNew,
+    CheckpointUnreadable,
+)
+from megatron_taco.checkpoint.layout import checkpoint_tag, complete_iterations
+from megatron_taco.checkpoint.manifest import read_metadata
 from megatron_taco.data.replacement_store import (
     LAYOUT_NAME,
     GenerationReader,
@@ -57,20 +64,12 @@ from megatron_taco.data.replacement_store import (
 )
 from megatron_taco.data.sas_collator import ReplacementSource
 from megatron_taco.data.tokenizer import tokenizer_file, tokenizer_flag
+from megatron_taco.errors import ConfigError, RunError
 from megatron_taco.model_outputs import COUNT_SUFFIX
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
+from megatron_taco.runtime.faults import hook_point
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.checkpointing import (
-    CheckpointInvalid,
-    CheckpointTooNew,
-    CheckpointUnreadable,
-    RunError,
-    checkpoint_tag,
-    complete_iterations,
-    read_metadata,
-)
-from megatron_taco.training.signals import hook_point
 
 logger = logging.getLogger(__name__)
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
@@ -295,7 +294,7 @@ class SelfAugmentation(Callback):
             return
         # Epoch t+1 reads generation t; the checkpoints in --save need theirs.
         try:
-            needed = generations_needed(trainer.training.save, self.layout.num_instances)
+            needed = generations_needed(trainer.checkpoint.save, self.layout.num_instances)
         except (CheckpointUnreadable, CheckpointTooNew) as e:
             logger.warning("%s; every generation of %s is kept until it can be read", e, self.root)
             return

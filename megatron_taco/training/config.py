@@ -8,7 +8,6 @@ the key, so a run never silently trains with a batch size nobody asked for.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import importlib.util
@@ -19,13 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_taco.arguments import (
-    ConfigError,
-    add_dataclass_args,
-    dataclass_from_args,
     flag_of,
     option,
     require,
 )
+from megatron_taco.errors import ConfigError
 
 # The default warm-up: 10% of the decay iterations, at most 10000. Long runs get the papers'
 # 10000 (BERT; TACO Table 7; SAS Table 5); a short run gets the fine-tuning protocols' 0.1
@@ -151,54 +148,19 @@ class TrainingConfig:
         "evaluations are comparable); 0 disables evaluation.",
         flag="--eval-iters",
     )
-    save: str | None = option(None, "Directory to save checkpoints to.", flag="--save")
-    save_interval: int | None = option(
-        None,
-        "Save a checkpoint every this many iterations (and always at the end when --save is given).",
-        flag="--save-interval",
-    )
-    load: str | None = option(
-        None,
-        "Directory to resume from (its latest_checkpointed_iteration.txt names the checkpoint; "
-        "a directory without it starts from scratch).",
-        flag="--load",
-    )
-    ckpt_step: int | None = option(
-        None,
-        "Load the checkpoint of this iteration from --load instead of the latest one.",
-        flag="--ckpt-step",
-    )
-    # Megatron's plain switches (store_true): a BooleanOptionalAction would also offer
-    # "--no-no-load-optim". Added to the parser by add_args().
-    no_load_optim: bool = option(
-        False,
-        "Do not load the optimizer and LR-scheduler states.",
-        flag="--no-load-optim",
-        cli=False,
-    )
-    no_load_rng: bool = option(
-        False, "Do not load the RNG states.", flag="--no-load-rng", cli=False
-    )
     bf16: bool = option(
         False,
         "Train in bf16: enables the DeepSpeed config's 'bf16' section (the default config's or "
         "--deepspeed-config's, which must not enable fp16).",
         flag="--bf16",
-        cli=False,
+        switch=True,
     )
     fp16: bool = option(
         False,
         "Train in fp16 with a dynamic loss scale (GPUs only): enables the DeepSpeed config's "
         "'fp16' section (which must not enable bf16).",
         flag="--fp16",
-        cli=False,
-    )
-    finetune: bool = option(
-        False,
-        "Load only the model weights from --load and start at iteration 0 with fresh "
-        "optimizer, scheduler, RNG and data position.",
-        flag="--finetune",
-        cli=False,
+        switch=True,
     )
     exit_interval: int | None = option(
         None,
@@ -395,17 +357,10 @@ class TrainingConfig:
         positive_int("log_interval", self.log_interval)
         positive_int("eval_interval", self.eval_interval)
         positive_int("eval_iters", self.eval_iters, 0)
-        if self.save_interval is not None:
-            positive_int("save_interval", self.save_interval)
-            require(self.save is not None, cls, "save_interval", "needs --save")
         if self.exit_interval is not None:
             positive_int("exit_interval", self.exit_interval)
-        if self.ckpt_step is not None:
-            positive_int("ckpt_step", self.ckpt_step, 0)
-            require(self.load is not None, cls, "ckpt_step", "needs --load")
         self._check_wandb()
-        for name in ("save", "load", "tensorboard_dir", "metrics_file", "deepspeed_config",
-                     "wandb_save_dir"):  # fmt: skip
+        for name in ("tensorboard_dir", "metrics_file", "deepspeed_config", "wandb_save_dir"):
             value = getattr(self, name)
             if value is not None:
                 require(
@@ -441,11 +396,11 @@ class TrainingConfig:
             "the wandb package is not installed: pip install 'megatron_taco[wandb]'",
         )
 
-    @property
-    def resolved_wandb_dir(self) -> str | None:
+    def wandb_dir(self, save: str | None) -> str | None:
+        """--wandb-save-dir, else the metrics file's directory (``save``: --save)."""
         if self.wandb_save_dir is not None:
             return self.wandb_save_dir
-        metrics = self.resolved_metrics_file  # W&B adds its own wandb/ below it
+        metrics = self.metrics_path(save)  # W&B adds its own wandb/ below it
         return None if metrics is None else os.path.dirname(metrics)
 
     def _check_schedule_units(self) -> None:
@@ -475,23 +430,6 @@ class TrainingConfig:
             and self.global_batch_size is not None
             and self.train_iters == self.total_train_samples // self.global_batch_size
         )
-
-    _SWITCHES = ("no_load_optim", "no_load_rng", "finetune", "bf16", "fp16")
-
-    @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:
-        add_dataclass_args(parser, cls, "training", exclude=exclude)
-        group = parser.add_argument_group("checkpoint loading")
-        for f in dataclasses.fields(cls):
-            if f.name in cls._SWITCHES and f.name not in exclude:
-                group.add_argument(
-                    flag_of(cls, f.name), dest=f.name, action="store_true", help=f.metadata["help"]
-                )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> TrainingConfig:
-        switches = {name: bool(getattr(args, name, False)) for name in cls._SWITCHES}
-        return dataclass_from_args(cls, args, **switches)
 
     # -- derived values -----------------------------------------------------------------
 
@@ -576,11 +514,11 @@ class TrainingConfig:
             return DEFAULT_WARMUP_ITERS
         return min(DEFAULT_WARMUP_ITERS, int(DEFAULT_WARMUP_FRACTION * self.decay_iters))
 
-    @property
-    def resolved_metrics_file(self) -> str | None:
+    def metrics_path(self, save: str | None) -> str | None:
+        """--metrics-file, else metrics.jsonl in --tensorboard-dir, else in ``save``."""
         if self.metrics_file is not None:
             return self.metrics_file
-        for directory in (self.tensorboard_dir, self.save):
+        for directory in (self.tensorboard_dir, save):
             if directory is not None:
                 return os.path.join(directory, "metrics.jsonl")
         return None

@@ -43,7 +43,7 @@ def _engine_view(rank, world, stage):
                               lr=1e-3, lr_warmup_iters=0, clip_grad=0.0)  # fmt: skip
     ds_json = load_deepspeed_json(str(REPO / "ds_configs" / f"zero{stage}_bf16.json"))
     settings = resolve_deepspeed_config(training, world, device_type="cpu", ds_json=ds_json)
-    ds = initialize_engine(Weight(), training, settings, parallel).engine
+    ds = initialize_engine(Weight(), training, settings, parallel).model_engine
     for micro in range(2):
         x = torch.tensor([GRADS[rank][micro]], dtype=torch.bfloat16)
         ds.backward(ds({"x": x})["loss"])

@@ -20,10 +20,11 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from megatron_taco.checkpoint.layout import FORMAT, TrainingState, checkpoint_tag
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
 from megatron_taco.data.replacement_store import (
     GenerationReader,
     StoreLayout,
-    committed_generations,
 )
 from megatron_taco.data.sas_collator import ColdStart, replaced_positions
 from megatron_taco.parallel.layers import pad_vocab_size
@@ -34,14 +35,8 @@ from megatron_taco.recipes.sas_augmentation import (
     StoreSource,
     generations_needed,
 )
-from megatron_taco.training.checkpointing import (
-    FORMAT,
-    TrainingState,
-    _write_metadata,
-    checkpoint_tag,
-)
 from megatron_taco.training.loop import MetricAccumulator
-from tests.helpers import chi2_goodness_of_fit, run_distributed
+from tests.helpers import chi2_goodness_of_fit, committed_generations, run_distributed
 
 N, SEQ, VOCAB, MICRO = 16, 22, 300, 4
 WIDTH = 3  # ceil(0.15 * (SEQ - 2))
@@ -230,7 +225,7 @@ def test_generation_is_layout_independent_and_read_back_exactly(tmp_path):
 
 
 def _epoch_start_on_a_damaged_store(rank, world_size, root):
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
 
     parallel = init_parallel(1)
     callback = _callback(root, N)
@@ -303,7 +298,7 @@ def _slow_commit(rank, world_size, root):
     the others wait on the file group's barrier, not in the gather."""
     from datetime import timedelta
 
-    from megatron_taco.training.signals import PAUSE_ENV
+    from megatron_taco.runtime.faults import PAUSE_ENV
 
     os.environ[PAUSE_ENV] = "store_commit@0:8"
     torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=3), None)
@@ -319,8 +314,7 @@ def _resumed_epoch(rank, world_size, root, damage=None):
     the store is damaged on disk then (DAMAGES); the resumed run opens the generation again,
     replays the steps after the checkpoint and ends the epoch. Returns the committed
     generations, or the line the run stopped with."""
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.checkpointing import RunError
+    from megatron_taco.errors import ConfigError, RunError
 
     parallel = init_parallel(1)
     order = np.random.default_rng(5).permutation(N).tolist()
@@ -434,7 +428,7 @@ def _rows_lost_on_rank_1(rank, world_size, root):
     import resource
     import signal
 
-    from megatron_taco.training.checkpointing import RunError
+    from megatron_taco.errors import RunError
 
     parallel = init_parallel(1)
     trainer, state = _trainer(parallel), TrainingState()

@@ -16,7 +16,7 @@ def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
     import pytest
 
     from benchmarks import bench_sas_downstream as bd
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
 
     metrics = tmp_path / "metrics.jsonl"
     records = [(100, 10.0), (125, 20.0), (200, 12.0), (300, 11.0)]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.evaluation.random_twins import TwinsConfig
 from tests.helpers import REPO
 

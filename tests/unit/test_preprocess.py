@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.data.indexed_dataset import (
     IndexedDataset,
     data_file_path,
     index_file_path,
     unigram_path,
 )
+from megatron_taco.errors import ConfigError
 from megatron_taco.preprocessing.config import (
     InputFile,
     PreprocessConfig,

@@ -20,13 +20,12 @@ from megatron_taco.data.replacement_store import (
     ReplacementStoreError,
     StoreLayout,
     commit_generation,
-    committed_generations,
     delete_generations,
     list_generations,
     manifest_path,
     read_manifest,
-    shard_path,
 )
+from tests.helpers import committed_generations, shard_path
 
 REPO = Path(__file__).resolve().parents[2]
 

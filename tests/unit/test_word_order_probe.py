@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.word_order_probe import main
+from megatron_taco.errors import ConfigError
 from megatron_taco.evaluation.figure1 import (
     PAPER_SENTENCES,
     ProbeConfig,

@@ -1,6 +1,6 @@
 """Rank-0 outputs of a run: console lines, a tqdm progress bar, TensorBoard scalars, the
 metrics JSON-lines file (one object per logged step or evaluation; plots and tests read it)
-and, with --wandb-project, Weights & Biases (training/tracking.py).
+and, with --wandb-project, Weights & Biases (training/observability/tracking.py).
 
 Every train line also says where the run is, for a person reading a SLURM log: the wall
 time since this process started training (``elapsed_s``), the time left to --train-iters at
@@ -49,6 +49,34 @@ _CONSOLE_LAST = (
 _NOT_ON_CONSOLE = ("split", "iteration")
 _DURATIONS = {"elapsed_s": "elapsed", "eta_s": "ETA"}  # shown as [d-]h:mm:ss
 GIB = 2**30
+
+
+RUN_LOGGER = "megatron_taco.run"
+
+
+class _RunLines(logging.Handler):
+    """The run's own lines, bare (no time, level or name), on stdout: through the progress
+    bar's write when one is shown (``extra={"bar": bar}``), so it is not torn."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        bar = getattr(record, "bar", None)
+        if bar is not None and not bar.disable:
+            bar.write(message)
+        else:
+            print(message, file=sys.stdout, flush=True)
+
+
+def run_log() -> logging.Logger:
+    """The one channel of what a run tells its user (the banner, train and evaluation lines,
+    saves, a sweep's progress): stdlib logging under ``megatron_taco.run``, shown as bare
+    lines; warnings of every module go to the same logging tree with their level and name."""
+    log = logging.getLogger(RUN_LOGGER)
+    if not log.handlers:
+        log.addHandler(_RunLines())
+        log.setLevel(logging.INFO)
+        log.propagate = False  # printed bare here, not again by the root's format
+    return log
 
 
 def _duration(seconds: float) -> str:
@@ -163,12 +191,8 @@ class TrainingLogger:
             )
 
     def print(self, message: str) -> None:
-        if not self.active:
-            return
-        if self._bar is not None and not self._bar.disable:
-            self._bar.write(message)
-        else:
-            print(message, flush=True)
+        if self.active:
+            run_log().info(message, extra={"bar": self._bar})
 
     def advance(self, iterations: int = 1) -> None:
         if self._bar is not None:

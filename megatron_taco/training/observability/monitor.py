@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from megatron_taco.arguments import option, require
+from megatron_taco.errors import RunError
 from megatron_taco.model_outputs import LABEL_COUNTS_SUFFIX, REPRESENTATION, REPRESENTATION_MASK
 from megatron_taco.parallel import comm
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.checkpointing import RunError
 
 COLLAPSE = "collapse_cosine"
 BASELINE_SUFFIX = "_baseline_acc"  # "<name>_baseline_acc", beside the head's "<name>_acc"

@@ -1,4 +1,7 @@
-"""One run per --save: an exclusive lock held for the life of the run.
+"""Who may write in --save: a run never removes, replaces or rewinds checkpoints (or store data)
+it did not write, and two runs never write one --save at once.
+
+One run per --save: an exclusive lock held for the life of the run.
 
 Two runs saving into one directory interleave their checkpoints (a requeued job that
 overlaps its predecessor, a command typed twice). ``{save}/run.lock`` is taken by the run's
@@ -31,18 +34,181 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import threading
 import time
 from typing import Any
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training.signals import proc_stat
+from megatron_taco import io
+from megatron_taco.checkpoint.config import CheckpointConfig, same_directory
+from megatron_taco.checkpoint.engine import free_space
+from megatron_taco.checkpoint.layout import (
+    ITER_DIR,
+    LEFTOVER,
+    TRACKER_FILENAME,
+    existing_checkpoints,
+)
+from megatron_taco.errors import ConfigError
+from megatron_taco.runtime.procfs import proc_stat
 
 logger = logging.getLogger(__name__)
 
+
+def check_save_dir(save_dir: str) -> None:
+    """--save is created and test-written now, so that a wrong path fails before any
+    rendezvous instead of at the first save."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ConfigError(f"--save: {save_dir} exists and is not a directory")
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--save: cannot create {save_dir}: {e.strerror or e}") from None
+    probe = os.path.join(save_dir, f".write_test.{os.uname().nodename}.{os.getpid()}")
+    try:
+        io.write_durably(probe, lambda f: f.write(b"megatron_taco write test\n"))
+    except OSError as e:
+        raise ConfigError(
+            f"--save: cannot write in {save_dir}: {e.strerror or e} ({free_space(save_dir)})"
+        ) from None
+    finally:
+        io.remove(probe)
+
+
+def check_own_save(checkpoint: CheckpointConfig) -> None:
+    """A run never removes, replaces or rewinds checkpoints it did not write: its first save
+    would rewind the tracker, a save at an old iteration would replace that checkpoint and
+    --save-retain would delete the old run's last one. Refused unless it resumes them or
+    --override-existing-checkpoints moves them aside (set_aside, by rank 0 under the lock)."""
+    save = checkpoint.save
+    held = existing_checkpoints(save)
+    if held is None:
+        return
+    loads_save = same_directory(checkpoint.load, save)
+    if checkpoint.override_existing_checkpoints:
+        if loads_save and checkpoint.finetune:
+            # Moved aside before the load, the checkpoint to fine-tune would be gone.
+            raise ConfigError(
+                f"--override-existing-checkpoints: --finetune loads --load {checkpoint.load}, "
+                f"which is --save: its {held} would be moved aside before they are loaded; "
+                "give --finetune another --save, without the flag"
+            )
+        if checkpoint.resumes_save:
+            raise ConfigError(
+                f"--override-existing-checkpoints: --load {checkpoint.load} is --save, whose "
+                f"{held} this run would resume: drop --load to start anew, or the flag to resume"
+            )
+        return
+    if checkpoint.finetune:
+        # It restarts at iteration 0: "--load --save to resume them" is no way on.
+        if loads_save:
+            raise ConfigError(
+                f"--save: {save} already holds {held}, which --finetune (it restarts at "
+                "iteration 0) would replace, rewind or delete: give --finetune another --save, "
+                f"and keep --load {checkpoint.load} to fine-tune from them"
+            )
+        raise ConfigError(
+            f"--save: {save} already holds {held} of another run, which --finetune (it "
+            "restarts at iteration 0) would replace, rewind or delete: give --finetune another "
+            "--save, or --override-existing-checkpoints to move them aside"
+        )
+    if not checkpoint.resumes_save:
+        raise ConfigError(
+            f"--save: {save} already holds {held} of another run, which this run's saves "
+            f"would replace, rewind or delete: pass --load {save} to resume them, or "
+            "--override-existing-checkpoints to move them aside and start anew"
+        )
+
+
+def check_new_save(save: str) -> None:
+    """A tool that writes one whole checkpoint into --save (taco-convert-checkpoint): never
+    next to other checkpoints, whose tracker it would roll back."""
+    held = existing_checkpoints(save)
+    if held is not None:
+        raise ConfigError(f"--save: {save} already holds {held}; give a new directory")
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"--save: {save} exists and is not a directory")
+
+
+SUPERSEDED_PREFIX = "superseded-"
+
+
+def _is_checkpoint_entry(name: str) -> bool:
+    return name == TRACKER_FILENAME or bool(ITER_DIR.match(name) or LEFTOVER.match(name))
+
+
+def _new_aside(save_dir: str) -> tuple[str, str]:
+    """A new superseded-<time>-<pid>[.N] directory and its name's tag: the name may be
+    taken (a requeued container gets the same pid; two overrides within a second), and a
+    directory that was there is never reused."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    base = os.path.join(save_dir, f"{SUPERSEDED_PREFIX}{stamp}-{os.getpid()}")
+    aside, n = base, 1
+    while True:
+        try:
+            os.mkdir(aside)
+            return aside, os.path.basename(aside)[len(SUPERSEDED_PREFIX) :]
+        except FileExistsError:
+            n += 1
+            aside = f"{base}.{n}"
+
+
+def set_aside(save_dir: str, stores: tuple[str, ...] = ()) -> str | None:
+    """--override-existing-checkpoints: move the checkpoints in ``save_dir`` and the
+    non-empty ``stores`` into ``save_dir/superseded-<time>/`` (a store elsewhere: renamed to
+    ``<store>.superseded-<time>``), tracker first so that no moment shows a tracker naming
+    a moved checkpoint. Rank 0 only, holding the save lock, before any save. Returns the
+    directory, None when there was nothing to move."""
+    names = sorted(n for n in os.listdir(save_dir) if _is_checkpoint_entry(n))
+    stores = tuple(s for s in stores if os.path.isdir(s) and os.listdir(s))
+    if not names and not stores:
+        return None
+    aside, tag = _new_aside(save_dir)
+    # The checkpoints name their tokenizer copy relative to their directory's parent: the
+    # copies go with them (copied: the new run may share one, and none is ever deleted).
+    from megatron_taco.data.tokenizer import TOKENIZER_DIR
+
+    copies = os.path.join(save_dir, TOKENIZER_DIR)
+    if names and os.path.isdir(copies):
+        shutil.copytree(copies, os.path.join(aside, TOKENIZER_DIR), symlinks=True)
+    names.sort(key=lambda n: n != TRACKER_FILENAME)
+    for name in names:
+        os.rename(os.path.join(save_dir, name), os.path.join(aside, name))
+    for store in stores:
+        inside = same_directory(os.path.dirname(os.path.abspath(store)), save_dir)
+        target = (
+            os.path.join(aside, os.path.basename(store))
+            if inside
+            else f"{store.rstrip(os.sep)}.{SUPERSEDED_PREFIX}{tag}"
+        )
+        os.rename(store, target)
+    io.fsync_dir(save_dir)
+    return aside
+
+
+def check_own_stores(
+    checkpoint: CheckpointConfig, stores: tuple[tuple[str, str], ...], *, fresh: bool
+) -> None:
+    """A fresh run would overwrite another run's store data (and un-commit what that run's
+    checkpoints need): refused, as a --save holding checkpoints is (check_own_save). Not
+    when --load names --save: a requeued run that died before its first checkpoint rewrites
+    its own data, which no checkpoint needs."""
+    if not fresh or checkpoint.resumes_save or checkpoint.override_existing_checkpoints:
+        return
+    for flag, directory in stores:
+        if os.path.isdir(directory) and os.listdir(directory):
+            raise ConfigError(
+                f"{flag}: {directory} holds another run's data, which this run (it resumes "
+                "no checkpoint) would overwrite: pass the --load of the run that wrote it to "
+                "resume that run, or --override-existing-checkpoints to move it aside and "
+                "start anew"
+            )
+
+
 LOCK_FILENAME = "run.lock"
+
+
 _MAX_RECORD = 1 << 16
 
 
@@ -92,8 +258,11 @@ def _flock(fd: int, path: str) -> bool | None:
         return False
     except OSError as e:
         if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            logger.warning("--save: %s cannot be locked here (%s); relying on its record alone",
-                           path, e.strerror)  # fmt: skip
+            logger.warning(
+                "--save: %s cannot be locked here (%s); relying on its record alone",
+                path,
+                e.strerror,
+            )
             return None
         raise
 
@@ -188,9 +357,13 @@ def _claim(
         )
     if record is not None:
         if record["host"] != socket.gethostname() and locked and not flock_local:
-            logger.warning("--save: %s was held by %s, whose lock is free: that run is gone "
-                           "(flock spans hosts here; if not, pass --save-lock-flock-local); "
-                           "taking it over", path, _holder(record))  # fmt: skip
+            logger.warning(
+                "--save: %s was held by %s, whose lock is free: that run is gone "
+                "(flock spans hosts here; if not, pass --save-lock-flock-local); "
+                "taking it over",
+                path,
+                _holder(record),
+            )
         elif record["host"] != socket.gethostname():
             raise ConfigError(
                 f"--save: {save_dir} is in use by a run on another host ({_holder(record)}; "
@@ -203,8 +376,11 @@ def _claim(
                 "wait for it to end, or give another --save"
             )
         elif record["pid"] != os.getpid():
-            logger.warning("--save: %s was held by %s, which is no longer running; taking it "
-                           "over", path, _holder(record))  # fmt: skip
+            logger.warning(
+                "--save: %s was held by %s, which is no longer running; taking it over",
+                path,
+                _holder(record),
+            )
     data = json.dumps(_record()).encode("utf-8")
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)

@@ -1,12 +1,6 @@
-"""Checkpoint layouts: merge a checkpoint's tensor-parallel shards into full tensors and
-split full tensors for another tensor/data-parallel size, for any model.
-
-The model is never named here: a ``ModelBuilder`` (``build(parallel, vocab_size)``) builds
-it on the meta device at a given tp size, and the partition attributes the parallel layers
-set (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) say how each
-parameter is split. Vocabulary-parallel parameters (word embeddings, LM-head biases) are
-found by building twice with vocabularies one padding unit apart: only their shapes move.
-Their padding rows are dropped when merging and zero rows appended when splitting.
+"""DeepSpeed's files of a checkpoint: read and written by ourselves (never DeepSpeed's own
+unrestricted loaders) for conversion and export, and DeepSpeed's checkpoint engine made safe
+for training.
 
 DeepSpeed's files are read and written for ZeRO stages 0-2 (the per-parameter optimizer of
 stage 0, plain or wrapped with fp32 master weights for bf16/fp16, and the flat data-parallel
@@ -34,47 +28,37 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
-import io
+import logging
 import math
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
 
 import torch
-from torch import nn
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.parallel.layers import merge_partitions, pad_vocab_size, split_partition
-from megatron_taco.parallel.state import ParallelState
-from megatron_taco.training.checkpointing import (
+from megatron_taco import io
+from megatron_taco.checkpoint.errors import CheckpointError
+from megatron_taco.checkpoint.layout import (
     METADATA_FILENAME,
     checkpoint_tag,
-    read_metadata,
-    read_tracker,
-    safe_torch_load,
-    tracker_path,
-    verify_checkpoint,
 )
+from megatron_taco.checkpoint.reshard import ModelLayout, Tensors
+from megatron_taco.checkpoint.safe_files import safe_torch_load
+from megatron_taco.errors import ConfigError
 
-ModelBuilder = Callable[[ParallelState, int], nn.Module]
-Tensors = dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
+
 
 # The command that converts a checkpoint; error messages name it.
 CONVERTER = "taco-convert-checkpoint"
-_VOCAB_UNIT = 128  # pad_vocab_size's multiple per tp rank
+
+
 _MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+
 _ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_(\d+)_model_states\.pt$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be read or written; the message names the file."""
-
-
-# ---------------------------------------------------------------------------------------
-# Which checkpoint, and what it was
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,19 +105,10 @@ def ds_format(ds_config: dict[str, Any] | None) -> tuple[int, str]:
     return stage, "fp16" if enabled("fp16") else "bf16" if enabled("bf16") else "fp32"
 
 
-def find_checkpoint(
-    load_dir: str, ckpt_step: int | None = None, *, verify: bool = True
-) -> CheckpointInfo:
-    """The iteration ``ckpt_step`` of ``load_dir``, or the one its tracker names, verified
-    against its manifest (checkpointing.verify_checkpoint) unless ``verify`` is False (it
-    was verified earlier in the same run)."""
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load: {load_dir} is not a directory")
-    iteration = ckpt_step if ckpt_step is not None else read_tracker(load_dir)
-    if iteration is None:
-        raise CheckpointError(f"--load: {tracker_path(load_dir)} does not exist; give --ckpt-step")
+def describe_checkpoint(load_dir: str, iteration: int, meta: dict[str, Any]) -> CheckpointInfo:
+    """What DeepSpeed's files of a checkpoint are (layout, ZeRO stage, precision), from its
+    metadata.json and, for checkpoints that do not record them, its file names."""
     iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
-    meta = verify_checkpoint(load_dir, iteration) if verify else read_metadata(iter_dir)
     if not isinstance(meta.get("configs", {}), dict):
         raise CheckpointError(f"{iter_dir}/{METADATA_FILENAME}: 'configs' must be an object")
     stage, precision = ds_format(meta.get("configs", {}).get("deepspeed"))
@@ -144,113 +119,6 @@ def find_checkpoint(
         tp = len(glob.glob(os.path.join(iter_dir, "mp_rank_*_model_states.pt")))
     dp = meta.get("data_parallel_size", 1)
     return CheckpointInfo(iter_dir, iteration, meta, tp, int(dp), stage, precision)
-
-
-# ---------------------------------------------------------------------------------------
-# Partition layout of a model
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamLayout:
-    shape: tuple[int, ...]  # one tensor-parallel rank's shape
-    split: bool  # split over tp ranks (else replicated)
-    dim: int = 0
-    stride: int = 1
-    vocab: bool = False  # rows along ``dim`` are the padded vocabulary
-
-
-def _build_meta(build: ModelBuilder, tp_size: int, vocab_size: int) -> nn.Module:
-    parallel = ParallelState(world_size=tp_size, rank=0, tp_size=tp_size, tp_group=None,
-                             dp_group=None)  # fmt: skip
-    with torch.device("meta"):
-        return build(parallel, vocab_size)
-
-
-class ModelLayout:
-    """How every parameter of a model built at tensor-parallel size ``tp_size`` is split,
-    and the optimizer's parameter groups (names in the order DeepSpeed flattens them)."""
-
-    def __init__(self, build: ModelBuilder, tp_size: int, vocab_size: int) -> None:
-        from megatron_taco.training.optim import split_weight_decay
-
-        self.tp_size, self.vocab_size = tp_size, vocab_size
-        self.padded_vocab_size = pad_vocab_size(vocab_size, tp_size)
-        model = _build_meta(build, tp_size, vocab_size)
-        wider = dict(_build_meta(build, tp_size, vocab_size + _VOCAB_UNIT * tp_size)
-                     .named_parameters())  # fmt: skip
-        self.params: dict[str, ParamLayout] = {}
-        for name, p in model.named_parameters():
-            split = bool(getattr(p, "tensor_model_parallel", False))
-            self.params[name] = ParamLayout(
-                shape=tuple(p.shape),
-                split=split,
-                dim=int(getattr(p, "partition_dim", 0)) if split else 0,
-                stride=int(getattr(p, "partition_stride", 1)) if split else 1,
-                vocab=tuple(wider[name].shape) != tuple(p.shape),
-            )
-        self.groups = [g for g in split_weight_decay(model) if g]
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        lay = self.params[name]
-        shape = list(lay.shape)
-        if lay.split:
-            shape[lay.dim] *= self.tp_size
-        if lay.vocab:
-            shape[lay.dim] = self.vocab_size
-        return tuple(shape)
-
-    def merge(self, parts: list[Tensors], what: str) -> Tensors:
-        """Per-rank tensors (params, plus any buffers, taken from rank 0) -> full, unpadded."""
-        if len(parts) != self.tp_size:
-            raise CheckpointError(
-                f"{what}: {len(parts)} tensor-parallel parts, expected {self.tp_size}"
-            )
-        full: Tensors = {}
-        for name, tensor in parts[0].items():
-            lay = self.params.get(name)
-            if lay is None or not lay.split:
-                if lay is not None and tuple(tensor.shape) != lay.shape:
-                    raise CheckpointError(
-                        f"{what}: {name} is {tuple(tensor.shape)}, the model in metadata.json "
-                        f"has {lay.shape}"
-                    )
-                full[name] = tensor
-                continue
-            for rank, part in enumerate(parts):
-                if name not in part or tuple(part[name].shape) != lay.shape:
-                    got = tuple(part[name].shape) if name in part else "missing"
-                    raise CheckpointError(
-                        f"{what}: {name} of tp rank {rank} is {got}, the model in metadata.json "
-                        f"has {lay.shape} at tensor parallel size {self.tp_size}"
-                    )
-            merged = merge_partitions([p[name] for p in parts], lay.dim, lay.stride)
-            full[name] = merged.narrow(lay.dim, 0, self.vocab_size) if lay.vocab else merged
-        return full
-
-    def split(self, full: Tensors) -> list[Tensors]:
-        """Full, unpadded tensors -> one dict per tp rank (vocabulary padded with zeros)."""
-        parts: list[Tensors] = [{} for _ in range(self.tp_size)]
-        for name, tensor in full.items():
-            lay = self.params.get(name)
-            if lay is None or not lay.split:
-                for part in parts:
-                    part[name] = tensor
-                continue
-            if tuple(tensor.shape) != self.full_shape(name):
-                raise CheckpointError(
-                    f"{name} is {tuple(tensor.shape)}, expected {self.full_shape(name)}"
-                )
-            if lay.vocab:
-                pad = list(tensor.shape)
-                pad[lay.dim] = self.padded_vocab_size - self.vocab_size
-                tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=lay.dim)
-            for rank in range(self.tp_size):
-                parts[rank][name] = split_partition(tensor, lay.dim, lay.stride, rank, self.tp_size)
-        return parts
-
-
-# ---------------------------------------------------------------------------------------
-# Reading DeepSpeed's files
 
 
 def load_file(path: str) -> Any:
@@ -448,14 +316,21 @@ def _zero3(info: CheckpointInfo, layout: ModelLayout, tp_rank: int, optimizer: b
     for m in models:
         if not all(k in m for k in ("param_shapes", "buffer_names", "shared_params")):
             raise CheckpointError(f"{what}: its model states file has no ZeRO-3 parameter shapes")
-        buffers = {k: v.float() if v.is_floating_point() else v
-                   for k, v in m["module"].items() if k in m["buffer_names"]}  # fmt: skip
-        shapes.append(zero_to_fp32.zero_model_state(
-            buffers=buffers, param_shapes=m["param_shapes"],
-            shared_params=list(m["shared_params"].items()), ds_version=m.get("ds_version"),
-            frozen_param_shapes=m.get("frozen_param_shapes"),
-            frozen_param_fragments=m.get("frozen_param_fragments"),
-        ))  # fmt: skip
+        buffers = {
+            k: v.float() if v.is_floating_point() else v
+            for k, v in m["module"].items()
+            if k in m["buffer_names"]
+        }
+        shapes.append(
+            zero_to_fp32.zero_model_state(
+                buffers=buffers,
+                param_shapes=m["param_shapes"],
+                shared_params=list(m["shared_params"].items()),
+                ds_version=m.get("ds_version"),
+                frozen_param_shapes=m.get("frozen_param_shapes"),
+                frozen_param_fragments=m.get("frozen_param_fragments"),
+            )
+        )
     names = [n for group in models[0]["param_shapes"] for n in group]
     if set(names) != set(layout.params):
         odd = sorted(set(names) ^ set(layout.params))[:3]
@@ -532,12 +407,10 @@ def read_states(info: CheckpointInfo, layout: ModelLayout, *, optimizer: bool = 
         for key in ranks[0].families
     }
     first = ranks[0]
-    return TrainingStates(info, families, first.step, first.param_groups, first.extras, client,
-                          first.zero_template)  # fmt: skip
+    return TrainingStates(
+        info, families, first.step, first.param_groups, first.extras, client, first.zero_template
+    )
 
-
-# ---------------------------------------------------------------------------------------
-# Writing DeepSpeed's files for another layout
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -588,8 +461,11 @@ def _stage0_optimizer(states: TrainingStates, rank: dict[str, Tensors], target: 
         return sd
     extras = states.optimizer_extras
     if "cur_scale" not in extras:  # from fp32 or ZeRO: DeepSpeed's initial, static state
-        extras = {"dynamic_loss_scale": False, "cur_scale": 1.0,
-                  "cur_iter": states.client.get("global_steps", 0)}  # fmt: skip
+        extras = {
+            "dynamic_loss_scale": False,
+            "cur_scale": 1.0,
+            "cur_iter": states.client.get("global_steps", 0),
+        }
     masters = [_masters(rank["module"], rank.get("master", {}), names) for names in groups]
     return {**extras, "optimizer_state_dict": sd, "fp32_groups": masters}
 
@@ -732,115 +608,3 @@ def _target_info(states: TrainingStates, target: TargetLayout, iter_dir: str) ->
         zero_stage=target.zero_stage,
         precision=target.precision,
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Resuming at another layout
-
-
-def saved_checkpoint(training, iteration: int | None) -> tuple[str, dict[str, Any]] | None:
-    """(iteration directory, metadata) of the checkpoint --load restores (``iteration``,
-    as chosen and verified, else --ckpt-step or the tracker's); None when it cannot be read
-    (the checkpoint checks report that)."""
-    try:
-        if iteration is None:
-            iteration = (
-                training.ckpt_step
-                if training.ckpt_step is not None
-                else read_tracker(training.load)
-            )
-        if iteration is None:
-            return None
-        iter_dir = os.path.join(training.load, checkpoint_tag(iteration))
-        return iter_dir, read_metadata(iter_dir)
-    except (ConfigError, OSError):
-        return None
-
-
-def check_resume_layout(training, *, world_size: int, tp_size: int, zero_stage: int,
-                        precision: str, iteration: int | None = None,
-                        optimizer: str | None = None) -> None:  # fmt: skip
-    """Before any process group: refuse a --load that DeepSpeed cannot restore at this run's
-    layout (tensor/data-parallel sizes, ZeRO stage, precision, world size for the RNG
-    states), with the command that converts the checkpoint. ``iteration``: the checkpoint
-    chosen (with --load-fallback, maybe not the tracker's); ``optimizer``: the Adam this
-    run builds (optim.optimizer_implementation). Returns quietly otherwise."""
-    if training.load is None or training.finetune:
-        return
-    found = saved_checkpoint(training, iteration)
-    if found is None:
-        return
-    iter_dir, meta = found
-    dp = world_size // tp_size
-    saved_ds = (meta.get("configs") or {}).get("deepspeed")
-    saved_stage, saved_precision = ds_format(saved_ds)
-    saved_tp = meta.get("tensor_model_parallel_size", tp_size)
-    saved_dp = meta.get("data_parallel_size", dp)
-    ds_json = training.deepspeed_config or "DS_JSON"
-    convert = (
-        f"{CONVERTER} --load {training.load} --ckpt-step {meta.get('iteration', '?')} "
-        f"--save NEW_DIR --tensor-model-parallel-size {tp_size} --data-parallel-size {dp} "
-        f"--deepspeed-config {ds_json}, then --load NEW_DIR"
-        + ("" if (saved_tp, saved_dp) == (tp_size, dp) else " --no-load-rng")
-    )
-    if saved_tp != tp_size:
-        raise ConfigError(
-            f"--tensor-model-parallel-size: {iter_dir} was saved with tensor parallel size "
-            f"{saved_tp}, this run uses {tp_size}; convert it: {convert}"
-        )
-    if 3 in (saved_stage, zero_stage) and (saved_stage, saved_dp) != (zero_stage, dp):
-        # The converter reads ZeRO-3 checkpoints but writes only stages 0-2.
-        how = f"; convert it: {convert}" if zero_stage != 3 else (
-            f"; convert it into ZeRO stage 0-2 ({CONVERTER}) and resume with a stage 0-2 config"
-        )  # fmt: skip
-        raise ConfigError(
-            f"--load: {iter_dir} (ZeRO stage {saved_stage}, data parallel {saved_dp}) cannot be "
-            f"resumed with ZeRO stage {zero_stage} at data parallel {dp}: ZeRO-3 checkpoints "
-            f"resume only at their own layout{how}"
-        )
-    # A checkpoint that does not say how it was saved is left to DeepSpeed.
-    if not training.no_load_optim and isinstance(saved_ds, dict):
-        _check_optimizer_layout(iter_dir, (saved_stage, saved_precision, saved_dp),
-                                (zero_stage, precision, dp), convert)  # fmt: skip
-    saved_optimizer = meta.get("optimizer")
-    if not training.no_load_optim and optimizer and saved_optimizer not in (None, optimizer):
-        raise ConfigError(
-            f"--load: {iter_dir} holds the state of {saved_optimizer}, this run uses "
-            f"{optimizer} (apex's FusedAdam is used where apex and its CUDA extensions import), "
-            "whose state it cannot load: resume where the same one is used, or pass "
-            "--no-load-optim to restart the optimizer moments, keeping the LR schedule"
-        )
-    if not training.no_load_rng:
-        _check_rng_layout(iter_dir, meta, world_size)
-
-
-def _check_optimizer_layout(iter_dir: str, saved: tuple, now: tuple, convert: str) -> None:
-    (saved_stage, saved_precision, saved_dp), (stage, precision, dp) = saved, now
-    if (saved_stage > 0) != (stage > 0) or saved_precision != precision:
-        raise ConfigError(
-            f"--load: {iter_dir} holds the optimizer state of ZeRO stage {saved_stage} in "
-            f"{saved_precision}, which DeepSpeed cannot load into ZeRO stage {stage} in "
-            f"{precision}; convert it: {convert} (or pass --no-load-optim to restart the "
-            "optimizer moments, keeping the LR schedule)"
-        )
-    if stage > 0 and saved_dp != dp:
-        raise ConfigError(
-            f"--load: {iter_dir} was saved at data parallel size {saved_dp} with ZeRO stage "
-            f"{saved_stage}, which partitions the optimizer state over the data-parallel "
-            f"ranks; this run has data parallel size {dp}. Convert it: {convert} (or pass "
-            "--no-load-optim to restart the optimizer moments, keeping the LR schedule)"
-        )
-
-
-def _check_rng_layout(iter_dir: str, meta: dict[str, Any], world_size: int) -> None:
-    if "converted_from" in meta and meta.get("rng_states") is False:
-        raise ConfigError(
-            f"--load: {iter_dir} was written by {CONVERTER} at a new layout and holds no RNG "
-            "states (they are per rank); pass --no-load-rng"
-        )
-    saved = meta.get("world_size", world_size)
-    if saved != world_size:
-        raise ConfigError(
-            f"--load: {iter_dir} holds the RNG states of {saved} ranks, this run has "
-            f"{world_size}; pass --no-load-rng to resume without them"
-        )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import os
 
-from megatron_taco.training.logging import read_metrics
-from megatron_taco.training.monitor import BASELINE_SUFFIX as _BASELINE
-from megatron_taco.training.monitor import COLLAPSE
+from megatron_taco.training.observability.log import read_metrics
+from megatron_taco.training.observability.monitor import BASELINE_SUFFIX as _BASELINE
+from megatron_taco.training.observability.monitor import COLLAPSE
 
 # Non-loss series worth a panel when a model logs them (SAS: lambda, hits, RTD accuracies).
 _EXTRA_KEYS = ("rtd_weight", "replaced_share", "rtd_acc_replaced", "rtd_acc_original")
@@ -119,7 +119,7 @@ def plot_loss_curves(metrics_file: str, output: str | None = None) -> str | None
 
 
 def plot_learning_curves(metrics_file: str, output: str | None = None) -> str | None:
-    """Is it learning? The validation figures of training/monitor.py: each head's accuracy
+    """Is it learning? The validation figures of training/observability/monitor.py: each head's accuracy
     beside its most-frequent-target baseline, and the collapse cosine. Returns the PNG path,
     or None when no evaluation recorded them."""
     records = read_metrics(metrics_file)

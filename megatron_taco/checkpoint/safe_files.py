@@ -11,16 +11,28 @@ or ``OSError`` from the read itself; callers turn both into their own one-line e
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
+import pickle
+import re
 import stat
 import zlib
 from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from megatron_taco.errors import ConfigError
 
 _CHUNK = 1 << 20
+
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
 _OPEN_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 _DIR_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -143,10 +155,69 @@ def _walk(dir_fd: int, shown: str, prefix: str) -> Iterator[str]:
             raise _refuse(path, mode)
 
 
-def umask_mode(path: str) -> None:
-    """Give ``path`` the mode a plain open() would have (0666 less the umask): some writers
-    (safetensors, mkstemp) create files 0600, unreadable for the rest of a shared cluster."""
-    mask = os.umask(0)
-    os.umask(mask)
-    with contextlib.suppress(OSError):
-        os.chmod(path, 0o666 & ~mask)
+def deepspeed_safe_globals() -> list[type]:
+    """The classes DeepSpeed pickles into its ZeRO optimizer files besides tensors and
+    containers: plain attribute holders and an enum, harmless to rebuild."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _error_detail(error: BaseException) -> str:
+    """The informative line of torch's multi-paragraph weights_only message."""
+    noise = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith(noise)]
+    text = (useful or lines or [type(error).__name__])[-1]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def exception_line(error: BaseException) -> str:
+    """'KeyError: 5': a crafted pickle's KeyError or struct.error says little without its
+    type."""
+    detail = _error_detail(error)
+    name = type(error).__name__
+    return detail if detail == name else f"{name}: {detail}"
+
+
+SAFE_TORCH = (2, 6)  # weights_only has a known bypass before (CVE-2025-32434)
+
+
+def require_safe_torch() -> None:
+    """Refuse to read a checkpoint with a torch whose weights_only loading is unsafe."""
+    found = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    if found < SAFE_TORCH:
+        raise ConfigError(
+            f"torch {torch.__version__}: loading checkpoints safely needs torch >= "
+            f"{'.'.join(map(str, SAFE_TORCH))} (weights_only can be bypassed before); upgrade torch"
+        )
+
+
+def safe_torch_load(
+    path: str, map_location: Any = "cpu", *, hint: str = "", mmap: bool = False
+) -> Any:
+    """torch.load with weights_only=True; any failure is one ConfigError naming the file
+    (a crafted pickle can make the unpickler raise KeyError, IndexError, struct.error...)."""
+    require_safe_torch()
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise ConfigError(
+            f"--load: {path} holds pickled objects other than tensors, numbers and strings "
+            f"({_error_detail(e)}); refusing to load it{hint}"
+        ) from None
+    except Exception as e:
+        raise ConfigError(
+            f"--load: {path} is not a readable checkpoint file ({exception_line(e)}){hint}"
+        ) from None
+
+
+def unsafe_globals(path: str) -> list[str]:
+    """The globals a torch zip file would import beyond the weights_only defaults and
+    DeepSpeed's safe classes, found by reading its pickle's opcodes (nothing is executed)."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in deepspeed_safe_globals()}
+    found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    return [name for name in found if name not in allowed]

@@ -17,75 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import socket
 import stat
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training.signals import launched_by_launcher, proc_stat
+from megatron_taco.errors import ConfigError
+from megatron_taco.runtime.launcher import launch_id
 
-# The number of ranks this launch runs on this node, where the launcher says so.
-_LOCAL_SIZE_ENV = (
-    "LOCAL_WORLD_SIZE",  # torchrun
-    "LOCAL_SIZE",  # deepspeed
-    "OMPI_COMM_WORLD_LOCAL_SIZE",  # Open MPI
-    "MPI_LOCALNRANKS",  # MPICH / Intel MPI (Hydra)
-    "MV2_COMM_WORLD_LOCAL_SIZE",  # MVAPICH2
-    "SLURM_NTASKS_PER_NODE",
-)
 _STALE_S = 7 * 24 * 3600
-
-
-def _local_size() -> int | None:
-    for key in _LOCAL_SIZE_ENV:
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return None
-
-
-def launch_id() -> str | None:
-    """What the ranks of this launch on this node share and no other launch does: the
-    launcher process they are children of (PID and start time, so a reused PID differs),
-    the rendezvous address, torchrun's restart count, SLURM's step and the command line.
-    None when this process is alone on its node (plain python, or one rank per node)."""
-    if not launched_by_launcher() or _local_size() == 1:
-        return None
-    parent = os.getppid()
-    parent_stat = proc_stat(parent)
-    env = os.environ
-    parts = [
-        socket.gethostname(),
-        parent,
-        parent_stat.start_ticks if parent_stat else None,
-        env.get("MASTER_ADDR"),
-        env.get("MASTER_PORT"),
-        env.get("TORCHELASTIC_RESTART_COUNT"),
-        env.get("SLURM_JOB_ID"),
-        env.get("SLURM_STEP_ID"),
-        _command_line(),
-    ]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
-
-
-def _command_line() -> list[str]:
-    """sys.argv without the launcher's per-rank flag (deepspeed passes --local_rank=N)."""
-    out, skip = [], False
-    for arg in sys.argv:
-        if skip:
-            skip = False
-        elif arg in ("--local_rank", "--local-rank"):
-            skip = True
-        elif not arg.startswith(("--local_rank=", "--local-rank=")):
-            out.append(arg)
-    return out
 
 
 def _private_dir() -> str:
@@ -199,23 +143,24 @@ def describe_disagreement(views: list[tuple[str, Any]], what: str) -> str | None
     return f"the ranks disagree on {what}: {'; '.join(parts)}"
 
 
-def agree_on_load(choice: Any, load_dir: str | None) -> None:
-    """Collective: every rank states the checkpoint it is about to load (iteration and
-    metadata checksum, or None for a fresh start); any difference stops every rank with the
-    same one line."""
+def verify_once_per_node(choose: Callable[[], Any], name: str = "load") -> Any:
+    """plan_resume's ``once``: the --load verification (which reads every byte), by one rank
+    per node; its result (None or [iteration, checksum, fall-back reason]) on every rank."""
+    return once_per_node(name, choose, decode=lambda value: None if value is None else tuple(value))
+
+
+def agree_on_load(plan: Any) -> None:
+    """Collective: every rank states the checkpoint it is about to load (its ResumePlan's
+    iteration and metadata checksum, or a fresh start); any difference stops every rank with
+    the same one line."""
     import torch.distributed as dist
 
     from megatron_taco.parallel import comm
 
-    if load_dir is None or not dist.is_initialized() or dist.get_world_size() == 1:
+    if plan.load_dir is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = (
-        "no checkpoint (a fresh start)"
-        if choice is None
-        else f"iteration {choice.iteration} (metadata.json checksum {choice.checksum})"
-    )
-    views = comm.all_gather_object((socket.gethostname(), mine))
-    problem = describe_disagreement(views, f"the checkpoint to load from {load_dir}")
+    views = comm.all_gather_object((socket.gethostname(), plan.agreement()))
+    problem = describe_disagreement(views, f"the checkpoint to load from {plan.load_dir}")
     if problem is not None:
         raise ConfigError(
             f"--load: {problem}. Their nodes see different files there (a stale network file "

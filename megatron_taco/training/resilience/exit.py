@@ -1,4 +1,4 @@
-"""Preemption, time limits, launcher death and peer failures.
+"""Preemption, time limits and launcher death: how a rank leaves, always with one line.
 
 * Exit signals (``--exit-signal-handler``, on by default) inside the training loop: SIGTERM,
   SIGINT or SIGUSR1 on any rank only sets a flag. At the end of every iteration the ranks
@@ -27,39 +27,43 @@
   is an exit request like a signal; the save that answers it may wait for a stalled rank,
   so the watchdog ends the rank ``--orphan-grace-seconds`` after the launcher's death
   anyway, with one line naming the last complete checkpoint.
-* A peer that dies makes a collective raise (gloo: "Connection closed by peer"; a hung peer:
-  a timeout after ``--distributed-timeout-minutes``). ``describe_peer_failure`` turns that
-  into one line naming the dead rank (found by PID on this node) and the collective.
-  NCCL reports nothing by itself until its watchdog times out, and then tears the process
-  down with a C++ trace: ``nccl_environment`` makes its watchdog abort the communicators
-  and leave the process alone (the blocked collective then raises into Python), and a
-  ``PeerWatch`` thread aborts them as soon as a rank on this node dies.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import functools
 import logging
 import math
 import os
-import re
 import select
 import signal
-import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
+from megatron_taco.errors import ConfigError
+from megatron_taco.runtime.launcher import (
+    DEEPSPEED_NODE_LAUNCHER,
+    launched_by_launcher,
+    launcher_rank,
+    orphaned_at_start,
+)
+from megatron_taco.runtime.procfs import (
+    cmdline,
+    get_pdeathsig,
+    init_name,
+    proc_stat,
+    process_name,
+    process_start_time,
+    set_pdeathsig,
+)
 
-logger = logging.getLogger("megatron_taco.signals")
+logger = logging.getLogger("megatron_taco.resilience")
 
 REPEAT_WINDOW_S = 2.0
 # What DeepSpeed's per-node launcher and torchrun's agent give their ranks between SIGTERM and
@@ -70,10 +74,10 @@ _DEATH_GRACE_S = 0.5
 DEFAULT_EXIT_SIGNALS = "SIGTERM,SIGINT,SIGUSR1"
 # Uncatchable, used by torch's DataLoader (SIGCHLD), or faults that must stay fatal.
 _UNUSABLE = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"}
-_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
-_DEEPSPEED_NODE_LAUNCHER = "deepspeed.launcher.launch"
 _LEFTOVER_HOOK = False
-_IMPORT_TIME = time.time()  # the fallback for the process's start
+# The parent a rank had at the top of its entry point (tie_at_start): tie_to_launcher ties
+# to it, so that a launcher dying during the imports before main() is seen there too.
+_started_under: int | None = None
 
 
 def _signal_by_name(token: str) -> signal.Signals | None:
@@ -107,20 +111,6 @@ class ExitConfig:
         "Save and exit 0 after the first iteration that ends this many minutes after the "
         "process started (leave room for one iteration and a save before the job's limit).",
         flag="--exit-duration-in-mins",
-    )
-    distributed_timeout_minutes: float = option(
-        10.0,
-        "Timeout of every collective (and of the rendezvous): a rank that hangs this long makes "
-        "the others exit with an error (fractions allowed).",
-        flag="--distributed-timeout-minutes",
-    )
-    filesystem_timeout_minutes: float = option(
-        60.0,
-        "Timeout of the waits for file-system work that rank 0 does alone while the others "
-        "wait (removing old checkpoints and leftovers, committing and verifying the SAS "
-        "store, verifying a fallback checkpoint): apart from --distributed-timeout-minutes, "
-        "so that a slow file system is not taken for a hung rank.",
-        flag="--filesystem-timeout-minutes",
     )
     orphan_grace_seconds: float = option(
         ORPHAN_GRACE_S,
@@ -157,16 +147,6 @@ class ExitConfig:
                 "exit_duration_in_mins",
                 f"must be > 0, got {self.exit_duration_in_mins!r}",
             )
-        for name in ("distributed_timeout_minutes", "filesystem_timeout_minutes"):
-            value = getattr(self, name)
-            # Above a year, timedelta or torch's timeout overflows: a traceback at the
-            # rendezvous, after the data set-up (before: 1e13 raised OverflowError there).
-            require(
-                _positive(value) and value <= MAX_TIMEOUT_MINUTES,
-                cls,
-                name,
-                f"must be > 0 and at most {MAX_TIMEOUT_MINUTES} (a year), got {value!r}",
-            )
         grace = self.orphan_grace_seconds
         require(
             _positive(grace) or grace == 0,
@@ -179,140 +159,10 @@ class ExitConfig:
     def signals(self) -> tuple[signal.Signals, ...]:
         return tuple(signal.Signals[name] for name in self.exit_signals.split(","))
 
-    @property
-    def distributed_timeout(self) -> timedelta:
-        return timedelta(minutes=self.distributed_timeout_minutes)
-
-    @property
-    def filesystem_timeout(self) -> timedelta:
-        return timedelta(minutes=self.filesystem_timeout_minutes)
-
-
-MAX_TIMEOUT_MINUTES = 525_600
-
 
 def _positive(value) -> bool:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     return number and math.isfinite(value) and value > 0
-
-
-# ---------------------------------------------------------------------------------------
-# /proc
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    state: str
-    ppid: int
-    start_ticks: int  # since boot: with the PID, identifies a process across PID reuse
-
-
-def proc_stat(pid: int) -> ProcStat | None:
-    """The process's /proc/PID/stat, None when it does not exist (or not on Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ")".
-    fields = text[text.rindex(")") + 2 :].split()
-    return ProcStat(state=fields[0], ppid=int(fields[1]), start_ticks=int(fields[19]))
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def process_start_time() -> float:
-    """This process's start as a Unix time (the interpreter's start, before imports)."""
-    stat = proc_stat(os.getpid())
-    try:
-        with open("/proc/stat", encoding="utf-8") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + stat.start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, StopIteration, AttributeError, ValueError):
-        return _IMPORT_TIME
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def get_pdeathsig() -> int:
-    libc, value = _libc(), ctypes.c_int(0)
-    if libc is not None:
-        libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)
-    return value.value
-
-
-def set_pdeathsig(signum: int) -> bool:
-    """Ask the kernel to send ``signum`` when the parent (the thread that started us) dies."""
-    libc = _libc()
-    return libc is not None and libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
-
-
-# What mpirun/mpiexec set in each rank (Open MPI; MPICH's and Intel MPI's Hydra; MVAPICH2):
-# such ranks learn LOCAL_RANK only at MPI discovery, after the configs are parsed.
-_MPI_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK")
-
-
-def launched_by_launcher() -> bool:
-    # deepspeed and torchrun set LOCAL_RANK, mpirun its own variables; plain `python`
-    # (maybe under nohup, whose shell may go away) sets none, and is not tied to its parent.
-    return "LOCAL_RANK" in os.environ or any(k in os.environ for k in _MPI_RANK_ENV)
-
-
-# The global rank each launcher gives its processes (torchrun, deepspeed, launch.sh; Open
-# MPI, Hydra, MVAPICH2 before MPI discovery sets RANK).
-_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-
-
-# Processes that adopt orphans and start no ranks: a rank whose parent is one of them (or
-# PID 1) was left by its launcher.
-_ADOPTERS = {"systemd", "init", "s6-svscan"}
-# A container's init shims (docker --init runs tini as docker-init): they adopt orphans,
-# and also start the container's command, which may be the rank itself (a pod whose spec
-# sets RANK, LOCAL_RANK, WORLD_SIZE: the container runtime is its launcher).
-_CONTAINER_INITS = ("tini", "dumb-init", "catatonit", "docker-init")
-
-
-def is_container_init(name: str) -> bool:
-    """By prefix: the shims ship under other names too (tini-static, tini-static-amd64 read
-    as "tini-static-amd" in a 15-character comm, dumb-init_1.2.5_x86_64)."""
-    return name.startswith(_CONTAINER_INITS)
-
-
-def orphaned_at_start(parent: int, parent_name: str, init_name: str) -> bool:
-    """Whether a rank whose parent is ``parent`` (named ``parent_name``) at the top of its
-    entry point was left by its launcher; ``init_name``: PID 1's /proc/1/comm.
-
-    A container's init shim as the parent is ambiguous: it adopts orphans (as PID 1, or as
-    a subreaper), and it starts the container's command, which may be the rank itself. Such
-    a rank is not judged orphaned; the parent-death signal, armed on the shim, decides (it
-    fires when the container ends). What that gives up: a launcher that dies in the
-    milliseconds between the rank's start and the shim's first line, while not the shim's
-    own child, leaves the rank waiting for its rendezvous timeout (as its child, the shim
-    exits with it, and the kernel ends every process of the container)."""
-    if is_container_init(parent_name) or (parent == 1 and is_container_init(init_name)):
-        return False
-    return parent == 1 or parent_name in _ADOPTERS
-
-
-def _init_name() -> str:
-    try:
-        with open("/proc/1/comm", encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
-
-
-# The parent a rank had at the top of its entry point (tie_at_start): tie_to_launcher ties
-# to it, so that a launcher dying during the imports before main() is seen there too.
-_started_under: int | None = None
 
 
 def tie_at_start(program: str) -> None:
@@ -324,7 +174,7 @@ def tie_at_start(program: str) -> None:
     if _started_under is not None or not launched_by_launcher():
         return
     parent = os.getppid()
-    if not orphaned_at_start(parent, process_name(parent), _init_name()):
+    if not orphaned_at_start(parent, process_name(parent), init_name()):
 
         def on_sigterm(signum, frame) -> None:
             if os.getppid() == parent:
@@ -342,63 +192,12 @@ def tie_at_start(program: str) -> None:
 def _start_line(program: str, why: str, code: int) -> None:
     adopter = os.getppid()
     parent = f" (its parent is now {process_name(adopter)}, pid {adopter})" if code == 1 else ""
-    print(f"{program}: error: rank {launcher_rank()}: {why}{parent}; exiting", file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(
+        f"{program}: error: rank {launcher_rank()}: {why}{parent}; exiting",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(code)
-
-
-def launcher_rank() -> int:
-    """This process's global rank as its launcher announced it (0 for plain python): known
-    before any process group exists."""
-    for key in _RANK_ENV:
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 0
-
-
-def process_name(pid: int) -> str:
-    """'torchrun', 'deepspeed', 'python': the program a process runs (its script's name when
-    an interpreter runs one), for messages."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            words = [w.decode(errors="replace") for w in f.read().split(b"\0") if w]
-    except OSError:
-        return "?"
-    if not words or not os.path.basename(words[0]).startswith("python"):
-        return os.path.basename(words[0]) if words else "?"
-    for i, word in enumerate(words[1:], 1):
-        if word == "-m" and i + 1 < len(words):
-            return words[i + 1]
-        if word == "-c":
-            break
-        if not word.startswith("-"):
-            return os.path.basename(word)
-    return os.path.basename(words[0])
-
-
-# -- the tests' hooks --------------------------------------------------------------------
-
-# SIGKILL at a named point (crash tests), e.g. "after_metadata@4". A save's points
-# (checkpointing.py) are qualified by the iteration, the start-up points (pretrain.py:
-# before_rendezvous, before_build) by the global rank.
-KILL_ENV = "MEGATRON_TACO_TEST_KILL_AT"
-# A sleep at named points instead, comma-separated "point[@N]:seconds" (e.g.
-# "before_rendezvous@1:600,before_rendezvous@0:0"): a slower save, or a rank held at a point
-# while a test kills its launcher. Each match is announced on stderr first.
-PAUSE_ENV = "MEGATRON_TACO_TEST_PAUSE_AT"
-
-
-def hook_point(point: str, qualifier: int) -> None:
-    names = (point, f"{point}@{qualifier}")
-    if os.environ.get(KILL_ENV) in names:
-        os.kill(os.getpid(), signal.SIGKILL)
-    for spec in filter(None, os.environ.get(PAUSE_ENV, "").split(",")):
-        where, _, seconds = spec.strip().rpartition(":")
-        if where in names:
-            print(f"{PAUSE_ENV}: {where}: pid {os.getpid()} sleeps {seconds} s", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            time.sleep(float(seconds))
 
 
 def ignore_in_worker(signums: tuple[int, ...], _worker_id: int = 0) -> None:
@@ -426,10 +225,6 @@ def _kill_leftover_workers() -> None:
     for p in children:
         p.kill()
         p.join(timeout=5)
-
-
-# ---------------------------------------------------------------------------------------
-# The monitor
 
 
 class ExitMonitor:
@@ -490,7 +285,7 @@ class ExitMonitor:
         parent = _started_under if _started_under is not None else os.getppid()
         self._links = [(self._pid, parent)]
         stat = proc_stat(parent)
-        if stat is not None and _DEEPSPEED_NODE_LAUNCHER in _cmdline(parent):
+        if stat is not None and DEEPSPEED_NODE_LAUNCHER in cmdline(parent):
             # DeepSpeed's per-node launcher outlives the `deepspeed` runner above it (the
             # runner has no signal handler on a single node): watch the runner as well.
             self._links.append((parent, stat.ppid))
@@ -535,8 +330,7 @@ class ExitMonitor:
     def _start_watchdog(self) -> None:
         if self._watchdog is None and (self._links or self._wakeup is not None):
             self._stop.clear()
-            self._watchdog = threading.Thread(target=self._watch, name="exit-watchdog",
-                                              daemon=True)  # fmt: skip
+            self._watchdog = threading.Thread(target=self._watch, name="exit-watchdog", daemon=True)
             self._watchdog.start()
 
     def uninstall(self) -> None:
@@ -772,179 +566,3 @@ class ExitMonitor:
         if reasons:
             self._answered = True
         return "; ".join(reasons) or None
-
-
-# ---------------------------------------------------------------------------------------
-# Peer failures
-
-
-class PeerFailure(RuntimeError):
-    """A rank died or hung; the message is the one line to print."""
-
-
-@dataclass(frozen=True)
-class Peer:
-    host: str
-    pid: int
-    start_ticks: int
-
-    def is_dead(self) -> bool:
-        stat = proc_stat(self.pid)
-        return stat is None or stat.start_ticks != self.start_ticks or stat.state in "ZXx"
-
-
-def gather_peers() -> list[Peer]:
-    """(host, PID) of every rank, gathered once after the rendezvous."""
-    import torch.distributed as dist
-
-    from megatron_taco.parallel import comm
-
-    stat = proc_stat(os.getpid())
-    me = Peer(socket.gethostname(), os.getpid(), stat.start_ticks if stat else -1)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [me]
-    return comm.all_gather_object(me)
-
-
-_FAILURE_MARKERS = ("gloo", "Connection closed", "Connection reset", "Timed out", "NCCL", "nccl")
-_C10D = os.path.join("torch", "distributed", "")
-_WRAPPERS = (_C10D, os.path.join("deepspeed", "comm", ""))
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    import torch.distributed as dist
-
-    if isinstance(error, dist.DistError):
-        return True
-    frames = traceback.extract_tb(error.__traceback__)
-    in_c10d = any(_C10D in f.filename for f in frames)
-    return (
-        isinstance(error, RuntimeError)
-        and in_c10d
-        and any(m in str(error) for m in _FAILURE_MARKERS)
-    )
-
-
-def _where(error: BaseException) -> str:
-    """'all_reduce (deepspeed/runtime/engine.py:2151)': the collective and its caller."""
-    frames = traceback.extract_tb(error.__traceback__)
-    inside = [i for i, f in enumerate(frames) if _C10D in f.filename]
-    if not inside:
-        return "a collective"
-    name = frames[inside[-1]].name
-    callers = [f for f in frames[: inside[0]] if not any(w in f.filename for w in _WRAPPERS)]
-    if not callers:
-        return name
-    return f"{name} ({_short_path(callers[-1].filename)}:{callers[-1].lineno})"
-
-
-def _short_path(path: str) -> str:
-    package = os.sep + "megatron_taco" + os.sep
-    if "site-packages" + os.sep in path:
-        return path.rsplit("site-packages" + os.sep, 1)[1]
-    if package in path:
-        return "megatron_taco" + os.sep + path.rsplit(package, 1)[1]
-    return path
-
-
-def _short(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
-    # NCCL: "NCCL error in: /src/.../ProcessGroupNCCL.cpp:2027, remote process exited ..."
-    text = re.sub(r"^NCCL error in: \S+:\d+, ", "NCCL: ", text)
-    text = re.sub(r"^\[(PG [^\]]*)?\s*Rank \d+\]\s*", "", text)
-    text = text.split(". This is typically")[0]
-    return text if len(text) <= 240 else text[:237] + "..."
-
-
-def describe_peer_failure(
-    error: BaseException, rank: int, peers: list[Peer], timeout_minutes: float, wait: float = 2.0
-) -> str:
-    """One line for a collective that failed because another rank died or hung."""
-    where = _where(error)
-    me = peers[rank] if rank < len(peers) else None
-    local = [r for r, p in enumerate(peers) if r != rank and me is not None and p.host == me.host]
-    deadline = time.monotonic() + wait
-    while True:  # a killed peer's socket closes a moment before its process is gone
-        dead = [r for r in local if peers[r].is_dead()]
-        if dead or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    if dead:
-        who = ", ".join(f"rank {r} (pid {peers[r].pid})" for r in dead)
-        verb = "has" if len(dead) == 1 else "have"
-        return f"rank {rank}: {who} {verb} died; {where} failed; exiting"
-    if "Timed out" in str(error) or "timeout" in str(error).lower():
-        return (
-            f"rank {rank}: {where} timed out after --distributed-timeout-minutes "
-            f"{timeout_minutes:g}: a rank hung or its node is unreachable ({_short(error)}); "
-            "exiting"
-        )
-    return (
-        f"rank {rank}: a rank on another node failed or closed the connection during {where} "
-        f"({_short(error)}); exiting"
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# NCCL
-
-
-def nccl_environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The variables to set before an NCCL process group exists, so that a dead or hung
-    peer ends in a Python exception (and our one line) rather than a C++ abort; a value the
-    user set wins. The timeout itself is init_process_group's (--distributed-timeout-minutes).
-
-    * TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): on an error or timeout the watchdog
-      aborts the communicators but does not tear the process down (the default, 3, kills it
-      with a C++ trace); the blocked collective, or the next one, raises DistBackendError.
-    * TORCH_NCCL_DUMP_ON_TIMEOUT=0: no flight-recorder dump files on a timeout.
-    """
-    env = os.environ if env is None else env
-    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
-    return {key: value for key, value in wanted.items() if key not in env}
-
-
-class PeerWatch:
-    """Watches the other ranks on this node (by PID, from gather_peers) and calls
-    ``on_death(dead_ranks)`` once, as soon as one dies. Under NCCL ``on_death`` aborts the
-    process groups: the collective this rank is blocked in then raises, and
-    describe_peer_failure names the dead rank, within seconds instead of after the
-    distributed timeout. (gloo needs none of this: the dead peer's sockets close.)"""
-
-    def __init__(self, peers: list[Peer], rank: int, on_death, interval: float = 1.0) -> None:
-        me = peers[rank]
-        self.local = [r for r, p in enumerate(peers) if r != rank and p.host == me.host]
-        self.peers, self.on_death, self.interval = peers, on_death, interval
-        self.dead: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
-
-    def start(self) -> PeerWatch:
-        if self.local:
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            dead = [r for r in self.local if self.peers[r].is_dead()]
-            if dead:
-                self.dead = dead
-                try:
-                    self.on_death(dead)
-                except Exception as e:  # the distributed timeout still applies
-                    logger.warning("could not abort the process groups after rank %s died: %s",
-                                   dead[0], e)  # fmt: skip
-                return
-
-
-def abort_process_groups(_dead: list[int]) -> None:
-    """PeerWatch's on_death under NCCL: abort every process group of this process."""
-    import torch.distributed as dist
-
-    dist.distributed_c10d._abort_process_group()

@@ -15,7 +15,7 @@ import math
 import os
 from typing import Any
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.training.callbacks import Callback
 
 WANDB_STATE = "wandb"  # the callback's name: its key in metadata.json "callbacks"
