@@ -4,21 +4,18 @@ for another process or a later run goes through here. Imports nothing of ours.
 
 A file is written under a unique temporary name in its own directory (``mkstemp``: two
 writers on two nodes never share one), fsynced, renamed over the path and the directory
-fsynced. The temporary name is ``<name>.<random>.tmp``: LEFTOVER_TMP matches it.
+fsynced. The temporary name is ``<name>.<random>.tmp`` (what the replacement store and
+the checkpoint tracker's clean-up recognise as a crash's leftover).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import IO, Any
-
-# The temporary files of atomic_write / atomic_path that a crash left behind.
-LEFTOVER_TMP = re.compile(r"^.+\.[A-Za-z0-9_]{8}\.tmp$")
 
 
 def fsync_file(path: str) -> None:
@@ -84,11 +81,6 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes
             data(f)
         else:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
-
-
-def atomic_copy(src: str, dst: str) -> None:
-    with atomic_path(dst) as tmp:
-        shutil.copyfile(src, tmp)
 
 
 def remove(path: str) -> None:

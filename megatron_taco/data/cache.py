@@ -206,8 +206,7 @@ def _build_and_save(
             arr = np.ascontiguousarray(arrays[name])
             _atomic_write(path, lambda f, a=arr: np.save(f, a, allow_pickle=False))
             sizes[name] = os.path.getsize(path)
-        meta = {"kind": kind, "key": key, "description": description, "info": info,
-                "bytes": sizes}  # fmt: skip
+        meta = {"kind": kind, "key": key, "description": description, "info": info, "bytes": sizes}
         text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
         _atomic_write(description_path, lambda f: f.write(text), mode="w")
     except OSError as e:

@@ -103,8 +103,10 @@ class StoreLayout:
         return self.num_instances, self.width, self.vocab_size, self.num_shards
 
     def describe(self) -> str:
-        return (f"{self.num_instances} instances x {self.width} slots, vocabulary "
-                f"{self.vocab_size}, {self.num_shards} shards")  # fmt: skip
+        return (
+            f"{self.num_instances} instances x {self.width} slots, vocabulary "
+            f"{self.vocab_size}, {self.num_shards} shards"
+        )
 
     def origin_mismatch(self, other: StoreLayout) -> str | None:
         """How this run's ``other`` differs in origin from this (stored) layout, naming the

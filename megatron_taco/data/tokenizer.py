@@ -356,10 +356,12 @@ class WordPieceTokenizer:
         always starts one (the specials included)."""
         if self._word_start is None:
             mask = np.array(
-                [not (p.startswith(CONTINUATION) and len(p) > len(CONTINUATION))
-                 for p in self._pieces],
+                [
+                    not (p.startswith(CONTINUATION) and len(p) > len(CONTINUATION))
+                    for p in self._pieces
+                ],
                 dtype=bool,
-            )  # fmt: skip
+            )
             mask[[self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id]] = True
             mask.setflags(write=False)
             self._word_start = mask

@@ -22,10 +22,6 @@ import torch.distributed as dist
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def backend_device_type(backend: str) -> str | None:
     """The device type a backend's collectives need their tensors on: "cuda" for NCCL alone;
     None for gloo, MPI or a mixed "cpu:gloo,cuda:nccl" group (each tensor's own device)."""

@@ -79,10 +79,6 @@ class ParallelState:
             f"dp={self.dp_rank}/{self.dp_size})"
         )
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.tp_group is not None
-
     def file_barrier(self) -> None:
         """Where the other ranks wait for file-system work one rank does alone (removing
         old checkpoints, scanning the SAS store): a barrier of the file group, whose timeout
@@ -261,6 +257,11 @@ def init_parallel(
     if world_size > 1 and dist.get_backend() != "gloo":
         host_group = dist.new_group(backend="gloo")
     return ParallelState(
-        world_size=world_size, rank=rank, tp_size=tp_size, tp_group=tp_group, dp_group=dp_group,
-        file_group=file_group, host_group=host_group,
-    )  # fmt: skip
+        world_size=world_size,
+        rank=rank,
+        tp_size=tp_size,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        file_group=file_group,
+        host_group=host_group,
+    )

@@ -25,10 +25,33 @@ _TAR_EXTS = (".tar", ".tgz", ".tbz2", ".txz", ".tzst")
 # In a corpus folder, files that are clearly not corpus text: documentation, code, images,
 # checksums and licence files that ship beside the data (examples/corpus/ has two).
 _NOT_CORPUS_EXTS = (
-    ".md", ".rst", ".py", ".pyc", ".sh", ".ipynb", ".cfg", ".ini", ".toml", ".yaml", ".yml",
-    ".lock", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf", ".css", ".js",
-    ".sha1", ".sha256", ".sha512", ".md5", ".sig", ".asc",
-)  # fmt: skip
+    ".md",
+    ".rst",
+    ".py",
+    ".pyc",
+    ".sh",
+    ".ipynb",
+    ".cfg",
+    ".ini",
+    ".toml",
+    ".yaml",
+    ".yml",
+    ".lock",
+    ".png",
+    ".jpg",
+    ".jpeg",
+    ".gif",
+    ".svg",
+    ".pdf",
+    ".css",
+    ".js",
+    ".sha1",
+    ".sha256",
+    ".sha512",
+    ".md5",
+    ".sig",
+    ".asc",
+)
 _NOT_CORPUS_NAMES = re.compile(
     r"^(readme|license|licence|copying|notice|authors|attribution|changelog)(\.txt)?$", re.I
 )
@@ -53,8 +76,11 @@ def _walk(directory: str) -> list[str]:
         more = ", ..." if len(skipped) > 3 else ""
         logger.info(
             "%s: skipped %d file(s) that are not corpus files (%s%s); name a file to read it anyway",
-            directory, len(skipped), names, more,
-        )  # fmt: skip
+            directory,
+            len(skipped),
+            names,
+            more,
+        )
     return sorted(found)
 
 

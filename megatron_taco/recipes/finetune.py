@@ -149,8 +149,9 @@ def load_pretrained_encoder(model, cfg: RunConfigs, parallel) -> str:
     # ZeRO 1-2 keep the fp32 master weights in the optimizer files: read them, so a bf16
     # run is fine-tuned from its exact weights rather than their bf16 rounding.
     masters = info.zero_stage > 0 and info.precision != "fp32"
-    states, config, _ = read_checkpoint(info, tokenizer_model=tokenizer_file(cfg.data),
-                                        optimizer=masters)  # fmt: skip
+    states, config, _ = read_checkpoint(
+        info, tokenizer_model=tokenizer_file(cfg.data), optimizer=masters
+    )
     full = encoder_state_from_pretraining(ref.model, states.full_state_dict())
     load_encoder_state(model, ref.model, config, full, parallel, where=info.iter_dir)
     return f"encoder: {ref.model} from {info.iter_dir}"
@@ -229,8 +230,9 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
     )
     stats = task_data.stats
     lengths = row_lengths(task_data.train) if data.group_by_length else None
-    train = EpochShuffled(task_data.train, per_epoch, epochs, data.seed, lengths=lengths,
-                          global_batch_size=gbs)  # fmt: skip
+    train = EpochShuffled(
+        task_data.train, per_epoch, epochs, data.seed, lengths=lengths, global_batch_size=gbs
+    )
     rows_per_sample = info.num_labels if info.kind == "multiple_choice" else 1
 
     def train_flops(samples: int) -> float:
@@ -266,7 +268,7 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
                 ]
                 if task_data.test
                 else []
-            ),  # fmt: skip
+            ),
         ],
         # The labels too: a custom task's are read from its train.tsv, which export_hf.py
         # (id2label) does not have.
@@ -274,7 +276,7 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
             "task": info.name,
             "labels": list(info.labels),
             "pretrained": dataclasses.asdict(cfg.recipe.pretrained),
-        },  # fmt: skip
+        },
     )
 
 
@@ -285,7 +287,7 @@ def _run_summary(cfg: RunConfigs, task_data) -> dict[str, Any]:
         "pretrained": {
             **dataclasses.asdict(cfg.recipe.pretrained),
             "random_init": ft.random_init,
-        },  # fmt: skip
+        },
         "hyperparameters": {
             "lr": t.lr,
             "global_batch_size": cfg.deepspeed.global_batch_size,

@@ -153,8 +153,14 @@ def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
         if task is not None:
             from megatron_taco.models.finetune import TaskModel
 
-            return TaskModel(kind.name, cfg, parallel, task_kind=task.kind,
-                             num_labels=task.num_labels, classifier_dropout=0.0)  # fmt: skip
+            return TaskModel(
+                kind.name,
+                cfg,
+                parallel,
+                task_kind=task.kind,
+                num_labels=task.num_labels,
+                classifier_dropout=0.0,
+            )
         return kind.pretraining_cls(cfg, parallel)
 
     return config, build

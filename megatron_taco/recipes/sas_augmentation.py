@@ -80,16 +80,22 @@ FROM_STORE_KEY = "replaced_from_store" + COUNT_SUFFIX
 # DataConfig fields that do not decide the rows (where files are, how they are read), and
 # those recorded by content instead of by path (the data and the tokenizer may be moved).
 _DATA_NOT_RECORDED = (
-    "data_path", "tokenizer_model", "vocab_file", "data_cache_path", "num_workers",
-)  # fmt: skip
+    "data_path",
+    "tokenizer_model",
+    "vocab_file",
+    "data_cache_path",
+    "num_workers",
+)
 
 
 def _file_digest(path: str) -> str:
     """sha256 of a file, or of a directory's files by name (a tokenizer of several files)."""
     digest = hashlib.sha256()
-    paths = [path] if not os.path.isdir(path) else sorted(
-        os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-    )  # fmt: skip
+    paths = (
+        [path]
+        if not os.path.isdir(path)
+        else sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    )
     for name in paths:
         digest.update(os.path.relpath(name, path).encode())
         with open(name, "rb") as f:
@@ -112,10 +118,13 @@ def store_origin(data, replacement, augmentation: SelfAugmentationConfig) -> tup
     dataset by name, weight and size, the tokenizer by content. StoreLayout.origin."""
     # By the name the files have, not the one a symlink or a relative path gives them.
     datasets = [
-        [weight, os.path.basename(os.path.realpath(prefix + ".bin"))[: -len(".bin")],
-         *(os.path.getsize(prefix + ext) for ext in (".bin", ".idx"))]
+        [
+            weight,
+            os.path.basename(os.path.realpath(prefix + ".bin"))[: -len(".bin")],
+            *(os.path.getsize(prefix + ext) for ext in (".bin", ".idx")),
+        ]
         for prefix, weight in zip(data.prefixes, data.weights)
-    ]  # fmt: skip
+    ]
     origin = {
         **_by_flag(data, skip=_DATA_NOT_RECORDED),
         "--data-path": datasets,
@@ -152,9 +161,10 @@ class SelfAugmentationConfig:
         flag="--self-augmentation",
     )
     sampling_temperature: float = option(
-        1.0, "Temperature T of the MLM softmax the replacements are sampled from.",
+        1.0,
+        "Temperature T of the MLM softmax the replacements are sampled from.",
         flag="--sampling-temperature",
-    )  # fmt: skip
+    )
     replacement_store: str | None = option(
         None,
         "Directory of the sharded replacement store (default: replacement_store under --save).",
@@ -429,8 +439,13 @@ class SelfAugmentation(Callback):
         self._flush_agreed(trainer.parallel, close=True)  # every owner flushed
         # A row that changed on disk since it was written (or was never written) stops every
         # rank with one line naming it.
-        _agreed(trainer.parallel, trainer.parallel.rank == 0,
-                lambda: self._commit(trainer, epoch), RunError, self.root)  # fmt: skip
+        _agreed(
+            trainer.parallel,
+            trainer.parallel.rank == 0,
+            lambda: self._commit(trainer, epoch),
+            RunError,
+            self.root,
+        )
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         out = {"store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1)}

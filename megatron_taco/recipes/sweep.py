@@ -159,8 +159,13 @@ def protocol_grid(protocol: str | None, task: str, model_size: str | None, kind:
         if task not in GLUE_FOLDERS:  # Table 6's epochs and seeds are GLUE's
             return lrs, (16, 32), None, None, None
         small = task in _SAS_SMALL_TASKS
-        return (lrs, (16, 32), (20 if small else 4,), 5 if small else _SAS_SEEDS.get(task, 3),
-                "best" if small else "last")  # fmt: skip
+        return (
+            lrs,
+            (16, 32),
+            (20 if small else 4,),
+            5 if small else _SAS_SEEDS.get(task, 3),
+            "best" if small else "last",
+        )
     if protocol == "taco":
         lrs = (1e-5, 2e-5, 3e-5, 5e-5)
         if kind == "span":
@@ -226,8 +231,9 @@ def plan_runs(
             )
         fixed = tuple(protocol_settings(sweep.protocol, kind).items())
         for lr, bs, ep, s in itertools.product(lrs, sizes, epochs, range(seeds)):
-            runs.append(RunSpec(task, lr, bs, ep, args.seed + s,
-                                selection or args.epoch_selection, fixed))  # fmt: skip
+            runs.append(
+                RunSpec(task, lr, bs, ep, args.seed + s, selection or args.epoch_selection, fixed)
+            )
     return runs
 
 

@@ -85,16 +85,33 @@ def _results(root: str) -> tuple[list[dict[str, Any]], list[str]]:
 
 # Hyperparameters that do not change what a run computes (how it is laid out on devices),
 # and the seed: runs differing only in these are seeds of one configuration.
-_NOT_CONFIG = ("seed", "micro_batch_size", "zero_stage", "tensor_model_parallel_size",
-               "data_parallel_size", "pad_to_seq_length")  # fmt: skip
+_NOT_CONFIG = (
+    "seed",
+    "micro_batch_size",
+    "zero_stage",
+    "tensor_model_parallel_size",
+    "data_parallel_size",
+    "pad_to_seq_length",
+)
 
 _BASE = ("lr", "global_batch_size", "epochs")
 
-_SHORT = {"weight_decay": "wd", "layerwise_lr_decay": "lld", "warmup_fraction": "warmup",
-          "lr_decay_style": "decay-", "adam_eps": "eps", "adam_betas": "betas",
-          "clip_grad": "clip", "seq_length": "seq", "classifier_dropout": "headdrop",
-          "hidden_dropout": "drop", "precision": "", "load": "ckpt-", "iteration": "step",
-          "selection": "sel-"}  # fmt: skip
+_SHORT = {
+    "weight_decay": "wd",
+    "layerwise_lr_decay": "lld",
+    "warmup_fraction": "warmup",
+    "lr_decay_style": "decay-",
+    "adam_eps": "eps",
+    "adam_betas": "betas",
+    "clip_grad": "clip",
+    "seq_length": "seq",
+    "classifier_dropout": "headdrop",
+    "hidden_dropout": "drop",
+    "precision": "",
+    "load": "ckpt-",
+    "iteration": "step",
+    "selection": "sel-",
+}
 
 
 def _config_of(result: dict[str, Any]) -> dict[str, Any]:
@@ -257,8 +274,10 @@ def _glue_score(summary: dict[str, Any], convention: str) -> None:
     if all(tasks[t]["seeds"] > 1 for t in GLUE_TASKS):
         variances = []
         for t in GLUE_TASKS:
-            per_seed = [glue_task_scores({t: nested_scores(t, dev)}, convention)[t]
-                        for dev in tasks[t]["dev_by_run"].values()]  # fmt: skip
+            per_seed = [
+                glue_task_scores({t: nested_scores(t, dev)}, convention)[t]
+                for dev in tasks[t]["dev_by_run"].values()
+            ]
             variances.append(statistics.variance(per_seed))
         summary["glue_score_std"] = math.sqrt(sum(variances)) / len(GLUE_TASKS)
     incomplete = [t for t in GLUE_TASKS if not tasks[t]["complete"]]
@@ -267,7 +286,7 @@ def _glue_score(summary: dict[str, Any], convention: str) -> None:
             "warning: the GLUE score uses incomplete configurations: "
             + ", ".join(
                 f"{t} ({tasks[t]['seeds']}/{tasks[t]['seeds_expected']} seeds)" for t in incomplete
-            )  # fmt: skip
+            )
         )
 
 

@@ -407,8 +407,11 @@ class TrainingConfig:
         """Megatron's rule: iteration-based runs take the -iters forms of the schedule,
         sample-based runs (--train-samples) the -samples forms."""
         cls = TrainingConfig
-        wrong = ("lr_warmup_iters", "lr_decay_iters") if self.sample_based else (
-            "lr_warmup_samples", "lr_decay_samples")  # fmt: skip
+        wrong = (
+            ("lr_warmup_iters", "lr_decay_iters")
+            if self.sample_based
+            else ("lr_warmup_samples", "lr_decay_samples")
+        )
         for name in wrong:
             right = name.replace("iters", "samples") if self.sample_based else None
             require(

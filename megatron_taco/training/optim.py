@@ -72,7 +72,7 @@ def param_groups(
                     "weight_decay": wd,
                     "name": name,
                     "lr_scale": scale,
-                }  # fmt: skip
+                }
             )
     return [g for g in groups if g["params"]]
 
@@ -187,8 +187,15 @@ class AnnealingLR(LRScheduler):
         lr = self.lr_at(self.num_steps)
         return [lr * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
 
-    _SCHEDULE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "step_size",
-                 "counts_samples")  # fmt: skip
+    _SCHEDULE = (
+        "max_lr",
+        "min_lr",
+        "warmup_steps",
+        "decay_steps",
+        "decay_style",
+        "step_size",
+        "counts_samples",
+    )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the step count; the schedule itself comes from this run's flags, so a

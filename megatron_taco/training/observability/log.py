@@ -239,9 +239,12 @@ class TrainingLogger:
         except OSError as e:
             self._metrics_torn = True  # maybe partly written: the next record starts a line
             if not self._metrics_failed:
-                logger.warning("--metrics-file: writing %s failed (%s); training goes on, "
-                               "the records it misses are lost", self.metrics_file,
-                               e.strerror or e)  # fmt: skip
+                logger.warning(
+                    "--metrics-file: writing %s failed (%s); training goes on, "
+                    "the records it misses are lost",
+                    self.metrics_file,
+                    e.strerror or e,
+                )
             self._metrics_failed = True
         else:
             self._metrics_failed = False
@@ -302,8 +305,9 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
                 key = (rec.get("split", "train"), int(rec["iteration"]))
             except (ValueError, KeyError, TypeError, AttributeError):
                 # A record cut short by a full disk or a killed run: skipped, not fatal.
-                logger.warning("%s:%d: not a whole metrics record, skipped: %.60s", path,
-                               number, line)  # fmt: skip
+                logger.warning(
+                    "%s:%d: not a whole metrics record, skipped: %.60s", path, number, line
+                )
                 continue
             records[key] = rec
     return sorted(records.values(), key=lambda r: (r.get("split", "train"), r["iteration"]))

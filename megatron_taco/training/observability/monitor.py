@@ -82,11 +82,19 @@ class LearningMonitorConfig:
     def __post_init__(self) -> None:
         cls = type(self)
         t = self.collapse_threshold
-        require(isinstance(t, (int, float)) and 0 < t <= 1, cls, "collapse_threshold",
-                f"must be in (0, 1], got {t!r}")  # fmt: skip
+        require(
+            isinstance(t, (int, float)) and 0 < t <= 1,
+            cls,
+            "collapse_threshold",
+            f"must be in (0, 1], got {t!r}",
+        )
         m = self.plateau_margin
-        require(isinstance(m, (int, float)) and math.isfinite(m) and m >= 1, cls,
-                "plateau_margin", f"must be >= 1, got {m!r}")  # fmt: skip
+        require(
+            isinstance(m, (int, float)) and math.isfinite(m) and m >= 1,
+            cls,
+            "plateau_margin",
+            f"must be >= 1, got {m!r}",
+        )
         p = self.collapse_patience
         require(isinstance(p, int) and p >= 1, cls, "collapse_patience", f"must be >= 1, got {p!r}")
 
@@ -197,14 +205,18 @@ class LearningMonitor(Callback):
         if cosine is None:  # the model gives no vectors: nothing known, the streak stands
             if cfg.exit_on_collapse and not self._unwatched_told:
                 self._unwatched_told = True
-                self.emit(f" WARNING: iteration {iteration}: --exit-on-collapse: the validation "
-                          "gives no collapse figure (the model returns no last-layer vectors "
-                          "in eval mode); the encoder is not watched")  # fmt: skip
+                self.emit(
+                    f" WARNING: iteration {iteration}: --exit-on-collapse: the validation "
+                    "gives no collapse figure (the model returns no last-layer vectors "
+                    "in eval mode); the encoder is not watched"
+                )
             return
         if cosine < cfg.collapse_threshold:
             if self.holds_saves:
-                self.emit(f" iteration {iteration}: the encoder recovered (mean pairwise cosine "
-                          f"{cosine:.4f}); checkpoints are saved again")  # fmt: skip
+                self.emit(
+                    f" iteration {iteration}: the encoder recovered (mean pairwise cosine "
+                    f"{cosine:.4f}); checkpoints are saved again"
+                )
             self.streak, self.first_collapsed = 0, None
             return
         self.streak += 1

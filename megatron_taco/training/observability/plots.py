@@ -126,10 +126,15 @@ def plot_learning_curves(metrics_file: str, output: str | None = None) -> str | 
     valid = [r for r in records if r.get("split") == "valid"]
     heads = sorted({k[: -len(_BASELINE)] for r in valid for k in r if k.endswith(_BASELINE)})
     panels = [
-        (f"{head}_acc", [(*_series(records, "valid", f"{head}_acc"), "o-", "valid"),
-                         (*_series(records, "valid", f"{head}{_BASELINE}"), "k--", "baseline")])
+        (
+            f"{head}_acc",
+            [
+                (*_series(records, "valid", f"{head}_acc"), "o-", "valid"),
+                (*_series(records, "valid", f"{head}{_BASELINE}"), "k--", "baseline"),
+            ],
+        )
         for head in heads
-    ]  # fmt: skip
+    ]
     if any(COLLAPSE in r for r in valid):
         panels.append((COLLAPSE, [(*_series(records, "valid", COLLAPSE), "o-", "valid")]))
     if not panels:
