@@ -6,7 +6,7 @@ replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t
   vocabulary (parallel/sampling.py: an inverse-CDF draw with a counter-based uniform keyed
   by (seed, instance, position, epoch), so a resumed run, or another layout, draws the same
   tokens).
-* The rows go to the sharded on-disk store (data/replacement_store.py, docs/replacement_store.md):
+* The rows go to the sharded on-disk store (data/replacement_store/, docs/replacement_store.md):
   generation t holds what epoch t sampled. Shard k is written only by data-parallel rank
   k mod dp (tensor-parallel rank 0): each micro-batch's rows are all-gathered over the
   data-parallel group and every rank keeps those of its shards, so no two processes ever
