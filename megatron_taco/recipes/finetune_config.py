@@ -39,8 +39,9 @@ from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.recipes.finetune_output import claim_output, run_record
 from megatron_taco.tasks import TASKS
-from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.configure import add_launcher_compat_args, resume_request
+from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 from megatron_taco.training.resilience.exit import ExitConfig
 from megatron_taco.training.spec import ModelSpec, RunConfigs, group
 

@@ -108,7 +108,10 @@ def _training(tmp: str, **kw) -> TrainingConfig:
 
 
 def _engine(training: TrainingConfig, parallel, stage: int = 1, model_class=None):
-    from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
+    from megatron_taco.training.deepspeed_config import (
+        load_deepspeed_json,
+        resolve_deepspeed_config,
+    )
     from megatron_taco.training.engine import initialize_engine
 
     ds_json = load_deepspeed_json(str(REPO / "ds_configs" / f"zero{stage}_fp32.json"))

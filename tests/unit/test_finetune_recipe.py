@@ -190,7 +190,8 @@ def _built(tmp_path, **data_flags):
         TaskDataConfig,
     )
     from megatron_taco.tasks.base import TaskData
-    from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
     from megatron_taco.training.spec import BuildContext, RunConfigs
     from tests.helpers import tiny_sas_config
 
