@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from megatron_taco import io
 from megatron_taco.errors import ConfigError
 
 RUN_FILE = "run.json"  # what OUTPUT was started with: a restart must match it
@@ -62,14 +63,16 @@ def run_record(cfg) -> dict[str, Any]:
 
 def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     """A new --output, or the same run again (it resumes); anything else is refused. Every
-    rank checks, rank 0 writes run.json: its half-written file has a hidden name, and the
-    listing is taken before run.json is read, so a rank checking while rank 0 renames it
+    rank checks, rank 0 writes run.json: its half-written file (io.atomic_write's
+    ``run.json.<random>.tmp``) is not counted, and the listing is taken before run.json is read, so a rank checking while rank 0 renames it
     into place sees either no run.json or the whole of it. An empty checkpoints/ is what a
     refused command may have left (the save directory is test-written before the task's
     files are read), so it does not make --output foreign."""
-    tmp_prefix = f".{RUN_FILE}.tmp."
+    def half_written(name: str) -> bool:
+        return name.startswith(f"{RUN_FILE}.") and name.endswith(".tmp")
+
     try:
-        names = [n for n in os.listdir(output) if not n.startswith(tmp_prefix)]
+        names = [n for n in os.listdir(output) if not half_written(n)]
     except FileNotFoundError:
         names = []
     except OSError as e:
@@ -102,10 +105,7 @@ def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     if not write or int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 writes it; the others only check
     os.makedirs(output, exist_ok=True)
-    tmp = os.path.join(output, f"{tmp_prefix}{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(run, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    io.atomic_write(path, json.dumps(run, indent=2, sort_keys=True))
 
 
 def _by_content(run: Any) -> Any:
