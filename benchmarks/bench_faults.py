@@ -5,7 +5,7 @@ bit for bit with a run that never failed (issue 38).
     python -m benchmarks.bench_faults --replay /tmp/faults/trials/trial_0007
     python -m benchmarks.bench_faults --trial-seed 2851224 --out /tmp/faults
     python -m benchmarks.bench_faults --trials 8 --kinds kill_save,kill_point \\
-        --bug tracker_before_metadata --out /tmp/faults_bug      # must report failures
+        --bug tracker_before_files --out /tmp/faults_bug      # must report failures
 
 Each trial draws, from its own seed, a model (TACO, SAS, SAS^DA: tiny presets on a tiny
 corpus), a layout (dp 2 with ZeRO 0-3, tp 2 with ZeRO 0-1), DataLoader workers (0 or 1), a
@@ -37,10 +37,10 @@ from pathlib import Path
 
 from benchmarks.faults.jobs import build_corpus
 from benchmarks.faults.plan import KINDS, MODELS, TrialPlan, pick_trial, trial_seed
-from benchmarks.faults.report import markdown, summarize, table
+from benchmarks.faults.report import markdown, stops, summarize, table
 from benchmarks.faults.trial import Limits, run_trial
 
-BUGS = ("tracker_before_metadata", "no_rng_restore")
+BUGS = ("tracker_before_files", "tracker_before_metadata", "no_rng_restore")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,7 +84,7 @@ def _run_one(plan: TrialPlan, trial_dir: Path, out: Path, limits: Limits, bug: s
 
 
 def _line(i: int, result: dict) -> str:
-    lost = [x["lost"] for x in result["iterations_lost"]]
+    lost = [x["lost"] for x in stops(result)]
     mark = "FAIL" if result["failure"] else "ok"
     return (f"[{i:4d}] {mark:4s} {result['outcome']:9s} {result['config']:34s} "
             f"{'; '.join(result['faults'])} lost={lost} ({result['wall_s']:.0f}s)")  # fmt: skip

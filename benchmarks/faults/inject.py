@@ -33,10 +33,14 @@ def _census(ref: dict, rank: int, key: str) -> int:
     return int(ref["census"].get(str(rank), {}).get(key, 0))
 
 
-def _save_rank(ref: dict, iteration: int, rank: int) -> int:
-    """``rank``, or the other one if ``rank`` writes nothing of that save."""
-    key = f"ckpt:iter_{iteration:07d}"
+def _writer(ref: dict, key: str, rank: int) -> int:
+    """``rank``, or the other one if ``rank`` writes nothing of ``key`` (at tp 2 only one
+    rank owns the store's shards)."""
     return rank if _census(ref, rank, key) else 1 - rank
+
+
+def _save_rank(ref: dict, iteration: int, rank: int) -> int:
+    return _writer(ref, f"ckpt:iter_{iteration:07d}", rank)
 
 
 def shim_spec(fault: Fault | None, ref: dict, run_dir: Path, marker: Path,
@@ -76,6 +80,7 @@ def _write_error(fault: Fault, ref: dict, run_dir: Path) -> dict[str, Any]:
         total = 0
         io["after_bytes"] = p["tracker_bytes_before"]
     else:
+        rank = _writer(ref, "store", rank)
         io["path_re"] = STORE_RE
         total = _census(ref, rank, "store")
     if target.endswith("_fsync"):

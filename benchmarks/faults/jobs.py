@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -278,8 +279,13 @@ class MetricsWatch:
         self.offset = path.stat().st_size if path.is_file() else 0
         self.pending = b""
         self.train: list[tuple[float, dict]] = []
+        self.lock = threading.Lock()  # the fault's thread and the attempt's loop both poll
 
     def poll(self) -> list[tuple[float, dict]]:
+        with self.lock:
+            return self._poll()
+
+    def _poll(self) -> list[tuple[float, dict]]:
         if not self.path.is_file():
             return self.train
         with open(self.path, "rb") as f:

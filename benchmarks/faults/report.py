@@ -16,7 +16,7 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     return {"median": statistics.median(values), "worst": max(values), "n": len(values)}
 
 
-def _stops(result: dict[str, Any]) -> list[dict[str, Any]]:
+def stops(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The stops a landed fault caused (an operator's --load-fallback run is not one)."""
     faulted = {a["index"] for a in result["attempts"] if a["fault"] and a["landed"]}
     return [x for x in result["iterations_lost"] if x["attempt"] in faulted]
@@ -24,7 +24,7 @@ def _stops(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def summarize(results: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     counts = {k: sum(r["outcome"] == k for r in results) for k in OUTCOMES}
-    stops = [s for r in results for s in _stops(r)]
+    stops = [s for r in results for s in stops(r)]
     by_place: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
     for r in results:
         row = by_place[r["kind"]].setdefault(r["place"], {k: 0 for k in (*OUTCOMES, "trials",
@@ -45,7 +45,7 @@ def summarize(results: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         ),  # fmt: skip
         "iterations_lost": _stats([s["lost"] for s in stops]),
         "iterations_lost_per_save_interval": _stats(
-            [s["lost"] / r["save_interval"] for r in results for s in _stops(r)]
+            [s["lost"] / r["save_interval"] for r in results for s in stops(r)]
         ),
         "recovery_s": _stats([s["recovery_s"] for s in stops if s["recovery_s"] is not None]),
         "by_kind": by_place,

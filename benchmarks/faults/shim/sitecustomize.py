@@ -262,12 +262,26 @@ def _bug_tracker_before_metadata(module) -> None:
     module._write_metadata = _write_metadata
 
 
+def _bug_tracker_before_files(module) -> None:
+    """The tracker names the new checkpoint as soon as its save starts, before any of its
+    files is written (let alone durable)."""
+    original = module._start_save
+
+    def _start_save(save_dir, tmp_dir, sweep):
+        original(save_dir, tmp_dir, sweep)
+        iteration = int(re.search(r"iter_(\d+)\.tmp-", tmp_dir).group(1))
+        module._atomic_write_text(module.tracker_path(save_dir), f"{iteration}\n")
+
+    module._start_save = _start_save
+
+
 def _bug_no_rng_restore(module) -> None:
     """A resume that silently keeps the fresh RNG states instead of the saved ones."""
     module.set_rng_states = lambda states, rng_tracker: None
 
 
 BUGS = {
+    "tracker_before_files": ("megatron_taco.training.checkpointing", _bug_tracker_before_files),
     "tracker_before_metadata": ("megatron_taco.training.checkpointing",
                                 _bug_tracker_before_metadata),
     "no_rng_restore": ("megatron_taco.training.checkpointing", _bug_no_rng_restore),
