@@ -1,7 +1,7 @@
 """A fault campaign: randomly placed faults, each job requeued until it finishes and compared
 bit for bit with a run that never failed (issue 38).
 
-    python -m benchmarks.bench_faults --trials 30 --seed 1 --out /tmp/faults
+    python -m benchmarks.bench_faults --trials 30 --seed 1 --out /tmp/faults [--results-json F]
     python -m benchmarks.bench_faults --replay /tmp/faults/trials/trial_0007
     python -m benchmarks.bench_faults --trial-seed 2851224 --out /tmp/faults
     python -m benchmarks.bench_faults --trials 8 --kinds kill_save,kill_point \\
@@ -35,7 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.faults.jobs import build_corpus
+if __package__ in (None, ""):  # run as a script (benchmarks/run_all.py): the package's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.faults.jobs import REPO, build_corpus
 from benchmarks.faults.plan import KINDS, MODELS, TrialPlan, pick_trial, trial_seed
 from benchmarks.faults.report import markdown, stops, summarize, table
 from benchmarks.faults.trial import Limits, run_trial
@@ -47,7 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=30)
     p.add_argument("--seed", type=int, default=0, help="the campaign's seed")
-    p.add_argument("--out", type=Path, help="campaign directory (required but with --replay)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "build" / "bench_faults",
+        help="campaign directory: corpus, references, trials, summary.json",
+    )
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to draw from")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--bug", choices=BUGS, help="plant a deliberate bug in every trial's runs")
@@ -56,6 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attempt-timeout", type=float, default=Limits.attempt_timeout)
     p.add_argument("--max-attempts", type=int, default=Limits.max_attempts)
     p.add_argument("--keep-all", action="store_true", help="keep the runs of exact trials too")
+    p.add_argument("--results-json", help="also write the results there (benchmarks/results.py)")
     args = p.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     bad = [k for k in kinds if k not in KINDS]
@@ -65,8 +74,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.models = tuple(m for m in args.models.split(",") if m)
     if [m for m in args.models if m not in MODELS]:
         p.error(f"--models: choose from {','.join(MODELS)}")
-    if args.replay is None and args.out is None:
-        p.error("--out is required (or --replay TRIAL_DIR)")
     return args
 
 
@@ -93,7 +100,7 @@ def _line(i: int, result: dict) -> str:
 def replay(args: argparse.Namespace, limits: Limits) -> int:
     saved = json.loads((args.replay / "trial.json").read_text())
     plan = TrialPlan.from_json(saved)
-    campaign = args.out or args.replay.parent.parent
+    campaign = args.replay.resolve().parent.parent  # its corpus and references
     target = args.replay / "replay"
     if target.exists():
         shutil.rmtree(target)
@@ -131,7 +138,25 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "table.md").write_text(markdown(summary) + "\n")
     print(table(summary))
+    if args.results_json:
+        write_results(args.results_json, summary)
     return 1 if summary["failures"] else 0
+
+
+def write_results(path: str, summary: dict) -> None:
+    from benchmarks.results import Result, write_results
+
+    n = max(summary["trials"], 1)
+    lost, recovery = summary["iterations_lost_per_save_interval"], summary["recovery_s"]
+    name = "bench_faults"
+    write_results(path, [
+        Result(name, "trials exact, or refused with one line after damage", 1 - summary["failures"] / n,
+               1.0, ">=", "share", f"{summary['trials']} trials, seed {summary['seed']}"),
+        Result(name, "trials that differed silently", summary["differed"], 0, "<=", "trials"),
+        Result(name, "trials hung past the timeout", summary["hung"], 0, "<=", "trials"),
+        Result(name, "worst iterations lost / --save-interval", lost["worst"], 1.0, "<=", "x"),
+        Result(name, "median fault to a running job again", recovery["median"], None, "<=", "s"),
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":
