@@ -25,8 +25,10 @@ FSYNCS_PER_SAVE = 3  # a rank fsyncs about this many files of a save (DeepSpeed'
 STORE_FSYNCS = 8
 
 
-def save_re(iteration: int) -> str:
-    return rf"/iter_{iteration:07d}\.tmp-[0-9a-f]+/"
+def save_re(iteration: int | None) -> str:
+    """The files of the save of ``iteration`` (None: of any save)."""
+    it = r"\d{7}" if iteration is None else f"{iteration:07d}"
+    return rf"/iter_{it}\.tmp-[0-9a-f]+/"
 
 
 def _census(ref: dict, rank: int, key: str) -> int:
@@ -39,8 +41,15 @@ def _writer(ref: dict, key: str, rank: int) -> int:
     return rank if _census(ref, rank, key) else 1 - rank
 
 
-def _save_rank(ref: dict, iteration: int, rank: int) -> int:
-    return _writer(ref, f"ckpt:iter_{iteration:07d}", rank)
+def _save_key(ref: dict, iteration: int | None) -> str:
+    """The census key of a save (None: the first one, what a restart's first save writes)."""
+    if iteration is not None:
+        return f"ckpt:iter_{iteration:07d}"
+    return min(k for counts in ref["census"].values() for k in counts if k.startswith("ckpt:"))
+
+
+def _save_rank(ref: dict, iteration: int | None, rank: int) -> int:
+    return _writer(ref, _save_key(ref, iteration), rank)
 
 
 def shim_spec(fault: Fault | None, ref: dict, run_dir: Path, marker: Path,
@@ -56,7 +65,7 @@ def shim_spec(fault: Fault | None, ref: dict, run_dir: Path, marker: Path,
         spec.update(rank=p["rank"], point={"name": p["point"], "action": p["action"]})
     elif fault.kind == "kill_save":
         rank = _save_rank(ref, p["iteration"], p["rank"])
-        total = _census(ref, rank, f"ckpt:iter_{p['iteration']:07d}")
+        total = _census(ref, rank, _save_key(ref, p["iteration"]))
         spec.update(rank=rank, io={"path_re": save_re(p["iteration"]), "action": "kill_job",
                                    "after_bytes": int(p["byte_frac"] * total)})  # fmt: skip
     elif fault.kind == "write_error":
@@ -74,7 +83,7 @@ def _write_error(fault: Fault, ref: dict, run_dir: Path) -> dict[str, Any]:
     if target in ("ckpt", "ckpt_fsync"):
         rank = _save_rank(ref, p["iteration"], rank)
         io["path_re"] = save_re(p["iteration"])
-        total = _census(ref, rank, f"ckpt:iter_{p['iteration']:07d}")
+        total = _census(ref, rank, _save_key(ref, p["iteration"]))
     elif target == "tracker":  # at the first byte of this save's tracker
         io["path_re"] = TRACKER_RE
         total = 0

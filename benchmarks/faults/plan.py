@@ -126,7 +126,8 @@ class Fault:
         elif "point" in p:
             at = p["point"]
         elif "iteration" in p:
-            at = f"save {p['iteration']} rank {p['rank']} byte {p['byte_frac']:.3f}"
+            save = "first save" if p["iteration"] is None else f"save {p['iteration']}"
+            at = f"{save} rank {p['rank']} byte {p['byte_frac']:.3f}"
         else:
             at = f"rank {p['rank']} byte {p['byte_frac']:.3f}"
         what = f"{self.kind}/{self.place}"
@@ -186,8 +187,8 @@ def _pick_fault(rng: random.Random, kind: str, config: Config, restart: bool) ->
         return Fault(kind, "top", timed())
     if kind == "term_twice":
         return Fault(kind, rng.choice(("job", "top")), {**timed(), "gap": rng.uniform(0.05, 3)})
-    if kind == "kill_save":
-        iteration = rng.choice(shape.saves[:1] if restart else shape.saves)
+    if kind == "kill_save":  # in a restart: its first save, whichever iteration it is
+        iteration = None if restart else rng.choice(shape.saves)
         return Fault(kind, "job", {"iteration": iteration, "rank": rank,
                                    "byte_frac": rng.random()})  # fmt: skip
     if kind == "kill_point":
@@ -217,14 +218,15 @@ def _pick_fault(rng: random.Random, kind: str, config: Config, restart: bool) ->
 
 def _pick_point(rng: random.Random, config: Config, restart: bool) -> Fault:
     shape = config.shape
-    iteration = rng.choice(shape.saves[:1] if restart else shape.saves)
+    # In a restart: the point's first occurrence (its first save), whichever iteration.
+    at = "" if restart else f"@{rng.choice(shape.saves)}"
     rank = rng.randint(0, 1)
     points = [
-        (f"after_model_files@{iteration}", rank),
-        (f"after_rng_files@{iteration}", rank),
-        (f"after_metadata@{iteration}", 0),
-        (f"after_rename@{iteration}", 0),
-        (f"after_tracker@{iteration}", 0),
+        (f"after_model_files{at}", rank),
+        (f"after_rng_files{at}", rank),
+        (f"after_metadata{at}", 0),
+        (f"after_rename{at}", 0),
+        (f"after_tracker{at}", 0),
         (f"before_rendezvous@{rank}", rank),
         (f"before_build@{rank}", rank),
     ]

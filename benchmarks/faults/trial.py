@@ -121,6 +121,14 @@ def run_attempt(index: int, cmd: list[str], run_dir: Path, trial_dir: Path, faul
     save = run_dir / "ckpt"
     watch = MetricsWatch(save / "metrics.jsonl")
     job = Job(cmd, run_dir, job_env(spec), trial_dir / f"attempt_{index}.log")
+    try:
+        return _supervise(attempt, job, watch, fault, ref, run_dir, trial_dir, marker, limits)
+    finally:
+        job.cleanup()  # also when the campaign itself is interrupted
+
+
+def _supervise(attempt: Attempt, job: Job, watch: MetricsWatch, fault: Fault | None, ref: dict,
+               run_dir: Path, trial_dir: Path, marker: Path, limits: Limits) -> Attempt:  # fmt: skip
     driver = None
     if fault is not None and fault.timed:
         driver = threading.Thread(target=timed_action, args=(job, watch, fault, ref, attempt),
@@ -151,9 +159,16 @@ def run_attempt(index: int, cmd: list[str], run_dir: Path, trial_dir: Path, faul
     return attempt
 
 
+def rank_tracebacks(out: str) -> int:
+    """Python tracebacks of the ranks: torchrun's agent prints its own (ChildFailedError)
+    when a rank fails, which is the launcher's report, not a rank's."""
+    blocks = out.split("Traceback (most recent call last):")[1:]
+    return sum("torch/distributed/run.py" not in block[:3000] for block in blocks)
+
+
 def _read_output(attempt: Attempt, out: str, watch: MetricsWatch) -> None:
     attempt.errors = sorted(set(ERROR_LINE.findall(out)))
-    attempt.tracebacks = out.count("Traceback (most recent call last)")
+    attempt.tracebacks = rank_tracebacks(out)
     resumed = RESUMED.search(out)
     attempt.resumed_from = int(resumed.group(1)) if resumed else None
     attempt.saved = sorted({int(m) for m in SAVED.findall(out)})
@@ -193,8 +208,9 @@ def run_trial(plan: TrialPlan, corpus: dict, trial_dir: Path, refs: Path, limits
                 break
     finished = attempts[-1].rc == 0 and compare.read_tracker(run_dir / "ckpt") == shape.train_iters
     fallback = None
-    if not finished and refused_twice and any("--load-fallback" in e for e in attempts[-1].errors):
-        # What the line tells an operator to do: one more run with --load-fallback.
+    if not finished and refused_twice:
+        # What an operator tries next (the line names it for a damaged checkpoint): one more
+        # run with --load-fallback.
         fix = run_attempt(len(attempts), cmd, run_dir, trial_dir, None, ref, bug, limits,
                           ("--load-fallback",))  # fmt: skip
         attempts.append(fix)
@@ -210,22 +226,27 @@ def _refused(attempt: Attempt) -> bool:
     return attempt.fault is None and attempt.rc not in (0, None) and not attempt.new_iterations
 
 
+def _loaded(attempt: Attempt) -> bool:
+    return attempt.resumed_from is not None or bool(attempt.new_iterations)
+
+
 def iterations_lost(attempts: list[Attempt]) -> list[dict[str, Any]]:
-    """Per stopped attempt: the training iterations it logged that the next attempt did
-    again, and the time from the fault to the next iteration logged."""
+    """Per stopped attempt: the training iterations logged up to it that the next attempt
+    to load a checkpoint (or start from scratch and train) did again, and the time from the
+    fault to the next iteration logged. ``lost`` is None when no later attempt loaded."""
     out = []
     logged = 0
     for i, attempt in enumerate(attempts[:-1]):
         logged = max([logged, *attempt.new_iterations])
-        nxt = attempts[i + 1]
-        resumed = nxt.resumed_from or 0
+        nxt = next((a for a in attempts[i + 1 :] if _loaded(a)), None)
+        resumed = None if nxt is None else nxt.resumed_from or 0
         recovery = None
         if attempt.fault_time is not None:
             later = next((a.first_record_time for a in attempts[i + 1 :] if a.first_record_time),
                          None)  # fmt: skip
             recovery = None if later is None else later - attempt.fault_time
-        out.append({"attempt": i, "lost": max(logged - resumed, 0), "resumed_from": resumed,
-                    "recovery_s": recovery})  # fmt: skip
+        out.append({"attempt": i, "lost": None if resumed is None else max(logged - resumed, 0),
+                    "resumed_from": resumed, "recovery_s": recovery})  # fmt: skip
     return out
 
 
@@ -238,9 +259,8 @@ def _lost_data(attempts: list[Attempt], save: Path, damaged: set[int]) -> list[s
     announced: set[int] = set()
     for attempt in attempts:
         newest = max(announced - damaged, default=None)
-        loaded = attempt.resumed_from is not None or attempt.new_iterations
         resumed = attempt.resumed_from or 0
-        if loaded and newest is not None and resumed < newest:
+        if _loaded(attempt) and newest is not None and resumed < newest:
             problems.append(
                 f"attempt {attempt.index} resumed from {resumed or 'scratch'}, after iteration "
                 f"{newest} was saved"
@@ -279,7 +299,7 @@ def evaluate(plan: TrialPlan, ref: dict, run_dir: Path, attempts: list[Attempt],
         refusal_tracebacks=last.tracebacks if not finished else 0,
         may_refuse=any(f.kind in MAY_REFUSE for f in plan.faults),
         landed=[a.landed for a in attempts if a.fault is not None],
-        lost=[x["lost"] for x in iterations_lost(attempts)],
+        lost=[x["lost"] for x in iterations_lost(attempts) if x["lost"] is not None],
         save_interval=shape.save_interval,
     )
     verdict = classify(facts)

@@ -45,8 +45,8 @@ def test_the_draw_covers_the_kinds_and_keeps_store_faults_to_sas():
             assert f.kind != "corrupt_store" or p.config.model != "taco"
             if f.params.get("point", "").startswith("store_commit"):
                 assert p.config.model != "taco"
-            if "iteration" in f.params:
-                assert f.params["iteration"] in p.config.shape.saves
+            if "iteration" in f.params:  # None: a restart's first save
+                assert f.params["iteration"] in (*p.config.shape.saves, None)
     only = [pick_trial(s, kinds=("kill_save",), models=("taco",)) for s in range(20)]
     assert {(p.faults[0].kind, p.config.model) for p in only} == {("kill_save", "taco")}
     with pytest.raises(ValueError, match="needs a SAS model"):
@@ -128,6 +128,20 @@ def test_store_and_damage(tmp_path):
         compare.undo_damage(damage) and compare.compare_store(tmp_path / "a", tmp_path / "b") == []
     )
     assert not compare.undo_damage(damage)  # the byte is no longer the campaign's
+
+
+def test_iterations_lost_count_from_the_next_attempt_that_loaded():
+    from benchmarks.faults.trial import Attempt, iterations_lost
+
+    attempts = [
+        Attempt(0, "term", new_iterations=[1, 2, 3, 4, 5, 6, 7], fault_time=10.0),
+        Attempt(1, "kill before build", fault_time=30.0),  # died before it loaded anything
+        Attempt(2, None, resumed_from=6, new_iterations=[7, 8], first_record_time=50.0),
+        Attempt(3, None, rc=2),  # refused: nothing after it loaded
+    ]
+    lost = iterations_lost(attempts)
+    assert [(x["lost"], x["resumed_from"]) for x in lost] == [(1, 6), (1, 6), (None, None)]
+    assert [x["recovery_s"] for x in lost] == [40.0, 20.0, None]
 
 
 # -- verdicts -----------------------------------------------------------------------------
