@@ -159,7 +159,15 @@ def load_tensors(path: Path) -> Any:
     return safe_torch_load(str(path))
 
 
-def compare_checkpoint(reference: Path, trial: Path) -> list[str]:
+def _drop(meta: dict[str, Any], dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        meta = meta.get(key) if isinstance(meta, dict) else None
+    if isinstance(meta, dict):
+        meta.pop(last, None)
+
+
+def compare_checkpoint(reference: Path, trial: Path, ignore: tuple[str, ...] = ()) -> list[str]:
     """One iteration's directory: the same files, equal metadata.json (but for the bytes it
     records), every tensor and number equal. Where only the optimizer files' flat ZeRO
     partitions differ, the project's consolidation decides: DeepSpeed pads those partitions
@@ -175,8 +183,8 @@ def compare_checkpoint(reference: Path, trial: Path) -> list[str]:
         where = f"{trial.name}/{name}"
         if name == METADATA:
             ref, got = (json.loads((d / name).read_text()) for d in (reference, trial))
-            for key in METADATA_VOLATILE:
-                ref.pop(key, None), got.pop(key, None)
+            for key in (*METADATA_VOLATILE, *ignore):
+                _drop(ref, key), _drop(got, key)
             diffs += compare_leaves(ref, got, where)
         elif name.endswith(".pt"):
             found = compare_leaves(load_tensors(reference / name), load_tensors(trial / name),
@@ -231,7 +239,8 @@ def read_tracker(save: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def compare_saves(reference: Path, trial: Path, train_iters: int) -> list[str]:
+def compare_saves(reference: Path, trial: Path, train_iters: int, ignore: tuple[str, ...] = ()
+                  ) -> list[str]:  # fmt: skip
     """The tracker names the last iteration; every checkpoint the reference has is in the
     trial and equal (an exit's save adds others: they have no reference)."""
     diffs = []
@@ -244,7 +253,7 @@ def compare_saves(reference: Path, trial: Path, train_iters: int) -> list[str]:
         diffs.append(f"checkpoints: iterations {missing} missing (reference has {ref_iters})")
     for it in sorted(set(ref_iters) & set(got_iters)):
         name = f"iter_{it:07d}"
-        diffs += compare_checkpoint(reference / name, trial / name)
+        diffs += compare_checkpoint(reference / name, trial / name, ignore)
     return diffs
 
 

@@ -285,7 +285,8 @@ def evaluate(plan: TrialPlan, ref: dict, run_dir: Path, attempts: list[Attempt],
         ref_records, _ = compare.read_records(ref_save / "metrics.jsonl")
         records, broken = compare.read_records(save / "metrics.jsonl")
         diffs += compare.compare_records(ref_records, records, shape.train_iters)
-        diffs += compare.compare_saves(ref_save, save, shape.train_iters)
+        ignore = ("configs.checkpoint.load_fallback",) if fallback is not None else ()
+        diffs += compare.compare_saves(ref_save, save, shape.train_iters, ignore)
         if config.model != "taco":
             diffs += compare.compare_store(ref_save / "replacement_store",
                                            save / "replacement_store")  # fmt: skip

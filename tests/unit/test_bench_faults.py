@@ -114,6 +114,22 @@ def test_metrics_lines_cut_short_are_counted_not_read(tmp_path):
     assert records == [{"split": "train", "iteration": 1, "loss": 2.5}] and broken == 1
 
 
+def test_metadata_is_compared_but_for_file_bytes_and_the_operator_flag(tmp_path):
+    meta = {"iteration": 4, "checksum": "aa", "files": {"a.pt": {"crc32": "1"}},
+            "configs": {"checkpoint": {"load_fallback": False}, "training": {"lr": 1e-3}}}  # fmt: skip
+    for name, changes in (("ref", {}), ("got", {"checksum": "bb", "files": {}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metadata.json").write_text(json.dumps({**meta, **changes}))
+    ref, got = tmp_path / "ref", tmp_path / "got"
+    assert compare.compare_checkpoint(ref, got) == []
+    fallback = json.loads((got / "metadata.json").read_text())
+    fallback["configs"]["checkpoint"]["load_fallback"] = True
+    (got / "metadata.json").write_text(json.dumps(fallback))
+    (diff,) = compare.compare_checkpoint(ref, got)
+    assert diff == "got/metadata.json/configs/checkpoint/load_fallback: True != reference False"
+    assert compare.compare_checkpoint(ref, got, ("configs.checkpoint.load_fallback",)) == []
+
+
 def test_store_and_damage(tmp_path):
     for root in ("a", "b"):
         (tmp_path / root / "gen_00000").mkdir(parents=True)
