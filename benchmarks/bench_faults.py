@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script (benchmarks/run_all.py): the pa
 from benchmarks.faults.jobs import REPO, build_corpus
 from benchmarks.faults.plan import KINDS, MODELS, TrialPlan, pick_trial, trial_seed
 from benchmarks.faults.report import markdown, stops, summarize, table
-from benchmarks.faults.trial import Limits, run_trial
+from benchmarks.faults.trial import Limits, rescore, run_trial
 
 BUGS = ("tracker_before_files", "tracker_before_metadata", "no_rng_restore")
 
@@ -64,6 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attempt-timeout", type=float, default=Limits.attempt_timeout)
     p.add_argument("--max-attempts", type=int, default=Limits.max_attempts)
     p.add_argument("--keep-all", action="store_true", help="keep the runs of exact trials too")
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="evaluate the kept trials in --out again (no runs), then summarize",
+    )
     p.add_argument("--results-json", help="also write the results there (benchmarks/results.py)")
     args = p.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
@@ -128,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         done = trial_dir / "result.json"
         if done.is_file() and json.loads(done.read_text()).get("seed") == seed:
             result = json.loads(done.read_text())  # a campaign resumed: this trial ran
+            if args.rescore and (trial_dir / "run").is_dir():
+                result = rescore(trial_dir, out / "references")
+        elif args.rescore:
+            continue
         else:
             plan = pick_trial(seed, args.kinds, args.models)
             result = _run_one(plan, trial_dir, out, limits, args.bug, args.keep_all)

@@ -221,9 +221,27 @@ def run_trial(plan: TrialPlan, corpus: dict, trial_dir: Path, refs: Path, limits
     return result
 
 
+def rescore(trial_dir: Path, refs: Path) -> dict[str, Any]:
+    """A kept trial evaluated again from its files (after a change to the comparison or the
+    verdicts), without running anything."""
+    plan = TrialPlan.from_json(json.loads((trial_dir / "trial.json").read_text()))
+    old = json.loads((trial_dir / "result.json").read_text())
+    attempts = [Attempt(**a) for a in old["attempts"]]
+    ref = json.loads((refs / plan.config.reference_key / "reference.json").read_text())
+    fallback = old["fallback"]
+    finished = old.get("finished", not attempts[-1].extra_args and attempts[-1].rc == 0)
+    result = evaluate(plan, ref, trial_dir / "run", attempts, finished, fallback)
+    kept = {k: old[k] for k in ("seconds", "trial", "replay", "wall_s") if k in old}
+    result.update(kept)
+    (trial_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def _refused(attempt: Attempt) -> bool:
-    """Stopped with an error before training anything, without a fault of its own."""
-    return attempt.fault is None and attempt.rc not in (0, None) and not attempt.new_iterations
+    """Stopped with an error, without a fault of its own and without saving anything (the
+    same line twice in a row ends the requeue: it cannot go on by itself)."""
+    return (attempt.fault is None and attempt.rc not in (0, None) and bool(attempt.errors)
+            and not attempt.saved)  # fmt: skip
 
 
 def _loaded(attempt: Attempt) -> bool:
@@ -306,6 +324,7 @@ def evaluate(plan: TrialPlan, ref: dict, run_dir: Path, attempts: list[Attempt],
     verdict = classify(facts)
     return {
         "seed": plan.seed,
+        "finished": finished,
         "config": config.describe(),
         "faults": [f.describe() for f in plan.faults],
         "kind": plan.faults[0].kind,

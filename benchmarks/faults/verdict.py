@@ -11,8 +11,9 @@ Outcomes, in this order of precedence:
 
 A trial is a failure when it hung, lost data or differed, when it was refused by anything
 but a line (a traceback, several different lines) or after a fault the project promises to
-survive (only damage to a checkpoint or the store may be refused), or when one fault cost
-more iterations than --save-interval.
+survive (only damage to a checkpoint or the store may be refused), or when one stop cost
+more iterations than --save-interval (twice that when the campaign damaged the latest
+checkpoint: falling back to the one before it is the way on).
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def classify(facts: Facts) -> dict[str, Any]:
             reasons.append("refused without one clear line")
         if not facts.may_refuse:
             reasons.append("refused after a fault a requeue must survive")
+    # A damaged latest checkpoint costs the interval before it too (the fallback's).
+    allowed = facts.save_interval * (2 if facts.may_refuse else 1)
     worst = max(facts.lost, default=0)
-    over = worst > facts.save_interval
+    over = worst > allowed
     if over:
-        reasons.append(f"lost {worst} iterations, more than --save-interval {facts.save_interval}")
+        reasons.append(f"lost {worst} iterations, more than {allowed} (--save-interval "
+                       f"{facts.save_interval})")  # fmt: skip
     return {
         "outcome": outcome,
         "failure": bool(reasons),

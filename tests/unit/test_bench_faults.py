@@ -180,6 +180,8 @@ LINE = "pretrain_taco.py: error: rank {}: checkpoint iteration 6 is incomplete o
         ({"hung": True, "differences": ["x"]}, "hung", True),
         ({"lost_data": ["iteration 6 was saved and now fails"]}, "lost_data", True),
         ({"lost": [4]}, "exact", True),  # more than one --save-interval redone
+        ({"lost": [6], "may_refuse": True}, "exact", False),  # the damaged one's too
+        ({"lost": [7], "may_refuse": True}, "exact", True),
         ({"finished": False, "refusal": [LINE.format(0), LINE.format(1)], "may_refuse": True},
          "refused", False),
         ({"finished": False, "refusal": [LINE.format(0)]}, "refused", True),  # after a kill
