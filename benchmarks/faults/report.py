@@ -7,6 +7,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from benchmarks.faults.plan import MAY_REFUSE
+
 OUTCOMES = ("exact", "refused", "differed", "hung", "lost_data")
 
 
@@ -22,9 +24,16 @@ def stops(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [x for x in result["iterations_lost"] if x["attempt"] in faulted]
 
 
+def landed(result: dict[str, Any]) -> bool:
+    """Whether the trial's (first) fault fired before its job ended by itself."""
+    return bool(result["attempts"] and result["attempts"][0]["landed"])
+
+
 def summarize(results: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     counts = {k: sum(r["outcome"] == k for r in results) for k in OUTCOMES}
-    stops = [s for r in results for s in stops(r)]
+    # Stops a requeue must survive (no damage done by the campaign), and the others.
+    survivable = [r for r in results if r["kind"] not in MAY_REFUSE]
+    damaged = [r for r in results if r["kind"] in MAY_REFUSE]
     by_place: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
     for r in results:
         row = by_place[r["kind"]].setdefault(r["place"], {k: 0 for k in (*OUTCOMES, "trials",
@@ -32,22 +41,23 @@ def summarize(results: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         row["trials"] += 1
         row[r["outcome"]] += 1
         row["failures"] += r["failure"]
-        row["missed"] += not r["landed"]
+        row["missed"] += not landed(r)
     return {
         "trials": len(results),
         **counts,
         "failures": sum(r["failure"] for r in results),
-        "missed": sum(not r["landed"] for r in results),
+        "missed": sum(not landed(r) for r in results),
         "over_interval": sum(r["over_interval"] for r in results),
         "fallback_exact": sum(
             r["outcome"] == "refused" and bool(r.get("fallback")) and not r["differences"]
             for r in results
         ),  # fmt: skip
-        "iterations_lost": _stats([s["lost"] for s in stops]),
-        "iterations_lost_per_save_interval": _stats(
-            [s["lost"] / r["save_interval"] for r in results for s in stops(r)]
-        ),
-        "recovery_s": _stats([s["recovery_s"] for s in stops if s["recovery_s"] is not None]),
+        "iterations_lost": _lost(survivable),
+        "iterations_lost_per_save_interval": _lost(survivable, per_interval=True),
+        "iterations_lost_after_damage": _lost(damaged),
+        "recovery_s": _stats(
+            [s["recovery_s"] for r in survivable for s in stops(r) if s["recovery_s"] is not None]
+        ),  # fmt: skip
         "by_kind": by_place,
         "not_exact": [
             {
@@ -60,6 +70,7 @@ def summarize(results: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
                     "outcome",
                     "reasons",
                     "refusal_line",
+                    "fallback",
                     "replay",
                 )
                 if k in r
@@ -69,6 +80,11 @@ def summarize(results: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         ],
         **extra,
     }
+
+
+def _lost(results: list[dict[str, Any]], per_interval: bool = False) -> dict[str, float | None]:
+    return _stats([s["lost"] / (r["save_interval"] if per_interval else 1)
+                   for r in results for s in stops(r) if s["lost"] is not None])  # fmt: skip
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -89,6 +105,9 @@ def table(summary: dict[str, Any]) -> str:
         f"(per --save-interval: median {_num(ratio['median'])}, worst {_num(ratio['worst'])}; "
         f"{lost['n']} stops)"
     )
+    damaged = summary["iterations_lost_after_damage"]
+    lines.append(f"  after the campaign damaged a checkpoint or the store (the fallback's): "
+                 f"median {damaged['median']}, worst {damaged['worst']}")  # fmt: skip
     lines.append(
         f"fault to a running job again: median {_num(rec['median'])} s, worst "
         f"{_num(rec['worst'])} s"

@@ -34,7 +34,7 @@ class Facts:
     refusal: list[str]  # the error lines of the attempt that stopped the requeue
     refusal_tracebacks: int
     may_refuse: bool
-    landed: list[bool]  # per planned fault: did it fire before the job ended by itself
+    landed: list[bool]  # the first fault: did it fire before the job ended by itself
     lost: list[int]  # iterations redone after each stop
     save_interval: int
 
