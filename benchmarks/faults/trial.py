@@ -183,11 +183,10 @@ def run_trial(plan: TrialPlan, corpus: dict, trial_dir: Path, refs: Path, limits
               bug: str | None = None) -> dict[str, Any]:  # fmt: skip
     config, shape = plan.config, plan.config.shape
     ref = reference(config, corpus, refs, limits)
-    trial_dir.mkdir(parents=True, exist_ok=True)
+    if trial_dir.exists():  # a trial run again (an interrupted campaign): nothing of before
+        shutil.rmtree(trial_dir)
     run_dir = trial_dir / "run"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir()
+    run_dir.mkdir(parents=True)
     cmd = command(config, corpus, free_port())
     (trial_dir / "trial.json").write_text(json.dumps(
         {**plan.to_json(), "bug": bug, "command": cmd, "reference": ref["key"]}, indent=1))  # fmt: skip
