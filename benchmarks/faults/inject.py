@@ -80,24 +80,20 @@ def _write_error(fault: Fault, ref: dict, run_dir: Path) -> dict[str, Any]:
     code = getattr(errno, p["errno"])
     io: dict[str, Any] = {"action": "errno", "errno": code, "op": "write"}
     rank = p["rank"]
-    if target in ("ckpt", "ckpt_fsync"):
-        rank = _save_rank(ref, p["iteration"], rank)
-        io["path_re"] = save_re(p["iteration"])
-        total = _census(ref, rank, _save_key(ref, p["iteration"]))
-    elif target == "tracker":  # at the first byte of this save's tracker
-        io["path_re"] = TRACKER_RE
-        total = 0
-        io["after_bytes"] = p["tracker_bytes_before"]
+    if target == "tracker":  # rank 0, at the first byte of this save's tracker
+        io.update(path_re=TRACKER_RE, after_bytes=p["tracker_bytes_before"])
     else:
-        rank = _writer(ref, "store", rank)
-        io["path_re"] = STORE_RE
-        total = _census(ref, rank, "store")
-    if target.endswith("_fsync"):
-        io["op"] = "fsync"
-        count = FSYNCS_PER_SAVE if target == "ckpt_fsync" else STORE_FSYNCS
-        io["after_bytes"] = int(p["byte_frac"] * count)
-    elif target != "tracker":
-        io["after_bytes"] = int(p["byte_frac"] * total)
+        if target.startswith("ckpt"):
+            rank = _save_rank(ref, p["iteration"], rank)
+            io["path_re"], key = save_re(p["iteration"]), _save_key(ref, p["iteration"])
+        else:
+            rank = _writer(ref, "store", rank)
+            io["path_re"], key = STORE_RE, "store"
+        if target.endswith("_fsync"):  # after_bytes counts fsyncs there
+            count = FSYNCS_PER_SAVE if target == "ckpt_fsync" else STORE_FSYNCS
+            io.update(op="fsync", after_bytes=int(p["byte_frac"] * count))
+        else:
+            io["after_bytes"] = int(p["byte_frac"] * _census(ref, rank, key))
     if code == errno.ENOSPC:  # the disk stays full for this rank: every later write fails
         io["sticky_re"] = re.escape(str(run_dir.resolve()))
     return {"rank": rank, "io": io}
