@@ -21,8 +21,9 @@ from benchmarks.faults.plan import Fault
 DELAY_SCALE_S = 0.5  # a timed fault lands this fraction of it after its iteration is logged
 STORE_RE = r"/replacement_store/gen_\d{5}/"
 TRACKER_RE = r"latest_checkpointed_iteration\.txt\.tmp\."
-FSYNCS_PER_SAVE = 3  # a rank fsyncs about this many files of a save (DeepSpeed's, its RNG)
-STORE_FSYNCS = 8
+# fsyncs a rank makes, where a reference predates counting them (its census has them now)
+FSYNCS_PER_SAVE = 3
+STORE_FSYNCS = 4
 
 
 def save_re(iteration: int | None) -> str:
@@ -90,7 +91,8 @@ def _write_error(fault: Fault, ref: dict, run_dir: Path) -> dict[str, Any]:
             rank = _writer(ref, "store", rank)
             io["path_re"], key = STORE_RE, "store"
         if target.endswith("_fsync"):  # after_bytes counts fsyncs there
-            count = FSYNCS_PER_SAVE if target == "ckpt_fsync" else STORE_FSYNCS
+            default = FSYNCS_PER_SAVE if target == "ckpt_fsync" else STORE_FSYNCS
+            count = _census(ref, rank, f"fsync:{key}") or default  # (older references)
             io.update(op="fsync", after_bytes=int(p["byte_frac"] * count))
         else:
             io["after_bytes"] = int(p["byte_frac"] * _census(ref, rank, key))

@@ -109,11 +109,11 @@ def _fd_path(fd: int) -> str:
         return ""
 
 
-def _count_census(path: str, n: int) -> None:
+def _count_census(path: str, n: int, prefix: str = "") -> None:
     for name, pattern in _CENSUS_RE.items():
         m = pattern.search(path)
         if m:
-            key = f"{name}:{m.group(1)}" if m.groups() else name
+            key = prefix + (f"{name}:{m.group(1)}" if m.groups() else name)
             _State.census[key] = _State.census.get(key, 0) + n
 
 
@@ -225,6 +225,8 @@ def _write(fd, data):
 def _fsync(fd):
     fileno = fd if isinstance(fd, int) else fd.fileno()
     path = _fd_path(fileno)
+    if "census" in _SPEC:
+        _count_census(path, 1, "fsync:")
     _before_fsync(path)
     result = _real_fsync(fd)
     if "census" in _SPEC and any(p.search(path) for p in _CENSUS_RE.values()):
