@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.trial_seed is not None:
         seeds = [(f"seed_{args.trial_seed}", args.trial_seed)]
     else:
-        seeds = [(f"trial_{i:04d}", trial_seed(args.seed, i)) for i in range(args.trials)]
+        n = len(args.kinds)
+        seeds = [(f"trial_{i:04d}", trial_seed(args.seed, i, n)) for i in range(args.trials)]
     results, started = [], time.time()
     for i, (name, seed) in enumerate(seeds):
         trial_dir = out / "trials" / name

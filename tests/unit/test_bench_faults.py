@@ -35,9 +35,9 @@ def test_a_trial_is_the_same_from_its_seed_and_survives_json():
     assert len({json.dumps(p.to_json(), sort_keys=True) for p in plans}) == 40
 
 
-def test_the_draw_covers_the_kinds_and_keeps_store_faults_to_sas():
+def test_the_draw_takes_the_kinds_in_turn_and_keeps_store_faults_to_sas():
     plans = [pick_trial(trial_seed(3, i)) for i in range(400)]
-    assert {p.faults[0].kind for p in plans} == set(KINDS)
+    assert [p.faults[0].kind for p in plans[:20]] == [*KINDS, *KINDS]
     assert {p.config.model for p in plans} == {"taco", "sas", "sas_da"}
     assert any(len(p.faults) == 2 for p in plans)
     for p in plans:
@@ -47,6 +47,9 @@ def test_the_draw_covers_the_kinds_and_keeps_store_faults_to_sas():
                 assert p.config.model != "taco"
             if "iteration" in f.params:  # None: a restart's first save
                 assert f.params["iteration"] in (*p.config.shape.saves, None)
+    two = ("stale_lock", "kill_rank")
+    assert [pick_trial(trial_seed(3, i, 2), kinds=two).faults[0].kind for i in range(4)] == [
+        *two, *two]  # fmt: skip
     only = [pick_trial(s, kinds=("kill_save",), models=("taco",)) for s in range(20)]
     assert {(p.faults[0].kind, p.config.model) for p in only} == {("kill_save", "taco")}
     with pytest.raises(ValueError, match="needs a SAS model"):
