@@ -35,9 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script (benchmarks/run_all.py): the package's root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.faults.jobs import REPO, build_corpus
 from benchmarks.faults.plan import KINDS, MODELS, TrialPlan, pick_trial, trial_seed
 from benchmarks.faults.report import markdown, stops, summarize, table
@@ -154,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_results(path: str, summary: dict) -> None:
-    from benchmarks.results import Result, write_results
+    from benchmarks.harness.results import Result, write_results
 
     n = max(summary["trials"], 1)
     lost, recovery = summary["iterations_lost_per_save_interval"], summary["recovery_s"]

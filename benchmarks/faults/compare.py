@@ -154,7 +154,7 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 
 def load_tensors(path: Path) -> Any:
     """A checkpoint file, read as the project reads one (weights_only, no code runs)."""
-    from megatron_taco.training.checkpointing import safe_torch_load
+    from megatron_taco.checkpoint.safe_files import safe_torch_load
 
     return safe_torch_load(str(path))
 

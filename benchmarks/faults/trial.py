@@ -270,7 +270,7 @@ def iterations_lost(attempts: list[Attempt]) -> list[dict[str, Any]]:
 def _lost_data(attempts: list[Attempt], save: Path, damaged: set[int]) -> list[str]:
     """A checkpoint announced as saved that is gone or broken at the end, or a restart that
     resumed from before the last one announced (unless the campaign damaged it)."""
-    from megatron_taco.training.checkpointing import verify_checkpoint
+    from megatron_taco.checkpoint.manifest import verify_checkpoint
 
     problems = []
     announced: set[int] = set()

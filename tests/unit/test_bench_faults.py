@@ -247,7 +247,7 @@ except OSError as e:
 
 def test_the_shim_plants_a_bug_where_the_module_is_imported(tmp_path):
     code = """
-import megatron_taco.training.checkpointing as c
+import megatron_taco.checkpoint.load as c
 print(c.set_rng_states.__name__)
 """
     assert run_shim({"bug": "no_rng_restore"}, code, tmp_path).stdout.strip() == "<lambda>"

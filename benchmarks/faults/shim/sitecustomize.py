@@ -91,7 +91,7 @@ def _fire(where: str, action: str, code: int | None = None, path: str = "") -> N
 
 _CENSUS_RE = {
     "ckpt": re.compile(r"/(iter_\d{7})\.tmp-[0-9a-f]+/"),
-    "tracker": re.compile(r"latest_checkpointed_iteration\.txt\.tmp\."),
+    "tracker": re.compile(r"latest_checkpointed_iteration\.txt\.(tmp\.|[A-Za-z0-9_]{8}\.tmp)"),
     "store": re.compile(r"/replacement_store/gen_\d{5}/"),
 }
 
@@ -237,7 +237,7 @@ def _fsync(fd):
 # -- hook points and planted bugs, patched into modules as they are imported ---------------
 
 
-def _patch_signals(module) -> None:
+def _patch_faults(module) -> None:
     point = _SPEC.get("point")
     if point is None:
         return
@@ -254,14 +254,14 @@ def _patch_signals(module) -> None:
 def _bug_tracker_before_metadata(module) -> None:
     """The tracker names the new checkpoint before its metadata.json is written and before
     the directory is renamed into place (the ordering the checkpoint code exists to avoid)."""
-    original = module._write_metadata
+    original = module.write_metadata
 
-    def _write_metadata(iter_dir, meta, files):
+    def write_metadata(iter_dir, meta, files):
         save_dir = os.path.dirname(iter_dir)
-        module._atomic_write_text(module.tracker_path(save_dir), f"{meta['iteration']}\n")
+        module.io.atomic_write(module.tracker_path(save_dir), f"{meta['iteration']}\n")
         return original(iter_dir, meta, files)
 
-    module._write_metadata = _write_metadata
+    module.write_metadata = write_metadata
 
 
 def _bug_tracker_before_files(module) -> None:
@@ -272,7 +272,7 @@ def _bug_tracker_before_files(module) -> None:
     def _start_save(save_dir, tmp_dir, sweep):
         original(save_dir, tmp_dir, sweep)
         iteration = int(re.search(r"iter_(\d+)\.tmp-", tmp_dir).group(1))
-        module._atomic_write_text(module.tracker_path(save_dir), f"{iteration}\n")
+        module.io.atomic_write(module.tracker_path(save_dir), f"{iteration}\n")
 
     module._start_save = _start_save
 
@@ -283,15 +283,14 @@ def _bug_no_rng_restore(module) -> None:
 
 
 BUGS = {
-    "tracker_before_files": ("megatron_taco.training.checkpointing", _bug_tracker_before_files),
-    "tracker_before_metadata": ("megatron_taco.training.checkpointing",
-                                _bug_tracker_before_metadata),
-    "no_rng_restore": ("megatron_taco.training.checkpointing", _bug_no_rng_restore),
-}  # fmt: skip
+    "tracker_before_files": ("megatron_taco.checkpoint.save", _bug_tracker_before_files),
+    "tracker_before_metadata": ("megatron_taco.checkpoint.save", _bug_tracker_before_metadata),
+    "no_rng_restore": ("megatron_taco.checkpoint.load", _bug_no_rng_restore),
+}
 
 
 def _patches() -> dict[str, list]:
-    out: dict[str, list] = {"megatron_taco.training.signals": [_patch_signals]}
+    out: dict[str, list] = {"megatron_taco.runtime.faults": [_patch_faults]}
     bug = _SPEC.get("bug")
     if bug:
         name, patch = BUGS[bug]
