@@ -289,9 +289,14 @@ def _choose(
     except CheckpointUnreadable:
         raise
     except ConfigError as e:
-        older = newest_verified(load_dir, None, **kw) if ck.load_fallback else None
+        older = newest_verified(load_dir, None, **kw)
         if older is None:
             raise
+        if not ck.load_fallback:
+            raise ConfigError(
+                f"{e}; the last complete checkpoint there is iteration {older[0]}: pass "
+                f"--ckpt-step {older[0]}, or --load-fallback to fall back automatically"
+            ) from None
         return _fall_back(str(e), older)
     if iteration is None:
         return None

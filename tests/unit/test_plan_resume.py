@@ -131,6 +131,18 @@ def test_a_corrupt_latest_is_refused_or_fallen_back_from(load):
     )
 
 
+def test_an_unreadable_tracker_names_the_way_on(load):
+    (load / TRACKER_FILENAME).write_text("garbage\n")
+    line = _refused(load=str(load))
+    assert line.startswith(f"--load: {load / TRACKER_FILENAME} must hold an iteration number")
+    assert line.endswith(
+        "the last complete checkpoint there is iteration 8: pass --ckpt-step 8, or "
+        "--load-fallback to fall back automatically"
+    )
+    plan = _plan(load=str(load), load_fallback=True)
+    assert (plan.action, plan.iteration) == (FALLBACK, 8)
+
+
 @pytest.mark.parametrize(
     "change,line",
     [
