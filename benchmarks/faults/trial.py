@@ -307,7 +307,8 @@ def evaluate(plan: TrialPlan, ref: dict, run_dir: Path, attempts: list[Attempt],
         if config.model != "taco":
             diffs += compare.compare_store(ref_save / "replacement_store",
                                            save / "replacement_store")  # fmt: skip
-    last = attempts[-1] if not fallback else attempts[-2]
+    # The refusal is the attempt's before the operator's --load-fallback run, if one ran.
+    last = attempts[-2] if fallback is not None else attempts[-1]
     facts = Facts(
         hung=any(a.timed_out or a.lingered for a in attempts),
         finished=finished,

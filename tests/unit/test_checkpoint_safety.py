@@ -665,3 +665,27 @@ def test_the_cuda_generator_of_this_rank_from_either_format():
         assert torch.equal(rng.own_cuda_state(states, device), states[device])
     # The old format of a one-GPU-per-task rank (a list of one), resumed on device 3.
     assert torch.equal(rng.own_cuda_state(states[2:3], 3), states[2])
+
+
+def _fallback_worker(rank, world_size, load):
+    from megatron_taco.parallel.state import init_parallel
+
+    parallel = init_parallel(1)
+    engine = _engine(_training(load), parallel).model_engine
+    checkpoint = CheckpointConfig(save=load, load=load, load_fallback=True)
+    request = ResumeRequest(checkpoint, RunLayout(world_size=2, tp_size=1, zero_stage=1))
+    plan = plan_resume(request)
+    state, done = execute_plan(engine, plan, request, parallel)
+    return plan.action, state, done.iteration
+
+
+def test_a_fallback_within_save_makes_the_tracker_name_what_it_loaded(two_checkpoints):
+    """The fault campaign's trial 7 (a damaged tracker after the last save): the fallback
+    resumed, found nothing left to train, and left the tracker damaged, so every later
+    requeue needed --load-fallback again. The tracker now names the checkpoint loaded."""
+    load = two_checkpoints
+    (load / TRACKER_FILENAME).write_text("8C\n")
+    results = run_distributed(_fallback_worker, 2, str(load))
+    assert results == [("fallback", TrainingState(8, 32), 8)] * 2
+    assert (load / TRACKER_FILENAME).read_text() == "8\n"
+    assert chosen(load) == 8  # a plain requeue resumes it
