@@ -27,6 +27,7 @@ from megatron_taco.checkpoint.plan import (
     RunLayout,
     find_checkpoint,
     plan_resume,
+    with_initialisation,
 )
 from megatron_taco.errors import ConfigError
 
@@ -102,6 +103,11 @@ def test_what_a_run_does(load, tmp_path):
         False,
         False,
     )
+    # Each flag leaves out its own state only.
+    plan = _plan(load=str(load), no_load_rng=True)
+    assert (plan.restore_optimizer, plan.restore_rng) == (True, False)
+    plan = _plan(load=str(load), no_load_optim=True, layout=RunLayout(2, 1, zero_stage=1))
+    assert (plan.restore_optimizer, plan.restore_rng) == (False, True)
     # --finetune: the weights of another layout's checkpoint (world 4, ZeRO 0).
     plan = _plan(load=str(load), finetune=True, layout=RunLayout(4, 1))
     assert (plan.action, plan.iteration, plan.restore_optimizer) == (WEIGHTS, 8, False)
@@ -123,6 +129,7 @@ def test_a_corrupt_latest_is_refused_or_fallen_back_from(load):
     )
     plan = _plan(load=str(load), load_fallback=True)
     assert (plan.action, plan.iteration, plan.restore_optimizer) == (FALLBACK, 6, True)
+    assert plan.note == f"resumed from {load} at iteration 6 (--load-fallback)"
     assert "has 7 bytes, the manifest says" in plan.warning
     assert plan.warning.endswith("--load-fallback: loading iteration 6 instead")
     (load / "iter_0000006" / "mp_rank_00_model_states.pt.bin").write_bytes(b"damaged")
@@ -177,6 +184,10 @@ def test_an_unreadable_tracker_names_the_way_on(load):
             "--finetune: not supported with ZeRO stage 3",
         ),
         (
+            dict(no_load_optim=True, layout=RunLayout(2, 1, zero_stage=3)),
+            "--no-load-optim: not supported with ZeRO stage 3",
+        ),
+        (
             dict(layout=RunLayout(2, 1, zero_stage=1, ds_config={"checkpoint": {"writer": 1}})),
             "--deepspeed-config: key 'checkpoint.writer' is not supported",
         ),
@@ -211,6 +222,13 @@ def test_a_store_of_another_run_and_the_recipes_checks(load, tmp_path):
     request = ResumeRequest(CheckpointConfig(save=str(tmp_path / "new")), LAYOUT, stores=stores)
     with pytest.raises(ConfigError, match="^--replacement-store: .* holds another run's data"):
         plan_resume(request)
+    # --finetune restarts at iteration 0: it resumes no store either.
+    finetune = CheckpointConfig(save=str(tmp_path / "new"), load=str(load), finetune=True)
+    with pytest.raises(ConfigError, match="^--replacement-store: .* holds another run's data"):
+        plan_resume(ResumeRequest(finetune, LAYOUT, models=("SAS",), stores=stores))
+    # A resume restores the store its checkpoint needs (also into another --save).
+    resume = CheckpointConfig(save=str(tmp_path / "resumed"), load=str(load))
+    assert plan_resume(ResumeRequest(resume, LAYOUT, stores=stores)).action == RESUME
 
     def origin(candidate):
         raise ConfigError(f"--seed: differs from the store's ({candidate.iteration})")
@@ -237,3 +255,17 @@ def test_a_checkpoint_of_another_tokenizer_is_refused(load, tmp_path):
     assert "is not the tokenizer" in str(e.value) and os.fspath(load) in str(e.value)
     data.tokenizer_model = str(theirs)  # the same content anywhere is the same tokenizer
     assert plan_resume(request).iteration == 10
+
+
+def test_a_fresh_run_says_what_its_weights_start_from(load, tmp_path):
+    source = _plan(load=str(load), layout=None, models=None)  # fine-tuning's pretrained read
+    fresh = _plan(load=str(tmp_path / "output" / "checkpoints"))  # its own: none yet
+    assert fresh.warning is not None
+    plan = with_initialisation(fresh, source, "starting from the pretrained SAS encoder")
+    assert (plan.action, plan.note, plan.warning) == (
+        FRESH,
+        f"starting from the pretrained SAS encoder from {load / 'iter_0000008'}",
+        None,  # not "training from scratch"
+    )
+    resumed = _plan(load=str(load))
+    assert with_initialisation(resumed, source, "starting from") is resumed
