@@ -257,6 +257,26 @@ def test_a_checkpoint_of_another_tokenizer_is_refused(load, tmp_path):
     assert plan_resume(request).iteration == 10
 
 
+def test_a_readers_refusal_names_no_flag_it_does_not_take(load, tmp_path):
+    """Conversion, export and fine-tuning's pretrained --load take --ckpt-step but not
+    --load-fallback (fine-tuning's applies to its own --output/checkpoints): a reader's
+    line names the iteration to pass, and find_checkpoint verifies what it finds."""
+    (load / "iter_0000008" / "mp_rank_00_model_states.pt.bin").write_bytes(b"damaged")
+    for damage in ("the checkpoint", "the tracker"):
+        with pytest.raises(ConfigError) as e:
+            find_checkpoint(str(load))
+        line = str(e.value)
+        assert line.endswith(
+            "the last complete checkpoint there is iteration 6: pass --ckpt-step 6"
+        )
+        assert "--load-fallback" not in line, (damage, line)
+        (load / TRACKER_FILENAME).write_text("garbage\n")
+    assert find_checkpoint(str(load), 6).iteration == 6
+    missing = tmp_path / "missing"
+    with pytest.raises(ConfigError, match=f"^--load: {missing} is not a directory$"):
+        find_checkpoint(str(missing))
+
+
 def test_a_fresh_run_says_what_its_weights_start_from(load, tmp_path):
     source = _plan(load=str(load), layout=None, models=None)  # fine-tuning's pretrained read
     fresh = _plan(load=str(tmp_path / "output" / "checkpoints"))  # its own: none yet
