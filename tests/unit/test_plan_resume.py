@@ -289,3 +289,49 @@ def test_a_fresh_run_says_what_its_weights_start_from(load, tmp_path):
     )
     resumed = _plan(load=str(load))
     assert with_initialisation(resumed, source, "starting from") is resumed
+
+
+def test_fine_tuning_resumes_its_output_at_another_world_size_with_its_own_flags(
+    tmp_path, tokenizer_model
+):
+    """taco-finetune plans its --output/checkpoints as a run's resume: a requeued run on
+    fewer ranks holds the RNG states of more, and the line that refuses it must name a flag
+    that taco-finetune takes (before, its --no-load-rng was pretraining's alone)."""
+    import dataclasses
+
+    from megatron_taco.recipes.finetune import SPEC
+    from megatron_taco.recipes.finetune_config import finetune_configs
+    from megatron_taco.recipes.finetune_output import claim_output, run_record
+    from megatron_taco.training.configure import build_parser
+    from megatron_taco.training.optim import optimizer_implementation
+    from tests.helpers import tiny_sas_config
+
+    model = dataclasses.asdict(tiny_sas_config())
+    data = {"tokenizer_model": tokenizer_model, "tokenizer_type": "SentencePiece"}
+    _save(tmp_path / "pretrained", 4, configs={"deepspeed": ZERO1, "model": model, "data": data})
+    (tmp_path / "sst2").mkdir()
+    output = tmp_path / "run"
+    argv = ["--load", str(tmp_path / "pretrained"), "--task", "sst2"]
+    argv += ["--data-dir", str(tmp_path / "sst2"), "--output", str(output)]
+
+    def configs(world_size: int, *flags: str):
+        args = build_parser(SPEC).parse_args([*argv, *flags])
+        return finetune_configs(SPEC, args, world_size=world_size, device_type="cpu")
+
+    first = configs(2)  # the interrupted run, at world size 2: its run.json and a checkpoint
+    claim_output(str(output), run_record(first), write=True)
+    _save(
+        output / "checkpoints",
+        3,
+        model="finetune",
+        world=2,
+        ds=first.deepspeed.config,
+        optimizer=optimizer_implementation(),
+    )
+    assert configs(2).plan.action == RESUME
+    with pytest.raises(ConfigError) as e:
+        configs(1)
+    line = str(e.value)
+    assert "holds the RNG states of 2 ranks, this run has 1; pass --no-load-rng" in line
+    plan = configs(1, "--no-load-rng").plan  # the flag the line names
+    assert (plan.action, plan.iteration, plan.restore_rng) == (RESUME, 3, False)
