@@ -606,6 +606,9 @@ def test_a_checkpoint_whose_tensors_do_not_fit_is_one_line_or_fallen_back_from(t
         _misfit_worker, 2, str(load), True, (), False, (_no_older_checkpoint,)
     )
     assert checked == ["--seed: iteration 6 was trained with another"] * 2
+    # --finetune falls back the same way, and still restarts at iteration 0 (so says the banner).
+    weights = (TrainingState(0, 0), WEIGHTS, 6, f"fine-tuning from {load}")
+    assert run_distributed(_misfit_worker, 2, str(load), True, (), True) == [weights] * 2
     # A loadable pickle with other keys altogether (no "module" state dict).
     _resave(path, lambda states: {"weights": torch.zeros(2), "step": 8})
     lines = run_distributed(_misfit_worker, 2, str(load), False)
