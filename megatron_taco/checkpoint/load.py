@@ -286,12 +286,13 @@ def _execute(
         logger.warning("%s; --load-fallback: loading iteration %d instead", misfit, older[0])
     meta = read_metadata(os.path.join(plan.load_dir, checkpoint_tag(older[0])))
     request.check(Candidate(plan.load_dir, older[0], meta))
+    resumed = f"resumed from {plan.load_dir} at iteration {older[0]} (--load-fallback)"
     fell_back = dataclasses.replace(
         plan,
         action=FALLBACK if plan.action == RESUME else plan.action,
         iteration=older[0],
         checksum=older[1],
-        note=f"resumed from {plan.load_dir} at iteration {older[0]} (--load-fallback)",
+        note=plan.note if plan.action == WEIGHTS else resumed,  # --finetune: iteration 0
         warning=None,  # warned above
     )
     state = load_checkpoint(engine, plan.load_dir, older[0], parallel, rng_tracker, **kw)

@@ -261,8 +261,10 @@ _OWN_TRAINING_FIELDS = (
     "eval_interval",
 )
 # CheckpointConfig fields this recipe sets itself: --save/--load are OUTPUT/checkpoints,
-# and --load/--ckpt-step name the pretrained checkpoint (FinetuneConfig).
-_OWN_CHECKPOINT_FIELDS = ("save", "load", "ckpt_step", "finetune", "no_load_optim", "no_load_rng")
+# and --load/--ckpt-step name the pretrained checkpoint (FinetuneConfig). --no-load-optim and
+# --no-load-rng stay: the ways on that plan_resume names for resuming OUTPUT/checkpoints at
+# another world size.
+_OWN_CHECKPOINT_FIELDS = ("save", "load", "ckpt_step", "finetune")
 # Fine-tuning defaults (the SAS paper's Table 6 where it gives one).
 _DEFAULTS = {
     "train_epochs": 3,
