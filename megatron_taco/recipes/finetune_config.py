@@ -366,7 +366,11 @@ def finetune_configs(
     # for_run, once the task's files have passed too.
     claim_output(ft.output, run_record(cfg), write=False)
     plan = plan_resume(resume_request(cfg, spec), once=verify_once_per_node)
-    what = "a random initialisation" if ft.random_init else f"the pretrained {kind.name} encoder"
+    what = (
+        f"a random initialisation (--random-init) of {kind.name}, the architecture"
+        if ft.random_init
+        else f"the pretrained {kind.name} encoder"
+    )
     return dataclasses.replace(cfg, plan=with_initialisation(plan, source, f"starting from {what}"))
 
 

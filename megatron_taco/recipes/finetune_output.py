@@ -68,6 +68,7 @@ def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     into place sees either no run.json or the whole of it. An empty checkpoints/ is what a
     refused command may have left (the save directory is test-written before the task's
     files are read), so it does not make --output foreign."""
+
     def half_written(name: str) -> bool:
         return name.startswith(f"{RUN_FILE}.") and name.endswith(".tmp")
 
@@ -108,16 +109,34 @@ def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     io.atomic_write(path, json.dumps(run, indent=2, sort_keys=True))
 
 
+# What run.json's "training" held before the checkpoint flags left TrainingConfig (issue
+# 35): a run interrupted before then resumes, those being the ones this recipe sets itself.
+_MOVED_TO_CHECKPOINT = (
+    "save",
+    "save_interval",
+    "load",
+    "ckpt_step",
+    "finetune",
+    "no_load_optim",
+    "no_load_rng",
+)
+
+
 def _by_content(run: Any) -> Any:
     """A run record without its tokenizer's path: the same tokenizer at another path (the
     pretrained checkpoint's copy, or the original) resumes the run. Its content is checked
     against the pretrained checkpoint (checkpoint_tokenizer) and, once the run has saved,
-    against its own checkpoint (check_resume_tokenizer)."""
-    data = run.get("data") if isinstance(run, dict) else None
-    if not isinstance(data, dict):
+    against its own checkpoint (plan_resume's tokenizer check)."""
+    if not isinstance(run, dict):
         return run
-    paths = ("tokenizer_model", "vocab_file")
-    return {**run, "data": {k: v for k, v in data.items() if k not in paths}}
+    data, training = run.get("data"), run.get("training")
+    if isinstance(data, dict):
+        paths = ("tokenizer_model", "vocab_file")
+        run = {**run, "data": {k: v for k, v in data.items() if k not in paths}}
+    if isinstance(training, dict):
+        kept = {k: v for k, v in training.items() if k not in _MOVED_TO_CHECKPOINT}
+        run = {**run, "training": kept}
+    return run
 
 
 def _first_difference(a: Any, b: Any, where: str = "") -> str:
