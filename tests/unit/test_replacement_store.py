@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -649,7 +648,6 @@ def _peak_rss(root, n):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux)")
 def test_memory_is_flat_in_the_number_of_instances(tmp_path):
-    started = time.monotonic()
     small = _peak_rss(tmp_path / "small", 20_000)
     large = _peak_rss(tmp_path / "large", 2_000_000)
     in_ram_kb = 2_000_000 * 20 * 2 // 1024  # what an [N, W] uint16 array would cost
@@ -658,7 +656,6 @@ def test_memory_is_flat_in_the_number_of_instances(tmp_path):
     print(f"peak RSS kB: small={small} large={large} growth={growth_kb} in-RAM array={in_ram_kb}")
     assert growth_kb < 0.25 * in_ram_kb
     assert large["peak_kb"] - large["baseline_kb"] < 0.25 * in_ram_kb
-    assert time.monotonic() - started < 60
 
 
 def test_scanning_uses_bounded_chunks(tmp_path, monkeypatch):
