@@ -48,13 +48,13 @@ import re
 import sys
 import time
 
-from benchmarks.harness.corpora import learning_corpus
+from benchmarks.harness.corpora import CORPORA, learning_corpus, prepare
 from benchmarks.harness.paths import BENCH_OUT
 from benchmarks.harness.results import write_results
 from benchmarks.learning.curves import load_curves
 from benchmarks.learning.report import report
 from benchmarks.learning.runs import Job, run_jobs
-from benchmarks.learning.setting import MODELS, OURS, Setting
+from benchmarks.learning.setting import MODELS, OURS, PARITY, Setting
 
 COLD_STARTS = ("unigram", "uniform", "mask", "mlm")  # data/sas_collator.py's, for --help
 WITH_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a --with curve's name
@@ -81,11 +81,14 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-fraction", type=float, default=0.1)
     p.add_argument("--seeds", type=int, default=1, help="Seeds per model (spread = seed noise).")
-    p.add_argument("--corpus", choices=("bundled", "registry"), default="registry")
+    p.add_argument("--corpus", choices=("bundled", "registry", *CORPORA), default="registry",
+                   help="bundled/registry: --corpus-mb of the bundled (and registry) text with a "
+                   "--vocab-size tokenizer, in build/bench_data/learning; demo/wiki: a corpus of "
+                   "benchmarks/harness/corpora.py (--split defaults to its 90,5,5).")  # fmt: skip
     p.add_argument("--data-path", help="Use this dataset prefix instead of building the corpus.")
     p.add_argument("--tokenizer-model", help="The tokenizer of --data-path.")
     p.add_argument("--data-cache-path", help="Sample-index cache for --data-path.")
-    p.add_argument("--split", default="949,50,1")
+    p.add_argument("--split", help="Default 949,50,1 (90,5,5 for --corpus demo/wiki).")
     p.add_argument("--seed", type=int, default=1234, help="The first seed.")
     p.add_argument("--cold-start", choices=COLD_STARTS, default="unigram",
                    help="SAS's first-epoch replacements, for ours and the reference.")  # fmt: skip
@@ -122,6 +125,10 @@ def main(argv=None) -> int:
     if args.data_path:
         prefix, tokenizer = args.data_path, args.tokenizer_model
         cache = args.data_cache_path or os.path.join(args.out, "cache")
+    elif args.corpus in CORPORA:
+        corpus = prepare(args.corpus, vocab_size=args.vocab_size)
+        prefix, tokenizer, cache = corpus.prefix, corpus.tokenizer, corpus.cache
+        args.split = args.split or corpus.split
     else:
         text = learning_corpus(args.corpus, args.corpus_mb, args.vocab_size)
         prefix, tokenizer, cache = text.prefix, text.tokenizer, text.cache
@@ -129,11 +136,11 @@ def main(argv=None) -> int:
     s = Setting(prefix=prefix, tokenizer=tokenizer, cache=cache,
                 seq_length=args.seq_length, batch=args.batch, iters=args.iters, lr=args.lr,
                 warmup_fraction=args.warmup_fraction, eval_interval=args.eval_interval,
-                eval_iters=args.eval_iters, split=args.split, seed=args.seed,
+                eval_iters=args.eval_iters, split=args.split or "949,50,1", seed=args.seed,
                 cold_start=args.cold_start, layers=args.layers, hidden=args.hidden)  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     # The slowest first, so that the two workers finish together.
-    order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert"]
+    order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert", *PARITY]
     flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
     jobs = [Job(m, m, args.seed + k, args.cold_start, tuple(flags.get(OURS.get(m, ("",))[0], ())))
             for m in order if m in args.models and m not in existing

@@ -10,10 +10,13 @@ def load_curves(done: dict) -> dict:
     from megatron_taco.training.logging import read_metrics
 
     curves: dict[str, dict[int, list[dict]]] = {}
-    for (model, _seed), path in done.items():
+    for (model, seed), path in done.items():
         for r in read_metrics(path):
             if r.get("split") == "valid":
-                curves.setdefault(model, {}).setdefault(int(r["iteration"]), []).append(r)
+                # The seed goes with the record: seed k of two models read the same batches
+                # (a paired comparison).
+                record = {**r, "seed": seed}
+                curves.setdefault(model, {}).setdefault(int(r["iteration"]), []).append(record)
     return curves
 
 
@@ -39,3 +42,7 @@ def left_plateau(points: dict[int, list[dict]], factor: float) -> int | None:
         if acc is not None and base and acc >= factor * base:
             return it
     return None
+
+
+def by_seed(records: list[dict], key: str) -> dict[int, float]:
+    return {r["seed"]: r[key] for r in records if isinstance(r.get(key), (int, float))}

@@ -4,10 +4,11 @@ goals as results, and a PNG of the curves."""
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 from benchmarks.harness.results import Result
-from benchmarks.learning.curves import family_baseline, left_plateau, mean, spread
+from benchmarks.learning.curves import by_seed, family_baseline, left_plateau, mean, spread
 from benchmarks.learning.setting import MODELS, Setting, label, sas_like
 
 
@@ -73,6 +74,7 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
             )
             results.append(Result("bench_learning", f"sas_minus_ref_{key}", None if b is None else a - b,
                                    None, "<=", "abs", note))  # fmt: skip
+    results += parity(curves, tokens)
     for m in ("sas", "electra"):
         if m in curves:
             it = left_plateau(curves[m], args.left_plateau)
@@ -85,6 +87,58 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
         goal = f" (goal {r.op} {r.goal:g})" if r.goal is not None else ""
         print(f"  {r.metric}: {shown}{goal}  {r.note}")
     plot(curves, models, s, os.path.join(out_dir, "learning_curves.png"))
+    return results
+
+
+# (ours, reference): the parity comparison and its ablation arms (PARITY in setting.py).
+PARITY_PAIRS = (
+    ("sas_mlm", "bert_mlm"),
+    ("sas_mlm_init02", "bert_mlm"),
+    ("sas_mlm", "bert_mlm_scaled"),
+    ("sas_mlm_init02", "bert_mlm_scaled"),
+)
+
+
+def _ms(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{100 * values[0]:.2f}" if values else "-"
+    return f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}"
+
+
+def parity(curves: dict, tokens: int) -> list:
+    """Held-out MLM accuracy of each (ours, reference) pair at every evaluation, seed by
+    seed (seed k of both read the same batches and masks): the difference of the means
+    against the seed spread (the larger of the two models' max - min over seeds), and a
+    paired t-test over the seeds (scipy) at each evaluation."""
+    from scipy import stats
+
+    results = []
+    for a, b in PARITY_PAIRS:
+        if a not in curves or b not in curves:
+            continue
+        common = [it for it in sorted(curves[a]) if it in curves[b]]
+        print(f"\nparity: {a} vs {b}, held-out MLM accuracy % (mean ± std over seeds), "
+              "difference of the means, seed spread (max - min, the larger), paired t-test")  # fmt: skip
+        print(f"{'tokens':>10} {a:>16} {b:>16} {'diff':>7} {'spread':>7} {'p':>6}")
+        outside, worst = 0, None
+        for it in common:
+            x, y = by_seed(curves[a][it], "mlm_acc"), by_seed(curves[b][it], "mlm_acc")
+            seeds = sorted(set(x) & set(y))
+            xs, ys = [x[k] for k in seeds], [y[k] for k in seeds]
+            diff = statistics.mean(xs) - statistics.mean(ys)
+            noise = max(max(xs) - min(xs), max(ys) - min(ys)) if len(seeds) > 1 else 0.0
+            p = stats.ttest_rel(xs, ys).pvalue if len(seeds) > 2 else float("nan")
+            outside += abs(diff) > noise
+            if worst is None or abs(diff) - noise > abs(worst[0]) - worst[1]:
+                worst = (diff, noise, it)
+            print(f"{it * tokens:>10,} {_ms(xs):>16} {_ms(ys):>16} {100 * diff:>+7.2f} "
+                  f"{100 * noise:>7.2f} {p:>6.3f}")  # fmt: skip
+        diff, noise, it = worst
+        results.append(Result("bench_learning", f"parity_{a}_vs_{b}_outside_seed_spread",
+                              float(outside), 0.0, "<=", "evaluations",
+                              f"of {len(common)}; largest excess at {it * tokens:,} tokens: "
+                              f"{100 * diff:+.2f} points against a seed spread of "
+                              f"{100 * noise:.2f}"))  # fmt: skip
     return results
 
 
