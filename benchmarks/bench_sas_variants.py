@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 from benchmarks.harness.corpora import CORPORA, prepare
 from benchmarks.harness.paths import BENCH_OUT
@@ -33,13 +34,31 @@ from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
 
 
+def per_seed(points: dict) -> dict[int, dict]:
+    """One curve per seed: {seed: {iteration: [its record]}}."""
+    out: dict[int, dict] = {}
+    for it, records in points.items():
+        for r in records:
+            out.setdefault(r.get("seed"), {})[it] = [r]
+    return out
+
+
 def summarise(curves: dict, tokens: int, factor: float) -> dict:
     out = {}
     for name, points in curves.items():
         end = points[max(points)]
         left = left_plateau(points, factor)
         acc, base = mean(end, "mlm_acc"), mean(end, "mlm_baseline_acc")
+        seeds = per_seed(points)
+        exits = {k: left_plateau(curve, factor) for k, curve in seeds.items()}
+        ratios = [r["mlm_acc"] / r["mlm_baseline_acc"] for r in end if r.get("mlm_baseline_acc")]
         out[name] = {
+            "seeds": len(seeds),
+            "left_plateau_tokens_by_seed": {
+                str(k): None if it is None else it * tokens for k, it in exits.items()
+            },
+            "ratio_by_seed": ratios,
+            "collapse_by_seed": [r["collapse_cosine"] for r in end if "collapse_cosine" in r],
             "left_plateau_tokens": None if left is None else left * tokens,
             "mlm_acc": acc,
             "baseline": base,
@@ -65,35 +84,48 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def report(curves: dict, variants: dict, s: Setting, args, vocab: int) -> dict:
+    """``variants``: curve name -> (its variant's entry of VARIANTS, its lr)."""
     tokens = s.batch * s.seq_length
     table = summarise(curves, tokens, args.left_plateau)
-    flops = {n: train_flops_per_iteration(variants[n][0], s, vocab) for n in curves}
+    flops = {n: train_flops_per_iteration(variants[n][0][0], s, vocab) for n in curves}
     print(f"\n{s.layers} layers x {s.hidden}, batch {s.batch} x seq {s.seq_length}, "
-          f"{s.iters} iterations, lr {s.lr:g}; 'left' = first evaluation at >= "
-          f"{args.left_plateau:g}x the baseline")  # fmt: skip
-    print(f"{'variant':<24} {'left at':>10} {'MLM %':>6} {'x base':>6} {'collapse':>8} "
-          f"{'RTD repl':>8} {'RTD orig':>8} {'GFLOP/it':>9}  what")  # fmt: skip
+          f"{s.iters} iterations (SAS's), lr {' '.join(sorted({f'{v[1]:g}' for v in variants.values()}))}; "
+          f"'left' = first evaluation at >= "
+          f"{args.left_plateau:g}x the baseline (of the mean over seeds; 'k/n': seeds whose "
+          "own curve left); MLM figures mean over seeds, x base ± std")  # fmt: skip
+    print(f"{'variant':<28} {'seeds left':>10} {'left at':>10} {'MLM %':>6} "
+          f"{'x base':>12} {'collapse':>8} {'RTD repl':>8} {'RTD orig':>8} {'GFLOP/it':>9}  what")  # fmt: skip
     for name, row in table.items():
-        print(f"{name:<24} {_fmt(row['left_plateau_tokens'], ',.0f'):>10} "
+        exits = row["left_plateau_tokens_by_seed"].values()
+        ratio = row["ratio"]
+        ratio_cell = "-" if ratio is None else f"{ratio:.2f} ± {_std(row['ratio_by_seed']):.2f}"
+        print(f"{name:<28} {sum(e is not None for e in exits):>6}/{len(exits):<3} "
+              f"{_fmt(row['left_plateau_tokens'], ',.0f'):>10} "
               f"{_fmt(row['mlm_acc'] and 100 * row['mlm_acc'], '.2f'):>6} "
-              f"{_fmt(row['ratio'], '.2f'):>6} {_fmt(row['collapse'], '.3f'):>8} "
+              f"{ratio_cell:>12} {_fmt(row['collapse'], '.3f'):>8} "
               f"{_fmt(row['rtd_replaced'], '.3f'):>8} {_fmt(row['rtd_original'], '.3f'):>8} "
-              f"{flops[name] / 1e9:>9.2f}  {variants[name][3]}")  # fmt: skip
+              f"{flops[name] / 1e9:>9.2f}  {variants[name][0][3]}")  # fmt: skip
         row["train_flops_per_iteration"] = flops[name]
-    if "electra" in curves:
+        row["variant"], row["lr"] = variants[name][0][0], variants[name][1]
+    electras = [n for n in curves if variants[n][0][0] == "electra"]
+    if electras:
         print("\nheld-out MLM accuracy at ELECTRA's training FLOPs (SAS's MLM head vs ELECTRA's "
-              "generator)")  # fmt: skip
-        ref = curves["electra"]
+              f"generator, {electras[0]})")  # fmt: skip
+        ref = curves[electras[0]]
         for name in curves:
-            if name in ("electra", "bert"):
+            if variants[name][0][0] in ("electra", "bert"):
                 continue
-            budgets = [it * flops["electra"] for it in sorted(ref)]
+            budgets = [it * flops[electras[0]] for it in sorted(ref)]
             pairs = [(b, at_equal_flops(curves[name], flops[name], b)) for b in budgets]
             pairs = [(b, a) for b, a in pairs if a is not None]
             if pairs:
                 b, a = pairs[-1]
-                e = at_equal_flops(ref, flops["electra"], b)
+                e = at_equal_flops(ref, flops[electras[0]], b)
                 print(f"  {name:<24} at {b:.3g} FLOPs: {100 * a:.2f}% vs ELECTRA {100 * e:.2f}%")
                 table[name]["vs_electra_equal_flops"] = {"flops": b, "mlm_acc": a, "electra": e}
     plot(curves, table, flops, tokens, os.path.join(args.out, "sas_variants.png"))
@@ -176,7 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="The first seed.")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="Seeds per variant (--seed, --seed + 1, ...): curves are their means, "
+                   "the table gives the spread and how many seeds left the plateau.")  # fmt: skip
+    p.add_argument("--lrs", type=float, nargs="+", metavar="LR",
+                   help="A learning-rate grid instead of --lr: every variant at each (curves "
+                   "VARIANT_lrLR); bench_sas_downstream --runs picks each variant's on a "
+                   "held-out split.")  # fmt: skip
+    p.add_argument("--equal-flops", action="store_true",
+                   help="Each variant trains for the training FLOPs of SAS at --iters "
+                   "(ELECTRA's convention): its own --iters, schedule and warm-up scaled "
+                   "to that budget (ELECTRA, with its generator, runs fewer iterations).")  # fmt: skip
+    p.add_argument("--reuse", action="store_true",
+                   help="Keep the runs in --out that ended (same names and seeds) instead of "
+                   "running them again: a campaign resumes where it stopped.")  # fmt: skip
     p.add_argument("--left-plateau", type=float, default=1.5)
     p.add_argument("--jobs", type=int, default=2, help="Runs at a time (one core each).")
     p.add_argument(
@@ -190,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(BENCH_OUT, "sas_variants"))
     p.add_argument("--json", help="Write the summary here.")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.lrs is not None and (not args.lrs or any(not lr > 0 for lr in args.lrs)):
+        p.error(f"--lrs must be one or more values > 0, got {args.lrs}")
     existing = {}
     for item in args.existing:
         name, sep, path = item.partition("=")
@@ -212,21 +262,30 @@ def main(argv: list[str] | None = None) -> int:
                    warmup_fraction=0.1, eval_interval=args.eval_interval,
                    eval_iters=args.eval_iters, split=args.split or "949,50,1", seed=args.seed,
                    layers=args.layers, hidden=args.hidden)  # fmt: skip
-    variants = {name: VARIANTS[name] for name in [*args.variants, *existing]}
+    vocab = Tokenizer(args.tokenizer_model).vocab_size
+    lrs = args.lrs or [args.lr]
+    variants = {name: (VARIANTS[name], args.lr) for name in existing}
     jobs = []
     for name in args.variants:
         if name in existing:
             continue
         model, cold, flags, _ = VARIANTS[name]
-        flags = tuple(f.replace("{warmup}", str(args.iters // 2)) for f in flags)
-        jobs.append(Job(name, model, args.seed, cold, flags))
+        iters = args.iters
+        if args.equal_flops:  # SAS's FLOPs at --iters, in this variant's iterations
+            budget = args.iters * train_flops_per_iteration("sas", s, vocab)
+            iters = max(1, round(budget / train_flops_per_iteration(model, s, vocab)))
+        flags = tuple(f.replace("{warmup}", str(iters // 2)) for f in flags)
+        for lr in lrs:
+            run = f"{name}_lr{lr:g}" if args.lrs else name
+            variants[run] = (VARIANTS[name], lr)
+            jobs += [Job(run, model, args.seed + k, cold, flags, lr=lr, iters=iters)
+                     for k in range(args.seeds)]  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    done = run_jobs(jobs, s, args.out, args.jobs)
+    done = run_jobs(jobs, s, args.out, args.jobs, reuse=args.reuse)
     done.update({(name, args.seed): path for name, path in existing.items()})
     curves = {name: points for name, points in load_curves(done).items()}
     order = [n for n in variants if n in curves]
-    table = report({n: curves[n] for n in order}, variants, s, args,
-                   Tokenizer(args.tokenizer_model).vocab_size)  # fmt: skip
+    table = report({n: curves[n] for n in order}, variants, s, args, vocab)
     if args.json:
         write_json(args.json, table)
     return 0 if len(done) == len(jobs) + len(existing) else 1
