@@ -35,7 +35,6 @@ taken at the evaluation nearest SAS's FLOPs and nearest SAS's training time.
 from __future__ import annotations
 
 import argparse
-import copy
 import glob
 import os
 import re
@@ -43,46 +42,19 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from benchmarks.harness.corpora import CORPORA, prepare
 from benchmarks.harness.results import write_json
+from benchmarks.learning.downstream import (
+    ElectraEncoder,
+    electra_net,
+    finetune_grid,
+    finetune_task,
+)
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
 from examples import demo_evaluate as de  # the demo's evaluations (until evaluation/)
-from examples.make_word_order_task import held_out_sentences, train_dev_rows
-
-
-class ElectraEncoder(de.Encoder):
-    """benchmarks.learning.peers.Electra read as demo_evaluate reads ours: the
-    discriminator's vectors and RTD logits, the generator's MLM head."""
-
-    def __init__(self, net) -> None:
-        super().__init__(net.eval(), "ELECTRA")
-
-    def hidden(self, ids, mask, pos) -> torch.Tensor:
-        return self.model.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-
-    def rtd_logits(self, ids, mask) -> torch.Tensor:
-        return self.model.disc.discriminator_predictions(self.hidden(ids, mask, None))
-
-    def mlm_nll(self, ids, pos, mask, labels) -> torch.Tensor:
-        gen = self.model.gen
-        at = labels != -100
-        h = gen.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-        logits = gen.generator_lm_head(gen.generator_predictions(h[at]))
-        return F.cross_entropy(logits.double(), labels[at], reduction="none")
-
-
-def electra_net(vocab: int, s: Setting, state: dict | None, seed: int = 0):
-    from benchmarks.learning.peers import Electra
-
-    torch.manual_seed(seed)
-    size = s.size()
-    net = Electra(vocab, size, embedding=size.hidden // 2)  # as peer_loop.run_peer
-    if state is not None:
-        net.load_state_dict(state)
-    return net
+from examples.make_word_order_task import held_out_sentences
 
 
 def sas_train_seconds(metrics: str, upto: int) -> float:
@@ -302,112 +274,6 @@ def nearest(points: list, measure, target: float):
 
 # ---------------------------------------------------------------------------------------
 # --finetune
-
-
-def finetune_task(tok, sentences: list[str], seq_length: int, corruption: str = "swap",
-                  seed: int = 0):  # fmt: skip
-    """((ids, mask, labels) of train, of dev): the word-order task, each sentence in both
-    forms (label 0 the original), rows longer than ``seq_length`` pieces ([CLS] and [SEP]
-    included) left out."""
-    out = []
-    splits = train_dev_rows(sentences, corruption, np.random.default_rng(seed), both_forms=True)
-    for name in ("train", "dev"):
-        encoded = de._encode(tok, [text for text, _ in splits[name]])
-        keep = [i for i, r in enumerate(encoded) if len(r) <= seq_length]
-        ids, mask, _ = de._pad([encoded[i] for i in keep] or [[tok.cls_id]], tok.pad_id)
-        labels = torch.tensor([int(splits[name][i][1] != "original") for i in keep])
-        out.append((ids[: len(keep)], mask[: len(keep)], labels))
-    return tuple(out)
-
-
-def classifier(enc: de.Encoder, seed: int):
-    """(model, step): the encoder under a fresh 2-class head (its init seeded), and
-    step(ids, mask, labels) -> (cross-entropy loss, logits [b, 2])."""
-    torch.manual_seed(seed)
-    if enc.kind == "ELECTRA":
-        from transformers import ElectraForSequenceClassification
-
-        from benchmarks.learning.peers import no_token_types
-
-        config = copy.deepcopy(enc.model.disc.config)
-        config.num_labels = 2
-        model = ElectraForSequenceClassification(config)
-        model.electra.load_state_dict(enc.model.disc.electra.state_dict())
-        no_token_types(model.electra)  # as pretrained: no segments, none learned now
-
-        def step(ids, mask, labels):
-            out = model(input_ids=ids, attention_mask=mask.long(), labels=labels)
-            return out.loss, out.logits
-
-        return model, step
-    from megatron_taco.models.finetune import TaskModel, encoder_state_from_pretraining
-    from megatron_taco.parallel.state import single_process_state
-
-    pre = enc.model
-    model = TaskModel("SAS", pre.config, single_process_state(), task_kind="classification",
-                      num_labels=2, classifier_dropout=0.1)  # fmt: skip
-    model.encoder.load_state_dict(encoder_state_from_pretraining("SAS", pre.state_dict()))
-
-    def step(ids, mask, labels):
-        out = model({"input_ids": ids, "attention_mask": mask, "labels": labels})
-        return out["loss"], out["logits"]
-
-    return model, step
-
-
-def finetune_run(enc: de.Encoder, task, lr: float, seed: int, epochs: int, batch: int):
-    """(dev accuracy, mean training loss) after each epoch of one fine-tuning run."""
-    from megatron_taco.training.optim import AnnealingLR
-
-    (ids, mask, labels), dev = task
-    model, step = classifier(enc, seed)
-    params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
-    total = (len(ids) // batch) * epochs
-    sched = AnnealingLR(opt, max_lr=lr, min_lr=0.0, warmup_steps=round(0.1 * total),
-                        decay_steps=total, decay_style="linear")  # fmt: skip
-    rng = np.random.default_rng(seed)
-    accs, losses = [], []
-    for _ in range(epochs):
-        model.train()
-        seen = []
-        order = torch.from_numpy(rng.permutation(len(ids)))
-        for k in range(len(ids) // batch):
-            i = order[k * batch : (k + 1) * batch]
-            width = int(mask[i].sum(1).max())  # the batch's longest row
-            loss, _ = step(ids[i, :width], mask[i, :width], labels[i])
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            seen.append(loss.detach())
-        losses.append(float(torch.stack(seen).mean()))
-        model.eval()
-        with torch.no_grad():
-            _, logits = step(*dev)
-        accs.append(float((logits.argmax(-1) == dev[2]).double().mean()))
-    return accs, losses
-
-
-def select_lr(scores: dict) -> float:
-    """The SAS paper's choice: the learning rate whose mean over seeds is best (the first
-    listed of a tie)."""
-    return max(scores, key=lambda lr: np.mean(scores[lr]))
-
-
-def finetune_grid(encoders: list, task, args) -> dict:
-    """Every learning rate x seed (a random row's seed k fine-tunes twin k mod twins): each
-    run's per-epoch dev accuracies, its best epoch's, and the chosen learning rate."""
-    runs = {lr: [finetune_run(encoders[seed % len(encoders)], task, lr, seed, args.ft_epochs,
-                              args.ft_batch) for seed in range(args.ft_seeds)]
-            for lr in args.ft_lrs}  # fmt: skip
-    best = {lr: [max(acc) for acc, _ in rs] for lr, rs in runs.items()}
-    lr = select_lr(best)
-    return {"epochs": {str(k): v for k, v in runs.items()},
-            "best_epoch": {str(k): v for k, v in best.items()}, "lr": lr, "dev_acc": best[lr],
-            "last_epoch_acc": [acc[-1] for acc, _ in runs[lr]],
-            "last_train_loss": [loss[-1] for _, loss in runs[lr]]}  # fmt: skip
 
 
 def ft_cell(ft: dict) -> str:

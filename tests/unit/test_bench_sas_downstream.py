@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import bench_sas_downstream as bd
+from benchmarks.learning import downstream as dn
 from benchmarks.learning.peers import Electra, Size
 
 
@@ -21,7 +22,7 @@ def test_electra_adapter_is_the_peers_own_heads():
     labels[:, 2] = ids[:, 2]
     labels[1, 5] = ids[1, 5]
     masked = ids.masked_fill(labels != -100, 4)
-    enc = bd.ElectraEncoder(net)
+    enc = dn.ElectraEncoder(net)
     # The generator's MLM loss as the peer trains it (rows doubled: it reads the first half).
     twice = {"input_ids": masked.repeat(2, 1), "attention_mask": mask.repeat(2, 1),
              "mlm_labels": labels.repeat(2, 1)}  # fmt: skip
@@ -95,8 +96,8 @@ def test_select_lr_takes_the_best_mean_not_the_best_median():
     1e-4 has mean 0.70 and median 0.80, 3e-4 mean 0.75 and median 0.75, so the mean picks
     3e-4 where a median would pick 1e-4; of a tie in the mean, the first listed."""
 
-    assert bd.select_lr({1e-4: [0.5, 0.8, 0.8], 3e-4: [0.75, 0.75, 0.75]}) == 3e-4
-    assert bd.select_lr({1e-3: [0.6, 0.8], 1e-4: [0.7, 0.7], 3e-4: [0.5, 0.9]}) == 1e-3
+    assert dn.select_lr({1e-4: [0.5, 0.8, 0.8], 3e-4: [0.75, 0.75, 0.75]}) == 3e-4
+    assert dn.select_lr({1e-3: [0.6, 0.8], 1e-4: [0.7, 0.7], 3e-4: [0.5, 0.9]}) == 1e-3
 
 
 def test_nearest_picks_electras_evaluation_at_sas_flops():
@@ -142,9 +143,10 @@ def test_word_order_rows_in_both_forms_split_by_sentence():
 
 
 def test_classifiers_start_from_the_pretrained_encoders():
-    """The fine-tuning models hold the pretrained encoders unchanged: ELECTRA's
-    ElectraForSequenceClassification gives the discriminator's own last layer, our TaskModel
-    the pretraining model's; each returns its cross entropy on the [CLS] logits."""
+    """The fine-tuning models hold the pretrained encoders unchanged: ELECTRA's classifier
+    gives the discriminator's own last layer, our TaskModel the pretraining model's; each
+    returns its cross entropy on the [CLS] logits, and with pooling "mean" on the head
+    applied to the mean of the real tokens' vectors (padding left out)."""
     from examples import demo_evaluate as de
     from tests.helpers import VOCAB, build_sas, make_sas_batch, tiny_sas_config
 
@@ -156,7 +158,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
     labels = torch.tensor([0, 1, 1])
     # Another seed than the discriminator's: built alike, a seed-0 classifier would start
     # from its weights even without the copy.
-    model, step = bd.classifier(bd.ElectraEncoder(net), seed=5)
+    model, step = dn.classifier(dn.ElectraEncoder(net), seed=5)
     model.double().eval()
     with torch.no_grad():
         want = net.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
@@ -168,7 +170,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
         assert logits.shape == (3, 2)
 
     pre = build_sas(tiny_sas_config(), seed=1).double().eval()
-    model, step = bd.classifier(de.Encoder(pre, "SAS"), seed=0)
+    model, step = dn.classifier(de.Encoder(pre, "SAS"), seed=0)
     model.double().eval()
     batch = make_sas_batch(3, vocab=VOCAB)
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -177,3 +179,42 @@ def test_classifiers_start_from_the_pretrained_encoders():
         loss, logits = step(ids, mask, labels)
         ce = torch.nn.functional.cross_entropy(logits, labels)
         torch.testing.assert_close(loss.double(), ce.double(), rtol=1e-12, atol=0)
+
+    mean_model, mean_step = dn.classifier(de.Encoder(pre, "SAS"), seed=0, pooling="mean")
+    mean_model.double().eval()
+    with torch.no_grad():
+        hidden = pre.sas(ids, mask)
+        m = mask[..., None].double()
+        pooled = (hidden * m).sum(1) / m.sum(1)
+        want = mean_model.head(pooled)
+        loss, logits = mean_step(ids, mask, labels)
+        torch.testing.assert_close(logits, want, rtol=1e-12, atol=0)
+        # Not the [CLS] logits of the same head.
+        assert not torch.allclose(logits, mean_model.head(hidden[:, 0]))
+
+    model, step = dn.classifier(dn.ElectraEncoder(net), seed=5, pooling="mean")
+    model.double().eval()
+    ids, mask = torch.randint(5, 60, (3, 10)), torch.ones(3, 10, dtype=torch.bool)
+    mask[2, 7:] = False
+    with torch.no_grad():
+        hidden = net.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        m = mask[..., None].double()
+        _, logits = step(ids, mask, labels)
+        torch.testing.assert_close(logits, model.head((hidden * m).sum(1) / m.sum(1)),
+                                   rtol=1e-12, atol=0)  # fmt: skip
+
+
+def test_select_and_test_chooses_lr_and_epoch_on_dev_and_reports_test():
+    """Hand-derived: lr 1e-4's dev means by epoch are 0.60, 0.70, 0.65; 7.5e-5's 0.55, 0.72,
+    0.60: the best mean (0.72) is 7.5e-5 at epoch 2, whose test accuracies (0.50, 0.70) are
+    reported, mean 0.60, though 1e-4 has the best test figure (0.90)."""
+    runs = {
+        1e-4: [{"dev": [0.6, 0.7, 0.6], "test": [0.9, 0.9, 0.9], "loss": [0.7, 0.6, 0.5]},
+               {"dev": [0.6, 0.7, 0.7], "test": [0.9, 0.9, 0.9], "loss": [0.7, 0.6, 0.5]}],
+        7.5e-5: [{"dev": [0.5, 0.74, 0.6], "test": [0.1, 0.5, 0.1], "loss": [0.7, 0.4, 0.5]},
+                 {"dev": [0.6, 0.70, 0.6], "test": [0.1, 0.7, 0.1], "loss": [0.7, 0.2, 0.5]}],
+    }  # fmt: skip
+    got = dn.select_and_test(runs)
+    assert (got["lr"], got["epoch"]) == (7.5e-5, 2)
+    assert abs(got["dev"] - 0.72) < 1e-12 and abs(got["test"] - 0.60) < 1e-12
+    assert got["test_by_seed"] == [0.5, 0.7] and abs(got["train_loss"] - 0.3) < 1e-12
