@@ -45,7 +45,9 @@ import torch
 
 from benchmarks.harness.corpora import CORPORA, prepare
 from benchmarks.harness.results import write_json
+from benchmarks.learning.campaign import campaign
 from benchmarks.learning.downstream import (
+    POOLINGS,
     ElectraEncoder,
     electra_net,
     finetune_grid,
@@ -104,9 +106,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_sas_downstream", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--sas", nargs="+", required=True, metavar="VARIANT=FOLDER",
+    p.add_argument("--sas", nargs="+", metavar="VARIANT=FOLDER",
                    help="SAS variants' run folders (checkpoints/ and metrics.jsonl).")  # fmt: skip
-    p.add_argument("--electra", required=True, help="The ELECTRA run's folder.")
+    p.add_argument("--electra", help="The ELECTRA run's folder.")
+    p.add_argument("--runs", metavar="OUT",
+                   help="Instead of --sas/--electra: a bench_sas_variants --out holding a "
+                   "campaign (variants x --lrs x --seeds, --equal-flops): each variant's lr "
+                   "picked on the validation documents, its seeds evaluated on the test "
+                   "documents, paired tests against ELECTRA (benchmarks/learning/campaign.py).")  # fmt: skip
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                   help="--runs: only these variants (default: every one found).")  # fmt: skip
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--data-path", help="The dataset prefix the SAS runs trained on.")
     data.add_argument(
@@ -129,18 +138,34 @@ def main(argv=None) -> int:
                    "zero-shot and probe evaluations.")  # fmt: skip
     p.add_argument("--ft-corruption", choices=("swap", "shuffle"), default="swap",
                    help="The task's corrupted form (make_word_order_task.py's --corruption).")  # fmt: skip
-    p.add_argument("--ft-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
+    p.add_argument("--ft-lrs", type=float, nargs="+",
+                   help="Default 1e-4 7.5e-5 with --runs (Table 6, small models), else 1e-4 "
+                   "3e-4 1e-3.")  # fmt: skip
     p.add_argument("--ft-seeds", type=int, default=3)
-    p.add_argument("--ft-epochs", type=int, default=10)
+    p.add_argument("--ft-epochs", type=int,
+                   help="Default 20 with --runs (Table 6's budget for small tasks), else 10.")  # fmt: skip
     p.add_argument("--ft-batch", type=int, default=32)
+    p.add_argument("--ft-poolings", nargs="+", choices=POOLINGS, default=list(POOLINGS),
+                   help="--runs: the heads fine-tuned, on [CLS] and/or mean-pooled vectors.")  # fmt: skip
     p.add_argument("--json")
     args = p.parse_args(argv)
+    table6 = bool(args.runs)
+    args.ft_lrs = args.ft_lrs or ([1e-4, 7.5e-5] if table6 else [1e-4, 3e-4, 1e-3])
+    args.ft_epochs = args.ft_epochs or (20 if table6 else 10)
+    if args.runs and (args.sas or args.electra):
+        p.error("--runs replaces --sas and --electra (a campaign's folders are found in it)")
+    if not args.runs and not (args.sas and args.electra):
+        p.error("give --sas and --electra, or --runs")
+    if args.runs and not os.path.isdir(args.runs):
+        p.error(f"--runs {args.runs}: not a folder")
     for name in ("sentences", "seeds", "random_twins", "ft_seeds", "ft_epochs", "ft_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(not lr > 0 for lr in args.ft_lrs):
         p.error(f"--ft-lrs must all be > 0, got {args.ft_lrs}")
 
+    if args.runs:
+        return run_campaign(args, p)
     runs = {}  # label -> (variant, folder, iteration or None for the latest)
     for item in args.sas:
         name, _, where = item.partition("=")
@@ -167,6 +192,32 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointError, IndexedDatasetError) as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+def run_campaign(args, p) -> int:
+    from megatron_taco.arguments import ConfigError
+    from megatron_taco.data.indexed_dataset import IndexedDatasetError
+    from megatron_taco.data.tokenizer import load_tokenizer
+    from megatron_taco.training.consolidate import CheckpointError
+
+    if args.corpus:
+        corpus = prepare(args.corpus, vocab_size=args.vocab_size)
+        args.data_path, tokenizer = corpus.prefix, corpus.tokenizer
+    else:
+        p.error("--runs needs --corpus (the tokenizer of the campaign's runs)")
+    tok = load_tokenizer(tokenizer)
+    s = Setting(prefix=args.data_path, tokenizer=tokenizer, cache="", split=args.split,
+                seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
+                warmup_fraction=0.0, eval_interval=0, eval_iters=0, seed=0,
+                layers=args.layers, hidden=args.hidden)  # fmt: skip
+    try:
+        result = campaign(args, s, tok)
+    except (ConfigError, CheckpointError, IndexedDatasetError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        write_json(args.json, result)
+    return 0
 
 
 def compare(args, runs: dict, points: list) -> int:

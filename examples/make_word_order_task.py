@@ -25,12 +25,18 @@ from megatron_taco.data.samples import get_split_document_ranges
 from megatron_taco.data.tokenizer import Tokenizer
 
 
-def held_out_sentences(prefix: str, tokenizer: Tokenizer, split: str) -> list[str]:
+def held_out_sentences(
+    prefix: str, tokenizer: Tokenizer, split: str, parts: tuple[str, ...] = ("valid", "test")
+) -> list[str]:
+    """The sentences of the documents --split keeps out of training: of its validation and
+    test parts, or of those named in ``parts`` (a model selection on one, the figure on the
+    other)."""
     data = IndexedDataset(prefix)
     docs = data.document_indices
     _, valid, test = get_split_document_ranges(len(docs) - 1, split)
+    ranges = {"valid": valid, "test": test}
     out = []
-    for start, end in (valid, test):
+    for start, end in (ranges[part] for part in parts):
         for seq in range(int(docs[start]), int(docs[end])):
             text = " ".join(tokenizer.decode(data[seq]).split())
             words = text.split()

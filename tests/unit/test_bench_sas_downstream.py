@@ -218,3 +218,23 @@ def test_select_and_test_chooses_lr_and_epoch_on_dev_and_reports_test():
     assert (got["lr"], got["epoch"]) == (7.5e-5, 2)
     assert abs(got["dev"] - 0.72) < 1e-12 and abs(got["test"] - 0.60) < 1e-12
     assert got["test_by_seed"] == [0.5, 0.7] and abs(got["train_loss"] - 0.3) < 1e-12
+
+
+def test_campaign_finds_the_runs_that_ended_by_variant_lr_and_seed(tmp_path):
+    from benchmarks.learning.campaign import Run, discover
+
+    (tmp_path / "mlm_lambda_small_lr0.001_s1234" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "electra_lr0.0005_s1235").mkdir()
+    (tmp_path / "electra_lr0.0005_s1235" / "peer_iter_0001909.pt").write_bytes(b"")
+    (tmp_path / "paper_s1234" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "paper_s1236").mkdir()  # did not end: no checkpoint
+    (tmp_path / "electra_s7").mkdir()  # did not end: no weights
+    (tmp_path / "nonsense_s1" / "checkpoints").mkdir(parents=True)  # not a variant
+    runs = discover(str(tmp_path))
+    assert sorted((r.variant, r.lr, r.seed) for r in runs) == [
+        ("electra", 5e-4, 1235),
+        ("mlm_lambda_small", 1e-3, 1234),
+        ("paper", None, 1234),
+    ]
+    assert all(isinstance(r, Run) for r in runs)
+    assert [r.variant for r in discover(str(tmp_path), ["paper"])] == ["paper"]
