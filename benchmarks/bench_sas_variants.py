@@ -177,6 +177,31 @@ def plot(curves: dict, table: dict, flops: dict, tokens: int, path: str) -> None
     print(f"\ncurves: {path}")
 
 
+def run_selected(jobs: list[Job], s: Setting, args, variants: dict, variant_of: dict) -> dict:
+    """--select-lr: the grid at the first seed, each variant's lr chosen on the validation
+    documents (benchmarks/learning/campaign.py), the other seeds at that lr only.
+    ``variant_of``: a run's curve name (VARIANT_lrLR) -> its VARIANT."""
+    from benchmarks.learning.campaign import Run, choose_lr, selection_part
+    from megatron_taco.data.tokenizer import load_tokenizer
+
+    done = run_jobs([j for j in jobs if j.seed == args.seed], s, args.out, args.jobs,
+                    reuse=args.reuse)  # fmt: skip
+    tok = load_tokenizer(args.tokenizer_model)
+    dev = selection_part(args.data_path, tok, args.split, s.seq_length)
+    rest = []
+    for variant in dict.fromkeys(variant_of[j.name] for j in jobs):
+        runs = [Run(variant, variants[j.name][1], j.seed, os.path.join(args.out, f"{j.name}_s{j.seed}"))
+                for j in jobs if variant_of[j.name] == variant and (j.name, j.seed) in done]  # fmt: skip
+        if not runs:
+            continue
+        chosen, _ = choose_lr(runs, dev, s, tok)
+        print(f"{variant}: lr {chosen:g} chosen on the validation documents", flush=True)
+        rest += [j for j in jobs if variant_of[j.name] == variant and j.seed != args.seed
+                 and j.lr == chosen]  # fmt: skip
+    done.update(run_jobs(rest, s, args.out, args.jobs, reuse=args.reuse))
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_sas_variants", description=__doc__.split("\n\n")[0]
@@ -220,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="Each variant trains for the training FLOPs of SAS at --iters "
                    "(ELECTRA's convention): its own --iters, schedule and warm-up scaled "
                    "to that budget (ELECTRA, with its generator, runs fewer iterations).")  # fmt: skip
+    p.add_argument("--select-lr", action="store_true",
+                   help="With --lrs and --seeds > 1: run the grid at --seed only, pick each "
+                   "variant's lr on the validation documents (bench_sas_downstream --runs' "
+                   "choice: the frozen probe), then the other seeds at that lr only.")  # fmt: skip
     p.add_argument("--reuse", action="store_true",
                    help="Keep the runs in --out that ended (same names and seeds) instead of "
                    "running them again: a campaign resumes where it stopped.")  # fmt: skip
@@ -240,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.lrs is not None and (not args.lrs or any(not lr > 0 for lr in args.lrs)):
         p.error(f"--lrs must be one or more values > 0, got {args.lrs}")
+    if args.select_lr and not (args.lrs and len(args.lrs) > 1 and args.seeds > 1):
+        p.error("--select-lr needs a grid (--lrs with two or more values) and --seeds > 1")
     existing = {}
     for item in args.existing:
         name, sep, path = item.partition("=")
@@ -265,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = Tokenizer(args.tokenizer_model).vocab_size
     lrs = args.lrs or [args.lr]
     variants = {name: (VARIANTS[name], args.lr) for name in existing}
+    variant_of = {}  # a run's curve name -> its variant
     jobs = []
     for name in args.variants:
         if name in existing:
@@ -278,10 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         for lr in lrs:
             run = f"{name}_lr{lr:g}" if args.lrs else name
             variants[run] = (VARIANTS[name], lr)
+            variant_of[run] = name
             jobs += [Job(run, model, args.seed + k, cold, flags, lr=lr, iters=iters)
                      for k in range(args.seeds)]  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    done = run_jobs(jobs, s, args.out, args.jobs, reuse=args.reuse)
+    if args.select_lr:
+        done = run_selected(jobs, s, args, variants, variant_of)
+    else:
+        done = run_jobs(jobs, s, args.out, args.jobs, reuse=args.reuse)
     done.update({(name, args.seed): path for name, path in existing.items()})
     curves = {name: points for name, points in load_curves(done).items()}
     order = [n for n in variants if n in curves]

@@ -135,6 +135,32 @@ def dev_score(scores: dict[str, float]) -> float:
     return float(np.mean(probes))
 
 
+# The learning-rate choice reads at most this many validation-document sentences, with this
+# many shuffles: the same choice in bench_sas_variants --select-lr and here.
+SELECTION_SENTENCES, SELECTION_SHUFFLES = 600, 3
+
+
+def selection_part(prefix: str, tok, split: str, seq: int) -> Part:
+    return part(prefix, tok, split, "valid", SELECTION_SENTENCES, SELECTION_SHUFFLES, seq)
+
+
+def choose_lr(runs: list[Run], dev: Part, s: Setting, tok) -> tuple[float | None, dict]:
+    """(the chosen lr, {lr: dev score}) of one variant's runs: the best frozen probe on the
+    validation documents among its first seed's runs (the smaller lr of a tie); no choice
+    to make with one lr."""
+    lrs = sorted({r.lr for r in runs}, key=lambda v: -1 if v is None else v)
+    if len(lrs) == 1:
+        return lrs[0], {}
+    first = min(r.seed for r in runs)
+    by_lr = {}
+    for lr in lrs:
+        run = next((r for r in runs if r.lr == lr and r.seed == first), None)
+        if run is not None:
+            by_lr[lr] = dev_score(frozen([load(run, s, tok.vocab_size)[0]], dev, tok))
+            print(f"  {run.variant} lr {lr:g}: dev probe {100 * by_lr[lr]:.1f}", flush=True)
+    return max(by_lr, key=by_lr.get), by_lr
+
+
 def finetuned(encoders: list, task, args) -> dict[str, dict]:
     """Table 6's grid per pooling: every fine-tuning lr x seed (seed k fine-tunes encoder k
     mod len(encoders)), (lr, epoch) chosen on dev, the figure on test."""
@@ -167,13 +193,15 @@ def campaign(args, s: Setting, tok) -> dict:
     vocab = tok.vocab_size
     common = dict(prefix=args.data_path, tok=tok, split=args.split, seeds=args.seeds,
                   seq=args.seq_length, limit=args.sentences)  # fmt: skip
-    dev, test = part(name="valid", **common), part(name="test", **common)
+    dev = selection_part(args.data_path, tok, args.split, args.seq_length)
+    test = part(name="test", **common)
     print(f"held-out sentences that fit {args.seq_length} positions: {len(dev.originals)} "
           f"(validation documents: the lr choice), {len(test.originals)} (test documents: the "
           f"figures); {args.seeds} shuffles")  # fmt: skip
     task = None
-    if args.finetune:
-        task = finetune_task(tok, dev.sentences, args.seq_length, args.ft_corruption,
+    if args.finetune:  # train and dev rows from the validation documents
+        valid = part(name="valid", **common)
+        task = finetune_task(tok, valid.sentences, args.seq_length, args.ft_corruption,
                              test_sentences=test.sentences)  # fmt: skip
         print(f"word-order ({args.ft_corruption}) fine-tuning: {len(task[0][0])} train, "
               f"{len(task[1][0])} dev, {len(task[2][0])} test rows; lrs {args.ft_lrs} x "
@@ -182,16 +210,7 @@ def campaign(args, s: Setting, tok) -> dict:
     rows = []
     for variant in dict.fromkeys(r.variant for r in runs):
         mine = [r for r in runs if r.variant == variant]
-        lrs = sorted({r.lr for r in mine}, key=lambda v: -1 if v is None else v)
-        first = min(r.seed for r in mine)
-        by_lr = {}
-        if len(lrs) > 1:
-            for lr in lrs:
-                run = next((r for r in mine if r.lr == lr and r.seed == first), None)
-                if run is not None:
-                    by_lr[lr] = dev_score(frozen([load(run, s, vocab)[0]], dev, tok))
-                    print(f"  {variant} lr {lr:g}: dev probe {100 * by_lr[lr]:.1f}", flush=True)
-        chosen = max(by_lr, key=by_lr.get) if by_lr else lrs[0]
+        chosen, by_lr = choose_lr(mine, dev, s, tok)
         per_seed = {}
         for run in sorted((r for r in mine if r.lr == chosen), key=lambda r: r.seed):
             enc, it, flops = load(run, s, vocab)
