@@ -55,6 +55,7 @@ from benchmarks.learning.curves import load_curves
 from benchmarks.learning.report import report
 from benchmarks.learning.runs import Job, run_jobs
 from benchmarks.learning.setting import MODELS, OURS, PARITY, Setting
+from benchmarks.learning.variants import train_flops_per_iteration
 
 COLD_STARTS = ("unigram", "uniform", "mask", "mlm")  # data/sas_collator.py's, for --help
 WITH_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a --with curve's name
@@ -100,6 +101,11 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--left-plateau", type=float, default=1.5,
                    help="Left the plateau: MLM accuracy >= this x the baseline.")  # fmt: skip
+    p.add_argument("--equal-flops", action="store_true",
+                   help="Every model trains for TACO's training FLOPs at --iters (ELECTRA's "
+                   "convention; needs taco in --models): its own iterations, schedule and "
+                   "warm-up scaled to that budget; the report adds TACO against BERT at "
+                   "equal FLOPs.")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2, help="Runs at a time (one core each).")
     p.add_argument("--taco-flags", default="", help="More flags for our TACO runs.")
     p.add_argument("--sas-flags", default="", help="More flags for our SAS runs (all variants).")
@@ -120,6 +126,8 @@ def main(argv=None) -> int:
     if (args.layers, args.hidden) != (4, 256) and "taco" in args.models:
         p.error("--layers/--hidden size SAS and the peers; TACO keeps TACO-small's widths: "
                 "leave taco out of --models")  # fmt: skip
+    if args.equal_flops and "taco" not in args.models:
+        p.error("--equal-flops gives every model TACO's FLOPs: put taco in --models")
     if args.data_path and not args.tokenizer_model:
         p.error("--data-path needs --tokenizer-model (the tokenizer the dataset was made with)")
     if args.data_path:
@@ -138,11 +146,19 @@ def main(argv=None) -> int:
                 warmup_fraction=args.warmup_fraction, eval_interval=args.eval_interval,
                 eval_iters=args.eval_iters, split=args.split or "949,50,1", seed=args.seed,
                 cold_start=args.cold_start, layers=args.layers, hidden=args.hidden)  # fmt: skip
+    from megatron_taco.data.tokenizer import Tokenizer
+
     os.makedirs(args.out, exist_ok=True)
     # The slowest first, so that the two workers finish together.
     order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert", *PARITY]
     flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
-    jobs = [Job(m, m, args.seed + k, args.cold_start, tuple(flags.get(OURS.get(m, ("",))[0], ())))
+    flops = {m: train_flops_per_iteration(m, s, Tokenizer(tokenizer).vocab_size)
+             for m in args.models}  # fmt: skip
+    iters = {}
+    if args.equal_flops:  # TACO's FLOPs at --iters, in each model's iterations
+        iters = {m: max(1, round(args.iters * flops["taco"] / flops[m])) for m in args.models}
+    jobs = [Job(m, m, args.seed + k, args.cold_start, tuple(flags.get(OURS.get(m, ("",))[0], ())),
+                iters=iters.get(m))
             for m in order if m in args.models and m not in existing
             for k in range(args.seeds)]  # fmt: skip
     start = time.time()
@@ -153,7 +169,7 @@ def main(argv=None) -> int:
     for model, path in existing.items():
         if model not in curves:
             log(f"  --with {model}={path}: no validation records in it; not reported")
-    results = report(curves, s, args, args.out)
+    results = report(curves, s, args, args.out, flops if args.equal_flops else None)
     write_results(args.results_json, results)
     return 0 if len(done) == len(jobs) + len(existing) else 1
 

@@ -28,19 +28,16 @@ import statistics
 from benchmarks.harness.corpora import CORPORA, prepare
 from benchmarks.harness.paths import BENCH_OUT
 from benchmarks.harness.results import write_json
-from benchmarks.learning.curves import left_plateau, load_curves, mean
+from benchmarks.learning.curves import (
+    at_equal_flops,
+    left_plateau,
+    load_curves,
+    mean,
+    per_seed_curves,
+)
 from benchmarks.learning.runs import Job, run_jobs
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
-
-
-def per_seed(points: dict) -> dict[int, dict]:
-    """One curve per seed: {seed: {iteration: [its record]}}."""
-    out: dict[int, dict] = {}
-    for it, records in points.items():
-        for r in records:
-            out.setdefault(r.get("seed"), {})[it] = [r]
-    return out
 
 
 def summarise(curves: dict, tokens: int, factor: float) -> dict:
@@ -49,7 +46,7 @@ def summarise(curves: dict, tokens: int, factor: float) -> dict:
         end = points[max(points)]
         left = left_plateau(points, factor)
         acc, base = mean(end, "mlm_acc"), mean(end, "mlm_baseline_acc")
-        seeds = per_seed(points)
+        seeds = per_seed_curves(points)
         exits = {k: left_plateau(curve, factor) for k, curve in seeds.items()}
         ratios = [r["mlm_acc"] / r["mlm_baseline_acc"] for r in end if r.get("mlm_baseline_acc")]
         out[name] = {
@@ -69,15 +66,6 @@ def summarise(curves: dict, tokens: int, factor: float) -> dict:
             "tokens": max(points) * tokens,
         }
     return out
-
-
-def at_equal_flops(curve: dict, per_iteration: float, budget: float) -> float | None:
-    """MLM accuracy of ``curve`` after ``budget`` training FLOPs, linear between evaluations."""
-    points = sorted((it * per_iteration, mean(rs, "mlm_acc")) for it, rs in curve.items())
-    for (f0, a0), (f1, a1) in zip(points, points[1:]):
-        if f0 <= budget <= f1:
-            return a0 + (a1 - a0) * (budget - f0) / (f1 - f0)
-    return None
 
 
 def _fmt(value, spec: str) -> str:

@@ -46,3 +46,24 @@ def left_plateau(points: dict[int, list[dict]], factor: float) -> int | None:
 
 def by_seed(records: list[dict], key: str) -> dict[int, float]:
     return {r["seed"]: r[key] for r in records if isinstance(r.get(key), (int, float))}
+
+
+def at_equal_flops(curve: dict, per_iteration: float, budget: float, key: str = "mlm_acc"):
+    """``key`` of ``curve`` (mean over its records) after ``budget`` training FLOPs, linear
+    between evaluations; None outside the curve."""
+    points = sorted((it * per_iteration, mean(rs, key)) for it, rs in curve.items())
+    for (f0, a0), (f1, a1) in zip(points, points[1:]):
+        if f0 <= budget <= f1:
+            return a0 + (a1 - a0) * (budget - f0) / (f1 - f0)
+    if points and abs(points[-1][0] - budget) <= 1e-9 * budget:
+        return points[-1][1]
+    return None
+
+
+def per_seed_curves(points: dict) -> dict[int, dict]:
+    """One curve per seed: {seed: {iteration: [its record]}}."""
+    out: dict[int, dict] = {}
+    for it, records in points.items():
+        for r in records:
+            out.setdefault(r.get("seed"), {})[it] = [r]
+    return out

@@ -8,7 +8,15 @@ import statistics
 import sys
 
 from benchmarks.harness.results import Result
-from benchmarks.learning.curves import by_seed, family_baseline, left_plateau, mean, spread
+from benchmarks.learning.curves import (
+    at_equal_flops,
+    by_seed,
+    family_baseline,
+    left_plateau,
+    mean,
+    per_seed_curves,
+    spread,
+)
 from benchmarks.learning.setting import MODELS, Setting, label, sas_like
 
 
@@ -17,7 +25,9 @@ def colour(name: str, names: list[str]) -> str:
     return f"C{known % 10}"
 
 
-def report(curves: dict, s: Setting, args, out_dir: str) -> list:
+def report(curves: dict, s: Setting, args, out_dir: str, flops: dict | None = None) -> list:
+    """``flops``: each model's training FLOPs per iteration when the runs ended at equal
+    FLOPs (bench_learning --equal-flops): TACO and BERT are then compared by FLOPs."""
     tokens = s.batch * s.seq_length
     models = [m for m in MODELS if m in curves] + [m for m in curves if m not in MODELS]
     iters = sorted({it for m in models for it in curves[m]})
@@ -45,7 +55,9 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
         shown = "-" if collapse is None else f"{collapse:.4f}"
         print(f"  {m:>8}: collapse {shown}{rtd}  ({label(m)})")
     results = []
-    if "taco" in curves and "bert" in curves:
+    if flops is not None and "taco" in curves and "bert" in curves:
+        results += taco_vs_bert_at_equal_flops(curves, flops, tokens)
+    elif "taco" in curves and "bert" in curves:
         common = [it for it in iters if it in curves["taco"] and it in curves["bert"]]
         ratios = [mean(curves["taco"][it], "mlm_acc") / max(mean(curves["bert"][it], "mlm_acc"),
                   1e-9) for it in common]  # fmt: skip
@@ -88,6 +100,44 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
         print(f"  {r.metric}: {shown}{goal}  {r.note}")
     plot(curves, models, s, os.path.join(out_dir, "learning_curves.png"))
     return results
+
+
+def taco_vs_bert_at_equal_flops(curves: dict, flops: dict, tokens: int) -> list:
+    """At each of TACO's evaluations, BERT's held-out MLM accuracy after the same training
+    FLOPs (linear between its evaluations), seed by seed; the worst ratio of the means and
+    the end's, with a paired t-test over the seeds at the end."""
+    from scipy import stats
+
+    taco, bert = per_seed_curves(curves["taco"]), per_seed_curves(curves["bert"])
+    seeds = sorted(set(taco) & set(bert))
+    print(f"\nTACO vs BERT at equal training FLOPs (TACO {flops['taco'] / 1e9:.1f}, BERT "
+          f"{flops['bert'] / 1e9:.1f} GFLOPs per iteration), held-out MLM accuracy %, "
+          f"{len(seeds)} seeds")  # fmt: skip
+    print(f"{'TFLOPs':>8} {'TACO tokens':>12} {'TACO':>14} {'BERT':>14} {'ratio':>6}")
+    rows = []
+    for it in sorted(curves["taco"]):
+        budget = it * flops["taco"]
+        t = [mean(taco[k].get(it, []), "mlm_acc") for k in seeds]
+        b = [at_equal_flops(bert[k], flops["bert"], budget) for k in seeds]
+        if None in t or None in b:
+            continue
+        rows.append((budget, it, t, b))
+        print(f"{budget / 1e12:>8.2f} {it * tokens:>12,} {_ms(t):>14} {_ms(b):>14} "
+              f"{statistics.mean(t) / max(statistics.mean(b), 1e-9):>6.2f}")  # fmt: skip
+    if not rows:
+        return []
+    ratios = [statistics.mean(t) / max(statistics.mean(b), 1e-9) for _, _, t, b in rows]
+    _, _, t, b = rows[-1]
+    p = stats.ttest_rel(t, b).pvalue if len(seeds) > 2 else float("nan")
+    worst = min(range(len(rows)), key=lambda k: ratios[k])
+    return [
+        Result("bench_learning", "taco_vs_bert_equal_flops_worst_point", ratios[worst], 1.0,
+               ">=", "x", f"at {rows[worst][0] / 1e12:.2f} TFLOPs, worst of {len(rows)}; "
+               f"at or above at {sum(r >= 1.0 for r in ratios)}"),
+        Result("bench_learning", "taco_vs_bert_equal_flops_end", ratios[-1], 1.0, ">=", "x",
+               f"{_ms(t)} vs {_ms(b)} at {rows[-1][0] / 1e12:.2f} TFLOPs over {len(seeds)} "
+               f"seeds, paired t-test p {p:.3f}"),
+    ]  # fmt: skip
 
 
 # (ours, reference): the parity comparison and its ablation arms (PARITY in setting.py).

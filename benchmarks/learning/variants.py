@@ -63,4 +63,9 @@ def train_flops_per_iteration(model: str, s: Setting, vocab: int) -> float:
         return flops.electra_train_flops(disc, flops.generator_shape(disc), s.batch, 1)
     if model == "bert":
         return flops.bert_train_flops(shape, s.batch, 1)
+    if model == "taco":  # TACO-small's own widths (bench_learning), MLM and MPM rows
+        from megatron_taco.models.taco.config import TacoConfig
+
+        config = TacoConfig.preset("small", vocab_size=vocab)
+        return flops.taco_electra_train_flops(config, s.seq_length, s.batch, 1)
     return flops.sas_train_flops(shape, s.batch, 1, disentangled_attention=model == "sas_da")

@@ -55,3 +55,23 @@ def test_parity_counts_the_evaluations_outside_the_seed_spread(capsys):
     assert result.value == 1.0 and result.met() is False
     assert "at 409,600 tokens: +5.07 points against a seed spread of 1.00" in result.note
     assert parity({"sas_mlm": curves["sas_mlm"]}, tokens=2048) == []  # no pair, no result
+
+
+def test_taco_vs_bert_at_equal_flops_reads_bert_at_tacos_flops():
+    """TACO at 2 FLOPs per iteration, BERT at 1: TACO's iteration 100 (200 FLOPs) meets
+    BERT's iteration 200, its 200 (400 FLOPs) BERT's 300-500 halfway, i.e. 400. Hand-derived
+    ratios: 0.10 / 0.08 = 1.25 and 0.20 / 0.25 = 0.8 (the worst and the end)."""
+    from benchmarks.learning.report import taco_vs_bert_at_equal_flops
+
+    def curve(points: dict) -> dict:
+        return {it: [{"mlm_acc": a, "seed": s} for s, a in enumerate(accs)]
+                for it, accs in points.items()}  # fmt: skip
+
+    curves = {
+        "taco": curve({100: [0.09, 0.11, 0.10], 200: [0.21, 0.19, 0.20]}),
+        "bert": curve({100: [0.05] * 3, 200: [0.07, 0.09, 0.08], 300: [0.2] * 3,
+                       500: [0.31, 0.29, 0.30]}),
+    }  # fmt: skip
+    worst, end = taco_vs_bert_at_equal_flops(curves, {"taco": 2.0, "bert": 1.0}, tokens=2048)
+    assert abs(end.value - 0.8) < 1e-12 and end.met() is False
+    assert worst.value == end.value and "worst of 2; at or above at 1" in worst.note
