@@ -106,6 +106,8 @@ def main(argv=None) -> int:
                    "convention; needs taco in --models): its own iterations, schedule and "
                    "warm-up scaled to that budget; the report adds TACO against BERT at "
                    "equal FLOPs.")  # fmt: skip
+    p.add_argument("--reuse", action="store_true",
+                   help="Keep the runs in --out that ended instead of running them again.")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2, help="Runs at a time (one core each).")
     p.add_argument("--taco-flags", default="", help="More flags for our TACO runs.")
     p.add_argument("--sas-flags", default="", help="More flags for our SAS runs (all variants).")
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
             for m in order if m in args.models and m not in existing
             for k in range(args.seeds)]  # fmt: skip
     start = time.time()
-    done = run_jobs(jobs, s, args.out, args.jobs)
+    done = run_jobs(jobs, s, args.out, args.jobs, reuse=args.reuse)
     log(f"all runs: {(time.time() - start) / 60:.1f} min")
     done.update({(model, args.seed): path for model, path in existing.items()})
     curves = load_curves(done)
