@@ -158,7 +158,8 @@ def plot(curves: dict, table: dict, flops: dict, tokens: int, path: str) -> None
                 xlabel="training FLOPs", xscale="log")  # fmt: skip
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:  # an empty panel (no RTD model) has none
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -220,7 +220,8 @@ def plot(curves: dict, models: list[str], s: Setting, path: str) -> None:
     axes[2].set(title="RTD accuracy on replaced tokens", xlabel="training tokens")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # an empty panel (no RTD model) has none
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"curves: {path}", file=sys.stderr, flush=True)
