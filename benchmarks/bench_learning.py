@@ -125,9 +125,9 @@ def main(argv=None) -> int:
         if not os.path.isfile(path):
             p.error(f"--with {item}: {path} is not a file")
         existing[model] = path
-    if (args.layers, args.hidden) != (4, 256) and "taco" in args.models:
-        p.error("--layers/--hidden size SAS and the peers; TACO keeps TACO-small's widths: "
-                "leave taco out of --models")  # fmt: skip
+    if (args.layers, args.hidden) != (4, 256) and "taco" in args.models and not args.equal_flops:
+        p.error("--layers/--hidden size SAS and the peers; TACO keeps TACO-small's widths "
+                "(or --taco-flags'): leave taco out of --models, or compare at --equal-flops")  # fmt: skip
     if args.equal_flops and "taco" not in args.models:
         p.error("--equal-flops gives every model TACO's FLOPs: put taco in --models")
     if args.data_path and not args.tokenizer_model:
@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     # The slowest first, so that the two workers finish together.
     order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert", *PARITY]
     flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
-    flops = {m: train_flops_per_iteration(m, s, Tokenizer(tokenizer).vocab_size)
+    vocab = Tokenizer(tokenizer).vocab_size
+    flops = {m: train_flops_per_iteration(m, s, vocab, tuple(args.taco_flags.split()))
              for m in args.models}  # fmt: skip
     iters = {}
     if args.equal_flops:  # TACO's FLOPs at --iters, in each model's iterations

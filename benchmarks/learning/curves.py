@@ -50,12 +50,13 @@ def by_seed(records: list[dict], key: str) -> dict[int, float]:
 
 def at_equal_flops(curve: dict, per_iteration: float, budget: float, key: str = "mlm_acc"):
     """``key`` of ``curve`` (mean over its records) after ``budget`` training FLOPs, linear
-    between evaluations; None outside the curve."""
+    between evaluations; the last evaluation's within one iteration past it (a run whose
+    iterations were rounded to a FLOPs budget); None outside the curve."""
     points = sorted((it * per_iteration, mean(rs, key)) for it, rs in curve.items())
     for (f0, a0), (f1, a1) in zip(points, points[1:]):
         if f0 <= budget <= f1:
             return a0 + (a1 - a0) * (budget - f0) / (f1 - f0)
-    if points and abs(points[-1][0] - budget) <= 1e-9 * budget:
+    if points and points[-1][0] <= budget <= points[-1][0] + per_iteration:
         return points[-1][1]
     return None
 
