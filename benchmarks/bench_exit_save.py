@@ -95,23 +95,25 @@ def build(kind: str, parallel, rng_tracker):
 
 
 def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
+    from megatron_taco.checkpoint.config import CheckpointConfig
+    from megatron_taco.checkpoint.layout import TrainingState
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.checkpointing import TrainingState
-    from megatron_taco.training.config import (
-        TrainingConfig,
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import (
         load_deepspeed_json,
         resolve_deepspeed_config,
     )
     from megatron_taco.training.engine import initialize_engine
-    from megatron_taco.training.logging import TrainingLogger
-    from megatron_taco.training.loop import PretrainTask, Trainer
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.loop import Trainer
+    from megatron_taco.training.observability.log import TrainingLogger
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
+    from megatron_taco.training.spec import ModelParts
 
     torch.manual_seed(0)
     model, make = build(kind, parallel, rng_tracker)
     training = TrainingConfig(train_iters=10_000, micro_batch_size=1, global_batch_size=1,
                               lr=1e-4, lr_warmup_iters=1, log_interval=10_000, eval_iters=0,
-                              progress_bar=False, save=save)  # fmt: skip
+                              progress_bar=False)  # fmt: skip
     settings = resolve_deepspeed_config(training, 1, device_type="cpu",
                                         ds_json=load_deepspeed_json(args.deepspeed_config))  # fmt: skip
     engine = initialize_engine(model, training, settings, parallel)
@@ -136,9 +138,22 @@ def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
     monitor = ExitMonitor(ExitConfig())
     monitor.install()
     logger = TrainingLogger(rank=0, train_iters=training.train_iters, progress_bar=False)
-    task = PretrainTask(model=engine.engine.module, collate_fn=lambda items: items[0],
-                        train_dataset=Batches(make, args.seq_length), callbacks=[Clock()])  # fmt: skip
-    trainer = Trainer(engine, parallel, training, task, logger, seed=1, exit_monitor=monitor)
+    parts = ModelParts(
+        model=engine.model_engine.module,
+        collate_fn=lambda items: items[0],
+        train_dataset=Batches(make, args.seq_length),
+        callbacks=[Clock()],
+    )
+    trainer = Trainer(
+        engine,
+        parallel,
+        training,
+        parts,
+        logger,
+        checkpoint=CheckpointConfig(save=save),
+        seed=1,
+        exit_monitor=monitor,
+    )
     saves: list[tuple[float, float]] = []
     real_save = trainer.save
 

@@ -130,7 +130,7 @@ def bare_limit(corpus, model, workers, split, chunk) -> tuple[float, int, float]
         )
         for r in range(workers)
     ]
-    from megatron_taco.preprocessing.preprocess import _single_threaded_math
+    from megatron_taco.preprocessing.workers import single_threaded_math as _single_threaded_math
 
     with _single_threaded_math():  # the environment the tool gives its workers
         for p in procs:

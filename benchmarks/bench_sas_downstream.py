@@ -4,21 +4,22 @@ equal training wall time, on evaluations a random encoder cannot win, each model
 random-init twins: zero-shot word order by the RTD head (a shuffled sentence should look
 more "replaced") and by the MLM head's pseudo-log-likelihood (ELECTRA: its generator's), and
 a frozen-feature probe (logistic regression on mean-pooled last-layer vectors) on 32, 64 and
-128 labelled sentences. The evaluations are examples/demo_evaluate.py's, on the held-out
-documents of --split.
+128 labelled sentences. The evaluations are megatron_taco/evaluation's (the demo's), on the
+held-out documents of --split.
 
 --finetune replaces them with what the SAS paper judges by (its GLUE Table 6 protocol):
 every encoder fine-tuned end to end under a classification head on the held-out word-order
-task of examples/make_word_order_task.py (original vs two adjacent words swapped; each
+task of megatron_taco/evaluation/word_order.py (original vs two adjacent words swapped; each
 sentence in both forms, 80/20 train/dev by sentence), for each learning rate of --ft-lrs and
 --ft-seeds seeds, one recipe for all: AdamW (0.9, 0.999, eps 1e-6, no weight decay), warmup
 0.1 then linear decay to 0, gradient norm clipped at 1 (ELECTRA's optimiser), dropout 0.1,
 --ft-epochs epochs of --ft-batch; a run scores its best epoch's dev accuracy, and the
-learning rate whose mean over seeds is best is reported, mean and std over its seeds. SAS runs as our fine-tuning
-builds it (models/finetune.TaskModel, the encoder's weights taken by
-encoder_state_from_pretraining), ELECTRA as transformers' ElectraForSequenceClassification
-holding the discriminator's weights; one training loop runs both (our driver, a DeepSpeed
-engine per run, is too slow for the grid on a CPU). Only ELECTRA at SAS's FLOPs is tuned.
+learning rate whose mean over seeds is best is reported, mean and std over its seeds. SAS
+runs as our fine-tuning builds it (models/finetune.TaskModel, the encoder's weights taken by
+encoder_state_from_pretraining), ELECTRA as transformers' ElectraModel holding the
+discriminator's weights under the same linear head (benchmarks/learning/downstream.py); one
+training loop runs both (our driver, a DeepSpeed engine per run, is too slow for the grid on
+a CPU). Only ELECTRA at SAS's FLOPs is tuned.
 
 Inputs are the run folders of bench_sas_variants (or bench_learning) from
 one setting: a SAS variant's folder keeps its final checkpoint and metrics, ELECTRA's keeps
@@ -48,23 +49,26 @@ from benchmarks.harness.results import write_json
 from benchmarks.learning.campaign import campaign
 from benchmarks.learning.downstream import (
     POOLINGS,
-    ElectraEncoder,
+    electra_encoder,
     electra_net,
     finetune_grid,
     finetune_task,
 )
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
-from examples import demo_evaluate as de  # the demo's evaluations (until evaluation/)
-from examples.make_word_order_task import held_out_sentences
+from megatron_taco.data.tokenizer import load_tokenizer
+from megatron_taco.evaluation import encoders, word_order
+from megatron_taco.evaluation.encoders import OurEncoder
+from megatron_taco.evaluation.random_twins import mean_std
+from megatron_taco.evaluation.word_order import held_out_sentences
 
 
 def sas_train_seconds(metrics: str, upto: int) -> float:
     """Training time of our run to iteration ``upto``: each train record's mean iteration
     time x the iterations since the previous record. (Not x --log-interval: the driver also
     closes a window at every epoch's end, so windows are often shorter.)"""
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.logging import read_metrics
+    from megatron_taco.errors import ConfigError
+    from megatron_taco.training.observability.log import read_metrics
 
     records = sorted((int(r["iteration"]), r["elapsed_ms"]) for r in read_metrics(metrics)
                      if r.get("split") == "train" and "elapsed_ms" in r)  # fmt: skip
@@ -83,7 +87,7 @@ def sas_train_seconds(metrics: str, upto: int) -> float:
 
 def electra_points(folder: str) -> list[tuple[int, float, str]]:
     """(iteration, training seconds, weights file) at every evaluation of the ELECTRA run."""
-    from megatron_taco.training.logging import read_metrics
+    from megatron_taco.training.observability.log import read_metrics
 
     seconds = {int(r["iteration"]): r["train_seconds"]
                for r in read_metrics(os.path.join(folder, "metrics.jsonl"))
@@ -181,9 +185,9 @@ def main(argv=None) -> int:
     points = electra_points(args.electra)
     if not points:
         p.error(f"--electra {args.electra}: no peer_iter_*.pt with train_seconds in metrics.jsonl")
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.checkpoint.errors import CheckpointError
     from megatron_taco.data.indexed_dataset import IndexedDatasetError
-    from megatron_taco.training.consolidate import CheckpointError
+    from megatron_taco.errors import ConfigError
 
     if args.corpus:
         args.data_path = prepare(args.corpus, vocab_size=args.vocab_size).prefix
@@ -195,10 +199,9 @@ def main(argv=None) -> int:
 
 
 def run_campaign(args, p) -> int:
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.checkpoint.errors import CheckpointError
     from megatron_taco.data.indexed_dataset import IndexedDatasetError
-    from megatron_taco.data.tokenizer import load_tokenizer
-    from megatron_taco.training.consolidate import CheckpointError
+    from megatron_taco.errors import ConfigError
 
     if args.corpus:
         corpus = prepare(args.corpus, vocab_size=args.vocab_size)
@@ -221,10 +224,10 @@ def run_campaign(args, p) -> int:
 
 
 def compare(args, runs: dict, points: list) -> int:
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.checkpoint.plan import find_checkpoint
     from megatron_taco.data.tokenizer import file_sha256
+    from megatron_taco.errors import ConfigError
     from megatron_taco.recipes.registry import checkpoint_tokenizer
-    from megatron_taco.training.consolidate import find_checkpoint
 
     tokenizers = {label: checkpoint_tokenizer(find_checkpoint(os.path.join(folder, "checkpoints"),
                                                               step), None)
@@ -234,7 +237,7 @@ def compare(args, runs: dict, points: list) -> int:
         if file_sha256(file) != file_sha256(first[0]):
             raise ConfigError(f"--sas {label}: trained with the tokenizer {file}, not the first "
                               f"run's {first[0]}; the runs must share one")  # fmt: skip
-    tok = de.load_tokenizer(*first)
+    tok = load_tokenizer(*first)
     s = Setting(prefix=args.data_path, tokenizer=tok.model_path, cache="", split=args.split,
                    seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
                    warmup_fraction=0.0, eval_interval=0, eval_iters=0, seed=0,
@@ -257,7 +260,7 @@ def compare(args, runs: dict, points: list) -> int:
         if len(task[0][0]) < args.ft_batch or not len(task[1][0]):
             raise ConfigError(f"--data-path: {len(task[0][0])} training rows of the word-order "
                               f"task, fewer than --ft-batch {args.ft_batch}, or no dev row")  # fmt: skip
-    originals, shuffles = de.fitting(tok, sentences, args.seeds, args.seq_length)
+    originals, shuffles = word_order.fitting(tok, sentences, args.seeds, args.seq_length)
     if len(originals) < 2:
         raise ConfigError(f"--data-path: {len(originals)} held-out sentences of --split "
                           f"{args.split} fit --seq-length {args.seq_length}; need 2 or more")  # fmt: skip
@@ -272,11 +275,11 @@ def compare(args, runs: dict, points: list) -> int:
                          "finetune": finetune_grid(encoders, task, args)})  # fmt: skip
             print(f"  {name} ({init}): {ft_cell(rows[-1]['finetune'])}", flush=True)
             return
-        zs, probes = de.word_order(encoders, originals, shuffles, tok)
+        zs, probes = word_order.word_order(encoders, originals, shuffles, tok)
         rows.append(row(name, init, it, flops, seconds, zs, probes))
 
     for name, (variant, folder, step) in runs.items():
-        info, model, randoms = de.twins(os.path.join(folder, "checkpoints"), None,
+        info, model, randoms = encoders.twins(os.path.join(folder, "checkpoints"), None,
                                         args.random_twins, step)  # fmt: skip
         it = info.iteration
         shape = (model.config.num_layers, model.config.hidden_size)
@@ -285,10 +288,10 @@ def compare(args, runs: dict, points: list) -> int:
                               f"{args.layers} --hidden {args.hidden} (the FLOPs count reads them)")  # fmt: skip
         flops = it * train_flops_per_iteration(VARIANTS[variant][0], s, tok.vocab_size)
         seconds = sas_train_seconds(os.path.join(folder, "metrics.jsonl"), it)
-        add(f"SAS {name}", "pretrained", [de.Encoder(model.eval(), "SAS")], it, flops, seconds)
+        add(f"SAS {name}", "pretrained", [OurEncoder(model.eval(), "SAS")], it, flops, seconds)
         if task is None or name == next(iter(runs)):  # fine-tuned once: the same twins
             add(f"SAS {name}", f"random x{len(randoms)}",
-                [de.Encoder(m, "SAS") for m in randoms], 0, 0, 0)  # fmt: skip
+                [OurEncoder(m, "SAS") for m in randoms], 0, 0, 0)  # fmt: skip
         chosen = {"equal FLOPs": nearest(points, lambda q: q[0] * f_electra, flops)}
         if task is None:  # fine-tuning: the FLOPs match only (the grid is costly)
             chosen["equal time"] = nearest(points, lambda q: q[1], seconds)
@@ -307,11 +310,11 @@ def compare(args, runs: dict, points: list) -> int:
                     f"--hidden {args.hidden} over the SAS runs' {tok.vocab_size}-"
                     f"piece vocabulary: {str(e).strip().splitlines()[-1].strip()}"
                 ) from e
-            add(f"ELECTRA ({how} as SAS {name})", "pretrained", [ElectraEncoder(net)], e_it,
+            add(f"ELECTRA ({how} as SAS {name})", "pretrained", [electra_encoder(net)], e_it,
                 e_it * f_electra, e_s)  # fmt: skip
-    twins = [ElectraEncoder(electra_net(tok.vocab_size, s, None, seed=1000 + k))
-             for k in range(args.random_twins)]  # fmt: skip
-    add("ELECTRA", f"random x{len(twins)}", twins, 0, 0, 0)
+    electra_twins = [electra_encoder(electra_net(tok.vocab_size, s, None, seed=1000 + k))
+                     for k in range(args.random_twins)]  # fmt: skip
+    add("ELECTRA", f"random x{len(electra_twins)}", electra_twins, 0, 0, 0)
     (print_finetune_table if task is not None else print_table)(rows)
     if args.json:
         write_json(args.json, rows)
@@ -329,7 +332,7 @@ def nearest(points: list, measure, target: float):
 
 def ft_cell(ft: dict) -> str:
     return (
-        f"lr {ft['lr']:g}: {de._ms(ft['dev_acc'])} (last epoch {de._ms(ft['last_epoch_acc'])}"
+        f"lr {ft['lr']:g}: {mean_std(ft['dev_acc'])} (last epoch {mean_std(ft['last_epoch_acc'])}"
         f", train loss {np.mean(ft['last_train_loss']):.3f})"
     )
 
@@ -344,9 +347,9 @@ def print_finetune_table(rows: list[dict]) -> None:
         ft = r["finetune"]
         print(f"{r['model']:<{w}} {r['init']:<12} {r['iteration']:>5} "
               f"{r['train_flops'] / 1e12:>7.2f} "
-              + " ".join(f"{de._ms(ft['best_epoch'][lr]):>13}" for lr in lrs)
-              + f" {ft['lr']:>9g} {de._ms(ft['dev_acc']):>13} "
-              f"{de._ms(ft['last_epoch_acc']):>13} {np.mean(ft['last_train_loss']):>10.3f}")  # fmt: skip
+              + " ".join(f"{mean_std(ft['best_epoch'][lr]):>13}" for lr in lrs)
+              + f" {ft['lr']:>9g} {mean_std(ft['dev_acc']):>13} "
+              f"{mean_std(ft['last_epoch_acc']):>13} {np.mean(ft['last_train_loss']):>10.3f}")  # fmt: skip
     print("\n(dev accuracy of the word-order task, mean ± std over the fine-tuning seeds: each "
           "run's best epoch; the chosen lr is the one with the best mean; train loss: its "
           "runs' last epoch, mean)")  # fmt: skip
@@ -361,8 +364,8 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['model']:<{w}} {r['init']:<12} {r['iteration']:>5} "
               f"{r['train_flops'] / 1e12:>7.2f} {r['train_seconds']:>8.0f} "
-              f"{de._ms(r['zero_shot_rtd']):>15} {de._ms(r['zero_shot_mlm']):>15} "
-              + " ".join(f"{de._ms(r['probe'][n]):>14}" for n in sizes))  # fmt: skip
+              f"{mean_std(r['zero_shot_rtd']):>15} {mean_std(r['zero_shot_mlm']):>15} "
+              + " ".join(f"{mean_std(r['probe'][n]):>14}" for n in sizes))  # fmt: skip
     print("\n(mean ± std over the shuffles' seeds and the random twins; a random encoder is at "
           "50 on the zero-shot columns by construction)")  # fmt: skip
 

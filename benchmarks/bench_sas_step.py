@@ -17,7 +17,7 @@ our exporter (models/sas/hf.py) so the architectures are the same.
 
 On a GPU every model runs in bf16 (--dtype), ELECTRA with transformers' SDPA attention;
 tokens/s and MFU (the model FLOPs that run, models/flops.py, over the detected GPU's dense
-bf16 peak, megatron_taco/training/peaks.py) are printed per model. SAS's batch carries
+bf16 peak, megatron_taco/training/observability/peaks.py) are printed per model. SAS's batch carries
 the host numbers its collator counts (models/common/host.py): nothing is read back from the
 GPU inside its step.
 

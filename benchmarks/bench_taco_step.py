@@ -11,7 +11,7 @@ median of the per-repeat ratios is reported with its range. --compile adds TACO 
 torch.compile'd layers to the rotation.
 
 On a GPU every model runs in bf16 (--dtype; the bf16 configs' precision) and MFU is model
-FLOPs over the detected GPU's dense bf16 peak (megatron_taco/training/peaks.py; a GEMM measured here
+FLOPs over the detected GPU's dense bf16 peak (megatron_taco/training/observability/peaks.py; a GEMM measured here
 on CPU or an unknown GPU). TACO's batch carries the host numbers its collator counts
 (models/common/host.py), so its step reads nothing back from the GPU. transformers'
 DeBERTa-v2 has no SDPA attention (transformers 5.23): it runs its own.

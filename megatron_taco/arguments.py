@@ -3,7 +3,7 @@
 Every config field is declared with :func:`option`, which records the flag name
 (Megatron-LM's spelling where one exists) and the help text. The parser is built
 from those declarations, so ``--help`` and the dataclass can never disagree.
-This module sits below every subpackage and imports none of them.
+This module sits below every subpackage and imports none of them (but errors.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the flag."""
+from megatron_taco.errors import ConfigError
 
 
 def option(
@@ -31,8 +29,11 @@ def option(
     choices: Sequence[Any] | None = None,
     default_factory: Any = dataclasses.MISSING,
     cli: bool = True,
+    switch: bool = False,
 ) -> Any:
-    metadata = {"help": help, "flag": flag, "choices": choices, "cli": cli}
+    """A config field and its flag. ``switch``: a bool that is a plain Megatron switch
+    (store_true: ``--finetune``), not a ``--x/--no-x`` pair (``--no-no-load-optim``)."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "cli": cli, "switch": switch}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -125,7 +126,11 @@ def add_dataclass_args(
         if default is not None and kwargs["help"]:
             kwargs["help"] += f" (default: {default})"
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-        if tp is bool:
+        if tp is bool and f.metadata.get("switch"):
+            kwargs["action"] = "store_true"
+            kwargs.pop("help")
+            kwargs["help"] = f.metadata.get("help", "")
+        elif tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["default"] = default
         elif typing.get_origin(tp) in (tuple, list):
@@ -176,6 +181,10 @@ def run_cli(
     try:
         body(args)
     except ConfigError as e:
+        # A kind of ConfigError listed in ``user_errors`` (a CheckpointError) is a bad input
+        # file, not a usage error.
+        if any(issubclass(u, ConfigError) and isinstance(e, u) for u in user_errors):
+            parser.exit(1, f"{parser.prog}: error: {e}\n")
         parser.error(str(e))
     except user_errors as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")

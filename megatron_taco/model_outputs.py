@@ -1,6 +1,6 @@
 """The names of a model's outputs that the generic driver reads: the counts the training
 loop sums (training/loop.py) and the eval-mode outputs of the learning monitor
-(training/monitor.py). Models produce them (models/common/monitoring.py), the driver
+(training/observability/monitor.py). Models produce them (models/common/monitoring.py), the driver
 consumes them, and neither may import the other (training/ knows no model), so the contract
 sits here, below every subpackage, like arguments.py: it imports nothing of the package.
 The one batch key the driver reads is here for the same reason (data/ builds batches).

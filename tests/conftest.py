@@ -80,7 +80,8 @@ def wordpiece_dataset(tmp_path_factory, wordpiece_vocab) -> dict:
 def preprocess_botchan(tmp: Path, **tokenizer_flags) -> dict:
     import json
 
-    from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
+    from megatron_taco.preprocessing.config import PreprocessConfig
+    from megatron_taco.preprocessing.preprocess import preprocess
 
     lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
     with open(tmp / "botchan.jsonl", "w", encoding="utf-8") as f:

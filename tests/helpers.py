@@ -4,6 +4,7 @@ from here, never from each other."""
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import pickle
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import single_process_state
-from megatron_taco.training.logging import read_metrics
+from megatron_taco.training.observability.log import read_metrics
 
 TACO_METRIC_KEYS = (
     "loss",
@@ -406,16 +407,17 @@ def train_tiny(model: str, parallel, tmp: str, ds_file: str, *, device_type: str
     tp is (parallel/layers.py); masking and replacements are seeded per sample, so the
     batches depend only on the global batch. Returns (DeepSpeed engine, rank 0's logged
     records; None on the other ranks)."""
+    from megatron_taco.checkpoint.layout import TrainingState
     from megatron_taco.parallel.random import model_parallel_seed
-    from megatron_taco.training.checkpointing import TrainingState
-    from megatron_taco.training.config import (
-        TrainingConfig,
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import (
         load_deepspeed_json,
         resolve_deepspeed_config,
     )
     from megatron_taco.training.engine import apply_numerics, initialize_engine
-    from megatron_taco.training.logging import TrainingLogger
-    from megatron_taco.training.loop import PretrainTask, Trainer
+    from megatron_taco.training.loop import Trainer
+    from megatron_taco.training.observability.log import TrainingLogger
+    from megatron_taco.training.spec import ModelParts
 
     values = dict(
         micro_batch_size=2, lr=3e-3, lr_warmup_iters=1, lr_decay_style="constant", log_interval=1,
@@ -434,15 +436,15 @@ def train_tiny(model: str, parallel, tmp: str, ds_file: str, *, device_type: str
     engine = initialize_engine(network, config, settings, parallel)
     logger = TrainingLogger(rank=parallel.rank, train_iters=config.train_iters,
                             metrics_file=config.metrics_file, progress_bar=False)  # fmt: skip
-    task = PretrainTask(
+    parts = ModelParts(
         model=network, collate_fn=collator, train_dataset=TinySamples(), tokens_per_sample=SEQ
     )
-    Trainer(engine, parallel, config, task, logger, seed=3, rng_tracker=tracker).train(
+    Trainer(engine, parallel, config, parts, logger, seed=3, rng_tracker=tracker).train(
         TrainingState()
     )
     logger.close()
     records = read_metrics(config.metrics_file) if parallel.rank == 0 else None
-    return engine.engine, records
+    return engine.model_engine, records
 
 
 # ---------------------------------------------------------------------------------------
@@ -889,3 +891,40 @@ def assert_close64(got, want, what: str, rtol: float = 1e-10) -> None:
     assert scale > 1e-2, f"{what}: reference too small to test ({scale})"
     err = (got - want).abs().max().item()
     assert err <= rtol * scale, f"{what}: max error {err:.3e} vs scale {scale:.3e}"
+
+
+def chosen(load, ckpt_step=None, *, fallback=False, models=None, tp_size=None):
+    """The iteration checkpoint.plan.plan_resume picks in --load ``load`` (None: a fresh
+    start), as a run with these flags would (``tp_size``: a run of that tensor-parallel
+    size, whose verification refuses another's checkpoints)."""
+    from megatron_taco.checkpoint.config import CheckpointConfig
+    from megatron_taco.checkpoint.plan import ResumeRequest, RunLayout, plan_resume
+
+    checkpoint = CheckpointConfig(load=str(load), ckpt_step=ckpt_step, load_fallback=fallback)
+    layout = None if tp_size is None else RunLayout(world_size=tp_size, tp_size=tp_size)
+    request = ResumeRequest(checkpoint, layout=layout, models=models)
+    if layout is not None:  # only the verification's own checks: no layout or RNG checks
+        request = dataclasses.replace(
+            request,
+            checkpoint=dataclasses.replace(checkpoint, no_load_optim=True, no_load_rng=True),
+        )
+    return plan_resume(request).iteration
+
+
+def shard_path(root, generation: int, layout, shard: int) -> str:
+    """Where the replacement store keeps ``shard`` of ``generation`` (data/replacement_store)."""
+    from megatron_taco.data.replacement_store import generation_dir
+
+    return os.path.join(generation_dir(root, generation), layout.shard_file(shard))
+
+
+def committed_generations(root) -> list[int]:
+    """The store's generations with a manifest; a corrupt manifest raises, not skipped."""
+    from megatron_taco.data.replacement_store import list_generations, manifest_path, read_manifest
+
+    committed = []
+    for generation in list_generations(root):
+        if os.path.exists(manifest_path(root, generation)):
+            read_manifest(root, generation)
+            committed.append(generation)
+    return committed

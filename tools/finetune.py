@@ -2,7 +2,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_taco.training.signals import tie_at_start
+from megatron_taco.training.resilience.exit import tie_at_start
 
 # Before torch and DeepSpeed are imported: a rank whose launcher is gone ends now.
 tie_at_start("finetune.py")

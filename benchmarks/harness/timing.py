@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from benchmarks.harness.results import Result, write_results
-from megatron_taco.training.peaks import gpu_bf16_peak
+from megatron_taco.training.observability.peaks import gpu_bf16_peak
 
 
 def gemm_peak(device, dtype=torch.float32, n: int = 2048, iters: int = 10) -> float:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks.learning.downstream import (
-    ElectraEncoder,
+    electra_encoder,
     electra_net,
     finetune_run,
     finetune_task,
@@ -35,8 +35,9 @@ from benchmarks.learning.downstream import (
 )
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
-from examples import demo_evaluate as de
-from examples.make_word_order_task import held_out_sentences
+from megatron_taco.errors import ConfigError
+from megatron_taco.evaluation.encoders import OurEncoder, twins
+from megatron_taco.evaluation.word_order import fitting, held_out_sentences, word_order
 
 # bench_sas_variants' run folders: VARIANT[_lrLR]_sSEED
 RUN_FOLDER = re.compile(r"^(?P<variant>[a-z0-9_]+?)(?:_lr(?P<lr>[0-9.e+-]+))?_s(?P<seed>\d+)$")
@@ -82,19 +83,19 @@ def load(run: Run, s: Setting, vocab: int):
     if run.model == "electra":
         path = sorted(glob.glob(os.path.join(run.folder, "peer_iter_*.pt")))[-1]
         it = int(re.search(r"peer_iter_(\d+)\.pt$", path).group(1))
-        enc = ElectraEncoder(electra_net(vocab, s, torch.load(path, weights_only=True)))
+        enc = electra_encoder(electra_net(vocab, s, torch.load(path, weights_only=True)))
     else:
-        info, model, _ = de.twins(os.path.join(run.folder, "checkpoints"), None, 0)
-        enc, it = de.Encoder(model.eval(), "SAS"), info.iteration
+        info, model, _ = twins(os.path.join(run.folder, "checkpoints"), None, 0)
+        enc, it = OurEncoder(model.eval(), "SAS"), info.iteration
     return enc, it, it * train_flops_per_iteration(run.model, s, vocab)
 
 
 def random_twins(model: str, runs: list[Run], s: Setting, vocab: int, count: int) -> list:
     if model == "electra":
-        return [ElectraEncoder(electra_net(vocab, s, None, seed=1000 + k)) for k in range(count)]
+        return [electra_encoder(electra_net(vocab, s, None, seed=1000 + k)) for k in range(count)]
     first = next(r for r in runs if r.model == model)
-    _, _, randoms = de.twins(os.path.join(first.folder, "checkpoints"), None, count)
-    return [de.Encoder(m, "SAS") for m in randoms]
+    _, _, randoms = twins(os.path.join(first.folder, "checkpoints"), None, count)
+    return [OurEncoder(m, "SAS") for m in randoms]
 
 
 @dataclasses.dataclass
@@ -112,13 +113,13 @@ def part(prefix: str, tok, split: str, name: str, limit: int, seeds: int, seq: i
     if len(sentences) > limit:
         rng = np.random.default_rng(0)
         sentences = [sentences[i] for i in sorted(rng.choice(len(sentences), limit, False))]
-    originals, shuffles = de.fitting(tok, sentences, seeds, seq)
+    originals, shuffles = fitting(tok, sentences, seeds, seq)
     return Part(sentences, originals, shuffles)
 
 
 def frozen(encoders: list, p: Part, tok) -> dict[str, float]:
     """Zero-shot word order and the probes, each the mean over the shuffles (and twins)."""
-    zs, probes = de.word_order(encoders, p.originals, p.shuffles, tok)
+    zs, probes = word_order(encoders, p.originals, p.shuffles, tok)
     out = {f"zero_shot_{head}": float(np.mean(v)) for head, v in zs.items()}
     out.update({f"probe_{n}": float(np.mean(v)) for n, v in probes.items()})
     return out
@@ -128,8 +129,6 @@ def dev_score(scores: dict[str, float]) -> float:
     """The learning-rate choice's criterion: the probes' mean."""
     probes = [v for k, v in scores.items() if k.startswith("probe_")]
     if not probes:
-        from megatron_taco.arguments import ConfigError
-
         raise ConfigError("--sentences: too few validation sentences for a probe of 32 (64 "
                           "needed) to choose the learning rate on")  # fmt: skip
     return float(np.mean(probes))
@@ -187,8 +186,6 @@ def campaign(args, s: Setting, tok) -> dict:
     random twins, paired tests against ELECTRA. The rows, for the JSON."""
     runs = discover(args.runs, args.variants)
     if not runs:
-        from megatron_taco.arguments import ConfigError
-
         raise ConfigError(f"--runs {args.runs}: no bench_sas_variants run that ended")
     vocab = tok.vocab_size
     common = dict(prefix=args.data_path, tok=tok, split=args.split, seeds=args.seeds,

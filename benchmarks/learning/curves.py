@@ -7,7 +7,7 @@ from benchmarks.learning.setting import sas_like
 
 
 def load_curves(done: dict) -> dict:
-    from megatron_taco.training.logging import read_metrics
+    from megatron_taco.training.observability.log import read_metrics
 
     curves: dict[str, dict[int, list[dict]]] = {}
     for (model, seed), path in done.items():

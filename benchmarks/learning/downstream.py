@@ -1,5 +1,5 @@
 """What bench_sas_downstream measures on a pretrained encoder, ours or transformers'
-ELECTRA's: ELECTRA read as examples/demo_evaluate.py reads ours (its discriminator's
+ELECTRA's: ELECTRA read as megatron_taco/evaluation reads ours (its discriminator's
 vectors and RTD logits, its generator's MLM head), the word-order fine-tuning task, and the
 SAS paper's fine-tuning protocol (its appendix Table 6) on it with a [CLS] or a
 mean-pooled linear head.
@@ -15,31 +15,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.learning.setting import Setting
-from examples import demo_evaluate as de  # the demo's evaluations (until evaluation/)
-from examples.make_word_order_task import train_dev_rows
+from megatron_taco.evaluation.encoders import (
+    FrozenEncoder,
+    TransformersEncoder,
+    pad_rows,
+    token_rows,
+)
+from megatron_taco.evaluation.word_order import train_dev_rows
 
 POOLINGS = ("cls", "mean")
 
 
-class ElectraEncoder(de.Encoder):
-    """benchmarks.learning.peers.Electra read as demo_evaluate reads ours: the
-    discriminator's vectors and RTD logits, the generator's MLM head."""
-
-    def __init__(self, net) -> None:
-        super().__init__(net.eval(), "ELECTRA")
-
-    def hidden(self, ids, mask, pos) -> torch.Tensor:
-        return self.model.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-
-    def rtd_logits(self, ids, mask) -> torch.Tensor:
-        return self.model.disc.discriminator_predictions(self.hidden(ids, mask, None))
-
-    def mlm_nll(self, ids, pos, mask, labels) -> torch.Tensor:
-        gen = self.model.gen
-        at = labels != -100
-        h = gen.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-        logits = gen.generator_lm_head(gen.generator_predictions(h[at]))
-        return F.cross_entropy(logits.double(), labels[at], reduction="none")
+def electra_encoder(net) -> FrozenEncoder:
+    """benchmarks.learning.peers.Electra read as ours are: the discriminator's vectors and
+    RTD logits, the generator's MLM head (``model``: the discriminator)."""
+    return TransformersEncoder(net.disc.eval(), mlm=net.gen.eval(), rtd=net.disc, kind="ELECTRA")
 
 
 def electra_net(vocab: int, s: Setting, state: dict | None, seed: int = 0):
@@ -60,9 +50,9 @@ def electra_net(vocab: int, s: Setting, state: dict | None, seed: int = 0):
 def _rows(tok, rows: list[tuple[str, str]], seq_length: int):
     """(ids, mask, labels) of the rows that fit ``seq_length`` pieces ([CLS] and [SEP]
     included); label 0 is the original."""
-    encoded = de._encode(tok, [text for text, _ in rows])
+    encoded = token_rows(tok, [text for text, _ in rows])
     keep = [i for i, r in enumerate(encoded) if len(r) <= seq_length]
-    ids, mask, _ = de._pad([encoded[i] for i in keep] or [[tok.cls_id]], tok.pad_id)
+    ids, mask, _ = pad_rows([encoded[i] for i in keep] or [[tok.cls_id]], tok.pad_id)
     labels = torch.tensor([int(rows[i][1] != "original") for i in keep])
     return ids[: len(keep)], mask[: len(keep)], labels
 
@@ -117,7 +107,7 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
     return (hidden * m).sum(1) / m.sum(1)
 
 
-def classifier(enc: de.Encoder, seed: int, pooling: str = "cls"):
+def classifier(enc: FrozenEncoder, seed: int, pooling: str = "cls"):
     """(model, step): the encoder under a fresh 2-class linear head (its init seeded) on the
     ``pooling`` vector, and step(ids, mask, labels) -> (cross-entropy loss, logits [b, 2]).
     SAS: our fine-tuning model (models/finetune.TaskModel, the encoder taken by
@@ -126,7 +116,7 @@ def classifier(enc: de.Encoder, seed: int, pooling: str = "cls"):
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     torch.manual_seed(seed)
     if enc.kind == "ELECTRA":
-        model = ElectraClassifier(enc.model.disc, pooling)
+        model = ElectraClassifier(enc.model, pooling)  # enc.model: the discriminator
 
         def step(ids, mask, labels):
             logits = model(ids, mask)
@@ -152,7 +142,7 @@ def classifier(enc: de.Encoder, seed: int, pooling: str = "cls"):
     return model, step
 
 
-def finetune_run(enc: de.Encoder, task, lr: float, seed: int, epochs: int, batch: int,
+def finetune_run(enc: FrozenEncoder, task, lr: float, seed: int, epochs: int, batch: int,
                  pooling: str = "cls") -> dict:  # fmt: skip
     """One fine-tuning run, the SAS paper's Table 6 settings: AdamW (0.9, 0.999, eps 1e-6,
     no weight decay), warm-up 0.1 then linear decay to 0, dropout 0.1, gradient norm

@@ -6,7 +6,7 @@ self-augmentation store are written here from the SAS paper and the reference re
 description (../shared/README.md), sharing no code with megatron_taco/models or recipes/.
 
 Every model's ``forward(batch)`` returns what our models return, so that one evaluation
-(training/loop.py's MetricAccumulator and training/monitor.py's figures) measures all:
+(training/loop.py's MetricAccumulator and training/observability/monitor.py's figures) measures all:
 "loss", "mlm_acc", for RTD models "rtd_acc_replaced"/"rtd_acc_original", and in eval mode the
 learning monitor's inputs (last-layer vectors and the MLM targets' counts).
 

@@ -28,7 +28,7 @@ class Job:
 
 def finished(metrics: str, iters: int) -> bool:
     """Whether ``metrics`` holds the held-out record of a run's last iteration (it ended)."""
-    from megatron_taco.training.logging import read_metrics
+    from megatron_taco.training.observability.log import read_metrics
 
     if not os.path.isfile(metrics):
         return False

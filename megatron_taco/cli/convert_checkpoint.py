@@ -28,25 +28,28 @@ import shutil
 import sys
 from typing import Any
 
-from megatron_taco.arguments import ConfigError, program_name, run_cli
-from megatron_taco.cli.hf_extra import MissingExtra, require_hf_extra
-from megatron_taco.recipes.registry import read_checkpoint
-from megatron_taco.training.consolidate import (
-    CheckpointError,
+from megatron_taco import io
+from megatron_taco.arguments import program_name, run_cli
+from megatron_taco.checkpoint.config import CheckpointConfig
+from megatron_taco.checkpoint.deepspeed_files import (
     CheckpointInfo,
-    ModelLayout,
     TargetLayout,
     TrainingStates,
     ds_format,
     write_states,
 )
-from megatron_taco.training.safe_files import (
+from megatron_taco.checkpoint.errors import CheckpointError
+from megatron_taco.checkpoint.plan import ResumeRequest, find_checkpoint, plan_resume
+from megatron_taco.checkpoint.reshard import ModelLayout
+from megatron_taco.checkpoint.safe_files import (
     UnsafeFile,
     copy_regular,
     read_regular,
     regular_files,
-    umask_mode,
 )
+from megatron_taco.cli.hf_extra import MissingExtra, require_hf_extra
+from megatron_taco.errors import ConfigError
+from megatron_taco.recipes.registry import read_checkpoint
 
 PROG = "convert_checkpoint.py"
 STORE = "replacement_store"
@@ -86,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _target_ds_config(info: CheckpointInfo, path: str | None) -> dict[str, Any]:
-    from megatron_taco.training.config import load_deepspeed_json
+    from megatron_taco.training.deepspeed_config import load_deepspeed_json
 
     saved = dict(info.configs.get("deepspeed") or {})
     if path is None:
@@ -140,7 +143,8 @@ def _metadata(states: TrainingStates, target: TargetLayout, args, rng: bool) -> 
 def _copy_rng(info: CheckpointInfo, target: TargetLayout, tmp: str) -> list[str]:
     """The RNG files, when every rank keeps its place and they load safely: copied without
     following links, and checked against the manifest that was verified."""
-    from megatron_taco.training.checkpointing import rng_state_path, unsafe_globals
+    from megatron_taco.checkpoint.layout import rng_state_path
+    from megatron_taco.checkpoint.safe_files import unsafe_globals
 
     same = (target.layout.tp_size, target.dp_size) == (info.tp_size, info.dp_size)
     paths = [rng_state_path(info.iter_dir, r) for r in range(info.tp_size * info.dp_size)]
@@ -169,32 +173,17 @@ def _copy_checked(src: str, dst: str, entry: dict[str, Any]) -> None:
         )
 
 
-def check_save(save: str) -> None:
-    # Never next to other checkpoints: the tracker written last would roll them back.
-    from megatron_taco.training.checkpointing import existing_checkpoints
-
-    held = existing_checkpoints(save)
-    if held is not None:
-        raise ConfigError(f"--save: {save} already holds {held}; give a new directory")
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise ConfigError(f"--save: {save} exists and is not a directory")
-
-
 def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[str, bool, str]:
     """Write the converted checkpoint into a temporary directory, then rename it into place
     and write the tracker (fsynced, and the directory too), so --save never holds a partial
     checkpoint. Returns (its directory, whether it holds the RNG states, a note on the
     replacement store copied along)."""
-    from megatron_taco.training.checkpointing import (
-        _atomic_write_text,
-        _write_metadata,
-        checkpoint_tag,
-        file_checksum,
-        tracker_path,
-    )
+    from megatron_taco.checkpoint.layout import checkpoint_tag, tracker_path
+    from megatron_taco.checkpoint.manifest import file_checksum, write_metadata
+    from megatron_taco.checkpoint.ownership import check_new_save
 
     save, tag = args.save, checkpoint_tag(states.info.iteration)
-    check_save(save)
+    check_new_save(save)  # again: nothing may have appeared since the plan
     os.makedirs(save, exist_ok=True)
     tmp = os.path.join(save, f"{tag}.tmp-convert-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -203,30 +192,21 @@ def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[
         rng = _copy_rng(states.info, target, tmp)
         files = {}
         for name in write_states(states, target, tmp) + rng:
-            _fsync(os.path.join(tmp, name))
+            io.fsync_file(os.path.join(tmp, name))
             size, crc = file_checksum(os.path.join(tmp, name))
             files[name] = {"bytes": size, "crc32": crc}
         meta = _metadata(states, target, args, rng=bool(rng))
         meta["tokenizer"] = _copy_tokenizer(states.info, args.tokenizer_model, save)
-        _write_metadata(tmp, meta, files)
-        _fsync(tmp)
+        write_metadata(tmp, meta, files)
+        io.fsync_dir(tmp)
         os.rename(tmp, os.path.join(save, tag))
-        _fsync(save)
+        io.fsync_dir(save)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     note = _copy_store(args.load, save)
-    _atomic_write_text(tracker_path(save), f"{states.info.iteration}\n")
+    io.atomic_write(tracker_path(save), f"{states.info.iteration}\n")
     return os.path.join(save, tag), bool(rng), note
-
-
-def _fsync(path: str) -> None:
-    # On disk before the rename publishes the checkpoint (and the tracker names it).
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _copy_tokenizer(info: CheckpointInfo, tokenizer_model: str | None, save: str) -> dict:
@@ -284,7 +264,7 @@ def _copy_store(load: str, save: str) -> str:
                 _copy_checked(src, os.path.join(tmp, name), dict(zip(("bytes", "crc32"), expected)))
         os.makedirs(tmp, exist_ok=True)
         os.rename(tmp, target)
-        _fsync(save)
+        io.fsync_dir(save)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -299,21 +279,19 @@ def save_consolidated(states: TrainingStates, path: str) -> None:
     import torch
 
     state_dict = states.full_state_dict()
-    tmp = f"{path}.tmp.{os.getpid()}"
-    if path.endswith(".safetensors"):
-        from safetensors.torch import save_file
+    with io.atomic_path(path) as tmp:  # given the umask's mode: safetensors writes 0600
+        if path.endswith(".safetensors"):
+            from safetensors.torch import save_file
 
-        info = states.info
-        meta = {
-            "model": info.model,
-            "iteration": str(info.iteration),
-            "model_config": json.dumps(info.configs.get("model") or {}),
-        }
-        save_file(state_dict, tmp, metadata=meta)
-    else:
-        torch.save(state_dict, tmp)
-    umask_mode(tmp)  # safetensors writes 0600: others on the cluster could not read it
-    os.replace(tmp, path)
+            info = states.info
+            meta = {
+                "model": info.model,
+                "iteration": str(info.iteration),
+                "model_config": json.dumps(info.configs.get("model") or {}),
+            }
+            save_file(state_dict, tmp, metadata=meta)
+        else:
+            torch.save(state_dict, tmp)
 
 
 def _describe(tp: int, dp: int, stage: int, precision: str) -> str:
@@ -323,9 +301,12 @@ def _describe(tp: int, dp: int, stage: int, precision: str) -> str:
 def convert(args: argparse.Namespace) -> str:
     if args.consolidate and args.consolidate.endswith(".safetensors"):
         require_hf_extra(f"--consolidate {args.consolidate}", ("safetensors",))
-    if args.save is not None:
-        check_save(args.save)
-    states, config, build = read_checkpoint(args.load, args.ckpt_step, args.tokenizer_model)
+    # What to read, and whether --save may receive it: decided as for every --load.
+    request = ResumeRequest(
+        CheckpointConfig(load=args.load, ckpt_step=args.ckpt_step, save=args.save), required=True
+    )
+    info = find_checkpoint(args.load, plan_resume(request).iteration, verify=False)
+    states, config, build = read_checkpoint(info, tokenizer_model=args.tokenizer_model)
     info = states.info
     source = _describe(info.tp_size, info.dp_size, info.zero_stage, info.precision)
     if args.consolidate:

@@ -50,21 +50,28 @@ def hf_class_name(family: str, task_kind: str) -> str:
     return FAMILY_PREFIX[family] + HF_CLASS[task_kind]
 
 
-def save_task_model(config, task, state_dict: dict[str, torch.Tensor], out: str,
-                    special_ids: dict[str, int],
-                    classifier_dropout: float | None = None) -> str:  # fmt: skip
+def save_task_model(
+    config,
+    task,
+    state_dict: dict[str, torch.Tensor],
+    out: str,
+    special_ids: dict[str, int],
+    classifier_dropout: float | None = None,
+) -> str:
     """config.json + model.safetensors of ``task`` (registry.FinetunedTask) from a TaskModel's
     full state dict (``special_ids``: export_hf.special_token_ids of the run's tokenizer);
     returns the transformers class name."""
     family = family_of(task.encoder, config)
     prefix = PRETRAINING_ENCODER_PREFIX[task.encoder]
-    encoder = {prefix + k[len("encoder.") :]: v for k, v in state_dict.items()
-               if k.startswith("encoder.")}  # fmt: skip
+    encoder = {
+        prefix + k[len("encoder.") :]: v for k, v in state_dict.items() if k.startswith("encoder.")
+    }
     try:
-        head_kwargs, head = task_head(family, task.kind, state_dict["head.weight"],
-                                      state_dict["head.bias"])  # fmt: skip
+        head_kwargs, head = task_head(
+            family, task.kind, state_dict["head.weight"], state_dict["head.bias"]
+        )
     except ValueError as e:  # a head transformers' class cannot hold: the checkpoint's, one line
-        from megatron_taco.training.consolidate import CheckpointError
+        from megatron_taco.checkpoint.errors import CheckpointError
 
         raise CheckpointError(f"--load: {task.task} cannot be exported: {e}") from None
     dropout = config.hidden_dropout if classifier_dropout is None else classifier_dropout
@@ -83,15 +90,16 @@ def save_task_model(config, task, state_dict: dict[str, torch.Tensor], out: str,
 
     if family == "electra":
         enc_kwargs, state = electra_config_and_state(config, encoder, heads=False)
-        hf = transformers.ElectraConfig(**enc_kwargs, **kwargs, classifier_dropout=dropout,
-                                        **special_ids, architectures=[name])  # fmt: skip
+        hf = transformers.ElectraConfig(
+            **enc_kwargs, **kwargs, classifier_dropout=dropout, **special_ids, architectures=[name]
+        )
     else:
         enc_kwargs, state, _ = deberta_v2_config_and_state(config, encoder, heads=False)
-        hf = transformers.DebertaV2Config(**enc_kwargs, **kwargs, cls_dropout=dropout,
-                                          **special_ids, architectures=[name])  # fmt: skip
+        hf = transformers.DebertaV2Config(
+            **enc_kwargs, **kwargs, cls_dropout=dropout, **special_ids, architectures=[name]
+        )
     hf.save_pretrained(out)
-    save_file({**state, **head}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file({**state, **head}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return name
 
 
@@ -100,8 +108,9 @@ def describe(task, config) -> str:
     return f"{hf_class_name(family, task.kind)}, {FAMILY_NAME[family]}"
 
 
-def save_finetuned(info, config, task, state_dict, out: str, argv: list[str],
-                   special_ids: dict[str, int]) -> None:  # fmt: skip
+def save_finetuned(
+    info, config, task, state_dict, out: str, argv: list[str], special_ids: dict[str, int]
+) -> None:
     """The task model and its model card into ``out`` (which holds the tokenizer)."""
     dropout = (info.configs.get("finetune") or {}).get("classifier_dropout")
     name = save_task_model(config, task, state_dict, out, special_ids, dropout)
@@ -166,11 +175,26 @@ def finetune_command(info, results: dict[str, Any] | None) -> str:
     configs = info.configs
     data, ft = configs.get("data") or {}, configs.get("finetune") or {}
     hyper = (results or {}).get("hyperparameters") or {}
-    args = ["taco-finetune", "--load", ft.get("load"), "--task", data.get("task"),
-            "--data-dir", data.get("data_dir"), "--output", ft.get("output")]  # fmt: skip
-    flags = {"--lr": "lr", "--epochs": "epochs", "--global-batch-size": "global_batch_size",
-             "--micro-batch-size": "micro_batch_size", "--seq-length": "seq_length",
-             "--seed": "seed", "--weight-decay": "weight_decay"}  # fmt: skip
+    args = [
+        "taco-finetune",
+        "--load",
+        ft.get("load"),
+        "--task",
+        data.get("task"),
+        "--data-dir",
+        data.get("data_dir"),
+        "--output",
+        ft.get("output"),
+    ]
+    flags = {
+        "--lr": "lr",
+        "--epochs": "epochs",
+        "--global-batch-size": "global_batch_size",
+        "--micro-batch-size": "micro_batch_size",
+        "--seq-length": "seq_length",
+        "--seed": "seed",
+        "--weight-decay": "weight_decay",
+    }
     for flag, key in flags.items():
         if hyper.get(key) is not None:
             args += [flag, hyper[key]]
@@ -243,7 +267,7 @@ def model_card(info, task, config, class_name: str, files: list[str], argv: list
                 "tokenizer": f"`{data.get('vocab_file') or data.get('tokenizer_model')}` "
                 f"({data.get('tokenizer_type') or 'SentencePiece'}, exported as tokenizer.json)",
             }
-        ),  # fmt: skip
+        ),
         "",
         "## Data",
         "",
@@ -254,7 +278,7 @@ def model_card(info, task, config, class_name: str, files: list[str], argv: list
                 "labels": ", ".join(task.labels) if task.labels else task.kind,
                 **{f"{k} examples": v for k, v in examples.items()},
             }
-        ),  # fmt: skip
+        ),
         "",
         "## Recipe",
         "",

@@ -36,21 +36,20 @@ import os
 import shutil
 import sys
 
-from megatron_taco.arguments import ConfigError, program_name, run_cli
+from megatron_taco.arguments import program_name, run_cli
+from megatron_taco.checkpoint.deepspeed_files import read_states
+from megatron_taco.checkpoint.errors import CheckpointError
+from megatron_taco.checkpoint.plan import find_checkpoint
+from megatron_taco.checkpoint.reshard import ModelLayout
 from megatron_taco.cli.hf_extra import require_hf_extra
+from megatron_taco.errors import ConfigError
+from megatron_taco.io import umask_mode
 from megatron_taco.recipes.registry import (
     FINETUNED,
     checkpoint_tokenizer,
     finetuned_task,
     model_builder,
 )
-from megatron_taco.training.consolidate import (
-    CheckpointError,
-    ModelLayout,
-    find_checkpoint,
-    read_states,
-)
-from megatron_taco.training.safe_files import umask_mode
 
 PROG = "export_hf.py"
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")

@@ -18,7 +18,8 @@ import json
 import os
 import sys
 
-from megatron_taco.arguments import ConfigError, program_name, run_cli
+from megatron_taco.arguments import program_name, run_cli
+from megatron_taco.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def score(args: argparse.Namespace) -> None:
-    from megatron_taco.recipes.sweep import GLUE_TASKS, markdown_table, show_std, summarize
+    from megatron_taco.recipes.sweep_summary import GLUE_TASKS, markdown_table, show_std, summarize
 
     if not os.path.isdir(args.results):
         raise ConfigError(f"{args.results} is not a directory")

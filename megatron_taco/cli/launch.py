@@ -102,8 +102,12 @@ class Launch:
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-        print(f"{program_name(PROG)}: {name} passed to {len(ranks)} rank(s) on this node; waiting for them "
-              "to save and exit", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{program_name(PROG)}: {name} passed to {len(ranks)} rank(s) on this node; waiting for them "
+            "to save and exit",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def wait(self) -> int:
         """Reap every process below (the command and anything re-parented here); the

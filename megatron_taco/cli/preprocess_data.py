@@ -10,18 +10,11 @@ import argparse
 import signal
 import sys
 
-from megatron_taco.arguments import (
-    ConfigError,
-    add_dataclass_args,
-    dataclass_from_args,
-    program_name,
-)
-from megatron_taco.preprocessing.preprocess import (
-    PreprocessConfig,
-    PreprocessError,
-    PreprocessInterrupted,
-    preprocess,
-)
+from megatron_taco.arguments import add_dataclass_args, dataclass_from_args, program_name
+from megatron_taco.errors import ConfigError
+from megatron_taco.preprocessing.config import PreprocessConfig, PreprocessError
+from megatron_taco.preprocessing.preprocess import preprocess
+from megatron_taco.preprocessing.staging import PreprocessInterrupted
 
 
 def build_parser() -> argparse.ArgumentParser:

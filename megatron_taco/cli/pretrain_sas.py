@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 
 from megatron_taco.recipes.sas import SPEC
+from megatron_taco.training import driver
 
 
 def main(argv: list[str] | None = None) -> int:
-    return SPEC.main(argv)
+    return driver.main(SPEC, argv)
 
 
 if __name__ == "__main__":

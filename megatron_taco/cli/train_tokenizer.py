@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import sentencepiece as spm
 
+from megatron_taco import io
 from megatron_taco.arguments import (
-    ConfigError,
     add_dataclass_args,
     dataclass_from_args,
     option,
@@ -46,14 +46,11 @@ from megatron_taco.data.tokenizer import (
     canonical_tokenizer_type,
     tokenizer_type_option,
 )
-from megatron_taco.preprocessing.corpora import (
-    FORMATS,
-    CorpusError,
-    Document,
-    detect_format,
-    expand_inputs,
-    iter_records,
-)
+from megatron_taco.errors import ConfigError
+from megatron_taco.preprocessing.corpora import iter_records
+from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
+from megatron_taco.preprocessing.readers import FORMATS
+from megatron_taco.preprocessing.records import CorpusError, Document
 from megatron_taco.preprocessing.text import (
     DEFAULT_SENTENCE_SPLITTER,
     SENTENCE_SPLITTERS,
@@ -352,10 +349,7 @@ def _train_wordpiece(config: TrainTokenizerConfig, stream: _SentenceStream) -> s
     model_path = config.model_prefix + "-vocab.txt"
     vocab = trainer.get_vocab()
     pieces = sorted(vocab, key=vocab.__getitem__)
-    tmp = f"{model_path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(p + "\n" for p in pieces))
-    os.replace(tmp, model_path)
+    io.atomic_write(model_path, "".join(p + "\n" for p in pieces))
     return model_path
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.data.blending import (
     BLEND_INDEX_VERSION,
     BlendedDataset,
@@ -35,6 +34,7 @@ from megatron_taco.data.samples import (
     log_stats,
     parse_split,
 )
+from megatron_taco.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

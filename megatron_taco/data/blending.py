@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.data.cache import array_from_state, array_state
+from megatron_taco.errors import ConfigError
 
 BLEND_INDEX_VERSION = 1  # part of the cache key; bump when the stream changes
 

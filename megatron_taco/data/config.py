@@ -6,10 +6,10 @@ import math
 import os
 from dataclasses import dataclass
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.blending import parse_data_path
 from megatron_taco.data.indexed_dataset import data_file_path, index_file_path
-from megatron_taco.data.samples import NUM_SPECIAL_TOKENS, parse_split
+from megatron_taco.data.samples import parse_split
 from megatron_taco.data.tokenizer import (
     check_dataset_tokenizer,
     check_tokenizer_options,
@@ -19,6 +19,7 @@ from megatron_taco.data.tokenizer import (
     tokenizer_type_option,
     vocab_file_option,
 )
+from megatron_taco.errors import ConfigError
 
 MIN_SEQ_LENGTH = 8
 
@@ -126,10 +127,6 @@ class DataConfig:
     @property
     def weights(self) -> list[float]:
         return parse_data_path(self.data_path)[1]
-
-    @property
-    def max_body_length(self) -> int:
-        return self.seq_length - NUM_SPECIAL_TOKENS
 
     def cache_dir(self) -> str:
         if self.data_cache_path is not None:

@@ -53,12 +53,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -601,12 +600,3 @@ def log_stats(stats: SampleIndexStats, what: str = "sample index") -> None:
             what,
             stats.long_sentences,
         )
-
-
-def sample_body_lengths(sizes: Sequence[int] | np.ndarray, sample_index: np.ndarray) -> np.ndarray:
-    """Tokens of each row's body after truncation to its target (no [CLS]/[SEP])."""
-    sizes = np.asarray(sizes)
-    cum = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
-    np.cumsum(sizes, out=cum[1:])
-    index = np.asarray(sample_index)
-    return np.minimum(cum[index[:, 1]] - cum[index[:, 0]], index[:, 2])

@@ -28,10 +28,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.indexed_dataset import unigram_path
 from megatron_taco.data.masking import IGNORE_INDEX, sample_spans, word_units
 from megatron_taco.data.replacement_store import ReplacementStoreError
+from megatron_taco.errors import ConfigError
 from megatron_taco.model_outputs import DATA_FAULT
 
 COLD_STARTS = ("unigram", "uniform", "mask", "mlm")

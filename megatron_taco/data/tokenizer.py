@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from megatron_taco.arguments import ConfigError, option
+from megatron_taco.arguments import option
+from megatron_taco.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -355,10 +356,12 @@ class WordPieceTokenizer:
         always starts one (the specials included)."""
         if self._word_start is None:
             mask = np.array(
-                [not (p.startswith(CONTINUATION) and len(p) > len(CONTINUATION))
-                 for p in self._pieces],
+                [
+                    not (p.startswith(CONTINUATION) and len(p) > len(CONTINUATION))
+                    for p in self._pieces
+                ],
                 dtype=bool,
-            )  # fmt: skip
+            )
             mask[[self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id]] = True
             mask.setflags(write=False)
             self._word_start = mask
@@ -434,13 +437,14 @@ def save_tokenizer_copy(save_dir: str, tokenizer: AnyTokenizer, record: dict[str
     there); returns the copy's path."""
     import shutil
 
+    from megatron_taco import io
+
     dest = os.path.join(save_dir, *record["file"].split("/"))
     if os.path.isfile(dest) and file_sha256(dest) == record["sha256"]:
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = f"{dest}.tmp-{os.getpid()}"
-    shutil.copyfile(tokenizer.model_path, tmp)
-    os.replace(tmp, dest)
+    with io.atomic_path(dest) as tmp:
+        shutil.copyfile(tokenizer.model_path, tmp)
     return dest
 
 

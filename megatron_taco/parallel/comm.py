@@ -22,10 +22,6 @@ import torch.distributed as dist
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def backend_device_type(backend: str) -> str | None:
     """The device type a backend's collectives need their tensors on: "cuda" for NCCL alone;
     None for gloo, MPI or a mixed "cpu:gloo,cuda:nccl" group (each tensor's own device)."""
@@ -90,6 +86,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
 
 
 def barrier(group=None) -> None:
+    if not dist.is_initialized():  # one process without a group (tools, tests)
+        return
     device = backend_device(group)
     if device is not None:
         # NCCL's barrier is an all-reduce on some device: name ours, or torch guesses one.
@@ -100,14 +98,18 @@ def barrier(group=None) -> None:
 
 def all_gather_object(obj: Any, group=None) -> list[Any]:
     """Every rank's picklable ``obj`` in group-rank order (torch stages the bytes on the
-    current CUDA device under NCCL itself)."""
+    current CUDA device under NCCL itself); ``[obj]`` without a process group."""
+    if not dist.is_initialized():
+        return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
-    """Global rank ``src``'s picklable ``obj`` on every rank."""
+    """Global rank ``src``'s picklable ``obj`` on every rank (``obj`` without a group)."""
+    if not dist.is_initialized():
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

@@ -210,8 +210,9 @@ def vocab_parallel_sample(
     # 2. Which shard holds u's column: the last nonempty one whose preceding mass is <= target.
     before = sums.cumsum(0) - sums  # [tp, N] mass of the shards before each
     total = sums.sum(0)  # [N]
-    u = counter_uniform(keys, torch.zeros(1, dtype=torch.int64, device=keys.device), seed,
-                        dtype=torch.float64).squeeze(1)  # fmt: skip
+    u = counter_uniform(
+        keys, torch.zeros(1, dtype=torch.int64, device=keys.device), seed, dtype=torch.float64
+    ).squeeze(1)
     # floor(u * total) in [0, total): u < 1 - 2^-54 keeps the float64 product below total.
     target = torch.minimum((u * total.double()).long(), (total - 1).clamp(min=0))
     owner = ((before <= target) & (sums > 0)).long().cumsum(0).argmax(0)

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.config import check_world_size
 
@@ -78,10 +78,6 @@ class ParallelState:
             f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
             f"dp={self.dp_rank}/{self.dp_size})"
         )
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.tp_group is not None
 
     def file_barrier(self) -> None:
         """Where the other ranks wait for file-system work one rank does alone (removing
@@ -261,6 +257,11 @@ def init_parallel(
     if world_size > 1 and dist.get_backend() != "gloo":
         host_group = dist.new_group(backend="gloo")
     return ParallelState(
-        world_size=world_size, rank=rank, tp_size=tp_size, tp_group=tp_group, dp_group=dp_group,
-        file_group=file_group, host_group=host_group,
-    )  # fmt: skip
+        world_size=world_size,
+        rank=rank,
+        tp_size=tp_size,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        file_group=file_group,
+        host_group=host_group,
+    )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -24,6 +24,8 @@ from megatron_taco.data.indexed_dataset import (
     index_file_path,
     unigram_path,
 )
+from megatron_taco.errors import ConfigError
+from megatron_taco.preprocessing.staging import replace_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -172,15 +174,7 @@ def merge_datasets(config: MergeConfig) -> str:
                 f"{merged.num_documents} documents, expected {num_sequences} / {num_documents}"
             )
         del merged
-        # The .idx goes first (removed) and last (renamed in): a reader never pairs an old
-        # index with a new data file, even if this process dies between the renames.
-        _remove_quietly(index_file_path(out))
-        os.replace(data_file_path(tmp), data_file_path(out))
-        if counts is not None:
-            os.replace(unigram_path(tmp), unigram_path(out))
-        else:
-            _remove_quietly(unigram_path(out))  # a stale count file would describe other data
-        os.replace(index_file_path(tmp), index_file_path(out))
+        replace_dataset(tmp, out, unigram=counts is not None)
     except BaseException:
         builder.close()
         for path in tmp_files:

@@ -147,8 +147,24 @@ _DROP_TAGS = frozenset(
         "script",
     }
 )
-_BLOCK_TAGS = frozenset({"p", "div", "blockquote", "center", "poem", "ul", "ol", "dl", "h1",
-                         "h2", "h3", "h4", "h5", "h6"})  # fmt: skip
+_BLOCK_TAGS = frozenset(
+    {
+        "p",
+        "div",
+        "blockquote",
+        "center",
+        "poem",
+        "ul",
+        "ol",
+        "dl",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+    }
+)
 _MEDIA_PREFIXES = frozenset({"file", "image", "media", "category"})
 # Interlanguage links are written with a lowercase language code ([[de:Foo]]); article
 # titles with a colon start with a capital ([[Ion: Mass Appeal]]), which keeps them.
@@ -175,10 +191,33 @@ _DROP_SECTIONS = frozenset(
 # Inline templates whose visible output is prose, so dropping them would break sentences.
 # Everything else (infoboxes, navboxes, citations, hatnotes, maintenance tags) is dropped.
 _FIRST_PARAM_TEMPLATES = frozenset(
-    {"nowrap", "nobr", "small", "big", "em", "strong", "nobold", "noitalic", "sic",
-     "not a typo", "smallcaps", "sc", "abbr", "ill", "interlanguage link", "lang-x", "visible anchor",
-     "vanchor", "keypress", "serif", "sans-serif", "mvar", "var", "math"}
-)  # fmt: skip
+    {
+        "nowrap",
+        "nobr",
+        "small",
+        "big",
+        "em",
+        "strong",
+        "nobold",
+        "noitalic",
+        "sic",
+        "not a typo",
+        "smallcaps",
+        "sc",
+        "abbr",
+        "ill",
+        "interlanguage link",
+        "lang-x",
+        "visible anchor",
+        "vanchor",
+        "keypress",
+        "serif",
+        "sans-serif",
+        "mvar",
+        "var",
+        "math",
+    }
+)
 _SECOND_PARAM_TEMPLATES = frozenset({"lang", "transl", "transliteration", "script"})
 _CONVERT_TEMPLATES = frozenset({"convert", "cvt"})
 _RANGE_WORDS = frozenset({"-", "–", "to", "and", "or", "by", "x", "×", "+/-", "to(-)"})

@@ -1,4 +1,4 @@
-"""Recipes: what each model is to the generic driver (training/pretrain.py).
+"""Recipes: what each model is to the generic driver (training/driver.py).
 
 A recipe is a ``ModelSpec`` (config classes, build -> model, collator, datasets, callbacks)
 plus the callbacks only that model needs (SAS's lambda schedule and self-augmentation

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_taco import io
 from megatron_taco.parallel import comm
 from megatron_taco.training.callbacks import Callback
 
@@ -54,7 +54,7 @@ def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np
     """The model's outputs on every feature of ``dataset``, in feature order, on every rank."""
     from megatron_taco.training.engine import to_device
 
-    parallel, engine = trainer.parallel, trainer.ds
+    parallel, engine = trainer.parallel, trainer.model_engine
     n, dp = len(dataset), parallel.dp_size
     mine, gathered_order = evaluation_order(dataset, dp, parallel.dp_rank)
     seq_length = getattr(dataset, "seq_length", None)
@@ -222,12 +222,7 @@ def write_json_atomic(path: str, data: Any) -> None:
 def write_text_atomic(path: str, text: str) -> None:
     """Replace ``path`` whole: readers, and other writers (a sweep's array tasks on other
     nodes rewrite the same summary), see the old file or the new one, never a mix."""
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    io.atomic_write(path, text)
 
 
 def read_results(output: str) -> dict[str, Any] | None:

@@ -7,17 +7,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training.checkpointing import METADATA_FILENAME as METADATA
-from megatron_taco.training.consolidate import (
-    CheckpointError,
+from megatron_taco.checkpoint.deepspeed_files import (
     CheckpointInfo,
-    ModelBuilder,
-    ModelLayout,
     TrainingStates,
-    find_checkpoint,
     read_states,
 )
+from megatron_taco.checkpoint.errors import CheckpointError
+from megatron_taco.checkpoint.layout import METADATA_FILENAME as METADATA
+from megatron_taco.checkpoint.plan import find_checkpoint
+from megatron_taco.checkpoint.reshard import ModelBuilder, ModelLayout
+from megatron_taco.errors import ConfigError
 
 FINETUNED = "finetune"  # metadata.json's "model" in a fine-tuning run's checkpoints
 
@@ -154,8 +153,14 @@ def model_builder(info: CheckpointInfo, tokenizer_model: str | None):
         if task is not None:
             from megatron_taco.models.finetune import TaskModel
 
-            return TaskModel(kind.name, cfg, parallel, task_kind=task.kind,
-                             num_labels=task.num_labels, classifier_dropout=0.0)  # fmt: skip
+            return TaskModel(
+                kind.name,
+                cfg,
+                parallel,
+                task_kind=task.kind,
+                num_labels=task.num_labels,
+                classifier_dropout=0.0,
+            )
         return kind.pretraining_cls(cfg, parallel)
 
     return config, build

@@ -9,7 +9,7 @@
 SAS^c: ``--rtd-weight-final 50`` (constant lambda). SAS^DA: ``--disentangled-attention``.
 Training runs in real epochs over a fixed set of instances (data/epochs.py); lambda steps
 once per epoch and reaches its final value at the last whole epoch (a partial last epoch
-from --train-iters keeps it). The run itself is the generic driver (training/pretrain.py).
+from --train-iters keeps it). The run itself is the generic driver (training/driver.py).
 """
 
 from __future__ import annotations
@@ -21,18 +21,13 @@ import os
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from megatron_taco.arguments import ConfigError, option, require
+from megatron_taco.arguments import option, require
 from megatron_taco.data.sas_collator import ReplacementConfig
+from megatron_taco.errors import ConfigError
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.pretrain import (
-    BuildContext,
-    ModelParts,
-    ModelSpec,
-    PretrainConfigs,
-    starts_fresh,
-)
+from megatron_taco.training.spec import BuildContext, ModelParts, ModelSpec, RunConfigs, group
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +117,25 @@ COLD_START_NOTES = {
 }
 
 
-def check_sas(cfg: PretrainConfigs) -> None:
+@dataclasses.dataclass(frozen=True)
+class SasRecipe:
+    """SAS's own config groups: the replaced tokens, lambda's schedule, self-augmentation."""
+
+    replacement: ReplacementConfig = group("replaced tokens")
+    rtd_schedule: RtdScheduleConfig = group("RTD loss weight")
+    self_augmentation: SelfAugmentationConfig = group("self-augmentation")
+
+
+def check_sas(cfg: RunConfigs) -> None:
     """Before any process group: the cold-start files exist, the store has a home."""
-    augmentation = cfg.task["self_augmentation"]
-    if augmentation.self_augmentation and augmentation.store_dir(cfg.training.save) is None:
+    augmentation = cfg.recipe.self_augmentation
+    if augmentation.self_augmentation and augmentation.store_dir(cfg.checkpoint.save) is None:
         raise ConfigError(
             "--replacement-store: self-augmentation keeps the sampled tokens on disk between "
             "epochs; give --save (the store goes under it) or --replacement-store DIR, or "
             "--no-self-augmentation"
         )
-    store, save = augmentation.replacement_store, cfg.training.save
+    store, save = augmentation.replacement_store, cfg.checkpoint.save
     if store is not None and save is not None:
         root = os.path.realpath(store)
         if os.path.realpath(save) == root or os.path.realpath(save).startswith(root + os.sep):
@@ -140,12 +144,7 @@ def check_sas(cfg: PretrainConfigs) -> None:
                 f"--replacement-store: {store} is or holds --save {save}: give the store a "
                 "directory of its own (default: replacement_store under --save)"
             )
-    if augmentation.self_augmentation and not starts_fresh(cfg):
-        from megatron_taco.recipes.sas_augmentation import check_store_origin, store_origin
-
-        origin = store_origin(cfg.data, cfg.task["replacement"], augmentation)
-        check_store_origin(augmentation.store_dir(cfg.training.save), origin)
-    replacement = cfg.task["replacement"]
+    replacement = cfg.recipe.replacement
     if not augmentation.self_augmentation:
         # Both would be read in every epoch or never: refuse rather than train something else.
         if replacement.cold_start in COLD_START_NOTES:
@@ -160,7 +159,7 @@ def check_sas(cfg: PretrainConfigs) -> None:
                 "--stored-mask-share: applies to the epochs that read the self-augmentation "
                 "store, and --no-self-augmentation reads none"
             )
-    warmup, iters = cfg.task["rtd_schedule"].rtd_weight_warmup_iters, cfg.training.train_iters
+    warmup, iters = cfg.recipe.rtd_schedule.rtd_weight_warmup_iters, cfg.training.train_iters
     if warmup and iters is not None and warmup >= iters:
         raise ConfigError(
             f"--rtd-weight-warmup-iters: {warmup} >= --train-iters {iters}: lambda would be 0 "
@@ -311,12 +310,12 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     )
 
     cfg, model_config = ctx.configs, ctx.model_config
-    data, replacement = cfg.data, cfg.task["replacement"]
+    data, replacement = cfg.data, cfg.recipe.replacement
     instances = build_instances(ctx)
     probs = cold_start_probs(
         replacement, data.prefixes, data.weights, ctx.tokenizer.is_special_mask()
     )
-    augmentation = cfg.task["self_augmentation"]
+    augmentation = cfg.recipe.self_augmentation
     warmup_samples = replacement.cold_start_warmup_iters * cfg.deepspeed.global_batch_size
     cold = make_cold_start(
         replacement,
@@ -328,7 +327,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     callbacks: list[Callback] = []
     source = cold
     if augmentation.self_augmentation:
-        root = augmentation.store_dir(cfg.training.save)
+        root = augmentation.store_dir(cfg.checkpoint.save)
         source = StoreSource(cold, root)
         layout = StoreLayout(
             num_instances=instances.count,
@@ -383,7 +382,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         )
 
     variant = "SAS^DA" if da else "SAS"
-    schedule = cfg.task["rtd_schedule"]
+    schedule = cfg.recipe.rtd_schedule
     data_lines, data_warnings = describe_passes(instances.passes)
     if ctx.parallel.rank == 0:
         for warning in data_warnings:
@@ -397,7 +396,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     if augmentation.self_augmentation:
         source_line = (
             f"self-augmentation from epoch 2 (T={augmentation.sampling_temperature:g}, "
-            f"store {augmentation.store_dir(cfg.training.save)}"
+            f"store {augmentation.store_dir(cfg.checkpoint.save)}"
             + ("; hits dropped from S" if augmentation.drop_replacement_hits else "")
             + ")"
         )
@@ -428,9 +427,22 @@ def build_sas(ctx: BuildContext) -> ModelParts:
     )
 
 
-def sas_stores(cfg: PretrainConfigs) -> tuple[tuple[str, str], ...]:
-    augmentation = cfg.task["self_augmentation"]
-    root = augmentation.store_dir(cfg.training.save) if augmentation.self_augmentation else None
+def sas_resume_checks(cfg: RunConfigs) -> tuple:
+    """plan_resume's check of a checkpoint SAS would resume: every generation of the store
+    was written with this run's origin (data, tokenizer, replacement flags)."""
+    augmentation = cfg.recipe.self_augmentation
+    if not augmentation.self_augmentation or cfg.checkpoint.finetune:
+        return ()
+    from megatron_taco.recipes.sas_augmentation import check_store_origin, store_origin
+
+    origin = store_origin(cfg.data, cfg.recipe.replacement, augmentation)
+    root = augmentation.store_dir(cfg.checkpoint.save)
+    return (lambda candidate: check_store_origin(root, origin),)
+
+
+def sas_stores(cfg: RunConfigs) -> tuple[tuple[str, str], ...]:
+    augmentation = cfg.recipe.self_augmentation
+    root = augmentation.store_dir(cfg.checkpoint.save) if augmentation.self_augmentation else None
     return () if root is None else (("--replacement-store", root),)
 
 
@@ -439,13 +451,10 @@ SPEC = ModelSpec(
     prog="pretrain_sas.py",
     description="Pretrain SAS (MLM + lambda * RTD on one encoder) on DeepSpeed.",
     model_config=SasConfig,
-    task_configs=(
-        ("replacement", ReplacementConfig, "replaced tokens"),
-        ("rtd_schedule", RtdScheduleConfig, "RTD loss weight"),
-        ("self_augmentation", SelfAugmentationConfig, "self-augmentation"),
-    ),
+    recipe_config=SasRecipe,
     build=build_sas,
     check=check_sas,
     has_epochs=True,
     stores=sas_stores,
+    resume_checks=sas_resume_checks,
 )

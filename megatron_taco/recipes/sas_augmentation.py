@@ -6,7 +6,7 @@ replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t
   vocabulary (parallel/sampling.py: an inverse-CDF draw with a counter-based uniform keyed
   by (seed, instance, position, epoch), so a resumed run, or another layout, draws the same
   tokens).
-* The rows go to the sharded on-disk store (data/replacement_store.py, docs/replacement_store.md):
+* The rows go to the sharded on-disk store (data/replacement_store/, docs/replacement_store.md):
   generation t holds what epoch t sampled. Shard k is written only by data-parallel rank
   k mod dp (tensor-parallel rank 0): each micro-batch's rows are all-gathered over the
   data-parallel group and every rank keeps those of its shards, so no two processes ever
@@ -40,7 +40,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError, flag_of, option, require
+from megatron_taco.arguments import flag_of, option, require
+from megatron_taco.checkpoint.errors import (
+    CheckpointInvalid,
+    CheckpointTooNew,
+    CheckpointUnreadable,
+)
+from megatron_taco.checkpoint.layout import checkpoint_tag, complete_iterations
+from megatron_taco.checkpoint.manifest import read_metadata
 from megatron_taco.data.replacement_store import (
     LAYOUT_NAME,
     GenerationReader,
@@ -57,20 +64,12 @@ from megatron_taco.data.replacement_store import (
 )
 from megatron_taco.data.sas_collator import ReplacementSource
 from megatron_taco.data.tokenizer import tokenizer_file, tokenizer_flag
+from megatron_taco.errors import ConfigError, RunError
 from megatron_taco.model_outputs import COUNT_SUFFIX
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
+from megatron_taco.runtime.faults import hook_point
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.checkpointing import (
-    CheckpointInvalid,
-    CheckpointTooNew,
-    CheckpointUnreadable,
-    RunError,
-    checkpoint_tag,
-    complete_iterations,
-    read_metadata,
-)
-from megatron_taco.training.signals import hook_point
 
 logger = logging.getLogger(__name__)
 SAMPLING_SEED_OFFSET = 7919  # keeps the sampling noise apart from other uses of --seed
@@ -81,16 +80,22 @@ FROM_STORE_KEY = "replaced_from_store" + COUNT_SUFFIX
 # DataConfig fields that do not decide the rows (where files are, how they are read), and
 # those recorded by content instead of by path (the data and the tokenizer may be moved).
 _DATA_NOT_RECORDED = (
-    "data_path", "tokenizer_model", "vocab_file", "data_cache_path", "num_workers",
-)  # fmt: skip
+    "data_path",
+    "tokenizer_model",
+    "vocab_file",
+    "data_cache_path",
+    "num_workers",
+)
 
 
 def _file_digest(path: str) -> str:
     """sha256 of a file, or of a directory's files by name (a tokenizer of several files)."""
     digest = hashlib.sha256()
-    paths = [path] if not os.path.isdir(path) else sorted(
-        os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-    )  # fmt: skip
+    paths = (
+        [path]
+        if not os.path.isdir(path)
+        else sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    )
     for name in paths:
         digest.update(os.path.relpath(name, path).encode())
         with open(name, "rb") as f:
@@ -113,10 +118,13 @@ def store_origin(data, replacement, augmentation: SelfAugmentationConfig) -> tup
     dataset by name, weight and size, the tokenizer by content. StoreLayout.origin."""
     # By the name the files have, not the one a symlink or a relative path gives them.
     datasets = [
-        [weight, os.path.basename(os.path.realpath(prefix + ".bin"))[: -len(".bin")],
-         *(os.path.getsize(prefix + ext) for ext in (".bin", ".idx"))]
+        [
+            weight,
+            os.path.basename(os.path.realpath(prefix + ".bin"))[: -len(".bin")],
+            *(os.path.getsize(prefix + ext) for ext in (".bin", ".idx")),
+        ]
         for prefix, weight in zip(data.prefixes, data.weights)
-    ]  # fmt: skip
+    ]
     origin = {
         **_by_flag(data, skip=_DATA_NOT_RECORDED),
         "--data-path": datasets,
@@ -153,9 +161,10 @@ class SelfAugmentationConfig:
         flag="--self-augmentation",
     )
     sampling_temperature: float = option(
-        1.0, "Temperature T of the MLM softmax the replacements are sampled from.",
+        1.0,
+        "Temperature T of the MLM softmax the replacements are sampled from.",
         flag="--sampling-temperature",
-    )  # fmt: skip
+    )
     replacement_store: str | None = option(
         None,
         "Directory of the sharded replacement store (default: replacement_store under --save).",
@@ -287,7 +296,10 @@ class SelfAugmentation(Callback):
 
     def _commit(self, trainer, epoch: int) -> None:
         hook_point("store_commit", epoch)
-        commit_generation(self.root, epoch, self.layout)
+        try:
+            commit_generation(self.root, epoch, self.layout)
+        except ReplacementStoreError as e:
+            raise ReplacementStoreError(f"{e}; {_rewrite_hint(trainer, epoch)}") from None
         if trainer.exiting is not None:
             # Within the grace time of an exit: the next epoch end (maybe the next run's)
             # deletes what no checkpoint needs.
@@ -295,7 +307,7 @@ class SelfAugmentation(Callback):
             return
         # Epoch t+1 reads generation t; the checkpoints in --save need theirs.
         try:
-            needed = generations_needed(trainer.training.save, self.layout.num_instances)
+            needed = generations_needed(trainer.checkpoint.save, self.layout.num_instances)
         except (CheckpointUnreadable, CheckpointTooNew) as e:
             logger.warning("%s; every generation of %s is kept until it can be read", e, self.root)
             return
@@ -430,8 +442,13 @@ class SelfAugmentation(Callback):
         self._flush_agreed(trainer.parallel, close=True)  # every owner flushed
         # A row that changed on disk since it was written (or was never written) stops every
         # rank with one line naming it.
-        _agreed(trainer.parallel, trainer.parallel.rank == 0,
-                lambda: self._commit(trainer, epoch), RunError, self.root)  # fmt: skip
+        _agreed(
+            trainer.parallel,
+            trainer.parallel.rank == 0,
+            lambda: self._commit(trainer, epoch),
+            RunError,
+            self.root,
+        )
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         out = {"store_write_ms": 1000.0 * self.write_seconds / max(self.steps, 1)}
@@ -445,6 +462,26 @@ class SelfAugmentation(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"generation_being_written": self.epoch, "root": self.root}
+
+
+def _rewrite_hint(trainer, epoch: int) -> str:
+    """The way on from a generation that cannot be committed: a row written before the
+    last checkpoint is not written again by resuming from it, but every row is by resuming
+    from a checkpoint saved before the epoch that writes the generation began."""
+    save = trainer.checkpoint.save
+    start = epoch * trainer.parts.samples_per_epoch // trainer.global_batch_size
+    earlier = [i for i in complete_iterations(save) if i <= start] if save else []
+    if earlier:
+        return (
+            f"resume from a checkpoint saved before epoch {epoch + 1} began, which writes "
+            f"the generation anew: --load {save} --ckpt-step {earlier[-1]}"
+        )
+    where = f"in --save {save} " if save else ""
+    again = " with --override-existing-checkpoints" if save else ""
+    return (
+        f"no checkpoint {where}predates epoch {epoch + 1} (iteration {start}), which would "
+        f"write the generation anew: start the run again{again}"
+    )
 
 
 def _agreed(parallel, runs: bool, work, error: type[Exception], root: str) -> None:

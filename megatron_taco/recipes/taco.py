@@ -7,15 +7,25 @@
         --save ckpt --load ckpt --save-interval 1000 --tensorboard-dir tb
 
 Also runs under torchrun, and as plain ``python pretrain_taco.py ...`` for one process.
-The run itself is the generic driver (training/pretrain.py); this module says what TACO is.
+The run itself is the generic driver (training/driver.py); this module says what TACO is.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_taco.data.masking import TokenMaskingConfig
 from megatron_taco.data.position_masking import PositionMaskingConfig
 from megatron_taco.models.taco.config import TacoConfig
-from megatron_taco.training.pretrain import BuildContext, ModelParts, ModelSpec
+from megatron_taco.training.spec import BuildContext, ModelParts, ModelSpec, group
+
+
+@dataclass(frozen=True)
+class TacoRecipe:
+    """TACO's own config groups: its MLM's span masking and its MPM's position masking."""
+
+    masking: TokenMaskingConfig = group("masking (MLM)")
+    position_masking: PositionMaskingConfig = group("position masking (MPM)")
 
 
 def build_taco(ctx: BuildContext) -> ModelParts:
@@ -28,7 +38,7 @@ def build_taco(ctx: BuildContext) -> ModelParts:
 
     cfg, model_config = ctx.configs, ctx.model_config
     data, t, dp = cfg.data, cfg.training, ctx.parallel.dp_size
-    masking, position_masking = cfg.task["masking"], cfg.task["position_masking"]
+    masking, position_masking = cfg.recipe.masking, cfg.recipe.position_masking
     eval_samples = t.eval_samples(dp)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
         data, ctx.tokenizer, (t.train_samples(dp), eval_samples, eval_samples), comm.barrier
@@ -76,9 +86,6 @@ SPEC = ModelSpec(
     prog="pretrain_taco.py",
     description="Pretrain TACO (MLM + MPM) with Megatron tensor parallelism on DeepSpeed.",
     model_config=TacoConfig,
-    task_configs=(
-        ("masking", TokenMaskingConfig, "masking (MLM)"),
-        ("position_masking", PositionMaskingConfig, "position masking (MPM)"),
-    ),
+    recipe_config=TacoRecipe,
     build=build_taco,
 )

@@ -170,8 +170,7 @@ class TaskData:
 
 def _glue(name, labels, metrics, main, dev=("dev",), description="", test=("test",)):
     kind = "regression" if not labels else "classification"
-    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, description,
-                    test)  # fmt: skip
+    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, description, test)
 
 
 _ACC = ("acc",)

@@ -253,8 +253,9 @@ def read_test_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str) -> Exa
         _check_index(seen, row[cols[0]], f"{path}:{lineno}", f"line {lineno}")
         for values, c in zip(columns, cols):
             values.append(row[c])
-    return Examples(columns[1], columns[2] if len(columns) > 2 else None, None, [path],
-                    index=columns[0])  # fmt: skip
+    return Examples(
+        columns[1], columns[2] if len(columns) > 2 else None, None, [path], index=columns[0]
+    )
 
 
 def read_hf_test(paths: list[str], info: TaskInfo, text: tuple[str, ...]) -> Examples:
@@ -270,8 +271,9 @@ def read_hf_test(paths: list[str], info: TaskInfo, text: tuple[str, ...]) -> Exa
             index.append(str(record["idx"]))
             for values, c in zip(columns, text):
                 values.append(record[c])
-    return Examples(columns[0], columns[1] if len(columns) > 1 else None, None, list(paths),
-                    index=index)  # fmt: skip
+    return Examples(
+        columns[0], columns[1] if len(columns) > 1 else None, None, list(paths), index=index
+    )
 
 
 def _check_index(seen: dict[str, str], value: str, where: str, name: str) -> None:
@@ -292,8 +294,10 @@ def read_test_split(data_dir: str, info: TaskInfo, split: str) -> Examples:
     fmt = FORMATS[info.name]
     parent = os.path.dirname(os.path.normpath(data_dir))
     if split == "diagnostic":
-        tsvs = [os.path.join(data_dir, "diagnostic.tsv"),
-                os.path.join(parent, "diagnostic", "diagnostic.tsv")]  # fmt: skip
+        tsvs = [
+            os.path.join(data_dir, "diagnostic.tsv"),
+            os.path.join(parent, "diagnostic", "diagnostic.tsv"),
+        ]
         hubs = [(os.path.join(d, "ax"), "test") for d in (data_dir, parent)]
         text = ("premise", "hypothesis")
     else:

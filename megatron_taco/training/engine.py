@@ -32,16 +32,16 @@ from megatron_taco.parallel.state import (
     init_parallel,
     set_cuda_device,
 )
-from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
+from megatron_taco.runtime.launcher import RENDEZVOUS_ENV, mpi_world_size_env
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import DeepSpeedSettings
 from megatron_taco.training.optim import (
     AnnealingLR,
     build_optimizer,
     build_scheduler,
     optimizer_implementation,
 )
-from megatron_taco.training.signals import nccl_environment
-
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from megatron_taco.training.resilience.peers import nccl_environment
 
 
 def accelerator_name() -> str:
@@ -49,18 +49,6 @@ def accelerator_name() -> str:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name()
-
-
-# What mpirun/mpiexec set for every rank (Open MPI; MPICH's and Intel MPI's Hydra; MVAPICH2).
-# Such ranks have no WORLD_SIZE/RANK: they learn them from MPI itself (_mpi_discovery).
-_MPI_WORLD_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def _mpi_world_size_env() -> tuple[str, str] | None:
-    for key in _MPI_WORLD_SIZE_ENV:
-        if key in os.environ:
-            return key, os.environ[key]
-    return None
 
 
 # cuBLAS picks its reduction order by workspace; a fixed configuration makes its GEMMs
@@ -87,18 +75,6 @@ def apply_numerics(training: TrainingConfig) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def launcher_world_size() -> int:
-    """World size announced by the launcher (deepspeed, torchrun, srun wrapper, mpirun), 1 for
-    plain python. Read from the environment only: it sizes the configs before rendezvous."""
-    key, value = "WORLD_SIZE", os.environ.get("WORLD_SIZE")
-    if value is None:
-        key, value = _mpi_world_size_env() or ("WORLD_SIZE", "1")
-    try:
-        return int(value)
-    except ValueError:
-        raise RuntimeError(f"environment variable {key}={value!r} is not an integer") from None
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -114,7 +90,7 @@ def _mpi_discovery() -> None:
         from mpi4py import MPI
     except ImportError:
         raise RuntimeError(
-            f"started by an MPI launcher ({_mpi_world_size_env()[0]} is set) but mpi4py is not "
+            f"started by an MPI launcher ({mpi_world_size_env()[0]} is set) but mpi4py is not "
             "installed: pip install mpi4py (requirements/cpu.txt pins it)"
         ) from None
     from deepspeed.comm.comm import mpi_discovery
@@ -138,7 +114,7 @@ def init_distributed(
     ``timeout`` bounds the rendezvous and every collective of every group but the file
     group's (``file_timeout``: ParallelState.file_barrier)."""
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ and _mpi_world_size_env() is not None:
+        if "WORLD_SIZE" not in os.environ and mpi_world_size_env() is not None:
             _mpi_discovery()
         if "WORLD_SIZE" not in os.environ:
             # Plain `python pretrain_taco.py`: a one-process world on a free local port.
@@ -149,7 +125,7 @@ def init_distributed(
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(_free_port()),
             )
-        missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
+        missing = [k for k in RENDEZVOUS_ENV if k not in os.environ]
         if missing:
             raise RuntimeError(
                 f"WORLD_SIZE is set but {', '.join(missing)} is not: start with the deepspeed "
@@ -247,14 +223,14 @@ def norm_implementations(model: nn.Module) -> list[str]:
 
 @dataclass
 class Engine:
-    engine: Any  # deepspeed.DeepSpeedEngine
+    model_engine: Any  # deepspeed.DeepSpeedEngine (DeepSpeed's name for it)
     optimizer_impl: str
     scheduler: AnnealingLR
     settings: DeepSpeedSettings
 
     @property
     def device(self) -> torch.device:
-        return self.engine.device
+        return self.model_engine.device
 
 
 def disable_deepspeed_shm_comm() -> None:
@@ -271,8 +247,8 @@ def disable_deepspeed_shm_comm() -> None:
 def agree_on_optimizer(mine: str) -> None:
     """Collective: every rank builds the same Adam (apex's or torch's: whether apex imports
     is a property of each node's install), or all stop with one line naming who differs."""
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.rendezvous import describe_disagreement
+    from megatron_taco.checkpoint.rendezvous import describe_disagreement
+    from megatron_taco.errors import ConfigError
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -346,7 +322,7 @@ def initialize_engine(
     scheduler = build_scheduler(optimizer, training)
     device = accelerator_device_index()
     with deepspeed_device_env(device):
-        engine, _, _, ds_scheduler = deepspeed.initialize(
+        model_engine, _, _, ds_scheduler = deepspeed.initialize(
             # device_rank: the engine's own device (it ignores LOCAL_RANK then).
             args=SimpleNamespace(device_rank=device),
             model=model,
@@ -358,7 +334,9 @@ def initialize_engine(
         )
     if ds_scheduler is not scheduler:
         raise RuntimeError("DeepSpeed replaced the LR scheduler; remove 'scheduler' from the JSON")
-    return Engine(engine=engine, optimizer_impl=impl, scheduler=scheduler, settings=settings)
+    return Engine(
+        model_engine=model_engine, optimizer_impl=impl, scheduler=scheduler, settings=settings
+    )
 
 
 def release_engine(engine: Engine | None) -> None:
@@ -368,7 +346,7 @@ def release_engine(engine: Engine | None) -> None:
     without this every run of a sweep in one process keeps its predecessors' memory (on a GPU,
     weights, Adam states and buckets). ``release_memory`` then frees them."""
     if engine is not None:
-        engine.engine.destroy()
+        engine.model_engine.destroy()
 
 
 def release_memory() -> None:

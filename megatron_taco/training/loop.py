@@ -17,21 +17,23 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from megatron_taco.checkpoint.config import CheckpointConfig
+from megatron_taco.checkpoint.layout import TrainingState
+from megatron_taco.checkpoint.save import save_checkpoint
 from megatron_taco.data.sampler import PretrainingSampler
+from megatron_taco.errors import RunError
 from megatron_taco.model_outputs import COUNT_SUFFIX, DATA_FAULT
 from megatron_taco.parallel import comm
 from megatron_taco.parallel.random import RNGTracker
 from megatron_taco.parallel.state import ParallelState
-from megatron_taco.training.callbacks import Callback, CallbackList
-from megatron_taco.training.checkpointing import RunError, TrainingState, save_checkpoint
+from megatron_taco.training.callbacks import CallbackList
 from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.engine import (
     Engine,
@@ -40,10 +42,11 @@ from megatron_taco.training.engine import (
     to_device,
     unscaled_grad_norm,
 )
-from megatron_taco.training.logging import TrainingLogger
-from megatron_taco.training.monitor import EvaluationStatistics, LearningMonitor
-from megatron_taco.training.peaks import device_peak, mfu
-from megatron_taco.training.signals import ExitMonitor
+from megatron_taco.training.observability.log import TrainingLogger
+from megatron_taco.training.observability.monitor import EvaluationStatistics, LearningMonitor
+from megatron_taco.training.observability.peaks import device_peak, mfu
+from megatron_taco.training.resilience.exit import ExitMonitor
+from megatron_taco.training.spec import ModelParts
 
 
 class NonFiniteLossError(RunError):
@@ -56,21 +59,6 @@ class DataFaultError(RunError):
 
 def is_loss_key(key: str) -> bool:
     return key == "loss" or key.endswith("_loss")
-
-
-@dataclass
-class PretrainTask:
-    """What the builder (e.g. recipes/taco.py) hands the loop."""
-
-    model: nn.Module
-    collate_fn: Callable[[list], dict[str, Any]]
-    train_dataset: torch.utils.data.Dataset
-    valid_dataset: torch.utils.data.Dataset | None = None
-    test_dataset: torch.utils.data.Dataset | None = None
-    tokens_per_sample: int = 0  # for tokens/s
-    train_flops: Callable[[int], float] | None = None  # model FLOPs (fwd+bwd) of n samples
-    samples_per_epoch: int | None = None  # None: one stream without epochs (TACO)
-    callbacks: list[Callback] = field(default_factory=list)
 
 
 class MetricAccumulator:
@@ -169,28 +157,28 @@ class Trainer:
         engine: Engine,
         parallel: ParallelState,
         training: TrainingConfig,
-        task: PretrainTask,
+        parts: ModelParts,
         logger: TrainingLogger,
         *,
+        checkpoint: CheckpointConfig | None = None,
         seed: int,
         num_workers: int = 0,
         rng_tracker: RNGTracker | None = None,
         checkpoint_metadata: dict[str, Any] | None = None,
-        save_retain: int | None = None,
         exit_monitor: ExitMonitor | None = None,
         learning_monitor: LearningMonitor | None = None,
     ) -> None:
         self.engine = engine
-        self.ds = engine.engine
+        self.model_engine = engine.model_engine
         self.parallel = parallel
         self.training = training
-        self.task = task
+        self.parts = parts
+        self.checkpoint = checkpoint or CheckpointConfig()  # none: nothing saved
         self.logger = logger
         self.seed = seed
         self.num_workers = num_workers
         self.rng_tracker = rng_tracker
         self.checkpoint_metadata = checkpoint_metadata
-        self.save_retain = save_retain
         self.exit_monitor = exit_monitor
         self.learning_monitor = learning_monitor
         self.global_batch_size = engine.settings.global_batch_size
@@ -205,14 +193,14 @@ class Trainer:
         self.epoch_end_seconds: float | None = None
         # The learning monitor is a callback for its state (its collapse streak) only.
         extra = [learning_monitor] if learning_monitor is not None else []
-        self.callbacks = CallbackList([*task.callbacks, *extra])
-        spe = task.samples_per_epoch
+        self.callbacks = CallbackList([*parts.callbacks, *extra])
+        spe = parts.samples_per_epoch
         if spe is not None and (spe <= 0 or spe % self.global_batch_size):
             raise ValueError(
                 f"samples_per_epoch {spe} must be a positive multiple of the global batch size "
                 f"{self.global_batch_size}"
             )
-        self._own_grad_norm = not reports_grad_norm(self.ds.optimizer)
+        self._own_grad_norm = not reports_grad_norm(self.model_engine.optimizer)
         self._host_buffer: torch.Tensor | None = None  # _host_values' staging buffer
         # The first DATA_FAULT line of this iteration's batches (this rank's), stopping
         # every rank at the iteration's end.
@@ -232,7 +220,7 @@ class Trainer:
         loader = torch.utils.data.DataLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=self.task.collate_fn,
+            collate_fn=self.parts.collate_fn,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             # A DataLoader draws its workers' base seed from this generator when an iterator
@@ -255,33 +243,33 @@ class Trainer:
         step, possibly inf/NaN for one DeepSpeed applied; a device tensor where it was
         computed on the device, read with the end-of-step flags)."""
         self.callbacks.on_step_start(self, state)
-        lr = float(self.ds.get_lr()[0])
-        skipped_before = self.ds.skipped_steps
+        lr = float(self.model_engine.get_lr()[0])
+        skipped_before = self.model_engine.skipped_steps
         own_norm = None
         for micro in range(self.grad_accum_steps):
             batch = next(data_iter)
             fault = batch.pop(DATA_FAULT, None)
             self._data_fault = self._data_fault or fault
-            batch = to_device(batch, self.ds.device)
-            outputs = self.ds(batch)
-            self.ds.backward(outputs["loss"])
+            batch = to_device(batch, self.model_engine.device)
+            outputs = self.model_engine(batch)
+            self.model_engine.backward(outputs["loss"])
             if micro == self.grad_accum_steps - 1:  # before the step may change it
-                scale = float(getattr(self.ds.optimizer, "loss_scale", 1.0))
+                scale = float(getattr(self.model_engine.optimizer, "loss_scale", 1.0))
             if self._own_grad_norm and micro == self.grad_accum_steps - 1:
                 # Gradients are complete (accumulated and data-parallel averaged) after the
                 # last backward; the step clips them next.
-                own_norm = gradient_norm(self.ds.module, self.parallel)
+                own_norm = gradient_norm(self.model_engine.module, self.parallel)
             # DeepSpeed applies the optimizer (and steps the LR scheduler, unless the step
             # overflowed) only at the gradient-accumulation boundary.
-            self.ds.step()
+            self.model_engine.step()
             self.callbacks.after_micro_batch(self, state, batch, outputs)  # may add sums
             acc.add(outputs)
         # DeepSpeed skips a step whose gradient norm is not finite in fp16 and in its ZeRO
         # optimizers (fp32; bf16 with check_grad_overflow), and applies it with a plain torch
         # optimizer (ZeRO-0 fp32) and in bf16 ZeRO without the check.
-        skipped = self.ds.skipped_steps != skipped_before
-        norm = own_norm if self._own_grad_norm else self.ds.get_global_grad_norm()
-        norm = unscaled_grad_norm(self.ds.optimizer, norm, scale)
+        skipped = self.model_engine.skipped_steps != skipped_before
+        norm = own_norm if self._own_grad_norm else self.model_engine.get_global_grad_norm()
+        norm = unscaled_grad_norm(self.model_engine.optimizer, norm, scale)
         return lr, skipped, None if skipped else norm
 
     def _host_values(self, values: list[float]) -> torch.Tensor:
@@ -289,7 +277,7 @@ class Trainer:
         copy (torch.tensor(..., device=)) waits for the stream; this one goes through a host
         buffer, pinned on a GPU and reused at every read (its previous copy has finished:
         the read that followed it waited for it)."""
-        device = self.ds.device
+        device = self.model_engine.device
         if self._host_buffer is None or self._host_buffer.numel() != len(values):
             self._host_buffer = torch.empty(
                 len(values), dtype=torch.float64, pin_memory=device.type == "cuda"
@@ -340,7 +328,7 @@ class Trainer:
                 value, j = staged[j : j + 1], j + 1
             finite = torch.isfinite(value)
             parts += [(~finite).to(torch.float64), value.where(finite, 0.0)]
-        device = self.ds.device
+        device = self.model_engine.device
         flags = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1 and flags.numel():
             comm.all_reduce(flags, op="max")
@@ -404,13 +392,15 @@ class Trainer:
         if total == 0:
             self.logger.print(f" {split}: fewer samples than one micro-batch per rank; skipped")
             return {}
-        self.ds.eval()
+        self.model_engine.eval()
         try:
-            batches = (to_device(b, self.ds.device) for b in self._loader(dataset, 0, total))
+            batches = (
+                to_device(b, self.model_engine.device) for b in self._loader(dataset, 0, total)
+            )
             iterations = max(total // self.global_batch_size, 1)
-            metrics = evaluate_batches(self.ds, batches, self.parallel, iterations)
+            metrics = evaluate_batches(self.model_engine, batches, self.parallel, iterations)
         finally:
-            self.ds.train()
+            self.model_engine.train()
         self.logger.log(split, iteration, metrics)
         if split == "valid" and self.learning_monitor is not None:
             self.learning_monitor.check(iteration, metrics)
@@ -419,7 +409,7 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------
 
     def save(self, state: TrainingState, *, for_exit: bool = False) -> None:
-        if self.training.save is None or self.last_saved_iteration == state.iteration:
+        if self.checkpoint.save is None or self.last_saved_iteration == state.iteration:
             return
         what = f"the {'exit ' if for_exit else ''}save of iteration {state.iteration}"
         with self.exit_monitor.doing(what) if self.exit_monitor else contextlib.nullcontext():
@@ -434,13 +424,13 @@ class Trainer:
             "callbacks": self.callbacks.state_dict(),
         }
         path = save_checkpoint(
-            self.ds,
-            self.training.save,
+            self.model_engine,
+            self.checkpoint.save,
             state,
             self.parallel,
             self.rng_tracker,
             metadata=metadata,
-            retain=self.save_retain,
+            retain=self.checkpoint.save_retain,
             clean_up=self.exiting is None,
         )
         self.last_saved_iteration = state.iteration
@@ -450,7 +440,7 @@ class Trainer:
         )
 
     def _periodic_save(self, state: TrainingState) -> None:
-        if self.training.save is None:
+        if self.checkpoint.save is None:
             return
         if self.learning_monitor is not None and self.learning_monitor.holds_saves:
             self.logger.print(
@@ -465,7 +455,7 @@ class Trainer:
         it is what the run resumes from (not saving would repeat the same stretch at every
         restart), and it records the streak, which the resumed run goes on counting."""
         m = self.learning_monitor
-        if m is None or not m.holds_saves or self.training.save is None:
+        if m is None or not m.holds_saves or self.checkpoint.save is None:
             return ""
         return (
             f" (the encoder has been collapsed since iteration {m.first_collapsed}: resume from "
@@ -476,21 +466,21 @@ class Trainer:
 
     def epoch_of(self, consumed_samples: int) -> int:
         """0-based epoch of the step that starts after ``consumed_samples``."""
-        spe = self.task.samples_per_epoch
+        spe = self.parts.samples_per_epoch
         return consumed_samples // spe if spe else 0
 
     def num_epochs(self) -> int:
-        spe = self.task.samples_per_epoch
+        spe = self.parts.samples_per_epoch
         total = self.training.train_samples(self.parallel.dp_size)
         return -(-total // spe) if spe else 1
 
     def _train_iter(self, state: TrainingState) -> Iterator[dict]:
         """Batches from the current position to the end of its epoch (or of training)."""
         end = self.training.train_samples(self.parallel.dp_size)
-        spe = self.task.samples_per_epoch
+        spe = self.parts.samples_per_epoch
         if spe:
             end = min(end, (self.epoch_of(state.consumed_samples) + 1) * spe)
-        return self._loader(self.task.train_dataset, state.consumed_samples, end)
+        return self._loader(self.parts.train_dataset, state.consumed_samples, end)
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -502,7 +492,7 @@ class Trainer:
             return self._train(state)
 
     def _train(self, state: TrainingState) -> TrainingState:
-        t = self.training
+        t, ck = self.training, self.checkpoint
         if state.iteration >= t.train_iters:
             self.logger.print(
                 f" iteration {state.iteration} >= --train-iters {t.train_iters}: nothing to train"
@@ -513,7 +503,7 @@ class Trainer:
         epoch = self.epoch_of(state.consumed_samples)
         self.callbacks.on_epoch_start(self, state, epoch)
         data_iter = self._train_iter(state)
-        self.ds.train()
+        self.model_engine.train()
         interval = _Interval()
         last_evaluated = None
         while state.iteration < t.train_iters:
@@ -559,13 +549,13 @@ class Trainer:
                 self.save(state, for_exit=True)
                 return state
             if (
-                self.task.valid_dataset is not None
+                self.parts.valid_dataset is not None
                 and t.eval_iters > 0
                 and state.iteration % t.eval_interval == 0
             ):
-                self.evaluate("valid", self.task.valid_dataset, state.iteration)
+                self.evaluate("valid", self.parts.valid_dataset, state.iteration)
                 last_evaluated = state.iteration
-            if t.save_interval is not None and state.iteration % t.save_interval == 0:
+            if ck.save_interval is not None and state.iteration % ck.save_interval == 0:
                 self._periodic_save(state)
             if t.exit_interval is not None and state.iteration % t.exit_interval == 0:
                 self.logger.print(
@@ -583,22 +573,22 @@ class Trainer:
         # Validation before the final save: with --exit-on-collapse a collapsed encoder is
         # not saved over the last good checkpoint.
         if (
-            self.task.valid_dataset is not None
+            self.parts.valid_dataset is not None
             and t.eval_iters > 0
             and last_evaluated != state.iteration
         ):
-            self.evaluate("valid", self.task.valid_dataset, state.iteration)
+            self.evaluate("valid", self.parts.valid_dataset, state.iteration)
         if self.learning_monitor is not None:
             self.learning_monitor.check_end(state.iteration)
         self.save(state)
-        if self.task.test_dataset is not None and t.eval_iters > 0:
-            self.evaluate("test", self.task.test_dataset, state.iteration)
+        if self.parts.test_dataset is not None and t.eval_iters > 0:
+            self.evaluate("test", self.parts.test_dataset, state.iteration)
         return state
 
     def _exit_plan(self, epoch_ended: bool) -> str:
         """What an exit still does and how long that took last time: a scheduler's grace
         time must cover it."""
-        if self.training.save is None:
+        if self.checkpoint.save is None:
             return ""
 
         def took(seconds: float | None) -> str:
@@ -618,9 +608,9 @@ class Trainer:
         def due(interval: int | None) -> bool:
             return interval is not None and iteration % interval == 0
 
-        evaluates = self.task.valid_dataset is not None and t.eval_iters > 0
+        evaluates = self.parts.valid_dataset is not None and t.eval_iters > 0
         return (
-            (t.save is not None and due(t.save_interval))
+            (self.checkpoint.save is not None and due(self.checkpoint.save_interval))
             or (evaluates and due(t.eval_interval))
             or due(t.exit_interval)
         )
@@ -644,13 +634,13 @@ class Trainer:
             "grad_norm": interval.mean_grad_norm(),
             "skipped_iterations": interval.skipped,
         }
-        if self.task.samples_per_epoch:
+        if self.parts.samples_per_epoch:
             metrics["epoch"] = epoch + 1  # 1-based, as the paper counts epochs
         metrics.update(self.callbacks.metrics(sums))
         if self.engine.settings.precision == "fp16":
             # DeepSpeed's dynamic loss scale: it halves on overflow (that step is skipped,
             # and the LR scheduler is not stepped for it).
-            scale = getattr(self.ds.optimizer, "loss_scale", None)
+            scale = getattr(self.model_engine.optimizer, "loss_scale", None)
             if scale is not None:
                 metrics["loss_scale"] = float(scale)
         if self.training.log_throughput:
@@ -662,12 +652,12 @@ class Trainer:
             return {}
         samples = self.global_batch_size * iterations
         out = {"samples_per_s": samples / seconds}
-        if self.task.tokens_per_sample:
-            out["tokens_per_s"] = samples * self.task.tokens_per_sample / seconds
-        if self.task.train_flops is not None:
+        if self.parts.tokens_per_sample:
+            out["tokens_per_s"] = samples * self.parts.tokens_per_sample / seconds
+        if self.parts.train_flops is not None:
             # Model FLOPs per rank (Megatron's convention): the whole model's work divided
             # over every rank, tensor-parallel ones included.
-            flops = self.task.train_flops(self.global_batch_size) * iterations
+            flops = self.parts.train_flops(self.global_batch_size) * iterations
             per_rank = flops / seconds / self.parallel.world_size
             out["tflops_per_rank"] = per_rank / 1e12
             utilisation = mfu(per_rank, self.device_peak)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from megatron_taco.param_groups import split_weight_decay
 from megatron_taco.training.config import TrainingConfig
 
 try:  # apex is optional; importing it can fail for many reasons (ABI, CUDA mismatch).
@@ -32,31 +33,6 @@ APEX_ADAM = "apex.optimizers.FusedAdam"
 TORCH_ADAMW = "torch.optim.AdamW"
 
 logger = logging.getLogger(__name__)
-
-_NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
-if hasattr(nn, "RMSNorm"):
-    _NORM_TYPES += (nn.RMSNorm,)
-
-
-def _is_norm(module: nn.Module) -> bool:
-    # apex's FusedLayerNorm/MixedFusedLayerNorm are not nn.LayerNorm subclasses.
-    return isinstance(module, _NORM_TYPES) or "Norm" in type(module).__name__
-
-
-def split_weight_decay(model: nn.Module) -> tuple[list[str], list[str]]:
-    """(names with weight decay, names without), trainable parameters only, in model order."""
-    norm_params = {
-        id(p) for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)
-    }
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim < 2 or id(p) in norm_params:
-            no_decay.append(name)
-        else:
-            decay.append(name)
-    return decay, no_decay
 
 
 def layer_lr_scales(model: nn.Module, decay: float) -> dict[str, float]:
@@ -96,7 +72,7 @@ def param_groups(
                     "weight_decay": wd,
                     "name": name,
                     "lr_scale": scale,
-                }  # fmt: skip
+                }
             )
     return [g for g in groups if g["params"]]
 
@@ -105,7 +81,7 @@ def optimizer_implementation() -> str:
     """The Adam build_optimizer uses on this node, as recorded in checkpoints: apex's
     FusedAdam where apex and its CUDA extensions import and a GPU is there, else torch's
     AdamW. Their states differ (apex keeps ``step`` per parameter group, torch per
-    parameter), so a resume must not mix them (training/consolidate.py)."""
+    parameter), so a resume must not mix them (checkpoint/reshard.py)."""
     return APEX_ADAM if _ApexFusedAdam is not None and torch.cuda.is_available() else TORCH_ADAMW
 
 
@@ -211,8 +187,15 @@ class AnnealingLR(LRScheduler):
         lr = self.lr_at(self.num_steps)
         return [lr * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
 
-    _SCHEDULE = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "step_size",
-                 "counts_samples")  # fmt: skip
+    _SCHEDULE = (
+        "max_lr",
+        "min_lr",
+        "warmup_steps",
+        "decay_steps",
+        "decay_style",
+        "step_size",
+        "counts_samples",
+    )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the step count; the schedule itself comes from this run's flags, so a

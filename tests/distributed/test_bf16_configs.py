@@ -10,11 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_taco.training.config import (
-    TrainingConfig,
-    load_deepspeed_json,
-    resolve_deepspeed_config,
-)
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import load_deepspeed_json, resolve_deepspeed_config
 from tests.helpers import REPO, run_distributed
 
 # Per rank, per micro-batch: the gradient of the one weight. DeepSpeed scales each by 1/2
@@ -43,7 +40,7 @@ def _engine_view(rank, world, stage):
                               lr=1e-3, lr_warmup_iters=0, clip_grad=0.0)  # fmt: skip
     ds_json = load_deepspeed_json(str(REPO / "ds_configs" / f"zero{stage}_bf16.json"))
     settings = resolve_deepspeed_config(training, world, device_type="cpu", ds_json=ds_json)
-    ds = initialize_engine(Weight(), training, settings, parallel).engine
+    ds = initialize_engine(Weight(), training, settings, parallel).model_engine
     for micro in range(2):
         x = torch.tensor([GRADS[rank][micro]], dtype=torch.bfloat16)
         ds.backward(ds({"x": x})["loss"])

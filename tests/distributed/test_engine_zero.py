@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -16,22 +17,18 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_taco.checkpoint.config import CheckpointConfig
+from megatron_taco.checkpoint.layout import TRACKER_FILENAME, TrainingState, rng_state_path
+from megatron_taco.checkpoint.load import execute_plan, load_checkpoint
+from megatron_taco.checkpoint.plan import ResumeRequest, RunLayout, plan_resume
 from megatron_taco.parallel.state import init_parallel
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.checkpointing import (
-    TRACKER_FILENAME,
-    TrainingState,
-    load_checkpoint,
-    rng_state_path,
-)
-from megatron_taco.training.config import (
-    TrainingConfig,
-    load_deepspeed_json,
-    resolve_deepspeed_config,
-)
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import load_deepspeed_json, resolve_deepspeed_config
 from megatron_taco.training.engine import initialize_engine
-from megatron_taco.training.logging import TrainingLogger, read_metrics
-from megatron_taco.training.loop import PretrainTask, Trainer
+from megatron_taco.training.loop import Trainer
+from megatron_taco.training.observability.log import TrainingLogger, read_metrics
+from megatron_taco.training.spec import ModelParts
 from tests.helpers import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +75,17 @@ def toy_collate(samples):
     return {"tokens": torch.stack([s["tokens"] for s in samples])}
 
 
-def _training(tmp: str, **overrides) -> TrainingConfig:
+@dataclass(frozen=True)
+class Run:
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+
+    def __getattr__(self, name):  # run.save, run.load, run.metrics_file, run.train_iters...
+        source = self.checkpoint if hasattr(self.checkpoint, name) else self.training
+        return getattr(source, name)
+
+
+def _training(tmp: str, **overrides) -> Run:
     values = dict(
         train_iters=6,
         micro_batch_size=4,
@@ -89,17 +96,19 @@ def _training(tmp: str, **overrides) -> TrainingConfig:
         log_interval=1,
         eval_interval=3,
         eval_iters=1,
-        save=os.path.join(tmp, "ckpt"),
-        save_interval=3,
         progress_bar=False,
         metrics_file=os.path.join(tmp, "metrics.jsonl"),
     )
+    ckpt = dict(save=os.path.join(tmp, "ckpt"), save_interval=3)
+    for name in [k for k in overrides if k in {f.name for f in fields(CheckpointConfig)}]:
+        ckpt[name] = overrides.pop(name)
     values.update(overrides)
-    return TrainingConfig(**values)
+    return Run(TrainingConfig(**values), CheckpointConfig(**ckpt))
 
 
-def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, device_type="cpu",
+def _run(parallel, run, ds_file, model_seed, state=None, load_step=None, device_type="cpu",
          **task_kwargs):  # fmt: skip
+    training = run.training
     settings = resolve_deepspeed_config(
         training, parallel.dp_size, device_type=device_type, ds_json=load_deepspeed_json(ds_file)
     )
@@ -108,7 +117,7 @@ def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, de
     engine = initialize_engine(model, training, settings, parallel)
     state = state or TrainingState()
     if load_step is not None:
-        state = load_checkpoint(engine.engine, training.load, parallel, ckpt_step=load_step)
+        state = load_checkpoint(engine.model_engine, run.load, load_step, parallel)
     logger = TrainingLogger(
         rank=parallel.rank,
         train_iters=training.train_iters,
@@ -116,7 +125,7 @@ def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, de
         metrics_file=training.metrics_file,
         progress_bar=False,
     )
-    task = PretrainTask(
+    parts = ModelParts(
         model=model,
         collate_fn=toy_collate,
         train_dataset=ToyDataset(),
@@ -125,7 +134,9 @@ def _run(parallel, training, ds_file, model_seed, state=None, load_step=None, de
         train_flops=lambda n: 6.0 * n * SEQ * 32 * 32,
         **task_kwargs,
     )
-    trainer = Trainer(engine, parallel, training, task, logger, seed=7, num_workers=0)
+    trainer = Trainer(
+        engine, parallel, training, parts, logger, checkpoint=run.checkpoint, seed=7, num_workers=0
+    )
     state = trainer.train(state)
     logger.close()
     return engine, state
@@ -276,37 +287,45 @@ def test_zero_stages_agree_with_each_other_and_with_fp32(zero_results):
 
 
 def _edge_worker(rank, world_size, tmp):
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.checkpointing import save_checkpoint
+    from megatron_taco.checkpoint.save import save_checkpoint
+    from megatron_taco.errors import ConfigError
 
     parallel = init_parallel(1)
-    training = _training(tmp, lr_decay_style="constant")
+    training = _training(tmp, lr_decay_style="constant").training
     settings = resolve_deepspeed_config(training, 1, device_type="cpu")
     torch.manual_seed(0)
-    engine = initialize_engine(ToyModel(), training, settings, parallel).engine
+    engine = initialize_engine(ToyModel(), training, settings, parallel).model_engine
+
+    def resume(load, **flags):  # as the driver does: plan, then load what it names
+        request = ResumeRequest(CheckpointConfig(load=load, **flags), RunLayout(1, 1))
+        plan = plan_resume(request)
+        return execute_plan(engine, plan, request, parallel)[0] if plan.loads else None
+
     out = {}
     empty = os.path.join(tmp, "empty")
     os.makedirs(empty)
-    out["no_tracker"] = load_checkpoint(engine, empty, parallel)
+    out["no_tracker"] = resume(empty)
     save = os.path.join(tmp, "ckpt")
     save_checkpoint(engine, save, TrainingState(5, 80), parallel)
     out["saved_files"] = sorted(os.listdir(save)) + sorted(
         os.listdir(os.path.join(save, "iter_0000005"))
     )
-    out["latest"] = load_checkpoint(engine, save, parallel)
-    out["finetune"] = load_checkpoint(engine, save, parallel, finetune=True)
-    out["no_optim"] = load_checkpoint(engine, save, parallel, load_optim=False, load_rng=False)
+    out["latest"] = resume(save)
+    out["finetune"] = resume(save, finetune=True)
+    out["no_optim"] = resume(save, no_load_optim=True, no_load_rng=True)
     errors = {}
     for name, tracker in (("missing_dir", "7\n"), ("garbage", "release\n")):
         Path(save, TRACKER_FILENAME).write_text(tracker)
         try:
-            load_checkpoint(engine, save, parallel)
+            resume(save)
         except ConfigError as e:
             errors[name] = str(e)
     Path(save, TRACKER_FILENAME).write_text("5\n")
+    # A rank whose RNG file is gone (what plan_resume refuses before any process group when
+    # the world size changed): the loader names the flag too.
     os.remove(rng_state_path(os.path.join(save, "iter_0000005"), 0))
     try:
-        load_checkpoint(engine, save, parallel)
+        load_checkpoint(engine, save, 5, parallel)
     except ConfigError as e:
         errors["rng"] = str(e)
     out["errors"] = errors
@@ -351,7 +370,7 @@ class Recorder(Callback):
         self.events.append(("epoch_start", epoch, state.iteration))
 
     def after_micro_batch(self, trainer, state, batch, outputs):
-        assert trainer.ds.training, "after_micro_batch must never run during evaluation"
+        assert trainer.model_engine.training, "after_micro_batch must never run during evaluation"
         assert batch["tokens"].shape == (4, SEQ) and outputs["loss"].requires_grad
         self.micro_batches += 1
         # A count the loop sums over the interval and the data-parallel ranks for us.
@@ -414,13 +433,14 @@ def test_callbacks_and_epochs_on_a_real_engine(tmp_path):
 
 
 def _old_value_size_worker(rank, world_size, tmp):
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.checkpoint.save import save_checkpoint
+    from megatron_taco.errors import ConfigError
     from megatron_taco.models.taco.config import TacoConfig
     from megatron_taco.models.taco.model import TacoForPretraining
-    from megatron_taco.training.checkpointing import save_checkpoint
 
     parallel = init_parallel(1)
-    training = _training(tmp, load=os.path.join(tmp, "ckpt"))
+    run = _training(tmp, load=os.path.join(tmp, "ckpt"))
+    training = run.training
     settings = resolve_deepspeed_config(training, 1, device_type="cpu")
     # Before the fix every value head was --kv-channels (8 in tiny) wide.
     for value_channels, save in ((8, True), (None, False)):
@@ -432,9 +452,9 @@ def _old_value_size_worker(rank, world_size, tmp):
             TacoForPretraining(config, parallel), training, settings, parallel
         )
         if save:
-            save_checkpoint(engine.engine, training.save, TrainingState(3, 12), parallel)
+            save_checkpoint(engine.model_engine, run.save, TrainingState(3, 12), parallel)
     try:
-        load_checkpoint(engine.engine, training.load, parallel)
+        load_checkpoint(engine.model_engine, run.load, 3, parallel)
     except ConfigError as e:
         return str(e)
     return None

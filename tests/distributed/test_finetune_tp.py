@@ -171,7 +171,7 @@ def _predict(rank, world_size):
     out = {}
     for task in ("classification", "span"):
         model = finetune_model("TACO", task, seed=4)
-        trainer = SimpleNamespace(parallel=parallel, ds=EngineLike(model))
+        trainer = SimpleNamespace(parallel=parallel, model_engine=EngineLike(model))
         out[task] = predict(trainer, finetune_features(task, n=7, seed=9), 2, Collate())
     return out
 

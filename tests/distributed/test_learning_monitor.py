@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_taco.models.common.monitoring import monitoring_outputs
-from megatron_taco.training.monitor import EvaluationStatistics
+from megatron_taco.training.observability.monitor import EvaluationStatistics
 from tests.helpers import run_distributed
 
 

@@ -20,10 +20,11 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from megatron_taco.checkpoint.layout import FORMAT, TrainingState, checkpoint_tag
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
 from megatron_taco.data.replacement_store import (
     GenerationReader,
     StoreLayout,
-    committed_generations,
 )
 from megatron_taco.data.sas_collator import ColdStart, replaced_positions
 from megatron_taco.parallel.layers import pad_vocab_size
@@ -34,14 +35,8 @@ from megatron_taco.recipes.sas_augmentation import (
     StoreSource,
     generations_needed,
 )
-from megatron_taco.training.checkpointing import (
-    FORMAT,
-    TrainingState,
-    _write_metadata,
-    checkpoint_tag,
-)
 from megatron_taco.training.loop import MetricAccumulator
-from tests.helpers import chi2_goodness_of_fit, run_distributed
+from tests.helpers import chi2_goodness_of_fit, committed_generations, run_distributed
 
 N, SEQ, VOCAB, MICRO = 16, 22, 300, 4
 WIDTH = 3  # ceil(0.15 * (SEQ - 2))
@@ -128,7 +123,9 @@ def _trainer(parallel, save=None, epochs=2):
     return SimpleNamespace(
         parallel=parallel,
         num_epochs=lambda: epochs,
-        training=SimpleNamespace(save=save),
+        checkpoint=SimpleNamespace(save=save),
+        parts=SimpleNamespace(samples_per_epoch=N),
+        global_batch_size=N // 4,
         exiting=None,
     )
 
@@ -230,7 +227,7 @@ def test_generation_is_layout_independent_and_read_back_exactly(tmp_path):
 
 
 def _epoch_start_on_a_damaged_store(rank, world_size, root):
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
 
     parallel = init_parallel(1)
     callback = _callback(root, N)
@@ -303,7 +300,7 @@ def _slow_commit(rank, world_size, root):
     the others wait on the file group's barrier, not in the gather."""
     from datetime import timedelta
 
-    from megatron_taco.training.signals import PAUSE_ENV
+    from megatron_taco.runtime.faults import PAUSE_ENV
 
     os.environ[PAUSE_ENV] = "store_commit@0:8"
     torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=3), None)
@@ -319,8 +316,7 @@ def _resumed_epoch(rank, world_size, root, damage=None):
     the store is damaged on disk then (DAMAGES); the resumed run opens the generation again,
     replays the steps after the checkpoint and ends the epoch. Returns the committed
     generations, or the line the run stopped with."""
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.checkpointing import RunError
+    from megatron_taco.errors import ConfigError, RunError
 
     parallel = init_parallel(1)
     order = np.random.default_rng(5).permutation(N).tolist()
@@ -399,7 +395,8 @@ def test_a_row_changed_between_its_write_and_the_commit_stops_every_rank(tmp_pat
         == [
             f"--replacement-store: {shard}: row {row} (instance {first}) does not match the "
             "checksum written with it (the shard changed on disk after the row was written); 1 "
-            "such row(s); refusing to commit generation 0"
+            "such row(s); refusing to commit generation 0; no checkpoint predates epoch 1 "
+            "(iteration 0), which would write the generation anew: start the run again"
         ]
         * 2
     )
@@ -434,7 +431,7 @@ def _rows_lost_on_rank_1(rank, world_size, root):
     import resource
     import signal
 
-    from megatron_taco.training.checkpointing import RunError
+    from megatron_taco.errors import RunError
 
     parallel = init_parallel(1)
     trainer, state = _trainer(parallel), TrainingState()
@@ -470,4 +467,26 @@ def test_a_store_write_failing_on_one_rank_stops_every_rank_before_the_save(tmp_
             "checkpoint is kept: none is saved without its rows)"
         ]
         * 2
+    )
+
+
+def test_a_generation_that_cannot_be_committed_names_the_way_on(tmp_path):
+    """Rows written before the last checkpoint are not written again by resuming from it;
+    every row is by resuming from a checkpoint saved before the epoch began (the fault
+    campaign's trial 14: every requeue stopped with a line naming no way on)."""
+    from megatron_taco.recipes.sas_augmentation import _rewrite_hint
+
+    save = tmp_path / "ckpt"
+    for iteration in (4, 8, 12):  # epochs of 8 iterations: epoch 2 (index 1) began at 8
+        (save / f"iter_{iteration:07d}").mkdir(parents=True)
+        (save / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+    trainer = _trainer(None, str(save))
+    trainer.parts.samples_per_epoch, trainer.global_batch_size = 64, 8
+    assert _rewrite_hint(trainer, 1) == (
+        f"resume from a checkpoint saved before epoch 2 began, which writes the generation "
+        f"anew: --load {save} --ckpt-step 8"
+    )
+    assert _rewrite_hint(trainer, 0) == (
+        f"no checkpoint in --save {save} predates epoch 1 (iteration 0), which would write the "
+        "generation anew: start the run again with --override-existing-checkpoints"
     )

@@ -14,9 +14,10 @@ from tests.helpers import run_distributed
 def _two_runs(rank, world, prefix, tokenizer, tmp):
     from megatron_taco.recipes.taco import SPEC, build_taco
     from megatron_taco.training.callbacks import Callback
+    from megatron_taco.training.configure import build_parser, configs_from_args
+    from megatron_taco.training.driver import run as pretrain
     from megatron_taco.training.engine import release_memory
-    from megatron_taco.training.pretrain import pretrain
-    from megatron_taco.training.signals import ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitMonitor
 
     refs: dict[str, weakref.ref] = {}
 
@@ -24,7 +25,7 @@ def _two_runs(rank, world, prefix, tokenizer, tmp):
         name = "spy"
 
         def on_train_start(self, trainer, state):
-            ds = trainer.ds
+            ds = trainer.model_engine
             objects = dict(engine=ds, model=ds.module, optimizer=ds.optimizer,
                            torch_optimizer=ds.basic_optimizer, scheduler=trainer.engine.scheduler)  # fmt: skip
             refs.update({k: weakref.ref(v) for k, v in objects.items()})
@@ -44,8 +45,8 @@ def _two_runs(rank, world, prefix, tokenizer, tmp):
                 "--lr", "1e-3", "--lr-warmup-iters", "0", "--train-iters", "1", "--eval-iters",
                 "0", "--no-progress-bar", "--deepspeed-config",
                 f"ds_configs/zero{stage}_fp32.json"]  # fmt: skip
-        cfg = spec.configs_from_args(
-            spec.build_parser().parse_args(args), world_size=world, device_type="cpu"
+        cfg = configs_from_args(
+            spec, build_parser(spec).parse_args(args), world_size=world, device_type="cpu"
         )
         assert pretrain(cfg, spec, monitor=monitor, keep_process_group=True) == 0
         release_memory()  # what the sweep calls after each run

@@ -30,16 +30,13 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_taco.checkpoint.layout import METADATA_FILENAME, TRACKER_FILENAME
+from megatron_taco.checkpoint.manifest import manifest_entry as _manifest_entry
+from megatron_taco.checkpoint.manifest import verify_checkpoint
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
+from megatron_taco.checkpoint.safe_files import safe_torch_load
 from megatron_taco.cli.pretrain_taco import main as taco_main
-from megatron_taco.training.checkpointing import (
-    KILL_ENV,
-    METADATA_FILENAME,
-    TRACKER_FILENAME,
-    _manifest_entry,
-    _write_metadata,
-    safe_torch_load,
-    verify_checkpoint,
-)
+from megatron_taco.runtime.faults import KILL_ENV
 from tests.helpers import ENV, REPO, deepspeed_command, train_records
 
 pytestmark = pytest.mark.e2e
@@ -152,7 +149,8 @@ def test_corrupt_model_file_is_refused_before_rendezvous_or_fallen_back_from(
     assert res.returncode == 2, show(res)
     assert "world size 2" not in res.stdout  # stopped before the process groups
     (line,) = errors(res)  # the same one line from both ranks
-    assert f"checkpoint iteration 4 is incomplete or corrupt: {model} is corrupt: CRC-32" in line
+    assert "checkpoint iteration 4 (named by " in line
+    assert f"is incomplete or corrupt: {model} is corrupt: CRC-32" in line
     assert "the last complete checkpoint there is iteration 2: pass --ckpt-step 2" in line
     metrics = tmp_path / "m.jsonl"
     res = launch(botchan_dataset, save, "--load", str(save), "--train-iters", "4",

@@ -21,11 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.checkpoint.deepspeed_files import load_file
+from megatron_taco.checkpoint.plan import FALLBACK
+from megatron_taco.checkpoint.reshard import ModelLayout
 from megatron_taco.cli.convert_checkpoint import main as convert_main
 from megatron_taco.data.tokenizer import file_sha256
+from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.registry import read_checkpoint
-from megatron_taco.training.consolidate import ModelLayout, load_file
+from megatron_taco.training.configure import build_parser, configs_from_args
 from tests.helpers import REPO, TACO_METRIC_KEYS, run, run_distributed, train_records
 
 pytestmark = pytest.mark.e2e
@@ -185,8 +188,8 @@ def test_sas_da_converted_to_zero_at_tp2_resumes_with_the_same_losses(
 def configs(dataset, save: Path, world: int, *extra: str):
     from megatron_taco.cli.pretrain_taco import SPEC
 
-    args = SPEC.build_parser().parse_args(train_args(dataset, save, *extra))
-    return SPEC.configs_from_args(args, world_size=world, device_type="cpu")
+    args = build_parser(SPEC).parse_args(train_args(dataset, save, *extra))
+    return configs_from_args(SPEC, args, world_size=world, device_type="cpu")
 
 
 def test_data_parallel_change_is_refused_before_rendezvous_or_converted(
@@ -439,7 +442,7 @@ def test_the_layout_checked_is_that_of_the_checkpoint_load_fallback_picks(
 ):
     import shutil
 
-    from megatron_taco.training.checkpointing import _metadata_checksum
+    from megatron_taco.checkpoint.manifest import metadata_checksum as _metadata_checksum
 
     load = tmp_path / "load"
     shutil.copytree(taco_run, load)
@@ -453,7 +456,8 @@ def test_the_layout_checked_is_that_of_the_checkpoint_load_fallback_picks(
     model.write_bytes(model.read_bytes()[:-100])
     cfg = configs(botchan_dataset, tmp_path / "new", 2, *TACO, "--load", str(load),
                   "--load-fallback")  # fmt: skip
-    assert cfg.load_iteration == 2  # iteration 2 has this run's layout: nothing to refuse
+    # iteration 2 has this run's layout: nothing to refuse
+    assert (cfg.plan.action, cfg.plan.iteration) == (FALLBACK, 2)
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,9 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_taco.data.indexed_dataset import IndexedDataset, data_file_path
+from megatron_taco.data.indexed_dataset import IndexedDataset, data_file_path, unigram_path
 from megatron_taco.data.tokenizer import Tokenizer
-from megatron_taco.preprocessing.preprocess import unigram_path
 from megatron_taco.preprocessing.text import make_sentence_splitter, normalize_text
 
 REPO = Path(__file__).resolve().parents[2]

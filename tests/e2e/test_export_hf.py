@@ -22,13 +22,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_taco.checkpoint.reshard import ModelLayout
 from megatron_taco.cli.export_hf import main as export_main
 from megatron_taco.cli.export_hf import save_tokenizer
 from megatron_taco.data.tokenizer import Tokenizer
 from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.recipes.registry import read_checkpoint
-from megatron_taco.training.consolidate import ModelLayout
 from tests.helpers import deepspeed, run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -341,7 +341,8 @@ def test_checkpoint_whose_tokenizer_is_gone_is_one_line(tmp_path, capsys):
     iter_dir = tmp_path / "ckpt" / "iter_0000002"
     iter_dir.mkdir(parents=True)
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
-    from megatron_taco.training.checkpointing import FORMAT, _write_metadata
+    from megatron_taco.checkpoint.layout import FORMAT
+    from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
 
     meta = {"format": FORMAT, "iteration": 2, "consumed_samples": 8, "world_size": 1,
             "tensor_model_parallel_size": 1, "data_parallel_size": 1, "model": "TACO",

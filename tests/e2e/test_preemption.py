@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_taco.training.checkpointing import PAUSE_ENV
+from megatron_taco.runtime.faults import PAUSE_ENV
 from tests.helpers import (
     BIN,
     ENV,
@@ -335,7 +335,7 @@ def kill_agent(proc: subprocess.Popen, log: Path) -> tuple[str, float]:
 
 
 def test_killing_the_torchrun_agent_at_any_point_leaves_no_rank(botchan_dataset, tmp_path):
-    from megatron_taco.training.checkpointing import verify_checkpoint
+    from megatron_taco.checkpoint.manifest import verify_checkpoint
 
     ckpt = tmp_path / "ckpt"
     args = taco_args(botchan_dataset, "--train-iters", LONG_RUN, "--save", str(ckpt))
@@ -390,7 +390,7 @@ ORPHAN_GRACE = ["--orphan-grace-seconds", "2"]
 
 
 def test_a_rank_whose_launcher_died_abandons_a_stalled_exit_save(botchan_dataset, tmp_path):
-    from megatron_taco.training.checkpointing import verify_checkpoint
+    from megatron_taco.checkpoint.manifest import verify_checkpoint
 
     ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
     args = taco_args(botchan_dataset, "--save", str(ckpt))

@@ -243,13 +243,14 @@ def recorded_pretrain(rank: int, world: int, argv: list[str], record_dir: str) -
     import dataclasses
 
     from megatron_taco.recipes.sas import SPEC, build_sas
+    from megatron_taco.training.driver import main
 
     def build(ctx):
         parts = build_sas(ctx)
         parts.callbacks.append(InputRecorder(record_dir))
         return parts
 
-    return dataclasses.replace(SPEC, build=build).main(argv)
+    return main(dataclasses.replace(SPEC, build=build), argv)
 
 
 def recorded_epochs(record_dir: Path, epochs: int) -> list[dict]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_taco.training.logging import read_metrics
+from megatron_taco.training.observability.log import read_metrics
 from tests.helpers import (
     BIN,
     TACO_METRIC_KEYS,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taco.training.checkpointing import PAUSE_ENV
+from megatron_taco.runtime.faults import PAUSE_ENV
 from tests.e2e.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
 from tests.helpers import BIN, ENV, REPO, TACO_METRIC_KEYS, free_port, train_records
 

@@ -17,7 +17,7 @@ import torch
 
 from megatron_taco.cli.export_hf import main as export_main
 from megatron_taco.cli.export_hf import save_tokenizer
-from megatron_taco.cli.word_order_probe import PAPER_SENTENCES, ProbeConfig, run
+from megatron_taco.evaluation.figure1 import PAPER_SENTENCES, ProbeConfig, run
 from tests.helpers import run as run_command
 
 transformers = pytest.importorskip("transformers")

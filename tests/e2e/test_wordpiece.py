@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.export_hf import main as export_main
 from megatron_taco.data.tokenizer import WordPieceTokenizer, file_sha256
+from megatron_taco.errors import ConfigError
+from megatron_taco.training.configure import build_parser, configs_from_args
 from tests.helpers import run, write_marker_task
 
 transformers = pytest.importorskip("transformers")
@@ -98,8 +99,8 @@ def finetune_configs(load: Path, data: Path, output: Path, *extra: str):
     argv = ["--load", str(load), "--task", "custom", "--data-dir", str(data),
             "--output", str(output), "--seq-length", "64", "--micro-batch-size", "4",
             "--global-batch-size", "4", "--num-workers", "0", *extra]  # fmt: skip
-    args = SPEC.build_parser().parse_args(argv)
-    return SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+    args = build_parser(SPEC).parse_args(argv)
+    return configs_from_args(SPEC, args, world_size=1, device_type="cpu")
 
 
 def test_finetuning_tokenizes_with_the_copy(runs, wordpiece_vocab, tmp_path):

@@ -23,7 +23,7 @@ def test_local_rank_picks_a_visible_gpu():
 
 
 def _rng_round_trip():
-    from megatron_taco.training.checkpointing import get_rng_states, set_rng_states
+    from megatron_taco.checkpoint.rng import get_rng_states, set_rng_states
 
     device = torch.cuda.device_count() - 1  # the last GPU: not device 0 where there are 2
     torch.cuda.set_device(device)
@@ -81,7 +81,7 @@ def test_a_count_that_makes_no_sense_is_one_line_naming_the_visible_devices():
     require_gpus(1)
     import pytest
 
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
     from megatron_taco.parallel.state import cuda_device_index
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")

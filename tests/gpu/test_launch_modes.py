@@ -28,8 +28,8 @@ def _one_gpu_per_task(stage: int) -> str:
     os.environ["MASTER_PORT"] = str(free_port())
     from torch import nn
 
-    from megatron_taco.training.config import (
-        TrainingConfig,
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import (
         load_deepspeed_json,
         resolve_deepspeed_config,
     )
@@ -43,7 +43,7 @@ def _one_gpu_per_task(stage: int) -> str:
     training = TrainingConfig(train_iters=1, micro_batch_size=2, global_batch_size=2, lr=1e-3)
     ds_json = load_deepspeed_json(f"ds_configs/zero{stage}_bf16.json")
     settings = resolve_deepspeed_config(training, 1, device_type="cuda", ds_json=ds_json)
-    engine = initialize_engine(nn.Linear(64, 64), training, settings, parallel).engine
+    engine = initialize_engine(nn.Linear(64, 64), training, settings, parallel).model_engine
     loss = engine(torch.randn(2, 64, device=engine.device, dtype=torch.bfloat16)).float().sum()
     engine.backward(loss)
     engine.step()
@@ -79,8 +79,8 @@ def test_sas_sampler_runs_deterministic_on_cuda_and_draws_what_cpu_draws():
 
 def test_a_cpu_checkpoint_resumes_on_the_gpu():
     require_gpus(1)
+    from megatron_taco.checkpoint.rng import get_rng_states, set_rng_states
     from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, RNGTracker
-    from megatron_taco.training.checkpointing import get_rng_states, set_rng_states
 
     on_cpu = RNGTracker("cpu")
     on_cpu.add(MODEL_PARALLEL_RNG, 11)

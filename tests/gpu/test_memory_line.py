@@ -1,4 +1,4 @@
-"""The train line's CUDA memory (training/logging.py memory_metrics): the caching
+"""The train line's CUDA memory (training/observability/log.py memory_metrics): the caching
 allocator's peak allocated and reserved since the previous line, read without a device
 sync and reset for the next one."""
 
@@ -11,7 +11,7 @@ def test_cuda_memory_is_the_peak_since_the_previous_line():
     require_gpus(1)
     import torch
 
-    from megatron_taco.training.logging import GIB, memory_metrics
+    from megatron_taco.training.observability.log import GIB, memory_metrics
 
     torch.cuda.init()
     memory_metrics()  # the previous line

@@ -17,8 +17,9 @@ def _two_runs(prefix, tokenizer, tmp):
     import torch
 
     from megatron_taco.recipes.taco import SPEC
+    from megatron_taco.training.configure import build_parser, configs_from_args
+    from megatron_taco.training.driver import run as pretrain
     from megatron_taco.training.engine import release_memory
-    from megatron_taco.training.pretrain import pretrain
 
     spec = SPEC
     allocated = [torch.cuda.memory_allocated()]
@@ -29,7 +30,7 @@ def _two_runs(prefix, tokenizer, tmp):
                 "--split", "80,10,10", "--micro-batch-size", "4", "--train-iters", "3",
                 "--lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "0",
                 "--no-progress-bar", "--deepspeed-config", f"ds_configs/zero{stage}_bf16.json"]  # fmt: skip
-        cfg = spec.configs_from_args(spec.build_parser().parse_args(args), world_size=1,
+        cfg = configs_from_args(spec, build_parser(spec).parse_args(args), world_size=1,
                                      device_type="cuda")  # fmt: skip
         torch.cuda.reset_peak_memory_stats()
         assert pretrain(cfg, spec, keep_process_group=True) == 0

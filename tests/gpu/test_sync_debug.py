@@ -24,7 +24,8 @@ def _syncs_per_micro_batch(spec_name, args):
 
     from megatron_taco.recipes import sas, taco
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.pretrain import pretrain
+    from megatron_taco.training.configure import build_parser, configs_from_args
+    from megatron_taco.training.driver import run as pretrain
 
     spec = {"TACO": taco.SPEC, "SAS": sas.SPEC}[spec_name]
     found: list[str] = []
@@ -48,10 +49,10 @@ def _syncs_per_micro_batch(spec_name, args):
         name = "end_of_micro_batch"
 
         def on_train_start(self, trainer, state):
-            trainer.ds.module.register_forward_pre_hook(start)
+            trainer.model_engine.module.register_forward_pre_hook(start)
 
         def after_micro_batch(self, trainer, state, batch, outputs):
-            if trainer.ds.module.training:
+            if trainer.model_engine.module.training:
                 torch.cuda.set_sync_debug_mode(0)
                 per_micro.append(list(found))
 
@@ -61,7 +62,7 @@ def _syncs_per_micro_batch(spec_name, args):
         return parts
 
     spec = dataclasses.replace(spec, build=build)
-    cfg = spec.configs_from_args(spec.build_parser().parse_args(args), world_size=1,
+    cfg = configs_from_args(spec, build_parser(spec).parse_args(args), world_size=1,
                                  device_type="cuda")  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("always")

@@ -51,8 +51,8 @@ def test_tp2_nccl_zero2_bf16_resume_is_bitwise_with_deterministic(
     assert all(torch.isfinite(torch.tensor(full[i]["loss"])) for i in full)
     record_property("loss_first_last", (round(full[1]["loss"], 4), round(full[ITERS]["loss"], 4)))
     record_property("tokens_per_s", round(full[ITERS].get("tokens_per_s", 0.0)))
-    # MFU in the log where the data sheet knows the GPU (training/peaks.py).
-    from megatron_taco.training.peaks import gpu_bf16_peak
+    # MFU in the log where the data sheet knows the GPU (training/observability/peaks.py).
+    from megatron_taco.training.observability.peaks import gpu_bf16_peak
 
     if gpu_bf16_peak(torch.cuda.get_device_name(0)) is not None:
         assert 0 < full[ITERS]["mfu"] < 1

@@ -15,7 +15,8 @@ CORPUS = REPO / "examples" / "corpus" / "demo.jsonl.gz"
 @pytest.fixture(scope="session")
 def demo_dataset(tmp_path_factory) -> dict:
     from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
-    from megatron_taco.preprocessing.preprocess import PreprocessConfig, preprocess
+    from megatron_taco.preprocessing.config import PreprocessConfig
+    from megatron_taco.preprocessing.preprocess import preprocess
 
     tmp = tmp_path_factory.mktemp("demo_corpus")
     tokenizer = train_tokenizer(

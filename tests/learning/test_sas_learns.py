@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_taco.training.logging import read_metrics
+from megatron_taco.training.observability.log import read_metrics
 from tests.helpers import run
 
 # 2 layers x 128 (heads of 64, FFN 4x), as bench_learning's --layers 2 --hidden 128.

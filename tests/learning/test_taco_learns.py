@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_taco.training.logging import read_metrics
+from megatron_taco.training.observability.log import read_metrics
 from tests.helpers import run
 
 # TACO-tiny's depth (2 layers) at width 128 + 32: the tiny preset's 48 + 16 barely leaves

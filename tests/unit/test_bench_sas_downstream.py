@@ -1,5 +1,7 @@
-"""benchmarks.bench_sas_downstream reads transformers' ELECTRA as demo_evaluate reads
-ours: its adapter must give what the peer's own training forward computes."""
+"""benchmarks/bench_sas_downstream.py's own parts and benchmarks/learning/{downstream,
+campaign}.py: timing, bad input, the learning-rate and FLOPs choices, the fine-tuning
+classifiers ([CLS] and mean-pooled), model selection on dev, the campaign's runs. (The
+ELECTRA adapter and the word-order rows: tests/unit/test_evaluation.py.)"""
 
 from __future__ import annotations
 
@@ -10,34 +12,6 @@ from benchmarks.learning import downstream as dn
 from benchmarks.learning.peers import Electra, Size
 
 
-def test_electra_adapter_is_the_peers_own_heads():
-
-    torch.manual_seed(0)
-
-    net = Electra(60, Size(1, 32, 2, 64, max_positions=16), embedding=16).double().eval()
-    ids = torch.randint(5, 60, (3, 10))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[2, 7:] = False
-    labels = torch.full_like(ids, -100)
-    labels[:, 2] = ids[:, 2]
-    labels[1, 5] = ids[1, 5]
-    masked = ids.masked_fill(labels != -100, 4)
-    enc = dn.ElectraEncoder(net)
-    # The generator's MLM loss as the peer trains it (rows doubled: it reads the first half).
-    twice = {"input_ids": masked.repeat(2, 1), "attention_mask": mask.repeat(2, 1),
-             "mlm_labels": labels.repeat(2, 1)}  # fmt: skip
-    with torch.no_grad():
-        own = net(twice)["mlm_loss"]
-        nll = enc.mlm_nll(masked, None, mask, labels)
-        assert nll.dtype == torch.float64 and nll.shape == (4,)
-        torch.testing.assert_close(nll.mean(), own, rtol=1e-12, atol=0)
-        # RTD logits: the discriminator's own (transformers' ElectraForPreTraining.logits).
-        theirs = net.disc(input_ids=ids, attention_mask=mask.long()).logits
-        torch.testing.assert_close(enc.rtd_logits(ids, mask), theirs, rtol=1e-12, atol=0)
-        vectors = enc.hidden(ids, mask, None)
-        assert vectors.shape == (3, 10, 32)
-
-
 def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
     """The driver closes a train window at every log interval and every epoch's end; each
     record's elapsed_ms is its window's mean. Hand-derived: windows of 100, 25 (an epoch
@@ -46,7 +20,7 @@ def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
 
     import pytest
 
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
 
     metrics = tmp_path / "metrics.jsonl"
     records = [(100, 10.0), (125, 20.0), (200, 12.0), (300, 11.0)]
@@ -111,43 +85,12 @@ def test_nearest_picks_electras_evaluation_at_sas_flops():
     assert bd.nearest(points, lambda q: q[1], 29.0)[2] == "c"
 
 
-def test_word_order_rows_in_both_forms_split_by_sentence():
-    """Each sentence gives an original and a swapped row, on the same side of the split: no
-    dev sentence is seen in training in either form. 10 sentences -> 2 dev (4 rows), 8 train."""
-    import numpy as np
-
-    from examples.make_word_order_task import swap_adjacent, train_dev_rows
-
-    sentences = [f"w{i} a b c d e f g" for i in range(10)]
-    rows = train_dev_rows(sentences, "swap", np.random.default_rng(0), both_forms=True)
-    assert (len(rows["dev"]), len(rows["train"])) == (4, 16)
-    for side in rows.values():
-        originals = [t for t, label in side if label == "original"]
-        swapped = [t for t, label in side if label == "swapped"]
-        assert len(originals) == len(swapped) == len(side) // 2
-        # The swapped rows are the originals' words, reordered, and never unchanged.
-        assert sorted(sorted(t.split()) for t in swapped) == sorted(
-            sorted(t.split()) for t in originals
-        )
-        assert not set(swapped) & set(originals)
-    dev_sentences = {t for t, label in rows["dev"] if label == "original"}
-    train_words = {t.split()[0] for t, _ in rows["train"]} | {
-        t.split()[1] for t, _ in rows["train"]
-    }
-    assert not {t.split()[0] for t in dev_sentences} & train_words
-    # The one-form default is the task file's, unchanged: half of the sentences swapped.
-    one = train_dev_rows(sentences, "swap", np.random.default_rng(0))
-    assert (len(one["dev"]), len(one["train"])) == (2, 8)
-    assert sum(label == "swapped" for side in one.values() for _, label in side) == 5
-    assert swap_adjacent("a b", np.random.default_rng(0)) == "b a"
-
-
 def test_classifiers_start_from_the_pretrained_encoders():
     """The fine-tuning models hold the pretrained encoders unchanged: ELECTRA's classifier
     gives the discriminator's own last layer, our TaskModel the pretraining model's; each
     returns its cross entropy on the [CLS] logits, and with pooling "mean" on the head
     applied to the mean of the real tokens' vectors (padding left out)."""
-    from examples import demo_evaluate as de
+    from megatron_taco.evaluation.encoders import OurEncoder
     from tests.helpers import VOCAB, build_sas, make_sas_batch, tiny_sas_config
 
     torch.manual_seed(0)
@@ -158,7 +101,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
     labels = torch.tensor([0, 1, 1])
     # Another seed than the discriminator's: built alike, a seed-0 classifier would start
     # from its weights even without the copy.
-    model, step = dn.classifier(dn.ElectraEncoder(net), seed=5)
+    model, step = dn.classifier(dn.electra_encoder(net), seed=5)
     model.double().eval()
     with torch.no_grad():
         want = net.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
@@ -170,7 +113,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
         assert logits.shape == (3, 2)
 
     pre = build_sas(tiny_sas_config(), seed=1).double().eval()
-    model, step = dn.classifier(de.Encoder(pre, "SAS"), seed=0)
+    model, step = dn.classifier(OurEncoder(pre, "SAS"), seed=0)
     model.double().eval()
     batch = make_sas_batch(3, vocab=VOCAB)
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -180,7 +123,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
         ce = torch.nn.functional.cross_entropy(logits, labels)
         torch.testing.assert_close(loss.double(), ce.double(), rtol=1e-12, atol=0)
 
-    mean_model, mean_step = dn.classifier(de.Encoder(pre, "SAS"), seed=0, pooling="mean")
+    mean_model, mean_step = dn.classifier(OurEncoder(pre, "SAS"), seed=0, pooling="mean")
     mean_model.double().eval()
     with torch.no_grad():
         hidden = pre.sas(ids, mask)
@@ -192,7 +135,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
         # Not the [CLS] logits of the same head.
         assert not torch.allclose(logits, mean_model.head(hidden[:, 0]))
 
-    model, step = dn.classifier(dn.ElectraEncoder(net), seed=5, pooling="mean")
+    model, step = dn.classifier(dn.electra_encoder(net), seed=5, pooling="mean")
     model.double().eval()
     ids, mask = torch.randint(5, 60, (3, 10)), torch.ones(3, 10, dtype=torch.bool)
     mask[2, 7:] = False

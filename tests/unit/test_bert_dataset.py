@@ -7,13 +7,13 @@ import warnings
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli import build_samples
 from megatron_taco.data.bert_dataset import BertSampleDataset, build_train_valid_test_datasets
 from megatron_taco.data.blending import BlendedDataset
 from megatron_taco.data.cache import load_or_build
 from megatron_taco.data.config import DataConfig
 from megatron_taco.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron_taco.errors import ConfigError
 from tests.conftest import BOTCHAN
 
 

@@ -3,7 +3,6 @@ import pickle
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.data import blending
 from megatron_taco.data.blending import (
     BlendedDataset,
@@ -12,6 +11,7 @@ from megatron_taco.data.blending import (
     parse_data_path,
     samples_per_dataset,
 )
+from megatron_taco.errors import ConfigError
 
 
 def prefix_deviation(weights, dataset_index):

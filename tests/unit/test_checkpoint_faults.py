@@ -27,18 +27,14 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training import checkpointing as ckpt
-from megatron_taco.training.checkpointing import (
-    METADATA_FILENAME,
-    TRACKER_FILENAME,
-    CheckpointInvalid,
-    TrainingState,
-    choose_checkpoint,
-    save_checkpoint,
-)
+from megatron_taco.checkpoint import errors, layout, manifest, safe_files
+from megatron_taco.checkpoint import save as ckpt_save
+from megatron_taco.checkpoint.errors import CheckpointInvalid
+from megatron_taco.checkpoint.layout import METADATA_FILENAME, TRACKER_FILENAME, TrainingState
+from megatron_taco.checkpoint.save import save_checkpoint
+from megatron_taco.errors import ConfigError
 from megatron_taco.training.config import TrainingConfig
-from tests.helpers import run_distributed
+from tests.helpers import chosen, run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
@@ -58,16 +54,25 @@ class ToyModel(nn.Module):
 
 
 def _engine(save: str, parallel):
-    from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
+    from megatron_taco.training.deepspeed_config import (
+        load_deepspeed_json,
+        resolve_deepspeed_config,
+    )
     from megatron_taco.training.engine import initialize_engine
 
-    training = TrainingConfig(train_iters=4, micro_batch_size=2, lr=1e-2, lr_warmup_iters=1,
-                              eval_iters=0, progress_bar=False, save=save)  # fmt: skip
+    training = TrainingConfig(
+        train_iters=4,
+        micro_batch_size=2,
+        lr=1e-2,
+        lr_warmup_iters=1,
+        eval_iters=0,
+        progress_bar=False,
+    )
     ds_json = load_deepspeed_json(str(REPO / "ds_configs" / "zero1_fp32.json"))
     settings = resolve_deepspeed_config(training, parallel.dp_size, device_type="cpu",
                                         ds_json=ds_json)  # fmt: skip
     torch.manual_seed(0)
-    return initialize_engine(ToyModel(), training, settings, parallel).engine
+    return initialize_engine(ToyModel(), training, settings, parallel).model_engine
 
 
 def _save_worker(rank, world_size, save):
@@ -106,17 +111,17 @@ def _rewrite(load: Path, change, *, checksum: bool = True, it: int = 8) -> None:
     meta.pop("checksum")
     change(meta)
     if checksum:
-        meta["checksum"] = ckpt._metadata_checksum(meta)
+        meta["checksum"] = manifest.metadata_checksum(meta)
     _meta_path(load, it).write_text(json.dumps(meta))
 
 
 def _refused(load: Path, fragment: str) -> str:
     with pytest.raises(CheckpointInvalid) as e:
-        choose_checkpoint(str(load), None)
+        chosen(str(load), None)
     msg = str(e.value)
     assert "\n" not in msg and fragment in msg, msg
     assert "the last complete checkpoint there is iteration 6: pass --ckpt-step 6" in msg, msg
-    assert choose_checkpoint(str(load), None, fallback=True) == 6
+    assert chosen(str(load), None, fallback=True) == 6
     return msg
 
 
@@ -214,12 +219,12 @@ def test_links_fifos_and_devices_are_refused_without_blocking(load, tmp_path, ca
     plant(path, tmp_path / "outside")
     msg = _bounded(lambda: _refused_message(load))
     assert fragment in msg, msg
-    assert _bounded(lambda: choose_checkpoint(str(load), None, fallback=True)) == 6
+    assert _bounded(lambda: chosen(str(load), None, fallback=True)) == 6
 
 
 def _refused_message(load: Path) -> str:
     try:
-        choose_checkpoint(str(load), None)
+        chosen(str(load), None)
     except CheckpointInvalid as e:
         return str(e)
     return "accepted"
@@ -235,8 +240,8 @@ def test_a_symlinked_checkpoint_directory_or_tracker_is_refused(load, tmp_path):
     (load / TRACKER_FILENAME).unlink()
     os.mkfifo(load / TRACKER_FILENAME)
     with pytest.raises(ConfigError, match="latest_checkpointed_iteration.txt is a FIFO"):
-        _bounded(lambda: choose_checkpoint(str(load), None))
-    assert _bounded(lambda: choose_checkpoint(str(load), None, fallback=True)) == 8
+        _bounded(lambda: chosen(str(load), None))
+    assert _bounded(lambda: chosen(str(load), None, fallback=True)) == 8
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,16 +293,16 @@ def test_io_errors_are_retried_then_stop_without_a_fallback(
 ):
     # Issue 27 item 2: unreadable now is not corrupt: the newer checkpoint is never skipped
     # (a fallback would then let training replace it, or retention delete it).
-    monkeypatch.setattr(ckpt, "IO_RETRY_DELAYS", (0.0, 0.0))
+    monkeypatch.setattr(layout, "IO_RETRY_DELAYS", (0.0, 0.0))
     path = load / "iter_0000008" / where
     failing_open(f"iter_0000008/{where}", code, times=2)  # a transient error: retried
-    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.checkpointing"):
-        assert choose_checkpoint(str(load), None) == 8
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.checkpoint"):
+        assert chosen(str(load), None) == 8
     assert caplog.text.count(f"{path}: {os.strerror(code)}; retrying") == 2
     failing_open(f"iter_0000008/{where}", code)  # and one that lasts
     for fallback in (False, True):
-        with pytest.raises(ckpt.CheckpointUnreadable) as e:
-            choose_checkpoint(str(load), None, fallback=fallback)
+        with pytest.raises(errors.CheckpointUnreadable) as e:
+            chosen(str(load), None, fallback=fallback)
         assert str(e.value) == (
             f"--load: {path} cannot be read ({os.strerror(code)}; 3 attempts): an I/O error is "
             "not a corrupt checkpoint, so no older one is loaded instead; rerun once the file "
@@ -309,8 +314,8 @@ def test_io_errors_are_retried_then_stop_without_a_fallback(
 def test_a_checkpoint_of_a_newer_format_says_upgrade_and_is_never_skipped(load):
     _rewrite(load, lambda m: m.update(format="megatron_taco/3", files="a new layout"))
     for fallback in (False, True):
-        with pytest.raises(ckpt.CheckpointTooNew) as e:
-            choose_checkpoint(str(load), None, fallback=fallback)
+        with pytest.raises(errors.CheckpointTooNew) as e:
+            chosen(str(load), None, fallback=fallback)
         assert str(e.value) == (
             f"--load: {_meta_path(load)} was written by a newer megatron_taco (format "
             "'megatron_taco/3', this version reads 'megatron_taco/2'): upgrade megatron_taco "
@@ -318,8 +323,8 @@ def test_a_checkpoint_of_a_newer_format_says_upgrade_and_is_never_skipped(load):
         )
     # Nor skipped on the way to an older one (the tracker names 6 after a rollback).
     (load / TRACKER_FILENAME).write_text("9\n")
-    with pytest.raises(ckpt.CheckpointTooNew):
-        choose_checkpoint(str(load), None, fallback=True)
+    with pytest.raises(errors.CheckpointTooNew):
+        chosen(str(load), None, fallback=True)
 
 
 def test_store_clean_up_keeps_what_checkpoints_it_cannot_read_may_need(
@@ -331,9 +336,9 @@ def test_store_clean_up_keeps_what_checkpoints_it_cannot_read_may_need(
     assert generations_needed(str(load), 10) == {1, 2, 3}
     _rewrite(load, lambda m: m.update(iteration=9), checksum=False)  # proven corrupt
     assert generations_needed(str(load), 10) == {1, 2}  # it needs nothing
-    monkeypatch.setattr(ckpt, "IO_RETRY_DELAYS", ())
+    monkeypatch.setattr(layout, "IO_RETRY_DELAYS", ())
     failing_open(f"iter_0000006/{METADATA_FILENAME}", errno.EIO)
-    with pytest.raises(ckpt.CheckpointUnreadable):
+    with pytest.raises(errors.CheckpointUnreadable):
         generations_needed(str(load), 10)  # not "needs nothing": the caller keeps them all
 
 
@@ -360,7 +365,7 @@ def test_crafted_pickles_are_verification_failures(load, case):
     _craft(iter_dir / MODEL_FILE, CRAFTED[case])
 
     def fix_manifest(meta):
-        meta["files"][MODEL_FILE] = ckpt._manifest_entry(str(iter_dir / MODEL_FILE))
+        meta["files"][MODEL_FILE] = manifest.manifest_entry(str(iter_dir / MODEL_FILE))
 
     _rewrite(load, fix_manifest)
     _refused(load, f"{iter_dir / MODEL_FILE} is not a readable torch checkpoint")
@@ -371,7 +376,7 @@ def test_safe_torch_load_turns_any_unpickling_error_into_one_line(load):
     for data in CRAFTED.values():
         _craft(path, data)
         with pytest.raises(ConfigError, match=f"^--load: {path} is not a readable checkpoint"):
-            ckpt.safe_torch_load(str(path))
+            safe_files.safe_torch_load(str(path))
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,19 +388,19 @@ def test_another_model_kind_is_named_before_anything_else(load):
     path = load / "iter_0000008" / MODEL_FILE
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(ConfigError) as e:
-        choose_checkpoint(str(load), None, models=("SAS",), fallback=True)
+        chosen(str(load), None, models=("SAS",), fallback=True)
     msg = str(e.value)
     assert not isinstance(e.value, CheckpointInvalid)
     assert msg.startswith(f"--load: {load / 'iter_0000008'} is a TOY checkpoint"), msg
     assert "this run loads SAS checkpoints" in msg and "\n" not in msg
-    assert choose_checkpoint(str(load), None, models=("TOY", "SAS"), fallback=True) == 6
+    assert chosen(str(load), None, models=("TOY", "SAS"), fallback=True) == 6
 
 
 def test_model_kind_check_compares_names_only():
     meta = {"model": "SAS-GLUE"}
-    ckpt.check_model_kind(meta, "ckpt/iter_0000001", ("SAS-GLUE",))
+    manifest.check_model_kind(meta, "ckpt/iter_0000001", ("SAS-GLUE",))
     with pytest.raises(ConfigError, match="does not name the model that saved it"):
-        ckpt.check_model_kind({}, "ckpt/iter_0000001", ("TACO",))
+        manifest.check_model_kind({}, "ckpt/iter_0000001", ("TACO",))
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,11 +418,11 @@ def _cleanup_worker(rank, world_size, save):
     def fail(*args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), f"{save}/iter_0000001")
 
-    ckpt._retire = fail  # this spawned process only
+    ckpt_save._retire = fail  # this spawned process only
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger(ckpt.__name__).addHandler(handler)
+    logging.getLogger(ckpt_save.__name__).addHandler(handler)
     try:
         path = save_checkpoint(engine, save, TrainingState(3, 3), parallel, retain=1)
         outcome = ("saved", path)
@@ -449,6 +454,6 @@ def test_torch_older_than_2_6_is_refused(load, monkeypatch):
     assert not torch_req.specifier.contains("2.5.1") and torch_req.specifier.contains("2.6.0")
     monkeypatch.setattr(torch, "__version__", "2.5.1+cu121")
     with pytest.raises(ConfigError, match=r"^torch 2\.5\.1\+cu121: loading checkpoints safely"):
-        ckpt.safe_torch_load(str(load / "iter_0000008" / MODEL_FILE))
+        safe_files.safe_torch_load(str(load / "iter_0000008" / MODEL_FILE))
     with pytest.raises(ConfigError, match="needs torch >= 2.6"):
-        choose_checkpoint(str(load), None)
+        chosen(str(load), None)

@@ -12,19 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training.checkpointing import (
-    TRACKER_FILENAME,
-    CheckpointConfig,
-    check_own_save,
-    set_aside,
-)
-from megatron_taco.training.config import TrainingConfig
+from megatron_taco.checkpoint.config import CheckpointConfig
+from megatron_taco.checkpoint.layout import TRACKER_FILENAME
+from megatron_taco.checkpoint.ownership import check_own_save, set_aside
+from megatron_taco.errors import ConfigError
+from megatron_taco.training import driver
+from megatron_taco.training.configure import build_parser, configs_from_args
 from tests.helpers import run_in_process
 
 
-def _training(save: Path, **kw) -> TrainingConfig:
-    return TrainingConfig(train_iters=4, micro_batch_size=2, lr=1e-3, save=str(save), **kw)
+def _flags(save: Path, **kw) -> CheckpointConfig:
+    return CheckpointConfig(save=str(save), **kw)
 
 
 def _hold(save: Path, *iterations: int) -> None:
@@ -36,9 +34,9 @@ def _hold(save: Path, *iterations: int) -> None:
 
 def test_a_save_holding_checkpoints_needs_a_matching_load_or_the_override(tmp_path):
     save = tmp_path / "ckpt"
-    check_own_save(_training(save), CheckpointConfig())  # nothing there: a fresh start
+    check_own_save(_flags(save))  # nothing there: a fresh start
     save.mkdir()
-    check_own_save(_training(save), CheckpointConfig())  # an empty directory too
+    check_own_save(_flags(save))  # an empty directory too
     _hold(save, 2, 4)
     refused = (
         f"--save: {save} already holds checkpoints up to iteration 4 of another run, which this "
@@ -47,12 +45,12 @@ def test_a_save_holding_checkpoints_needs_a_matching_load_or_the_override(tmp_pa
     )
     for load in (None, str(tmp_path / "typo"), str(tmp_path / "elsewhere")):
         with pytest.raises(ConfigError) as e:
-            check_own_save(_training(save, load=load), CheckpointConfig())
+            check_own_save(_flags(save, load=load))
         assert str(e.value) == refused
     # --finetune restarts at iteration 0: its first save would rewind the tracker, and
     # "--load to resume them" is no way on (issue 27: the lines named it).
     with pytest.raises(ConfigError) as e:
-        check_own_save(_training(save, load=str(save), finetune=True), CheckpointConfig())
+        check_own_save(_flags(save, load=str(save), finetune=True))
     assert str(e.value) == (
         f"--save: {save} already holds checkpoints up to iteration 4, which --finetune (it "
         "restarts at iteration 0) would replace, rewind or delete: give --finetune another "
@@ -60,23 +58,24 @@ def test_a_save_holding_checkpoints_needs_a_matching_load_or_the_override(tmp_pa
     )
     pretrained = str(tmp_path / "pretrained")
     with pytest.raises(ConfigError) as e:
-        check_own_save(_training(save, load=pretrained, finetune=True), CheckpointConfig())
+        check_own_save(_flags(save, load=pretrained, finetune=True))
     assert str(e.value) == (
         f"--save: {save} already holds checkpoints up to iteration 4 of another run, which "
         "--finetune (it restarts at iteration 0) would replace, rewind or delete: give "
         "--finetune another --save, or --override-existing-checkpoints to move them aside"
     )
-    check_own_save(_training(save, load=str(save)), CheckpointConfig())  # resumes them
-    check_own_save(_training(save, load=f"{save}/."), CheckpointConfig())  # the same directory
-    override = CheckpointConfig(override_existing_checkpoints=True)
-    check_own_save(_training(save), override)
+    check_own_save(_flags(save, load=str(save)))  # resumes them
+    check_own_save(_flags(save, load=f"{save}/."))  # the same directory
+    check_own_save(_flags(save, override_existing_checkpoints=True))
     with pytest.raises(ConfigError, match="^--override-existing-checkpoints: --load .* is --save"):
-        check_own_save(_training(save, load=str(save)), override)
-    check_own_save(_training(save, load=pretrained, finetune=True), override)
+        check_own_save(_flags(save, load=str(save), override_existing_checkpoints=True))
+    check_own_save(_flags(save, load=pretrained, finetune=True, override_existing_checkpoints=True))
     # Moved aside first, the checkpoint --finetune loads would be gone (before: accepted;
     # rank 0 moved them, and the load failed once the process groups were up).
     with pytest.raises(ConfigError) as e:
-        check_own_save(_training(save, load=str(save), finetune=True), override)
+        check_own_save(
+            _flags(save, load=str(save), finetune=True, override_existing_checkpoints=True)
+        )
     assert str(e.value) == (
         f"--override-existing-checkpoints: --finetune loads --load {save}, which is --save: "
         "its checkpoints up to iteration 4 would be moved aside before they are loaded; give "
@@ -87,7 +86,7 @@ def test_a_save_holding_checkpoints_needs_a_matching_load_or_the_override(tmp_pa
     lone.mkdir()
     (lone / TRACKER_FILENAME).write_text("garbage")
     with pytest.raises(ConfigError, match=f"^--save: {lone} already holds checkpoints of"):
-        check_own_save(_training(lone), CheckpointConfig())
+        check_own_save(_flags(lone))
 
 
 def test_set_aside_moves_checkpoints_and_stores_and_deletes_nothing(tmp_path):
@@ -130,7 +129,7 @@ def test_set_aside_moves_checkpoints_and_stores_and_deletes_nothing(tmp_path):
 def _sas_main(argv: list[str]) -> int:
     from megatron_taco.recipes.sas import SPEC
 
-    return SPEC.main(argv)
+    return driver.main(SPEC, argv)
 
 
 def _sas_args(dataset: dict, tmp_path: Path, *extra: str) -> list[str]:
@@ -195,7 +194,7 @@ def test_a_fresh_run_on_another_runs_save_is_refused_or_moves_it_aside(
                     "--replacement-store", store, "--train-iters", "1")  # fmt: skip
     from megatron_taco.recipes.sas import SPEC
 
-    SPEC.configs_from_args(SPEC.build_parser().parse_args(own), world_size=1, device_type="cpu")
+    configs_from_args(SPEC, build_parser(SPEC).parse_args(own), world_size=1, device_type="cpu")
 
     # Item 3: a resume whose flags would put the stored rows elsewhere (same store width:
     # ceil(0.14 * 46) = ceil(0.15 * 46) = 7 slots; same number of instances for --seed).
@@ -217,7 +216,7 @@ def test_a_fresh_run_on_another_runs_save_is_refused_or_moves_it_aside(
     spelled = os.path.relpath(link / Path(botchan_dataset["prefix"]).name)
     same = [a if a != botchan_dataset["prefix"] else spelled for a in resume]
     same += ["--lr", "2e-3", "--log-interval", "3", "--train-iters", "5"]
-    SPEC.configs_from_args(SPEC.build_parser().parse_args(same), world_size=1, device_type="cpu")
+    configs_from_args(SPEC, build_parser(SPEC).parse_args(same), world_size=1, device_type="cpu")
     # A store that is --save (or holds it) would be moved aside with the whole --save.
     assert (
         _sas_main([*again, "--override-existing-checkpoints", "--replacement-store", str(save)])
@@ -256,7 +255,7 @@ def test_a_save_holding_no_checkpoint_is_a_fresh_start(tmp_path):
     (save / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"ev")
     (save / "run.lock").write_text("{}")
     (save / "metrics.jsonl").write_text('{"iteration": 1}\n{"iter')
-    check_own_save(_training(save), CheckpointConfig())
+    check_own_save(_flags(save))
 
 
 def test_set_aside_never_reuses_a_taken_name(tmp_path, monkeypatch):

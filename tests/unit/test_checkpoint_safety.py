@@ -26,25 +26,29 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training import checkpointing as ckpt
-from megatron_taco.training.checkpointing import (
-    METADATA_FILENAME,
-    TRACKER_FILENAME,
-    CheckpointConfig,
-    CheckpointInvalid,
-    CheckpointSaveError,
-    TrainingState,
-    check_save_dir,
-    choose_checkpoint,
-    file_checksum,
-    load_checkpoint,
-    prepare_checkpoints,
-    save_checkpoint,
-    verify_checkpoint,
+from megatron_taco import io
+from megatron_taco.checkpoint import manifest, rng, safe_files
+from megatron_taco.checkpoint import save as ckpt_save
+from megatron_taco.checkpoint.config import CheckpointConfig
+from megatron_taco.checkpoint.errors import CheckpointInvalid, CheckpointSaveError
+from megatron_taco.checkpoint.layout import METADATA_FILENAME, TRACKER_FILENAME, TrainingState
+from megatron_taco.checkpoint.load import execute_plan, load_checkpoint
+from megatron_taco.checkpoint.manifest import file_checksum, verify_checkpoint
+from megatron_taco.checkpoint.ownership import check_save_dir
+from megatron_taco.checkpoint.plan import (
+    FALLBACK,
+    FRESH,
+    RESUME,
+    WEIGHTS,
+    ResumePlan,
+    ResumeRequest,
+    RunLayout,
+    plan_resume,
 )
+from megatron_taco.checkpoint.save import save_checkpoint
+from megatron_taco.errors import ConfigError
 from megatron_taco.training.config import TrainingConfig
-from tests.helpers import run_distributed
+from tests.helpers import chosen, run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
@@ -92,14 +96,24 @@ class Marker:
 
 
 def _training(tmp: str, **kw) -> TrainingConfig:
-    values = dict(train_iters=4, micro_batch_size=2, lr=1e-2, lr_warmup_iters=1,
-                  log_interval=1, eval_iters=0, progress_bar=False, save=os.path.join(tmp, "ckpt"))  # fmt: skip
+    values = dict(
+        train_iters=4,
+        micro_batch_size=2,
+        lr=1e-2,
+        lr_warmup_iters=1,
+        log_interval=1,
+        eval_iters=0,
+        progress_bar=False,
+    )
     values.update(kw)
     return TrainingConfig(**values)
 
 
 def _engine(training: TrainingConfig, parallel, stage: int = 1, model_class=None):
-    from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
+    from megatron_taco.training.deepspeed_config import (
+        load_deepspeed_json,
+        resolve_deepspeed_config,
+    )
     from megatron_taco.training.engine import initialize_engine
 
     ds_json = load_deepspeed_json(str(REPO / "ds_configs" / f"zero{stage}_fp32.json"))
@@ -135,24 +149,24 @@ def _save_worker(rank, world_size, tmp):
     from megatron_taco.parallel.state import init_parallel
 
     parallel = init_parallel(1)
-    engine = _engine(_training(tmp), parallel).engine
+    engine = _engine(_training(tmp), parallel).model_engine
     save = os.path.join(tmp, "ckpt")
     out = {}
     for it in (2, 4):
         save_checkpoint(engine, save, TrainingState(it, 4 * it), parallel, metadata={"k": it})
     out["after_two"] = _listing(save)
-    real = ckpt._write_durably
+    real = io.write_durably
     if rank == 1:  # a full disk for rank 1's optimizer partition only
-        ckpt._write_durably = _failing_optimizer_writes(real)
+        io.write_durably = _failing_optimizer_writes(real)
     try:
         save_checkpoint(engine, save, TrainingState(6, 24), parallel)
     except CheckpointSaveError as e:
         out["disk_full"] = str(e)
-    ckpt._write_durably = real
+    io.write_durably = real
     out["after_failure"] = _listing(save)
     # Rollback: the tracker names 4 and iteration 4 is saved again (other data position).
     save_checkpoint(engine, save, TrainingState(4, 99), parallel)
-    out["rollback_meta"] = ckpt.read_metadata(os.path.join(save, "iter_0000004"))
+    out["rollback_meta"] = manifest.read_metadata(os.path.join(save, "iter_0000004"))
     out["after_rollback"] = _listing(save)
     for it in (6, 8):
         save_checkpoint(engine, save, TrainingState(it, 4 * it), parallel, retain=2)
@@ -162,15 +176,16 @@ def _save_worker(rank, world_size, tmp):
 
 
 def _nan_run(parallel, tmp, poison_rank):
+    from megatron_taco.checkpoint.config import CheckpointConfig
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.logging import TrainingLogger
-    from megatron_taco.training.loop import NonFiniteLossError, PretrainTask, Trainer
+    from megatron_taco.training.loop import NonFiniteLossError, Trainer
+    from megatron_taco.training.observability.log import TrainingLogger
+    from megatron_taco.training.spec import ModelParts
 
-    training = _training(
-        os.path.join(tmp, "nan"), train_iters=5, save_interval=1, global_batch_size=4
-    )
+    training = _training(os.path.join(tmp, "nan"), train_iters=5, global_batch_size=4)
+    checkpoint = CheckpointConfig(save=os.path.join(tmp, "nan", "ckpt"), save_interval=1)
     engine = _engine(training, parallel)
-    model = engine.engine.module
+    model = engine.model_engine.module
 
     class Poison(Callback):
         name = "poison"
@@ -180,15 +195,18 @@ def _nan_run(parallel, tmp, poison_rank):
             model.poison = state.iteration >= 2 and parallel.rank == poison_rank
 
     logger = TrainingLogger(rank=parallel.rank, train_iters=5, progress_bar=False)
-    task = PretrainTask(model=model, collate_fn=_collate, train_dataset=ToyDataset(),
-                        callbacks=[Poison()])  # fmt: skip
+    parts = ModelParts(
+        model=model, collate_fn=_collate, train_dataset=ToyDataset(), callbacks=[Poison()]
+    )
     try:
-        Trainer(engine, parallel, training, task, logger, seed=1).train(TrainingState())
+        Trainer(engine, parallel, training, parts, logger, checkpoint=checkpoint, seed=1).train(
+            TrainingState()
+        )
     except NonFiniteLossError as e:
-        return str(e), _listing(training.save)
+        return str(e), _listing(checkpoint.save)
     finally:
         logger.close()
-    return None, _listing(training.save)
+    return None, _listing(checkpoint.save)
 
 
 @pytest.fixture(scope="module")
@@ -294,15 +312,18 @@ def test_damaged_file_is_named_with_the_fallback(two_checkpoints, damage):
     size = path.stat().st_size
     DAMAGE[damage][0](path)
     with pytest.raises(CheckpointInvalid) as e:
-        choose_checkpoint(str(load), None)
+        chosen(str(load), None)
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("--load: checkpoint iteration 8 is incomplete or corrupt: ")
+    assert msg.startswith(
+        f"--load: checkpoint iteration 8 (named by {load / TRACKER_FILENAME}) is incomplete or "
+        "corrupt: "
+    )
     assert f"{path} {DAMAGE[damage][1]}" in msg
     if damage == "truncated":
         assert f"the manifest says {size} (truncated" in msg
     assert "the last complete checkpoint there is iteration 6: pass --ckpt-step 6" in msg
-    assert choose_checkpoint(str(load), None, fallback=True) == 6
+    assert chosen(str(load), None, fallback=True) == 6
 
 
 def test_metadata_and_unlisted_files_are_checked(two_checkpoints):
@@ -311,31 +332,31 @@ def test_metadata_and_unlisted_files_are_checked(two_checkpoints):
     text = meta.read_text()
     meta.write_text(text.replace('"consumed_samples": 32', '"consumed_samples": 31'))
     with pytest.raises(CheckpointInvalid, match="metadata.json does not match its checksum"):
-        choose_checkpoint(str(load), None)
+        chosen(str(load), None)
     meta.write_text(text[: len(text) // 2])
     with pytest.raises(CheckpointInvalid, match="metadata.json is not valid JSON"):
-        choose_checkpoint(str(load), None)
+        chosen(str(load), None)
     meta.write_text(text)
     (load / "iter_0000008" / "extra_model_states.pt").write_bytes(b"x")
     with pytest.raises(CheckpointInvalid, match="extra_model_states.pt is not in the manifest"):
-        choose_checkpoint(str(load), None)
+        chosen(str(load), None)
     # Nothing older verifies either: said so.
     shutil.rmtree(load / "iter_0000006")
     with pytest.raises(CheckpointInvalid, match="no older checkpoint in .* verifies either$"):
-        choose_checkpoint(str(load), None, fallback=True)
+        chosen(str(load), None, fallback=True)
 
 
 def test_tracker_and_tensor_parallel_size_are_checked(two_checkpoints):
     load = two_checkpoints
     with pytest.raises(ConfigError, match="^--tensor-model-parallel-size: .*iter_0000008 was "):
-        choose_checkpoint(str(load), None, tp_size=2)
+        chosen(str(load), None, tp_size=2)
     (load / TRACKER_FILENAME).write_text("\0\0\0")
     with pytest.raises(ConfigError, match="must hold an iteration number"):
-        choose_checkpoint(str(load), None)
-    assert choose_checkpoint(str(load), None, fallback=True) == 8
+        chosen(str(load), None)
+    assert chosen(str(load), None, fallback=True) == 8
     (load / TRACKER_FILENAME).write_text("7\n")
     with pytest.raises(CheckpointInvalid, match="iter_0000007 does not exist; the last complete "):
-        choose_checkpoint(str(load), None)
+        chosen(str(load), None)
 
 
 def _plant(path: Path, marker: Path) -> None:
@@ -345,9 +366,9 @@ def _plant(path: Path, marker: Path) -> None:
 def _rewrite_manifest(iter_dir: Path) -> None:
     """As an attacker would: a manifest that matches the planted file."""
     meta = json.loads((iter_dir / METADATA_FILENAME).read_text())
-    files = {name: ckpt._manifest_entry(str(iter_dir / name)) for name in meta["files"]}
+    files = {name: manifest.manifest_entry(str(iter_dir / name)) for name in meta["files"]}
     del meta["files"], meta["checksum"]
-    ckpt._write_metadata(str(iter_dir), meta, files)
+    manifest.write_metadata(str(iter_dir), meta, files)
 
 
 def test_opcode_scan_refuses_a_planted_pickle_before_any_process_group(two_checkpoints, tmp_path):
@@ -359,12 +380,12 @@ def test_opcode_scan_refuses_a_planted_pickle_before_any_process_group(two_check
         _plant(iter_dir / name, marker)
         _rewrite_manifest(iter_dir)
         with pytest.raises(CheckpointInvalid) as e:
-            choose_checkpoint(str(load), None)
+            chosen(str(load), None)
         assert f"{iter_dir / name} holds pickled objects other than tensors" in str(e.value)
         assert "io.open" in str(e.value)
         (iter_dir / name).write_bytes(original)
         _rewrite_manifest(iter_dir)
-    assert choose_checkpoint(str(load), None) == 8
+    assert chosen(str(load), None) == 8
     assert not marker.exists()
 
 
@@ -376,7 +397,7 @@ def _malicious_worker(rank, world_size, tmp):
     from megatron_taco.parallel.state import init_parallel
 
     parallel = init_parallel(1)
-    engine = _engine(_training(tmp), parallel).engine
+    engine = _engine(_training(tmp), parallel).model_engine
     save = os.path.join(tmp, "ckpt")
     save_checkpoint(engine, save, TrainingState(3, 6), parallel)
     iter_dir = Path(save, "iter_0000003")
@@ -387,14 +408,17 @@ def _malicious_worker(rank, world_size, tmp):
         load = Path(tmp, f"load_{name}")
         shutil.copytree(save, load)
         _plant(load / "iter_0000003" / name, marker)
-        for key, kwargs in (("refused", {}), ("finetune", dict(finetune=True, load_rng=False))):
+        for key, kwargs in (
+            ("refused", {}),
+            ("finetune", dict(weights_only=True, restore_rng=False)),
+        ):
             try:
-                load_checkpoint(engine, str(load), parallel, **kwargs)
+                load_checkpoint(engine, str(load), 3, parallel, **kwargs)
                 out[key][name] = None
             except ConfigError as e:
                 out[key][name] = str(e)
     out["marker"] = marker.exists()
-    out["clean"] = load_checkpoint(engine, save, parallel)
+    out["clean"] = load_checkpoint(engine, save, 3, parallel)
     return out
 
 
@@ -435,9 +459,9 @@ def test_replacing_without_an_atomic_swap_keeps_the_tracker_on_a_complete_one(
     tmp_path, monkeypatch
 ):
     def no_exchange(a, b):
-        raise ckpt._NoExchange("not supported here")
+        raise ckpt_save._NoExchange("not supported here")
 
-    monkeypatch.setattr(ckpt, "_exchange", no_exchange)
+    monkeypatch.setattr(ckpt_save, "_exchange", no_exchange)
     save = tmp_path / "save"
     _complete(save, 2)
     _complete(save, 4)
@@ -451,7 +475,7 @@ def test_replacing_without_an_atomic_swap_keeps_the_tracker_on_a_complete_one(
         real_rename(a, b)
 
     monkeypatch.setattr(os, "rename", rename)
-    aside = ckpt._publish(str(save), str(new), 4, "abc")
+    aside = ckpt_save._publish(str(save), str(new), 4, "abc")
     assert trackers == ["2\n", "2\n"] and aside.endswith("iter_0000004.del-abc")
     monkeypatch.setattr(os, "rename", real_rename)
     # With no other complete checkpoint to name meanwhile: refused, nothing touched.
@@ -459,7 +483,7 @@ def test_replacing_without_an_atomic_swap_keeps_the_tracker_on_a_complete_one(
     shutil.rmtree(save / "iter_0000002")
     other = _complete(tmp_path / "other", 4)
     with pytest.raises(CheckpointSaveError, match="cannot replace .*iter_0000004 safely"):
-        ckpt._publish(str(save), str(other), 4, "abd")
+        ckpt_save._publish(str(save), str(other), 4, "abd")
     assert other.exists() and (save / "iter_0000004").exists()
 
 
@@ -468,7 +492,7 @@ def test_retain_never_deletes_the_tracked_checkpoint(tmp_path):
         path = _complete(tmp_path, it)
         os.utime(path / METADATA_FILENAME, (1000 + it, 1000 + it))
     (tmp_path / TRACKER_FILENAME).write_text("1\n")  # e.g. after a rollback to 1
-    ckpt._retire(str(tmp_path), 2, "abc")
+    ckpt_save._retire(str(tmp_path), 2, "abc")
     assert _listing(str(tmp_path)) == ["iter_0000001", "iter_0000003", "iter_0000004",
                                        TRACKER_FILENAME]  # fmt: skip
 
@@ -484,54 +508,66 @@ def test_save_dir_is_created_and_test_written(tmp_path):
 
 
 def test_checkpoint_flags_are_cross_checked(tmp_path):
-    def prepare(training, checkpoint=None, ds=None, stage=1):
-        return prepare_checkpoints(
-            training,
-            checkpoint or CheckpointConfig(),
-            tp_size=1,
-            ds_config=ds or {},
-            zero_stage=stage,
-        )
+    def prepare(checkpoint, ds=None, stage=1):
+        layout = RunLayout(world_size=1, tp_size=1, zero_stage=stage, ds_config=ds or {})
+        return plan_resume(ResumeRequest(checkpoint, layout=layout))
 
+    save = str(tmp_path / "ckpt")
     with pytest.raises(ConfigError, match="^--save-retain: must be an integer >= 1, got 0"):
         CheckpointConfig(save_retain=0)
     with pytest.raises(ConfigError, match="^--save-retain: needs --save"):
-        prepare(_training(str(tmp_path), save=None), CheckpointConfig(save_retain=2))
+        CheckpointConfig(save_retain=2)
     load = str(tmp_path / "load")
     with pytest.raises(ConfigError, match="^--load-fallback: cannot be combined with --ckpt-step"):
-        prepare(
-            _training(str(tmp_path), load=load, ckpt_step=2), CheckpointConfig(load_fallback=True)
-        )
+        CheckpointConfig(load=load, ckpt_step=2, load_fallback=True)
     with pytest.raises(ConfigError, match="^--finetune: not supported with ZeRO stage 3"):
-        prepare(_training(str(tmp_path), load=load, finetune=True), stage=3)
+        prepare(CheckpointConfig(save=save, load=load, finetune=True), stage=3)
     with pytest.raises(ConfigError, match="'checkpoint.load_universal' is not supported"):
-        prepare(_training(str(tmp_path)), ds={"checkpoint": {"load_universal": True}})
+        prepare(CheckpointConfig(save=save), ds={"checkpoint": {"load_universal": True}})
     # A --load without a tracker is a fresh start, as in Megatron.
-    assert prepare(_training(str(tmp_path), load=load)) is None
+    plan = prepare(CheckpointConfig(save=save, load=load))
+    assert (plan.action, plan.iteration) == (
+        FRESH,
+        None,
+    ) and "training from scratch" in plan.warning
 
 
 # ---------------------------------------------------------------------------------------
 # A checkpoint that verifies but does not fit the model (issue 22 item 4)
 
 
-def _misfit_worker(rank, world_size, load, fallback, padded_ranks=()):
+def _no_older_checkpoint(candidate) -> None:
+    """A recipe's check (ResumeRequest.checks) that refuses every checkpoint before 8."""
+    if candidate.iteration < 8:
+        raise ConfigError(f"--seed: iteration {candidate.iteration} was trained with another")
+
+
+def _misfit_worker(rank, world_size, load, fallback, padded_ranks=(), finetune=False, checks=()):
+    """The loaded state, or the line; with --load-fallback, (state, the plan carried out)."""
     from megatron_taco.parallel.state import init_parallel
 
     parallel = init_parallel(1)
     model_class = PaddedToyModel if rank in padded_ranks else ToyModel
-    engine = _engine(_training(load), parallel, model_class=model_class).engine
+    engine = _engine(_training(load), parallel, model_class=model_class).model_engine
+    checksum = manifest.read_metadata(os.path.join(load, "iter_0000008"))["checksum"]
+    if finetune:
+        plan = ResumePlan(WEIGHTS, load, 8, checksum, note=f"fine-tuning from {load}")
+    else:
+        plan = ResumePlan(RESUME, load, 8, checksum, restore_optimizer=True, restore_rng=True)
+    flags = CheckpointConfig(load=load, load_fallback=fallback, finetune=finetune)
     try:
-        return ckpt.load_fitting_checkpoint(engine, load, parallel, ckpt_step=8, fallback=fallback)
+        state, done = execute_plan(engine, plan, ResumeRequest(flags, checks=checks), parallel)
     except ConfigError as e:
         return str(e)
+    return (state, done.action, done.iteration, done.note) if fallback else state
 
 
 def _resave(path: Path, change) -> None:
     """The model file loaded, changed, saved again, its manifest re-signed: it verifies."""
-    states = ckpt.safe_torch_load(str(path))
+    states = safe_files.safe_torch_load(str(path))
     torch.save(change(states), path)
     _rewrite_manifest(path.parent)
-    ckpt.verify_checkpoint(str(path.parent.parent), 8)
+    manifest.verify_checkpoint(str(path.parent.parent), 8)
 
 
 def _other_keys(states):
@@ -558,7 +594,21 @@ def test_a_checkpoint_whose_tensors_do_not_fit_is_one_line_or_fallen_back_from(t
         * 2
     )
     # --load-fallback: the one before it, as for a checkpoint that does not verify.
-    assert run_distributed(_misfit_worker, 2, str(load), True) == [TrainingState(6, 24)] * 2
+    resumed = (
+        TrainingState(6, 24),
+        FALLBACK,
+        6,
+        f"resumed from {load} at iteration 6 (--load-fallback)",
+    )
+    assert run_distributed(_misfit_worker, 2, str(load), True) == [resumed] * 2
+    # The checkpoint fallen back to passes the run's checks first (layout, tokenizer, recipe's).
+    checked = run_distributed(
+        _misfit_worker, 2, str(load), True, (), False, (_no_older_checkpoint,)
+    )
+    assert checked == ["--seed: iteration 6 was trained with another"] * 2
+    # --finetune falls back the same way, and still restarts at iteration 0 (so says the banner).
+    weights = (TrainingState(0, 0), WEIGHTS, 6, f"fine-tuning from {load}")
+    assert run_distributed(_misfit_worker, 2, str(load), True, (), True) == [weights] * 2
     # A loadable pickle with other keys altogether (no "module" state dict).
     _resave(path, lambda states: {"weights": torch.zeros(2), "step": 8})
     lines = run_distributed(_misfit_worker, 2, str(load), False)
@@ -584,7 +634,7 @@ def test_the_misfit_fallback_is_one_choice_for_every_rank(two_checkpoints, tmp_p
     meta_path = stale / "iter_0000006" / METADATA_FILENAME
     meta = json.loads(meta_path.read_text())
     meta.update(consumed_samples=99)
-    meta["checksum"] = ckpt._metadata_checksum(meta)
+    meta["checksum"] = manifest.metadata_checksum(meta)
     meta_path.write_text(json.dumps(meta))
     lines = run_distributed(_views_worker, 2, [str(load), str(stale)])
     ours = json.loads((load / "iter_0000006" / METADATA_FILENAME).read_text())["checksum"]
@@ -636,9 +686,33 @@ def test_the_cuda_generator_of_this_rank_from_either_format():
     """RNG files keep this rank's own CUDA generator state; those written before kept the
     list of every visible GPU's (get_rng_state_all), this rank's at its device index."""
     states = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
-    assert ckpt.own_cuda_state(states[5], 5) is states[5]  # the current format
-    assert ckpt.own_cuda_state(states[5], 0) is states[5]  # one GPU per task, device 0
+    assert rng.own_cuda_state(states[5], 5) is states[5]  # the current format
+    assert rng.own_cuda_state(states[5], 0) is states[5]  # one GPU per task, device 0
     for device in (0, 3, 7):  # the old format, resumed at the same layout
-        assert torch.equal(ckpt.own_cuda_state(states, device), states[device])
+        assert torch.equal(rng.own_cuda_state(states, device), states[device])
     # The old format of a one-GPU-per-task rank (a list of one), resumed on device 3.
-    assert torch.equal(ckpt.own_cuda_state(states[2:3], 3), states[2])
+    assert torch.equal(rng.own_cuda_state(states[2:3], 3), states[2])
+
+
+def _fallback_worker(rank, world_size, load):
+    from megatron_taco.parallel.state import init_parallel
+
+    parallel = init_parallel(1)
+    engine = _engine(_training(load), parallel).model_engine
+    checkpoint = CheckpointConfig(save=load, load=load, load_fallback=True)
+    request = ResumeRequest(checkpoint, RunLayout(world_size=2, tp_size=1, zero_stage=1))
+    plan = plan_resume(request)
+    state, done = execute_plan(engine, plan, request, parallel)
+    return plan.action, state, done.iteration
+
+
+def test_a_fallback_within_save_makes_the_tracker_name_what_it_loaded(two_checkpoints):
+    """The fault campaign's trial 7 (a damaged tracker after the last save): the fallback
+    resumed, found nothing left to train, and left the tracker damaged, so every later
+    requeue needed --load-fallback again. The tracker now names the checkpoint loaded."""
+    load = two_checkpoints
+    (load / TRACKER_FILENAME).write_text("8C\n")
+    results = run_distributed(_fallback_worker, 2, str(load))
+    assert results == [("fallback", TrainingState(8, 32), 8)] * 2
+    assert (load / TRACKER_FILENAME).read_text() == "8\n"
+    assert chosen(load) == 8  # a plain requeue resumes it

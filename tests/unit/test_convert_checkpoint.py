@@ -1,27 +1,30 @@
-"""The partition layout of a model (training/consolidate.py), without DeepSpeed:
+"""The partition layout of a model (checkpoint/reshard.py), without DeepSpeed:
 
 * splitting a tp=1 model's state dict for tp=2 gives exactly what the models built at
   tp=2 ranks 0 and 1 hold (the parallel layers initialise tp-invariantly), for TACO (fused
   stride-2 projections) and SAS^DA; merging gives the tp=1 state dict back, vocabulary
   padding removed and restored;
 * the vocabulary-parallel parameters are found by their shape alone;
-* check_resume_layout refuses each layout change DeepSpeed cannot load, in one line.
+* plan_resume refuses each layout change DeepSpeed cannot load, in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.checkpoint.config import CheckpointConfig
+from megatron_taco.checkpoint.layout import FORMAT
+from megatron_taco.checkpoint.manifest import read_metadata
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
+from megatron_taco.checkpoint.plan import Candidate, ResumeRequest, RunLayout, plan_resume
+from megatron_taco.checkpoint.reshard import ModelLayout
+from megatron_taco.errors import ConfigError
 from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import ParallelState
-from megatron_taco.training.checkpointing import FORMAT, _write_metadata
-from megatron_taco.training.consolidate import ModelLayout, check_resume_layout
 from tests.helpers import VOCAB, tiny_config, tiny_sas_config
 
 MODELS = {
@@ -93,15 +96,20 @@ def _checkpoint(tmp_path, *, tp=1, dp=2, stage=1, precision="fp32", **extra):
     return str(tmp_path / "ckpt")
 
 
-def _training(load, **flags):
-    defaults = dict(ckpt_step=None, finetune=False, no_load_optim=False, no_load_rng=False,
-                    deepspeed_config="ds.json")  # fmt: skip
-    return SimpleNamespace(load=load, **{**defaults, **flags})
+def _request(load, world=2, tp=1, stage=1, precision="fp32", optimizer=None, **flags):
+    layout = RunLayout(
+        world_size=world,
+        tp_size=tp,
+        zero_stage=stage,
+        precision=precision,
+        optimizer=optimizer,
+        deepspeed_config="ds.json",
+    )
+    return ResumeRequest(CheckpointConfig(load=load, **flags), layout=layout)
 
 
-def _check(load, world=2, tp=1, stage=1, precision="fp32", **flags):
-    check_resume_layout(_training(load, **flags), world_size=world, tp_size=tp,
-                        zero_stage=stage, precision=precision)  # fmt: skip
+def _check(load, **kwargs):
+    plan_resume(_request(load, **kwargs))
 
 
 def test_resume_layout_checks(tmp_path):
@@ -123,7 +131,11 @@ def test_resume_layout_checks(tmp_path):
         pytest.raises(ConfigError, _check, load, world=1).value
     )
     _check(load, world=1, no_load_optim=True, no_load_rng=True)
-    _check(load, world=4, tp=2, finetune=True)  # --finetune loads the module only
+    # --finetune loads the module only: another data-parallel layout and ZeRO stage pass,
+    # another tensor-parallel size does not (its shards are other tensors).
+    _check(load, world=4, tp=1, stage=0, finetune=True)
+    with pytest.raises(ConfigError, match="saved with tensor parallel size 1, this run uses 2"):
+        _check(load, world=4, tp=2, finetune=True)
 
 
 def test_zero0_may_change_data_parallel_size(tmp_path):
@@ -143,8 +155,7 @@ def test_resume_with_another_adam_is_refused(tmp_path):
     load = _checkpoint(tmp_path, optimizer="apex.optimizers.FusedAdam")
 
     def check(optimizer, **flags):
-        check_resume_layout(_training(load, **flags), world_size=2, tp_size=1, zero_stage=1,
-                            precision="fp32", optimizer=optimizer)  # fmt: skip
+        _check(load, optimizer=optimizer, **flags)
 
     with pytest.raises(ConfigError) as error:
         check("torch.optim.AdamW")
@@ -160,19 +171,16 @@ def test_resume_with_another_adam_is_refused(tmp_path):
 
 
 def test_a_checkpoint_that_does_not_name_its_adam_is_left_to_deepspeed(tmp_path):
-    check_resume_layout(_training(_checkpoint(tmp_path)), world_size=2, tp_size=1,
-                        zero_stage=1, precision="fp32", optimizer="torch.optim.AdamW")  # fmt: skip
+    _check(_checkpoint(tmp_path), optimizer="torch.optim.AdamW")
 
 
 def test_a_fallback_checkpoint_with_another_adam_is_refused(tmp_path):
     """The driver's check of a --load-fallback checkpoint chosen after the rendezvous is the
     one of the checkpoint verified before it: the Adam implementation included."""
-    from megatron_taco.training.pretrain import check_resume
-
     load = _checkpoint(tmp_path, optimizer="apex.optimizers.FusedAdam")
-    cfg = SimpleNamespace(training=_training(load, load_fallback=True), world_size=2,
-                          parallel=SimpleNamespace(tensor_model_parallel_size=1),
-                          deepspeed=SimpleNamespace(zero_stage=1, precision="fp32"))  # fmt: skip
-    with pytest.raises(ConfigError, match="holds the state of apex.optimizers.FusedAdam, this "
-                       "run uses torch.optim.AdamW"):  # fmt: skip
-        check_resume(cfg, 4)
+    request = _request(load, optimizer="torch.optim.AdamW", load_fallback=True)
+    candidate = Candidate(load, 4, read_metadata(f"{load}/iter_0000004"))
+    with pytest.raises(
+        ConfigError, match="holds the state of apex.optimizers.FusedAdam, this run uses torch"
+    ):
+        request.check(candidate)

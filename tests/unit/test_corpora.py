@@ -1,4 +1,5 @@
-"""corpora.py on the realistic fixtures in tests/fixtures/corpora (see make_fixtures.py)."""
+"""Reading the corpora (corpora.py and the modules under it: records, streams, jsonl,
+readers, inputs) on the realistic fixtures in tests/fixtures/corpora (see make_fixtures.py)."""
 
 import bz2
 import gzip
@@ -13,23 +14,19 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from megatron_taco.preprocessing import corpora
-from megatron_taco.preprocessing.corpora import (
-    FORMATS,
+from megatron_taco.preprocessing import jsonl, readers
+from megatron_taco.preprocessing.corpora import iter_raw, iter_records, parse_raw
+from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
+from megatron_taco.preprocessing.jsonl import iter_jsonl_blocks
+from megatron_taco.preprocessing.readers import FORMATS, READERS
+from megatron_taco.preprocessing.records import (
     SKIP_REASONS,
     CorpusError,
     Document,
     RawRecord,
     Skipped,
-    detect_format,
-    expand_inputs,
-    iter_jsonl_blocks,
-    iter_raw,
-    iter_records,
-    open_binary,
-    open_text,
-    parse_raw,
 )
+from megatron_taco.preprocessing.streams import open_binary, open_text
 
 CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 WIKI = CORPORA / "wikipedia" / "enwiki-20240101-pages-articles.xml"
@@ -217,7 +214,7 @@ def test_bookcorpus_lines_documents_split_on_blank_lines():
 
 def test_bookcorpus_lines_caps_document_length(monkeypatch):
     path = CORPORA / "bookcorpus" / "books_large_p1.txt"
-    monkeypatch.setattr(corpora, "BOOKCORPUS_MAX_LINES", 5)
+    monkeypatch.setattr(readers, "BOOKCORPUS_MAX_LINES", 5)
     docs, _, _ = read(path, "bookcorpus-lines")
     lines = [ln for ln in path.read_text().split("\n") if ln]
     assert all(d.text["text"].count("\n") < 5 for d in docs)
@@ -369,7 +366,7 @@ def test_jsonl_blocks_frame_exactly_like_iter_raw(rel):
 
 def test_jsonl_blocks_edge_cases_of_plain_files(tmp_path, monkeypatch):
     # Reads of a few bytes put every line boundary at some read boundary.
-    monkeypatch.setattr(corpora, "_SCAN_BYTES", 7)
+    monkeypatch.setattr(jsonl, "_SCAN_BYTES", 7)
     long = json.dumps({"text": "word " * 200})
     contents = {
         "no_final_newline": '{"text": "a"}\n{"text": "b"}',
@@ -524,6 +521,16 @@ def test_missing_input_and_unknown_format_name_the_path(tmp_path):
         expand_inputs([str(tmp_path / "*.jsonl")])
     with pytest.raises(CorpusError, match=r"unknown format 'epub'.*sonnets\.jsonl"):
         list(iter_raw(str(CORPORA / "jsonl" / "sonnets.jsonl"), "epub"))
+
+
+def test_one_reader_per_format_in_the_order_of_the_flag_choices():
+    assert " ".join(FORMATS) == (
+        "auto wikipedia-xml wikiextractor bookcorpus bookcorpus-lines openwebtext cc-news "
+        "jsonl parquet"
+    )
+    assert FORMATS[1:] == tuple(READERS)
+    with pytest.raises(ValueError, match=r"^src: RawRecord has unknown format 'epub'$"):
+        parse_raw(RawRecord("epub", "text", "src"), TEXT)
 
 
 def test_expand_inputs_sorted_recursive_deduplicated(tmp_path):

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from megatron_taco.cli.train_tokenizer import main as train_tokenizer_main
-from megatron_taco.preprocessing.corpora import detect_format, expand_inputs
+from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "examples" / "corpus"

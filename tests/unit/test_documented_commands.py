@@ -21,8 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taco.arguments import ConfigError, dataclass_from_args
-from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+from megatron_taco.arguments import dataclass_from_args
+from megatron_taco.errors import ConfigError
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.configure import build_parser, flag_configs
+from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 from tests.helpers import REPO
 
 LAUNCHERS = ("deepspeed", "torchrun", "mpirun", "sbatch")
@@ -234,17 +237,18 @@ def _check_pretraining(command: Command) -> None:
     from megatron_taco.recipes import sas, taco
 
     spec = taco.SPEC if command.script == "pretrain_taco.py" else sas.SPEC
-    args = spec.build_parser().parse_args(command.args)
-    spec.flag_configs(args, world_size=command.world, device_type="cuda")
+    args = build_parser(spec).parse_args(command.args)
+    flag_configs(spec, args, world_size=command.world, device_type="cuda")
 
 
 def _check_finetuning(command: Command) -> None:
+    from megatron_taco.checkpoint.config import CheckpointConfig
     from megatron_taco.parallel.config import check_world_size
     from megatron_taco.recipes.finetune import SPEC as FINETUNE
-    from megatron_taco.recipes.finetune import output_paths
+    from megatron_taco.recipes.finetune_config import CHECKPOINTS, output_paths
     from megatron_taco.recipes.sweep import expand_tasks, plan_runs, run_namespace, sweep_from_args
 
-    args = FINETUNE.build_parser().parse_args(command.args)
+    args = build_parser(FINETUNE).parse_args(command.args)
     tp = args.tensor_model_parallel_size
     check_world_size(command.world, tp)
     dp = command.world // tp
@@ -255,8 +259,15 @@ def _check_finetuning(command: Command) -> None:
     else:
         namespaces = [args]
     for ns in namespaces:  # the TrainingConfig each run builds (recipes/finetune.py)
-        training = dataclass_from_args(TrainingConfig, ns, train_epochs=ns.train_epochs,
-                                       eval_iters=0, **output_paths(ns.output))  # fmt: skip
+        training = dataclass_from_args(
+            TrainingConfig,
+            ns,
+            train_epochs=ns.train_epochs,
+            eval_iters=0,
+            **output_paths(ns.output),
+        )
+        checkpoints = f"{ns.output}/{CHECKPOINTS}"
+        dataclass_from_args(CheckpointConfig, ns, save=checkpoints, load=checkpoints)
         resolve_deepspeed_config(training, dp, device_type="cuda")
 
 

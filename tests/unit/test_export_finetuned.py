@@ -205,7 +205,7 @@ def test_electra_classification_head_needs_twice_the_classes_in_hidden_units():
 def test_too_many_classes_for_electras_head_is_the_checkpoints_one_line(tmp_path):
     """A custom task with more than hidden/2 labels on SAS: taco-export-hf's CheckpointError
     (one line, exit 1), not a ValueError traceback."""
-    from megatron_taco.training.consolidate import CheckpointError
+    from megatron_taco.checkpoint.errors import CheckpointError
 
     config = FINETUNE_ENCODERS["SAS"][1]().with_vocab_size(800)
     classes = config.hidden_size // 2 + 1
@@ -225,8 +225,8 @@ def test_too_many_classes_for_electras_head_is_the_checkpoints_one_line(tmp_path
     ],
 )  # fmt: skip
 def test_model_card_names_the_tokenizer_of_either_kind(data, tmp_path):
+    from megatron_taco.checkpoint.deepspeed_files import CheckpointInfo
     from megatron_taco.cli.export_finetuned import model_card
-    from megatron_taco.training.consolidate import CheckpointInfo
 
     info = CheckpointInfo(str(tmp_path / "iter_0000004"), 4, {"configs": {"data": data}},
                           1, 1, 0, "fp32")  # fmt: skip

@@ -25,10 +25,11 @@ import torch
 
 from megatron_taco.models.finetune import TaskModel, encoder_state_from_pretraining
 from megatron_taco.parallel.state import single_process_state
-from megatron_taco.recipes.finetune import EpochShuffled, finetune_collate
+from megatron_taco.recipes.finetune import EpochShuffled, finetune_collate, for_run
 from megatron_taco.recipes.finetune_eval import DevEvaluation, predict
 from megatron_taco.tasks import TASKS
 from megatron_taco.tasks.base import Collate, row_lengths
+from megatron_taco.training.configure import build_parser
 from tests.helpers import FINETUNE_ENCODERS as ENCODERS
 from tests.helpers import FINETUNE_HEADS as HEADS
 from tests.helpers import FINETUNE_SEQ as SEQ
@@ -89,7 +90,7 @@ def test_collate_keeps_full_length_when_every_row_fills_it():
 
 
 def _trainer(model) -> SimpleNamespace:
-    return SimpleNamespace(parallel=single_process_state(), ds=EngineLike(model))
+    return SimpleNamespace(parallel=single_process_state(), model_engine=EngineLike(model))
 
 
 class _Recording(EngineLike):
@@ -113,7 +114,7 @@ def test_evaluation_sorts_by_length_and_returns_feature_order(task_kind):
     features = _features(task_kind, n=13, seed=3)
     model = _model("SAS^DA", task_kind, seed=2)
     engine = _Recording(model)
-    trainer = SimpleNamespace(parallel=single_process_state(), ds=engine)
+    trainer = SimpleNamespace(parallel=single_process_state(), model_engine=engine)
     got = predict(trainer, features, micro_batch_size=4, collate_fn=Collate())
     model.eval()  # predict() hands the model back in training mode
     # The micro-batches took the features shortest first (ties in feature order), each cut
@@ -179,26 +180,32 @@ def test_group_by_length_keeps_epochs_permutations_and_groups_lengths():
 
 def _built(tmp_path, **data_flags):
     """build_finetune's parts for a randomly initialised tiny SAS on 70 features."""
+    from megatron_taco.checkpoint.config import CheckpointConfig
     from megatron_taco.parallel.config import ParallelConfig
-    from megatron_taco.recipes.finetune import (
+    from megatron_taco.recipes.finetune import build_finetune
+    from megatron_taco.recipes.finetune_config import (
         FinetuneConfig,
+        FinetuneRecipe,
         PretrainedCheckpoint,
         TaskDataConfig,
-        build_finetune,
     )
     from megatron_taco.tasks.base import TaskData
-    from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
-    from megatron_taco.training.pretrain import BuildContext, PretrainConfigs
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
+    from megatron_taco.training.spec import BuildContext, RunConfigs
     from tests.helpers import tiny_sas_config
 
     training = TrainingConfig(train_epochs=2, micro_batch_size=4, global_batch_size=8)
-    cfg = PretrainConfigs(
+    cfg = RunConfigs(
         parallel=ParallelConfig(),
         model=tiny_sas_config(),
         data=TaskDataConfig(task="sst2", data_dir=str(tmp_path), seq_length=SEQ, **data_flags),
-        task={"finetune": FinetuneConfig(load="ckpt", output=str(tmp_path), random_init=True),
-              "pretrained": PretrainedCheckpoint(load="ckpt", iteration=1, model="SAS")},
+        recipe=FinetuneRecipe(
+            FinetuneConfig(load="ckpt", output=str(tmp_path), random_init=True),
+            PretrainedCheckpoint(load="ckpt", iteration=1, model="SAS"),
+        ),
         training=training,
+        checkpoint=CheckpointConfig(),
         deepspeed=resolve_deepspeed_config(training, 1, device_type="cpu"),
         world_size=1,
         device_type="cpu",
@@ -385,7 +392,7 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
     logged = []
     trainer = SimpleNamespace(
         parallel=single_process_state(),
-        ds=EngineLike(model),
+        model_engine=EngineLike(model),
         logger=SimpleNamespace(log=lambda split, it, values: logged.append((split, values))),
         num_epochs=lambda: 3,
     )
@@ -419,8 +426,9 @@ def test_mnli_epoch_is_chosen_on_matched_accuracy(tmp_path, tokenizer):
 def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path):
     """The run's chosen epoch has no test files and a resumed run cannot go back to its
     model: one line before anything runs, not a run that ends without its submission."""
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.recipes.finetune import SPEC, check_test_predictable
+    from megatron_taco.errors import ConfigError
+    from megatron_taco.recipes.finetune import SPEC
+    from megatron_taco.recipes.finetune_output import check_test_predictable
 
     def command(results=None):  # what for_run reads of the command and the run's folder
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
@@ -429,27 +437,29 @@ def test_predict_test_is_refused_where_the_chosen_epoch_ran_without_it(tmp_path)
             (out / "results.json").write_text(json.dumps(
                 {"task": "sst2", "main_metric": "acc", "dev": {}, "hyperparameters": {},
                  "selection": "best", "finished": True, "chosen_epoch": 2, **results}))  # fmt: skip
-        cfg = SimpleNamespace(data=SimpleNamespace(predict_test=True, data_dir="SST-2"),
-                              deepspeed=SimpleNamespace(global_batch_size=2),
-                              task={"finetune": SimpleNamespace(output=str(out))})  # fmt: skip
+        cfg = SimpleNamespace(
+            data=SimpleNamespace(predict_test=True, data_dir="SST-2"),
+            deepspeed=SimpleNamespace(global_batch_size=2),
+            recipe=SimpleNamespace(finetune=SimpleNamespace(output=str(out))),
+        )
         return cfg, SimpleNamespace(info=TASKS["sst2"], train=[0] * 4)
 
     refused = r"^--predict-test: .*run\d chose epoch 2 before --predict-test was given"
     with pytest.raises(ConfigError, match=refused):
-        SPEC.for_run(*command({}))
+        for_run(SPEC, *command({}))
     with pytest.raises(ConfigError, match=refused):  # unfinished: epoch 2 may stay the best
-        SPEC.for_run(*command({"finished": False, "submission": {"epoch": 1}}))
+        for_run(SPEC, *command({"finished": False, "submission": {"epoch": 1}}))
     # Accepted: the chosen epoch's files written, a later epoch sure to be chosen, a new run.
     for results in ({"submission": {"epoch": 2, "files": ["SST-2.tsv"]}},
                     {"selection": "last", "finished": False}, None):  # fmt: skip
         cfg, _ = command(results)
-        check_test_predictable(cfg.task["finetune"].output)
+        check_test_predictable(cfg.recipe.finetune.output)
 
 
 def test_task_help_lists_every_task_and_the_parser_takes_megatrons_precision_flags():
     from megatron_taco.recipes.finetune import SPEC
 
-    parser = SPEC.build_parser()
+    parser = build_parser(SPEC)
     text = " ".join(parser.format_help().split())
     assert all(name in text for name in TASKS), text  # it used to say "(tasks.TASKS)"
     args = parser.parse_args(["--load", "x", "--task", "cola", "--data-dir", "d", "--bf16"])
@@ -457,3 +467,24 @@ def test_task_help_lists_every_task_and_the_parser_takes_megatrons_precision_fla
     # Sample-based training is pretraining's: fine-tuning counts epochs.
     with pytest.raises(SystemExit):
         parser.parse_args(["--load", "x", "--task", "cola", "--train-samples", "100"])
+
+
+def test_a_run_started_before_the_checkpoint_flags_moved_still_resumes(tmp_path):
+    """run.json of a run interrupted before issue 35 lists --save, --load, --finetune...
+    under "training"; the same command after it records them nowhere (this recipe sets
+    them): it resumes, and a real difference is still refused."""
+    from megatron_taco.errors import ConfigError
+    from megatron_taco.recipes.finetune_output import RUN_FILE, claim_output
+
+    now = {"training": {"lr": 1e-4, "train_epochs": 3}, "data": {"task": "sst2"}}
+    before = {
+        "training": {**now["training"], "save": "o/checkpoints", "load": "o/checkpoints",
+                     "save_interval": None, "ckpt_step": None, "finetune": False,
+                     "no_load_optim": False, "no_load_rng": False},
+        "data": now["data"],
+    }  # fmt: skip
+    (tmp_path / RUN_FILE).write_text(json.dumps(before))
+    claim_output(str(tmp_path), now, write=False)
+    other = {**now, "training": {**now["training"], "lr": 2e-4}}
+    with pytest.raises(ConfigError, match=r"training\.lr: 0\.0001 before, 0\.0002 now"):
+        claim_output(str(tmp_path), other, write=False)

@@ -1,4 +1,4 @@
-"""`make gpu-test` and `make gpu-wheels` (megatron_taco/cli/gpu_wheels.py).
+"""`make gpu-test` and `make gpu-wheels` (tools/gpu_wheels.py).
 
 * On a machine whose python has torch but not the rest: one line naming what is missing and
   how to get it, before anything runs. A stub torch stands in for torch's CUDA build.
@@ -153,7 +153,7 @@ def test_the_report_counts_skips_for_too_few_gpus():
 
 
 def test_installed_list_reads_every_line_or_names_the_one_it_cannot(tmp_path, capsys):
-    from megatron_taco.cli.gpu_wheels import main, read_installed
+    from tools.gpu_wheels import main, read_installed
 
     good = tmp_path / "freeze.txt"
     good.write_text(
@@ -177,7 +177,7 @@ def test_rehearsal_requirements_are_the_nodes_list_and_what_the_tiers_add(tmp_pa
     """`make gpu-rehearsal`: the node's list as PyPI has it (torch's CUDA libraries and
     triton come at torch's own pins), and the CPU tiers' other packages at our pins, less
     what the node or the wheelhouse already holds."""
-    from megatron_taco.cli.gpu_wheels import main, read_installed, read_requirements
+    from tools.gpu_wheels import main, read_installed, read_requirements
 
     wheels = tmp_path / "wheels"
     wheels.mkdir()

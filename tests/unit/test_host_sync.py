@@ -124,7 +124,8 @@ class HostReads(TorchFunctionMode):
 def _count_syncs(rank, world, spec_name, args):
     from megatron_taco.recipes import sas, taco
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.pretrain import pretrain
+    from megatron_taco.training.configure import build_parser, configs_from_args
+    from megatron_taco.training.driver import run as pretrain
 
     spec = {"TACO": taco.SPEC, "SAS": sas.SPEC}[spec_name]
     recorder = SyncRecorder()
@@ -145,10 +146,10 @@ def _count_syncs(rank, world, spec_name, args):
         name = "end_of_micro_batch"
 
         def on_train_start(self, trainer, state):
-            trainer.ds.module.register_forward_pre_hook(start)
+            trainer.model_engine.module.register_forward_pre_hook(start)
 
         def after_micro_batch(self, trainer, state, batch, outputs):
-            if trainer.ds.module.training:
+            if trainer.model_engine.module.training:
                 per_micro.append(recorder.found)
                 recorder.found = []  # recording on: the step's end, up to the next forward
 
@@ -163,7 +164,7 @@ def _count_syncs(rank, world, spec_name, args):
         return parts
 
     spec = dataclasses.replace(spec, build=build)
-    cfg = spec.configs_from_args(spec.build_parser().parse_args(args), world_size=world,
+    cfg = configs_from_args(spec, build_parser(spec).parse_args(args), world_size=world,
                                  device_type="cpu")  # fmt: skip
     with recorder, reads:
         assert pretrain(cfg, spec, keep_process_group=True) == 0

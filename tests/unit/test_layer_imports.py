@@ -1,8 +1,13 @@
-"""The package's layers import only downward: parallel/ -> models/ -> training/ (the generic
-driver, which knows no model), data/ depends on none of them, preprocessing/ and tasks/
-stand apart (tasks/ may read data/), recipes/ wires models and tasks into the driver, cli/ parses flags. Every
-import counts, also those inside functions (the lazy ones that keep --help fast).
-Package-level modules (arguments.py, model_outputs.py) sit below every subpackage."""
+"""The package's layers import only downward (docs/architecture.md): runtime/ (facts about
+the process and its launcher) and parallel/ at the bottom with data/, which depends on none
+of the others; models/ on parallel/; checkpoint/ (the on-disk protocol and the resume plan)
+on parallel/, data/ and runtime/; training/ (the generic driver, which knows no model) on
+those; preprocessing/ and tasks/ stand apart (they may read data/); recipes/ wires models
+and tasks into the driver; evaluation/ reads pretrained models through recipes/; cli/ parses
+flags. Inside training/, resilience/ and observability/ are below the loop and the driver.
+Every import counts, also those inside functions (the lazy ones that keep --help fast).
+Package-level modules (arguments.py, errors.py, io.py, param_groups.py, model_outputs.py)
+sit below every subpackage."""
 
 from __future__ import annotations
 
@@ -15,18 +20,33 @@ from tests.helpers import imported_modules
 
 PACKAGE = Path(megatron_taco.__file__).parent
 ROOT = "<root>"  # package-level modules
+BELOW_RECIPES = {
+    "parallel",
+    "models",
+    "data",
+    "runtime",
+    "checkpoint",
+    "training",
+    "tasks",
+}  # recipes/ and above read them
 # What each layer may import besides itself and the package-level modules.
 ALLOWED = {
     ROOT: set(),
+    "runtime": set(),
     "parallel": set(),
-    "models": {"parallel"},
     "data": set(),
-    "training": {"parallel", "data"},
+    "models": {"parallel"},
+    "checkpoint": {"parallel", "data", "runtime"},
+    "training": {"parallel", "data", "runtime", "checkpoint"},
     "preprocessing": {"data"},
     "tasks": {"data"},
-    "recipes": {"parallel", "models", "data", "training", "tasks"},
-    "cli": {"parallel", "models", "data", "training", "tasks", "recipes", "preprocessing"},
+    "recipes": BELOW_RECIPES,
+    # Loads pretrained models through recipes/registry.py; only cli/ imports it.
+    "evaluation": BELOW_RECIPES | {"recipes"},
+    "cli": BELOW_RECIPES | {"recipes", "evaluation", "preprocessing"},
 }
+# Inside training/: what each of its subpackages may import of training/ besides itself.
+TRAINING_ALLOWED = {"resilience": set(), "observability": {"callbacks"}}
 
 
 def layer_of(module: str) -> str | None:
@@ -50,6 +70,13 @@ def violations(root: Path = PACKAGE) -> list[str]:
         allowed = ALLOWED[layer] | {layer, ROOT}
         for bad in sorted(imported_layers(path, package) - allowed):
             out.append(f"{rel} ({layer}) imports {bad}")
+        if layer == "training" and rel.parts[1] in TRAINING_ALLOWED:
+            own = TRAINING_ALLOWED[rel.parts[1]] | {rel.parts[1]}
+            for module in sorted(imported_modules(path, package)):
+                parts = module.split(".")
+                inside = parts[:2] == ["megatron_taco", "training"] and len(parts) > 2
+                if inside and parts[2] not in own:
+                    out.append(f"{rel} (training/{rel.parts[1]}) imports training.{parts[2]}")
     return out
 
 
@@ -75,9 +102,26 @@ def _copy_package(tmp_path: Path) -> Path:
         # The two edges this test was written for: the monitor reading the model's output
         # names from models/, the data cache taking its barrier from parallel/.
         (
-            "training/monitor.py",
+            "training/observability/monitor.py",
             "from megatron_taco.models.common.monitoring import REPRESENTATION",
-            "training/monitor.py (training) imports models",
+            "training/observability/monitor.py (training) imports models",
+        ),
+        # The checkpoint package below the driver, the resume plan included.
+        (
+            "checkpoint/plan.py",
+            "from megatron_taco.training.optim import optimizer_implementation",
+            "checkpoint/plan.py (checkpoint) imports training",
+        ),
+        (
+            "runtime/launcher.py",
+            "from megatron_taco.parallel import comm",
+            "runtime/launcher.py (runtime) imports parallel",
+        ),
+        # Resilience below the loop: the exit monitor never reaches into the driver.
+        (
+            "training/resilience/exit.py",
+            "from megatron_taco.training.loop import Trainer",
+            "training/resilience/exit.py (training/resilience) imports training.loop",
         ),
         (
             "data/cache.py",
@@ -94,6 +138,12 @@ def _copy_package(tmp_path: Path) -> Path:
             "model_outputs.py",
             "from megatron_taco import training",
             "model_outputs.py (<root>) imports training",
+        ),
+        # evaluation/ sits above recipes/: the registry may not reach up to it.
+        (
+            "recipes/registry.py",
+            "from megatron_taco.evaluation.encoders import OurEncoder",
+            "recipes/registry.py (recipes) imports evaluation",
         ),
     ],
 )

@@ -1,4 +1,4 @@
-"""The learning monitor's figures (training/monitor.py) against hand-computed values, its
+"""The learning monitor's figures (training/observability/monitor.py) against hand-computed values, its
 warnings and its stop, and the eval-mode outputs TACO and SAS give it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.models.common.monitoring import label_counts, monitoring_outputs
-from megatron_taco.training.monitor import (
+from megatron_taco.training.observability.monitor import (
     CollapseError,
     EvaluationStatistics,
     LearningMonitor,

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_taco.checkpoint.layout import TRACKER_FILENAME, TrainingState
 from megatron_taco.models.common.monitoring import monitoring_outputs
-from megatron_taco.training.checkpointing import TRACKER_FILENAME, TrainingState
 from megatron_taco.training.config import TrainingConfig
 from tests.helpers import run_distributed
 
@@ -80,16 +80,33 @@ def _collate(samples):
 def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=None,
              learning_monitor=None, collate=_collate, train=None, num_workers=0,
              **kw):  # fmt: skip
-    from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
+    from megatron_taco.checkpoint.config import CheckpointConfig
+    from megatron_taco.training.deepspeed_config import (
+        load_deepspeed_json,
+        resolve_deepspeed_config,
+    )
     from megatron_taco.training.engine import initialize_engine
-    from megatron_taco.training.logging import TrainingLogger
-    from megatron_taco.training.loop import PretrainTask, Trainer
+    from megatron_taco.training.loop import Trainer
+    from megatron_taco.training.observability.log import TrainingLogger
+    from megatron_taco.training.spec import ModelParts
 
-    values = dict(train_iters=5, micro_batch_size=2, global_batch_size=2 * parallel.dp_size,
-                  lr=1e-2, lr_warmup_iters=1, log_interval=1, eval_iters=0,
-                  progress_bar=False, save=os.path.join(tmp, "ckpt"))  # fmt: skip
+    values = dict(
+        train_iters=5,
+        micro_batch_size=2,
+        global_batch_size=2 * parallel.dp_size,
+        lr=1e-2,
+        lr_warmup_iters=1,
+        log_interval=1,
+        eval_iters=0,
+        progress_bar=False,
+    )
+    ckpt = {"save": os.path.join(tmp, "ckpt")}
+    for key in ("save", "save_interval", "save_retain"):
+        if key in kw:
+            ckpt[key] = kw.pop(key)
     values.update(kw)
     training = TrainingConfig(**values)
+    checkpoint = CheckpointConfig(**ckpt)
     ds_json = load_deepspeed_json(str(REPO / "ds_configs" / f"zero{stage}_fp32.json"))
     settings = resolve_deepspeed_config(training, parallel.dp_size, device_type="cpu",
                                         ds_json=ds_json)  # fmt: skip
@@ -97,11 +114,25 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
     engine = initialize_engine(ToyModel(), training, settings, parallel)
     logger = TrainingLogger(rank=parallel.rank, train_iters=training.train_iters,
                             progress_bar=False)  # fmt: skip
-    task = PretrainTask(model=engine.engine.module, collate_fn=collate,
-                        train_dataset=train or ToyDataset(), valid_dataset=valid,
-                        callbacks=list(callbacks))  # fmt: skip
-    trainer = Trainer(engine, parallel, training, task, logger, seed=1, exit_monitor=exit_monitor,
-                      learning_monitor=learning_monitor, num_workers=num_workers)  # fmt: skip
+    parts = ModelParts(
+        model=engine.model_engine.module,
+        collate_fn=collate,
+        train_dataset=train or ToyDataset(),
+        valid_dataset=valid,
+        callbacks=list(callbacks),
+    )
+    trainer = Trainer(
+        engine,
+        parallel,
+        training,
+        parts,
+        logger,
+        checkpoint=checkpoint,
+        seed=1,
+        exit_monitor=exit_monitor,
+        learning_monitor=learning_monitor,
+        num_workers=num_workers,
+    )
     return trainer, logger
 
 
@@ -136,7 +167,7 @@ def _grad_worker(rank, world_size, tmp, stage, overrides=None):
 
     kw = {"save_interval": 1, **(overrides or {})}
     trainer, logger = _trainer(parallel, tmp, stage, callbacks=[PoisonGrad()], **kw)
-    holder.update(model=trainer.ds.module, losses=[])
+    holder.update(model=trainer.model_engine.module, losses=[])
     records = []
     real_log = logger.log
     logger.log = lambda split, it, metrics: (records.append((split, it, metrics)),
@@ -150,7 +181,7 @@ def _grad_worker(rank, world_size, tmp, stage, overrides=None):
         logger.close()
     skipped = {it: m.get("skipped_iterations") for split, it, m in records if split == "train"}
     finite = all(np.isfinite(holder["losses"]))
-    return error, _listing(trainer.training.save), skipped, finite
+    return error, _listing(trainer.checkpoint.save), skipped, finite
 
 
 def test_non_finite_gradient_norm_stops_every_rank_before_the_step_is_saved(tmp_path):
@@ -227,9 +258,9 @@ def _store_layout():
 
 def _corrupt_row_worker(rank, world_size, tmp, root):
     from megatron_taco.data.sas_collator import ColdStart, ReplacementConfig, SasCollator
+    from megatron_taco.errors import RunError
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.recipes.sas_augmentation import StoreSource
-    from megatron_taco.training.checkpointing import RunError
 
     parallel = init_parallel(1)
     probs = np.r_[np.zeros(5), np.full(VOCAB - 5, 1.0 / (VOCAB - 5))]
@@ -245,7 +276,7 @@ def _corrupt_row_worker(rank, world_size, tmp, root):
         error = str(e)
     finally:
         logger.close()
-    save = trainer.training.save
+    save = trainer.checkpoint.save
     return error, _listing(save) if os.path.isdir(save) else []
 
 
@@ -284,7 +315,7 @@ def test_a_store_row_changed_on_disk_read_by_one_rank_stops_every_rank_with_its_
 def _exit_worker(rank, world_size, tmp):
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
     parallel = init_parallel(1)
     monitor = ExitMonitor(ExitConfig())
@@ -344,8 +375,9 @@ def _slow_cleanup_worker(rank, world_size, tmp):
     from datetime import timedelta
 
     from megatron_taco.parallel.state import init_parallel
+    from megatron_taco.runtime.faults import PAUSE_ENV
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.signals import PAUSE_ENV, ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
     parallel = init_parallel(1)
     monitor = ExitMonitor(ExitConfig())
@@ -367,20 +399,19 @@ def _slow_cleanup_worker(rank, world_size, tmp):
                 monitor.received = int(signal.SIGTERM)
 
     trainer, logger = _trainer(parallel, tmp, 0, exit_monitor=monitor, callbacks=[SlowFileSystem()],
-                               train_iters=8, save_interval=1)  # fmt: skip
-    trainer.save_retain = 1
+                               train_iters=8, save_interval=1, save_retain=1)  # fmt: skip
     lines = []
     real_print = logger.print
     logger.print = lambda text: (lines.append(text), real_print(text))
     try:
         state = trainer.train(TrainingState())
-        after_exit = _listing(trainer.training.save)
+        after_exit = _listing(trainer.checkpoint.save)
         trainer.exiting, state.iteration = None, 5  # the next save (the resumed run's)
         trainer.save(state)
     finally:
         logger.close()
     exits = [line for line in lines if "exiting at" in line]
-    return after_exit, _listing(trainer.training.save), exits
+    return after_exit, _listing(trainer.checkpoint.save), exits
 
 
 def test_rank0_file_work_outlasting_the_collective_timeout_and_an_exit_that_defers_it(tmp_path):
@@ -431,7 +462,7 @@ def test_no_future_warning_and_no_op_compiled_by_an_engine(tmp_path):
 def _collapse_worker(rank, world_size, tmp):
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.monitor import (
+    from megatron_taco.training.observability.monitor import (
         CollapseError,
         LearningMonitor,
         LearningMonitorConfig,
@@ -446,7 +477,7 @@ def _collapse_worker(rank, world_size, tmp):
 
         def after_micro_batch(self, trainer, state, batch, outputs):
             # From iteration 5 on, one vector for every token (on every rank).
-            trainer.ds.module.collapsed = state.iteration >= 4
+            trainer.model_engine.module.collapsed = state.iteration >= 4
 
     trainer, logger = _trainer(parallel, tmp, 1, callbacks=[Collapse()], learning_monitor=monitor,
                                train_iters=8, eval_iters=4, eval_interval=2, save_interval=2,
@@ -462,7 +493,7 @@ def _collapse_worker(rank, world_size, tmp):
         error = str(e)
     finally:
         logger.close()
-    return error, _listing(trainer.training.save), [s for s in seen if s[0] == "valid"]
+    return error, _listing(trainer.checkpoint.save), [s for s in seen if s[0] == "valid"]
 
 
 def test_exit_on_collapse_stops_before_the_collapsed_iteration_is_saved(tmp_path):
@@ -481,10 +512,11 @@ def test_exit_on_collapse_stops_before_the_collapsed_iteration_is_saved(tmp_path
 def _collapse_resume_worker(rank, world_size, tmp):
     """An exit (--exit-interval) at the first collapsed evaluation still saves (it is what the
     run resumes from); the resumed run goes on counting the streak and stops at the next."""
+    from megatron_taco.checkpoint.layout import read_tracker
+    from megatron_taco.checkpoint.load import load_checkpoint
     from megatron_taco.parallel.state import init_parallel
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.checkpointing import load_checkpoint
-    from megatron_taco.training.monitor import (
+    from megatron_taco.training.observability.monitor import (
         CollapseError,
         LearningMonitor,
         LearningMonitorConfig,
@@ -496,7 +528,9 @@ def _collapse_resume_worker(rank, world_size, tmp):
         name = "collapse"
 
         def after_micro_batch(self, trainer, state, batch, outputs):
-            trainer.ds.module.collapsed = state.iteration >= 4  # collapsed from iteration 5
+            trainer.model_engine.module.collapsed = (
+                state.iteration >= 4
+            )  # collapsed from iteration 5
 
     def trainer_for(**kw):
         lines = []
@@ -514,9 +548,10 @@ def _collapse_resume_worker(rank, world_size, tmp):
         end = first.train(TrainingState())
     finally:
         logger.close()
-    listing = _listing(first.training.save)
+    listing = _listing(first.checkpoint.save)
     second, logger, _, _ = trainer_for()
-    state = load_checkpoint(second.ds, second.training.save, parallel)
+    save = second.checkpoint.save
+    state = load_checkpoint(second.model_engine, save, read_tracker(save), parallel)
     error = None
     try:
         second.train(state)

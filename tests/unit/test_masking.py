@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
+from megatron_taco.arguments import add_dataclass_args, dataclass_from_args
 from megatron_taco.data.masking import (
     IGNORE_INDEX,
     NUM_SPECIAL_IDS,
@@ -12,6 +12,7 @@ from megatron_taco.data.masking import (
     span_mask_tokens,
     word_units,
 )
+from megatron_taco.errors import ConfigError
 from tests.helpers import masking_sample as make_sample
 
 CLS, SEP, MASK = 2, 3, 4

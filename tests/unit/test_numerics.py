@@ -44,7 +44,8 @@ def test_apply_numerics_sets_and_resets_the_process_state():
 
 def _during_build(rank, world, args):
     from megatron_taco.recipes.taco import SPEC
-    from megatron_taco.training.pretrain import pretrain
+    from megatron_taco.training.configure import build_parser, configs_from_args
+    from megatron_taco.training.driver import run as pretrain
 
     seen = []
 
@@ -53,12 +54,12 @@ def _during_build(rank, world, args):
         return recipe(ctx)
 
     spec = dataclasses.replace(SPEC, build=build)
-    cfg = spec.configs_from_args(spec.build_parser().parse_args(args), world_size=world,
+    cfg = configs_from_args(spec, build_parser(spec).parse_args(args), world_size=world,
                                  device_type="cpu")  # fmt: skip
     assert pretrain(cfg, spec, keep_process_group=True) == 0
-    from megatron_taco.training.checkpointing import read_metadata
+    from megatron_taco.checkpoint.manifest import read_metadata
 
-    return seen, read_metadata(os.path.join(cfg.training.save, "iter_0000001"))["optimizer"]
+    return seen, read_metadata(os.path.join(cfg.checkpoint.save, "iter_0000001"))["optimizer"]
 
 
 @pytest.mark.parametrize("flags", [(), ("--deterministic", "--no-tf32")])

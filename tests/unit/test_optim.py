@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_taco.param_groups import split_weight_decay
 from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.optim import (
     AnnealingLR,
@@ -15,7 +16,6 @@ from megatron_taco.training.optim import (
     build_optimizer,
     build_scheduler,
     param_groups,
-    split_weight_decay,
 )
 
 # -- schedule -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megatron_taco.training.signals import proc_stat
+from megatron_taco.runtime.procfs import proc_stat
 from tests.helpers import ENV, REPO, free_port
 
 # The launcher starts rank 0 of a world of 2 (rank 1 never comes: untied, rank 0 would
@@ -45,7 +45,8 @@ def _gone(pid: int) -> bool:
 def test_a_rank_whose_launcher_died_before_main_exits_with_one_line(
     botchan_dataset, tmp_path, delay
 ):
-    from megatron_taco.training.signals import _init_name, is_container_init
+    from megatron_taco.runtime.launcher import is_container_init
+    from megatron_taco.runtime.procfs import init_name as _init_name
 
     if delay == "0" and is_container_init(_init_name()):
         # The rank may be re-parented before its shim runs, to PID 1, a container's init
@@ -87,7 +88,7 @@ def test_a_rank_whose_launcher_died_before_main_exits_with_one_line(
 
 
 def test_a_container_init_shim_as_parent_is_not_judged_an_orphan():
-    from megatron_taco.training.signals import orphaned_at_start
+    from megatron_taco.runtime.launcher import orphaned_at_start
 
     # (parent pid, its name, /proc/1/comm) -> orphaned
     cases = {
@@ -118,7 +119,7 @@ def test_a_container_init_shim_as_parent_is_not_judged_an_orphan():
 _SHIM = """
 import subprocess, sys
 python, = sys.argv[1:]
-code = "from megatron_taco.training.signals import tie_at_start; tie_at_start('x.py'); print('tied')"
+code = "from megatron_taco.training.resilience.exit import tie_at_start; tie_at_start('x.py'); print('tied')"
 rank = subprocess.run([python, "-c", code], capture_output=True, text=True)
 print(rank.returncode, rank.stdout.strip(), rank.stderr.strip())
 """

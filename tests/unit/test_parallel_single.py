@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.parallel import (
     MODEL_PARALLEL_RNG,
     ColumnParallelLinear,
@@ -234,7 +234,7 @@ def test_checkpointed_tracker_of_another_device_type_keeps_its_seeded_stream(cap
     """A checkpoint saved on a GPU resumed on CPU (and back): the tracker's saved generator
     state is of the other kind (16 vs 5056 bytes) and would make fork() raise; it is detected,
     the stream keeps its seeded state, and the log says so. Same-kind states still restore."""
-    from megatron_taco.training.checkpointing import get_rng_states, set_rng_states
+    from megatron_taco.checkpoint.rng import get_rng_states, set_rng_states
 
     tracker = RNGTracker("cpu")
     tracker.add(MODEL_PARALLEL_RNG, 5)

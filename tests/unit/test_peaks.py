@@ -1,11 +1,16 @@
-"""The GPU peak table MFU divides by (megatron_taco/training/peaks.py)."""
+"""The GPU peak table MFU divides by (megatron_taco/training/observability/peaks.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_taco.training.peaks import GPU_BF16_PEAKS, device_peak, gpu_bf16_peak, mfu
+from megatron_taco.training.observability.peaks import (
+    GPU_BF16_PEAKS,
+    device_peak,
+    gpu_bf16_peak,
+    mfu,
+)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ import argparse
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
+from megatron_taco.arguments import add_dataclass_args, dataclass_from_args
 from megatron_taco.data.masking import IGNORE_INDEX, mask_budget, span_length_probs
 from megatron_taco.data.position_masking import (
     MASK_POSITION,
@@ -12,6 +12,7 @@ from megatron_taco.data.position_masking import (
     span_mask_positions,
     true_position_ids,
 )
+from megatron_taco.errors import ConfigError
 from tests.helpers import masking_sample as make_sample
 
 CLS, SEP = 2, 3

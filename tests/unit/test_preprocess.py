@@ -14,29 +14,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
-from megatron_taco.preprocessing.corpora import (
-    Skipped,
-    detect_format,
-    expand_inputs,
-    iter_records,
-)
-from megatron_taco.preprocessing.preprocess import (
-    PARSE_ERROR,
-    BatchEncoder,
-    PreprocessConfig,
-    PreprocessError,
-    Preprocessor,
-    _InputFile,
-    _InputMeter,
-    _worker_main,
-    dataset_prefix,
-    preprocess,
-    summary_path,
+from megatron_taco.data.indexed_dataset import (
+    IndexedDataset,
+    data_file_path,
+    index_file_path,
     unigram_path,
 )
+from megatron_taco.errors import ConfigError
+from megatron_taco.preprocessing.config import (
+    InputFile,
+    PreprocessConfig,
+    PreprocessError,
+    dataset_prefix,
+    summary_path,
+)
+from megatron_taco.preprocessing.corpora import iter_records
+from megatron_taco.preprocessing.encode import PARSE_ERROR, BatchEncoder
+from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
+from megatron_taco.preprocessing.preprocess import Preprocessor, preprocess
+from megatron_taco.preprocessing.records import RawRecord, Skipped
+from megatron_taco.preprocessing.report import InputMeter
 from megatron_taco.preprocessing.text import SentenceSplitter, make_sentence_splitter
+from megatron_taco.preprocessing.workers import (
+    MATH_THREAD_VARS,
+    single_threaded_math,
+    worker_main,
+)
 
 CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 BOTCHAN = Path(__file__).resolve().parents[1] / "fixtures" / "text" / "botchan_excerpt.txt"
@@ -307,8 +310,6 @@ def test_unk_rate_per_input(tmp_path, botchan_path, capsys):
 
 
 def test_batch_encoder_eod_only_on_last_sequence_and_empty_dropped(tokenizer, splitter):
-    from megatron_taco.preprocessing.corpora import RawRecord
-
     records = [
         RawRecord("jsonl", json.dumps({"text": "First one. Second one here.\nThird."}), "a"),
         RawRecord("jsonl", json.dumps({"text": "   "}), "b"),  # empty after cleaning
@@ -316,7 +317,7 @@ def test_batch_encoder_eod_only_on_last_sequence_and_empty_dropped(tokenizer, sp
     ]
     enc = BatchEncoder(tokenizer, ("text",), splitter=splitter, append_eod=True).encode(records)
     kb = enc.per_key["text"]
-    assert enc.documents == 2 and enc.skipped == Counter({"empty": 1})
+    assert enc.documents == 2 and enc.skips.counts == Counter({"empty": 1})
     assert kb.doc_seq_counts.tolist() == [3, 1]
     ends = np.cumsum(kb.seq_lengths) - 1
     is_eod = kb.tokens[ends] == tokenizer.eod_id
@@ -379,7 +380,7 @@ def test_filesystem_errors_name_the_file(tmp_path, tokenizer_model, corpus):
 
 def _worker_with_bad_model(spec, rank, tasks, results):
     # The real worker, but its tokenizer cannot load: a genuine in-worker exception.
-    _worker_main(
+    worker_main(
         dataclasses.replace(spec, tokenizer_model="/nonexistent/spm.model"), rank, tasks, results
     )
 
@@ -445,16 +446,14 @@ def test_stale_temp_of_dead_run_is_removed(tmp_path, tokenizer_model, corpus):
 def test_workers_start_with_single_threaded_math_and_the_env_is_restored(monkeypatch):
     import multiprocessing as mp
 
-    from megatron_taco.preprocessing.preprocess import _MATH_THREAD_VARS, _single_threaded_math
-
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     ctx = mp.get_context("spawn")
     seen = ctx.Queue()
-    with _single_threaded_math():
-        child = ctx.Process(target=_report_env, args=(seen, _MATH_THREAD_VARS))
+    with single_threaded_math():
+        child = ctx.Process(target=_report_env, args=(seen, MATH_THREAD_VARS))
         child.start()
-    assert seen.get(timeout=60) == dict.fromkeys(_MATH_THREAD_VARS, "1")
+    assert seen.get(timeout=60) == dict.fromkeys(MATH_THREAD_VARS, "1")
     child.join()
     assert os.environ["OMP_NUM_THREADS"] == "8" and "OPENBLAS_NUM_THREADS" not in os.environ
 
@@ -469,8 +468,8 @@ def test_input_meter_counts_compressed_bytes_read(tmp_path):
     with gzip.open(path, "wb") as f:
         f.write(payload)
     size = path.stat().st_size
-    meter = _InputMeter()
-    meter.start(_InputFile(str(path), "jsonl", size, True))
+    meter = InputMeter()
+    meter.start(InputFile(str(path), "jsonl", size, True))
     with gzip.open(path, "rb") as f:
         f.read(1 << 20)
         mid = meter.consumed()

@@ -1,4 +1,4 @@
-"""recipes/ imports one way: sweep.py (the protocols, their table) and finetune_eval.py (the
+"""recipes/ imports one way: sweep.py and sweep_summary.py (the protocols, their table) and finetune_eval.py (the
 dev evaluation, results.json) never import finetune.py (the recipe and its command), and
 finetune_eval.py imports neither of the others. Every import counts, also those inside
 functions, which a cycle would otherwise hide until run time."""

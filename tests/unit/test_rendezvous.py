@@ -1,4 +1,4 @@
-"""What the ranks settle around the rendezvous (training/rendezvous.py), with real processes:
+"""What the ranks settle around the rendezvous (checkpoint/rendezvous.py), with real processes:
 
 * the ranks a launcher starts on one node verify the checkpoint once: one rank reads its
   files, the others take its verdict (the same one-line error included); a rank that dies
@@ -14,15 +14,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training.checkpointing import FORMAT, LoadChoice, _write_metadata
-from megatron_taco.training.rendezvous import agree_on_load, describe_disagreement
+from megatron_taco.checkpoint.layout import FORMAT
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
+from megatron_taco.checkpoint.plan import FRESH, RESUME, ResumePlan
+from megatron_taco.checkpoint.rendezvous import agree_on_load, describe_disagreement
+from megatron_taco.errors import ConfigError
 from tests.helpers import ENV, REPO, free_port, run_distributed
 
 
 def _checkpoint(load: Path, iteration: int, payload: bytes) -> None:
     """A checkpoint in the layout the verifier checks (one data file, its manifest)."""
-    from megatron_taco.training.checkpointing import _manifest_entry
+    from megatron_taco.checkpoint.manifest import manifest_entry as _manifest_entry
 
     iter_dir = load / f"iter_{iteration:07d}"
     iter_dir.mkdir(parents=True)
@@ -36,32 +38,31 @@ def _checkpoint(load: Path, iteration: int, payload: bytes) -> None:
 # One local rank: counts the files it checksums while choosing the checkpoint to load.
 _RANK = """
     import json, os, sys, time
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training import checkpointing as ckpt
-    from megatron_taco.training.rendezvous import once_per_node
+    from megatron_taco.checkpoint import manifest
+    from megatron_taco.checkpoint.config import CheckpointConfig
+    from megatron_taco.checkpoint.plan import ResumeRequest, plan_resume
+    from megatron_taco.checkpoint.rendezvous import verify_once_per_node
+    from megatron_taco.errors import ConfigError
 
     reads = []
-    real = ckpt.checksum_regular
+    real = manifest.checksum_regular
     def counting(path):
         reads.append(path)
         time.sleep(0.5)  # long enough for the other rank to be waiting
         if os.environ.get("DIE") == os.environ["LOCAL_RANK"]:
             os._exit(9)  # dies holding the lock, before any verdict
         return real(path)
-    ckpt.checksum_regular = counting
+    manifest.checksum_regular = counting
 
     load = sys.argv[1]
     # As the deepspeed launcher starts a rank: its own --local_rank in the command line.
     sys.argv = ["pretrain_taco.py", f"--local_rank={os.environ['LOCAL_RANK']}", "--load", load]
 
-    def choose():
-        return ckpt.choose_load(load, None, fallback=True, models=("TOY",))
-
+    request = ResumeRequest(CheckpointConfig(load=load, load_fallback=True), models=("TOY",))
     time.sleep(float(os.environ.get("DELAY", "0")))
     try:
-        choice = once_per_node("load", choose, lambda c: [c.iteration, c.checksum],
-                               lambda v: ckpt.LoadChoice(*v))
-        result = {"iteration": choice.iteration, "reads": len(reads)}
+        plan = plan_resume(request, once=verify_once_per_node)
+        result = {"iteration": plan.iteration, "reads": len(reads)}
     except ConfigError as e:
         result = {"error": str(e), "reads": len(reads)}
     print(json.dumps(result), flush=True)
@@ -128,8 +129,9 @@ def test_a_rank_that_dies_verifying_leaves_the_work_to_the_next(tmp_path):
 
 def _agree(rank, world_size, choices, load):
     choice = choices[rank]
+    plan = ResumePlan(FRESH, load) if choice is None else ResumePlan(RESUME, load, *choice)
     try:
-        agree_on_load(None if choice is None else LoadChoice(*choice), load)
+        agree_on_load(plan)
     except ConfigError as e:
         return str(e)
     return None

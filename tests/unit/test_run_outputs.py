@@ -1,5 +1,5 @@
-"""What a person watching a long run reads, rank 0's outputs (training/logging.py and
-training/tracking.py): every train line's elapsed time, ETA and memory, in the console line,
+"""What a person watching a long run reads, rank 0's outputs (training/observability/log.py and
+training/observability/tracking.py): every train line's elapsed time, ETA and memory, in the console line,
 the metrics file and TensorBoard alike, and the same records in a real Weights & Biases run
 (offline mode: files only), which a resumed run continues under the same id."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
-from megatron_taco.training.logging import TrainingLogger, _duration, read_metrics
+from megatron_taco.training.observability.log import TrainingLogger, _duration, read_metrics
 from tests.helpers import wandb_offline_runs
 
 
@@ -57,7 +58,7 @@ def test_train_line_says_elapsed_eta_and_memory_everywhere(tmp_path, capsys):
 def test_host_memory_is_the_resident_set_now_not_the_peak(tmp_path):
     # On CPU the current resident set (the CUDA peaks, reset after each line: tests/gpu): a
     # quarter GiB touched shows, and shows no more once freed (ru_maxrss would keep it).
-    from megatron_taco.training.logging import memory_metrics
+    from megatron_taco.training.observability.log import memory_metrics
 
     before = memory_metrics()
     block = b"\x01" * 2**28  # every page written
@@ -70,7 +71,7 @@ def test_host_memory_is_the_resident_set_now_not_the_peak(tmp_path):
 
 
 def _run(tmp_path, run_id=None, name="tiny"):
-    from megatron_taco.training.tracking import WandbRun
+    from megatron_taco.training.observability.tracking import WandbRun
 
     return WandbRun(project="taco-tests", name=name, save_dir=str(tmp_path), entity=None,
                     mode="offline", config={"training": {"lr": 1e-3, "train_iters": 30}},
@@ -83,7 +84,7 @@ def test_wandb_gets_the_records_and_a_resume_continues_the_run(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_taco.training.tracking import WandbRunState, saved_run_id
+    from megatron_taco.training.observability.tracking import WandbRunState, saved_run_id
 
     png = str(tmp_path / "loss_curve.png")
     plt.plot([1, 2, 3])
@@ -99,6 +100,9 @@ def test_wandb_gets_the_records_and_a_resume_continues_the_run(tmp_path):
     logger.close()
     assert state == {"run_id": run.run_id}
 
+    # W&B names an offline run's folder by the second it starts and the run id: a resume
+    # within the same second (never a real requeue's) would share the first run's folder.
+    time.sleep(1.1)
     resumed = _run(tmp_path, run_id=saved_run_id({"wandb": state}))
     other_rank = TrainingLogger(rank=1, train_iters=30, progress_bar=False, tracker=_Refuses())
     other_rank.log("train", 30, {"loss": 9.0})  # rank 0 only: nothing is sent
@@ -129,15 +133,15 @@ class _Refuses:
 def test_wandb_flags_need_a_project_and_the_package(monkeypatch):
     import importlib.util
 
-    from megatron_taco.arguments import ConfigError
+    from megatron_taco.errors import ConfigError
     from megatron_taco.training.config import TrainingConfig
 
     with pytest.raises(ConfigError, match="^--wandb-exp-name: needs --wandb-project$"):
         TrainingConfig(train_iters=10, wandb_exp_name="x")
     with pytest.raises(ConfigError, match="^--wandb-mode: must be online, offline or disabled"):
         TrainingConfig(train_iters=10, wandb_project="p", wandb_mode="sometimes")
-    t = TrainingConfig(train_iters=10, wandb_project="p", save="ckpt")
-    assert t.resolved_wandb_dir == "ckpt"  # W&B's wandb/ beside the metrics file
+    t = TrainingConfig(train_iters=10, wandb_project="p")
+    assert t.wandb_dir("ckpt") == "ckpt"  # W&B's wandb/ beside the metrics file (in --save)
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a)
@@ -149,8 +153,8 @@ def test_wandb_flags_need_a_project_and_the_package(monkeypatch):
 def test_wandb_online_without_an_api_key_is_one_line(tmp_path, monkeypatch):
     # The real library, no credentials anywhere (no key, an empty home): its UsageError
     # becomes one line naming the flag and the ways out, not a traceback from rank 0.
-    from megatron_taco.arguments import ConfigError
-    from megatron_taco.training.tracking import WandbRun
+    from megatron_taco.errors import ConfigError
+    from megatron_taco.training.observability.tracking import WandbRun
 
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
         monkeypatch.delenv(name, raising=False)
@@ -169,7 +173,11 @@ def test_the_wandb_run_id_survives_runs_without_wandb():
     # id a resumed run without --wandb-project read stays in the checkpoints it writes, so a
     # later run with W&B continues the same run.
     from megatron_taco.training.callbacks import CallbackList
-    from megatron_taco.training.tracking import WANDB_STATE, WandbRunState, saved_run_id
+    from megatron_taco.training.observability.tracking import (
+        WANDB_STATE,
+        WandbRunState,
+        saved_run_id,
+    )
 
     assert saved_run_id({}) is None and saved_run_id({WANDB_STATE: {}}) is None
     assert WandbRunState(None).state_dict() == {}

@@ -3,7 +3,6 @@ import os
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.data import samples
 from megatron_taco.data.samples import (
     build_sample_index,
@@ -11,6 +10,7 @@ from megatron_taco.data.samples import (
     get_split_document_ranges,
     parse_split,
 )
+from megatron_taco.errors import ConfigError
 
 
 def make_corpus(num_docs=400, seed=0, max_sentences=30, long_every=0):

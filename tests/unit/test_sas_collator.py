@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.data.masking import IGNORE_INDEX
 from megatron_taco.data.sas_collator import (
     ColdStart,
@@ -18,6 +17,7 @@ from megatron_taco.data.sas_collator import (
     replaced_positions,
     tempered,
 )
+from megatron_taco.errors import ConfigError
 from tests.helpers import chi2_goodness_of_fit
 
 PAD, CLS, SEP = 0, 2, 3

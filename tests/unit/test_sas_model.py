@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.models.sas import PRESETS, SasConfig, SasForPretraining
 from megatron_taco.models.sas.model import rtd_labels
 from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, model_parallel_seed
 from megatron_taco.parallel.state import ParallelState, single_process_state
+from megatron_taco.training.configure import build_parser, configs_from_args
 from tests.helpers import (
     SAS_METRIC_KEYS,
     SAS_SEQ,
@@ -549,8 +550,8 @@ def test_departures_that_would_train_something_else_are_refused_in_one_line(
                 "--tokenizer-model", botchan_dataset["tokenizer"], "--micro-batch-size", "2",
                 "--global-batch-size", "2", "--train-iters", "4", "--cold-start", "uniform",
                 "--save", str(tmp_path / "s"), *extra]  # fmt: skip
-        return SPEC.configs_from_args(
-            SPEC.build_parser().parse_args(argv), world_size=1, device_type="cpu"
+        return configs_from_args(
+            SPEC, build_parser(SPEC).parse_args(argv), world_size=1, device_type="cpu"
         )
 
     with pytest.raises(ConfigError, match=message):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.count_flops import main as count_flops
+from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.sas import RtdScheduleConfig
 
 REPO = Path(__file__).resolve().parents[2]

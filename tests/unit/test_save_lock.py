@@ -15,17 +15,17 @@ import textwrap
 
 import pytest
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.training import save_lock as save_lock_module
-from megatron_taco.training.save_lock import LOCK_FILENAME, save_lock, take_save_lock
-from megatron_taco.training.signals import proc_stat
+from megatron_taco.checkpoint import ownership as save_lock_module
+from megatron_taco.checkpoint.ownership import LOCK_FILENAME, save_lock, take_save_lock
+from megatron_taco.errors import ConfigError
+from megatron_taco.runtime.procfs import proc_stat
 from tests.helpers import ENV, REPO
 
 # Takes the lock on argv[1] (through the exit watchdog's actions), says so, waits.
 _HOLDER = """
     import sys, time
-    from megatron_taco.training.save_lock import save_lock
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.checkpoint.ownership import save_lock
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     monitor = ExitMonitor(ExitConfig(), program="holder.py")
     monitor.install()
     with save_lock(sys.argv[1], 0, monitor.exit_actions):
@@ -80,7 +80,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_one_line(tmp_path, caplog):
     proc.kill()  # kill -9: the record stays, the kernel drops the flock
     proc.wait()
     assert record(tmp_path)["pid"] == proc.pid
-    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.save_lock"):
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.checkpoint.ownership"):
         lock = take_save_lock(str(tmp_path))
     try:
         assert record(tmp_path)["pid"] == os.getpid()
@@ -110,7 +110,7 @@ def test_records_without_a_flock_holder(tmp_path, caplog):
     # Another host, and its flock free: where flock spans hosts (NFSv4, Lustre -o flock,
     # GPFS) that run is gone (issue 27 item 4: a requeue on another node goes on by itself).
     _plant(tmp_path, host="node-17", pid=4242)
-    with caplog.at_level(logging.WARNING, logger="megatron_taco.training.save_lock"):
+    with caplog.at_level(logging.WARNING, logger="megatron_taco.checkpoint.ownership"):
         take_save_lock(str(tmp_path)).release()
     assert caplog.messages == [
         f"--save: {tmp_path / LOCK_FILENAME} was held by pid 4242 on host node-17, since "

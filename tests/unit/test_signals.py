@@ -17,15 +17,31 @@ from datetime import timedelta
 import pytest
 import torch.multiprocessing as mp
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, dataclass_from_args
-from megatron_taco.training.signals import REPEAT_WINDOW_S, ExitConfig, ExitMonitor, proc_stat
+from megatron_taco.arguments import add_dataclass_args, dataclass_from_args
+from megatron_taco.errors import ConfigError
+from megatron_taco.parallel.config import ParallelConfig
+from megatron_taco.runtime.procfs import proc_stat
+from megatron_taco.training.resilience.exit import REPEAT_WINDOW_S, ExitConfig, ExitMonitor
 from tests.helpers import ENV, REPO, free_port
 
 
-def parse(*argv: str) -> ExitConfig:
+class _Flags:
+    """ExitConfig and ParallelConfig (the process groups' timeouts) of one command line."""
+
+    def __init__(self, *configs) -> None:
+        self.configs = configs
+
+    def __getattr__(self, name):
+        owner = next((c for c in self.configs if hasattr(c, name)), self.configs[0])
+        return getattr(owner, name)
+
+
+def parse(*argv: str) -> _Flags:
     parser = argparse.ArgumentParser()
     add_dataclass_args(parser, ExitConfig)
-    return dataclass_from_args(ExitConfig, parser.parse_args(list(argv)))
+    add_dataclass_args(parser, ParallelConfig)
+    args = parser.parse_args(list(argv))
+    return _Flags(dataclass_from_args(ExitConfig, args), dataclass_from_args(ParallelConfig, args))
 
 
 def test_flags_defaults_and_spellings():
@@ -113,7 +129,7 @@ def test_time_limit_is_measured_from_the_process_start():
     before = time.time()
     code = (
         "import time; t = time.time()\n"
-        "from megatron_taco.training.signals import ExitConfig, ExitMonitor\n"
+        "from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor\n"
         "print(ExitMonitor(ExitConfig()).start_time, t)"
     )
     out = subprocess.run(
@@ -137,7 +153,7 @@ def python(code: str, *args: str, **env: str) -> subprocess.Popen:
 # reports the first flag, then keeps running (a save).
 _HANDLER_CHILD = """
     import sys, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     monitor = ExitMonitor(ExitConfig())
     monitor.install()
     with monitor.deferred():
@@ -193,7 +209,7 @@ def test_later_signals_are_absorbed_until_the_save_is_done(first):
 # read): it completes, then the rank ends with one line.
 _SAVING_CHILD = """
     import sys, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     monitor = ExitMonitor(ExitConfig(), program="rank.py")
     monitor.install()
     with monitor.deferred():
@@ -223,7 +239,8 @@ def test_a_signal_during_a_save_waits_for_it_then_ends_the_rank(tmp_path):
 
 _WORKER_CHILD = """
     import os, sys, time, torch
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor, get_pdeathsig
+    from megatron_taco.runtime.procfs import get_pdeathsig
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
     class Pids(torch.utils.data.Dataset):
         def __len__(self):
@@ -280,7 +297,7 @@ _LAUNCHER = """
 """
 _RANK = """
     import os, sys, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     mode = os.environ["MODE"]
     config = ExitConfig(exit_signal_handler=mode != "no handler")
     monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
@@ -334,7 +351,7 @@ def test_a_rank_stops_when_its_launcher_dies(tmp_path, mode, launched_by):
 # A rank whose exit save takes SAVE_S seconds (a stalled peer in the real one).
 _SAVING_RANK = """
     import os, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     config = ExitConfig(orphan_grace_seconds=1)
     monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
     monitor.install()
@@ -386,7 +403,7 @@ def test_a_rank_without_its_launcher_abandons_its_exit_save_after_the_grace(
 # asked for by the runner's death alone: the per-node launcher, its parent, lives.
 _RUNNER_SAVING_RANK = """
     import os, time
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     config = ExitConfig(orphan_grace_seconds=1)
     monitor = ExitMonitor(config, watchdog_interval=0.05, program="rank.py")
     monitor.install()
@@ -472,7 +489,7 @@ _STORE_RANK = """
     import os, sys
     from datetime import timedelta
     import torch.distributed as dist
-    from megatron_taco.training.signals import ExitConfig, ExitMonitor
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
     monitor = ExitMonitor(ExitConfig(), program="rank.py")
     monitor.tie_to_launcher()
     monitor.install()
@@ -535,15 +552,15 @@ _NODE_LAUNCHER = """
 _SLOW_START_RANK = """
     import os, sys, time
     from megatron_taco.recipes.taco import SPEC
-    from megatron_taco.training.pretrain import ModelSpec
+    from megatron_taco.training import driver
 
-    def slow(self, args, **kw):
+    def slow(spec, args, **kw):
         print("pid", os.getpid(), flush=True)
         time.sleep(60)  # a checkpoint of many GB being checksummed
         raise SystemExit("still running: not tied to the launcher")
 
-    ModelSpec.configs_from_args = slow
-    SPEC.main(["--data-path", "x", "--tokenizer-model", "x", "--train-iters", "1",
+    driver.configs_from_args = slow
+    driver.main(SPEC, ["--data-path", "x", "--tokenizer-model", "x", "--train-iters", "1",
                "--micro-batch-size", "1"])
 """
 
@@ -576,7 +593,11 @@ def _peer(rank: int, port: int, mode: str, queue) -> None:
     import torch.distributed as dist
 
     from megatron_taco.training.engine import init_distributed
-    from megatron_taco.training.signals import describe_peer_failure, gather_peers, is_peer_failure
+    from megatron_taco.training.resilience.peers import (
+        describe_peer_failure,
+        gather_peers,
+        is_peer_failure,
+    )
 
     parallel = init_distributed(1, timeout=timedelta(minutes=0.05))
     peers = gather_peers()
@@ -626,7 +647,7 @@ def test_a_dead_or_hung_peer_is_one_line(mode):
 
 
 def test_nccl_environment_makes_errors_raise_and_keeps_the_users_settings():
-    from megatron_taco.training.signals import nccl_environment
+    from megatron_taco.training.resilience.peers import nccl_environment
 
     assert nccl_environment({}) == {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # abort the communicators, keep the process
@@ -642,7 +663,7 @@ def _sleeper() -> subprocess.Popen:
 
 
 def test_peer_watch_reports_a_dead_local_rank_at_once():
-    from megatron_taco.training.signals import Peer, PeerWatch
+    from megatron_taco.training.resilience.peers import Peer, PeerWatch
 
     procs = [_sleeper(), _sleeper()]
     me = Peer("here", os.getpid(), proc_stat(os.getpid()).start_ticks)
@@ -703,7 +724,11 @@ NCCL_REMOTE = (
 def test_nccl_errors_are_one_line():
     import torch.distributed as dist
 
-    from megatron_taco.training.signals import Peer, describe_peer_failure, is_peer_failure
+    from megatron_taco.training.resilience.peers import (
+        Peer,
+        describe_peer_failure,
+        is_peer_failure,
+    )
 
     dead = _sleeper()
     dead.kill()

@@ -11,21 +11,20 @@ from collections import Counter
 
 import pytest
 
-from megatron_taco.arguments import ConfigError, dataclass_from_args
+from megatron_taco.arguments import dataclass_from_args
 from megatron_taco.cli.glue_score import main as glue_score_main
+from megatron_taco.errors import ConfigError
+from megatron_taco.recipes.finetune import _finished
 from megatron_taco.recipes.sweep import (
     RunSpec,
     SweepConfig,
-    _finished,
     check_fixed_settings,
     expand_tasks,
-    markdown_table,
     plan_runs,
     run_namespace,
-    summarize,
-    write_plan,
-    write_summary,
 )
+from megatron_taco.recipes.sweep_summary import markdown_table, summarize, write_plan, write_summary
+from megatron_taco.training.configure import build_parser
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -96,7 +95,7 @@ def test_taco_protocol_follows_its_table_8():
 def _parse(*flags: str):
     from megatron_taco.recipes.finetune import SPEC
 
-    parser = SPEC.build_parser()
+    parser = build_parser(SPEC)
     argv = ["--load", "ckpt", "--task", "cola", "--data-dir", "/data", "--output", "/out"]
     return parser, parser.parse_args([*argv, *flags])
 
@@ -316,7 +315,7 @@ def test_sweep_submits_the_best_runs_test_files(tmp_path):
 def test_a_finished_run_without_test_files_is_named(tmp_path, capsys):
     """A sweep given --predict-test does not rerun finished runs: the ones that finished
     without it are named, rather than OUTPUT/submission/ quietly lacking their files."""
-    from megatron_taco.recipes.sweep import _warn_unsubmitted
+    from megatron_taco.recipes.finetune import _warn_unsubmitted
 
     bare = _write(tmp_path, "rte", {"acc": 70}).parent
     submitted = _write(tmp_path, "rte", {"acc": 80}, seed=1)

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.errors import ConfigError
 from megatron_taco.models.taco.config import PRESETS, TacoConfig
 
 

@@ -14,13 +14,9 @@ import nltk.data
 import pytest
 
 from megatron_taco.preprocessing import corpora
-from megatron_taco.preprocessing.corpora import (
-    CorpusError,
-    Document,
-    detect_format,
-    expand_inputs,
-    iter_records,
-)
+from megatron_taco.preprocessing.corpora import iter_records
+from megatron_taco.preprocessing.inputs import detect_format, expand_inputs
+from megatron_taco.preprocessing.records import CorpusError, Document
 from megatron_taco.preprocessing.text import (
     DEFAULT_SENTENCE_SPLITTER,
     NO_LLAMA_INDEX_ENV,

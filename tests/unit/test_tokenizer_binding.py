@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.checkpoint.layout import FORMAT
+from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
+from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
 from megatron_taco.data.config import DataConfig
 from megatron_taco.data.tokenizer import (
@@ -28,9 +30,9 @@ from megatron_taco.data.tokenizer import (
     save_tokenizer_copy,
     saved_tokenizer_record,
 )
+from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.registry import checkpoint_tokenizer
-from megatron_taco.training.checkpointing import FORMAT, _write_metadata
-from megatron_taco.training.consolidate import find_checkpoint
+from megatron_taco.training.configure import build_parser, configs_from_args
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +121,9 @@ def test_pretraining_refuses_before_any_process_group(botchan_dataset, other_mod
     argv = ["--model-size", "tiny", "--seq-length", "64", "--data-path", botchan_dataset["prefix"],
             "--tokenizer-model", other_model, "--micro-batch-size", "2",
             "--global-batch-size", "2", "--train-iters", "2", "--save", str(tmp_path / "s")]  # fmt: skip
-    args = SPEC.build_parser().parse_args(argv)
+    args = build_parser(SPEC).parse_args(argv)
     with pytest.raises(ConfigError, match="^--tokenizer-model: .* is not the tokenizer"):
-        SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+        configs_from_args(SPEC, args, world_size=1, device_type="cpu")
     assert not torch.distributed.is_initialized()
 
 
@@ -198,8 +200,8 @@ def _pretraining_configs(dataset: dict, tokenizer_model: str, load: Path):
     argv = ["--model-size", "tiny", "--seq-length", "64", "--data-path", dataset["prefix"],
             "--tokenizer-model", tokenizer_model, "--micro-batch-size", "2",
             "--global-batch-size", "2", "--train-iters", "4", "--load", str(load)]  # fmt: skip
-    args = SPEC.build_parser().parse_args(argv)
-    return SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+    args = build_parser(SPEC).parse_args(argv)
+    return configs_from_args(SPEC, args, world_size=1, device_type="cpu")
 
 
 def test_pretraining_resume_refuses_another_tokenizer_naming_both_files(
@@ -225,7 +227,7 @@ def test_pretraining_resume_accepts_the_same_tokenizer_at_another_path(botchan_d
     _checkpoint(tmp_path / "save", Tokenizer(elsewhere))
     elsewhere.unlink()  # neither its path nor its presence matters, its content does
     cfg = _pretraining_configs(botchan_dataset, botchan_dataset["tokenizer"], tmp_path / "save")
-    assert cfg.load.iteration == 2
+    assert cfg.plan.iteration == 2
 
 
 def _finetune_configs(pretrained: Path, output: Path, data: Path, *extra: str):
@@ -234,8 +236,8 @@ def _finetune_configs(pretrained: Path, output: Path, data: Path, *extra: str):
     argv = ["--load", str(pretrained), "--task", "custom", "--data-dir", str(data),
             "--output", str(output), "--micro-batch-size", "4", "--global-batch-size", "4",
             "--seq-length", "32", *extra]  # fmt: skip
-    args = SPEC.build_parser().parse_args(argv)
-    return SPEC.configs_from_args(args, world_size=1, device_type="cpu")
+    args = build_parser(SPEC).parse_args(argv)
+    return configs_from_args(SPEC, args, world_size=1, device_type="cpu")
 
 
 def _finetune_checkpoint(output: Path, tokenizer: Tokenizer) -> None:
@@ -256,7 +258,7 @@ def test_finetuning_resume_checks_its_own_checkpoints_tokenizer(
     pretrained checkpoint gives now (here --load's directory was trained again with another
     vocabulary of the same size since the run saved); the same tokenizer given at another
     path resumes."""
-    from megatron_taco.recipes.finetune import claim_output, run_record
+    from megatron_taco.recipes.finetune_output import claim_output, run_record
     from tests.helpers import write_marker_task
 
     write_marker_task(tmp_path / "task")
@@ -278,7 +280,7 @@ def test_finetuning_resume_checks_its_own_checkpoints_tokenizer(
     elsewhere = shutil.copy(tokenizer_model, tmp_path / "elsewhere.model")
     resumed = _finetune_configs(pretrained, output, tmp_path / "task",
                                 "--tokenizer-model", str(elsewhere))  # fmt: skip
-    assert resumed.load.iteration == 2 and resumed.data.tokenizer_model == str(elsewhere)
+    assert resumed.plan.iteration == 2 and resumed.data.tokenizer_model == str(elsewhere)
 
 
 def test_pretraining_resumes_a_checkpoint_written_before_the_record(
@@ -288,7 +290,7 @@ def test_pretraining_resumes_a_checkpoint_written_before_the_record(
     resumes unchecked: nothing tells its tokenizer's content, and refusing would strand it."""
     _checkpoint(tmp_path / "save", Tokenizer(other_model), record=False)
     cfg = _pretraining_configs(botchan_dataset, botchan_dataset["tokenizer"], tmp_path / "save")
-    assert cfg.load.iteration == 2
+    assert cfg.plan.iteration == 2
 
 
 def test_pretraining_resume_refuses_another_tokenizer_when_the_recorded_file_is_gone(

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli.train_tokenizer import TrainTokenizerConfig, train_tokenizer
 from megatron_taco.data.masking import word_units
 from megatron_taco.data.tokenizer import (
@@ -24,6 +23,7 @@ from megatron_taco.data.tokenizer import (
     WordPieceTokenizer,
     load_tokenizer,
 )
+from megatron_taco.errors import ConfigError
 from tests.helpers import bert_layout, botchan_sentences
 
 transformers = pytest.importorskip("transformers")

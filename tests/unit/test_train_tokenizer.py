@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
-from megatron_taco.arguments import ConfigError
 from megatron_taco.cli import train_tokenizer as cli
 from megatron_taco.data.tokenizer import SPECIAL_PIECES, Tokenizer
+from megatron_taco.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_taco.arguments import ConfigError
+from megatron_taco.arguments import dataclass_from_args
+from megatron_taco.checkpoint.config import CheckpointConfig
 from megatron_taco.cli.pretrain_taco import SPEC, main
+from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.state import single_process_state
-from megatron_taco.training.config import (
-    DEFAULT_WARMUP_ITERS,
-    TrainingConfig,
-    resolve_deepspeed_config,
-)
+from megatron_taco.training.config import DEFAULT_WARMUP_ITERS, TrainingConfig
+from megatron_taco.training.configure import build_parser, configs_from_args, flag_configs
+from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
 DS_CONFIGS = REPO / "ds_configs"
@@ -78,8 +78,6 @@ def test_global_batch_must_be_a_multiple_of_micro_batch():
         (dict(adam_beta2=1.0), "--adam-beta2"),
         (dict(clip_grad=-1.0), "--clip-grad"),
         (dict(eval_iters=-1), "--eval-iters"),
-        (dict(save_interval=5), "--save-interval"),
-        (dict(ckpt_step=3), "--ckpt-step"),
         (dict(lr_warmup_fraction=0.1), "--lr-warmup-fraction"),  # with --lr-warmup-iters
         (dict(lr_warmup_iters=100), "--lr-warmup-iters"),  # not fewer than the decay iters
         # Megatron's sample-based flags: exclusive with the -iters forms.
@@ -122,6 +120,24 @@ def test_invalid_values_name_their_flag(kw, flag):
     assert str(e.value).startswith(flag + ":"), str(e.value)
 
 
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        (dict(save_interval=5), "--save-interval"),  # needs --save
+        (dict(save="ck", save_interval=0), "--save-interval"),
+        (dict(ckpt_step=3), "--ckpt-step"),  # needs --load
+        (dict(load="ck", ckpt_step=-1), "--ckpt-step"),
+        (dict(save=""), "--save"),
+        (dict(override_existing_checkpoints=True), "--override-existing-checkpoints"),
+        (dict(load_fallback=True), "--load-fallback"),  # needs --load
+    ],
+)
+def test_invalid_checkpoint_values_name_their_flag(kw, flag):
+    with pytest.raises(ConfigError) as e:
+        CheckpointConfig(**kw)
+    assert str(e.value).startswith(flag + ":"), str(e.value)
+
+
 def test_default_warmup_is_a_tenth_of_a_short_run():
     assert TrainingConfig(train_iters=50).warmup_iters == 5
     assert TrainingConfig(train_iters=300, lr_decay_iters=200).warmup_iters == 20
@@ -154,10 +170,10 @@ def test_train_samples_become_megatrons_iterations_and_sample_schedule():
 
 
 def test_metrics_file_defaults():
-    assert cfg().resolved_metrics_file is None
-    assert cfg(save="ck").resolved_metrics_file == "ck/metrics.jsonl"
-    assert cfg(save="ck", tensorboard_dir="tb").resolved_metrics_file == "tb/metrics.jsonl"
-    assert cfg(metrics_file="m.jsonl").resolved_metrics_file == "m.jsonl"
+    assert cfg().metrics_path(None) is None
+    assert cfg().metrics_path("ck") == "ck/metrics.jsonl"  # in --save
+    assert cfg(tensorboard_dir="tb").metrics_path("ck") == "tb/metrics.jsonl"
+    assert cfg(metrics_file="m.jsonl").metrics_path("ck") == "m.jsonl"
 
 
 # -- DeepSpeed JSON ---------------------------------------------------------------------
@@ -405,8 +421,8 @@ def test_fp16_on_cpu_is_refused_before_process_group_work(tmp_path, capsys, monk
 
 
 def parse(tmp_path, *extra, world_size=1):
-    args = SPEC.build_parser().parse_args(cli_args(tmp_path, *extra))
-    return SPEC.configs_from_args(args, world_size=world_size, device_type="cpu")
+    args = build_parser(SPEC).parse_args(cli_args(tmp_path, *extra))
+    return configs_from_args(SPEC, args, world_size=world_size, device_type="cpu")
 
 
 def test_cli_checks_batch_arithmetic_against_the_launcher_world(tmp_path):
@@ -458,13 +474,13 @@ def test_seq_length_defaults_to_the_models_positions(tmp_path, spec_module, extr
     import importlib
 
     spec = importlib.import_module(f"megatron_taco.cli.{spec_module}").SPEC
-    args = spec.build_parser().parse_args(
+    args = build_parser(spec).parse_args(
         ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "t.model"),
          "--train-iters", "10", "--lr-warmup-iters", "1", *extra]
     )  # fmt: skip
-    data = spec.flag_configs(args, world_size=1, device_type="cpu")[2]
+    data = flag_configs(spec, args, world_size=1, device_type="cpu").data
     assert data.seq_length == want
-    assert "its preset's unless given" in " ".join(spec.build_parser().format_help().split())
+    assert "its preset's unless given" in " ".join(build_parser(spec).format_help().split())
 
 
 def test_cli_checks_files_last(tmp_path):
@@ -474,11 +490,11 @@ def test_cli_checks_files_last(tmp_path):
 
 def test_cli_accepts_deepspeed_launcher_flags(tmp_path):
     path = str(DS_CONFIGS / "zero1_bf16.json")
-    args = SPEC.build_parser().parse_args(
+    args = build_parser(SPEC).parse_args(
         cli_args(tmp_path, "--local_rank=1", "--deepspeed", "--deepspeed_config", path)
     )
     assert args.deepspeed_config == path and args.local_rank == 1
-    args = SPEC.build_parser().parse_args(
+    args = build_parser(SPEC).parse_args(
         cli_args(tmp_path, "--local-rank", "0", "--deepspeed-config", path)
     )
     assert args.deepspeed_config == path
@@ -487,33 +503,34 @@ def test_cli_accepts_deepspeed_launcher_flags(tmp_path):
 def test_cli_precision_and_sample_flags(tmp_path):
     # Megatron's spelling is accepted (it used to print the usage and "unrecognized
     # arguments: --bf16"); --train-samples resolves at the launcher's data-parallel size.
-    args = SPEC.build_parser().parse_args(
+    args = build_parser(SPEC).parse_args(
         [a for a in cli_args(tmp_path, "--bf16", "--train-samples", "100", "--lr-warmup-samples",
                              "8") if a not in ("--train-iters", "4", "--lr-warmup-iters", "1")]
     )  # fmt: skip
-    *_, training, _, _, _, deepspeed = SPEC.flag_configs(args, world_size=2, device_type="cpu")
-    assert deepspeed.precision == "bf16" and training.bf16
+    cfg = flag_configs(SPEC, args, world_size=2, device_type="cpu")
+    training = cfg.training
+    assert cfg.deepspeed.precision == "bf16" and training.bf16
     assert (training.train_iters, training.global_batch_size) == (25, 4)  # 100 // (2 x 2)
     with pytest.raises(
         ConfigError, match="^--train-iters: give exactly one of --train-iters, --train-samples"
     ):
-        SPEC.flag_configs(
-            SPEC.build_parser().parse_args(cli_args(tmp_path, "--train-samples", "100")),
+        flag_configs(SPEC, build_parser(SPEC).parse_args(cli_args(tmp_path, "--train-samples", "100")),
             world_size=1, device_type="cpu",
         )  # fmt: skip
 
 
 def test_cli_checkpoint_switches(tmp_path):
-    args = SPEC.build_parser().parse_args(
+    args = build_parser(SPEC).parse_args(
         cli_args(tmp_path, "--lr", "1e-4", "--load", "ck", "--no-load-optim", "--no-load-rng",
                  "--finetune")
     )  # fmt: skip
-    t = TrainingConfig.from_args(args)
+    t = dataclass_from_args(CheckpointConfig, args)
     assert (t.load, t.no_load_optim, t.no_load_rng, t.finetune) == ("ck", True, True, True)
-    t = TrainingConfig.from_args(SPEC.build_parser().parse_args(cli_args(tmp_path, "--lr", "1")))
+    args = build_parser(SPEC).parse_args(cli_args(tmp_path, "--lr", "1"))
+    t = dataclass_from_args(CheckpointConfig, args)
     assert (t.no_load_optim, t.no_load_rng, t.finetune) == (False, False, False)
     with pytest.raises(SystemExit):
-        SPEC.build_parser().parse_args(cli_args(tmp_path, "--no-no-load-optim"))
+        build_parser(SPEC).parse_args(cli_args(tmp_path, "--no-no-load-optim"))
 
 
 def test_train_iters_or_epochs_exactly_one():
@@ -537,8 +554,9 @@ def test_train_iters_or_epochs_exactly_one():
 def test_taco_refuses_train_epochs_before_process_groups(tmp_path):
     args = [a for a in cli_args(tmp_path) if a not in ("--train-iters", "4")]
     with pytest.raises(ConfigError, match="^--train-epochs: TACO trains a number of iterations"):
-        SPEC.configs_from_args(
-            SPEC.build_parser().parse_args([*args, "--train-epochs", "2"]),
+        configs_from_args(
+            SPEC,
+            build_parser(SPEC).parse_args([*args, "--train-epochs", "2"]),
             world_size=1,
             device_type="cpu",
         )
@@ -564,13 +582,13 @@ def test_lr_defaults_to_the_model_sizes_and_a_given_lr_wins(
         base.append("--no-self-augmentation")
 
     def resolved(*extra):
-        args = spec.build_parser().parse_args([*base, *extra])
-        return spec.configs_from_args(args, world_size=1, device_type="cpu").training
+        args = build_parser(spec).parse_args([*base, *extra])
+        return configs_from_args(spec, args, world_size=1, device_type="cpu").training
 
     t = resolved()
     assert (t.lr, t.warmup_iters) == (want, 4)  # and the warm-up: 10% of a 40-iteration run
     assert resolved("--lr", "3e-5").lr == 3e-5
-    assert f"small {spec.model_config.DEFAULT_LR['small']:g}" in spec.build_parser().format_help()
+    assert f"small {spec.model_config.DEFAULT_LR['small']:g}" in build_parser(spec).format_help()
 
 
 @pytest.mark.parametrize(
@@ -583,7 +601,7 @@ def test_lr_defaults_to_the_model_sizes_and_a_given_lr_wins(
     ],
 )
 def test_the_banner_notes_half_precision_accumulation(json_name, global_batch, noted):
-    from megatron_taco.training.pretrain import accumulation_note
+    from megatron_taco.training.driver import accumulation_note
 
     training = cfg(micro_batch_size=2, global_batch_size=global_batch,
                    deepspeed_config=str(DS_CONFIGS / f"{json_name}.json"))  # fmt: skip

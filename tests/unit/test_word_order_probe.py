@@ -1,4 +1,4 @@
-"""The word-order probe's pieces (cli/word_order_probe.py): the paper's Distance and Angle
+"""The word-order probe's pieces (evaluation/figure1.py): the paper's Distance and Angle
 against values derived by hand, words and shared words with repeated and split words, piece
 offsets through a real sentencepiece model (accents: byte offsets), and bad input. The tool
 on real checkpoints: tests/e2e/test_word_order_probe.py."""
@@ -11,15 +11,15 @@ import math
 import numpy as np
 import pytest
 
-from megatron_taco.arguments import ConfigError
-from megatron_taco.cli.word_order_probe import (
+from megatron_taco.cli.word_order_probe import main
+from megatron_taco.errors import ConfigError
+from megatron_taco.evaluation.figure1 import (
     PAPER_SENTENCES,
     ProbeConfig,
     angle,
     char_spans_from_bytes,
     compared_words,
     distance,
-    main,
     read_sentences,
     shared_words,
     word_vectors,

@@ -8,7 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from megatron_taco.arguments import ConfigError, add_dataclass_args, flag_of, option, require
+from megatron_taco.arguments import add_dataclass_args, flag_of, option, require
+from megatron_taco.errors import ConfigError
 
 
 class PresetConfig:

@@ -1,4 +1,4 @@
-"""What a pretraining model returns in eval mode for training/monitor.py's learning figures
+"""What a pretraining model returns in eval mode for training/observability/monitor.py's learning figures
 (collapse of its vectors, accuracy against the most-frequent-target baseline), under the
 names of megatron_taco/model_outputs.py."""
 

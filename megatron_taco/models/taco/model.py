@@ -136,9 +136,13 @@ def _dot_maps(out, q_we, k_we, q_pe, k_pe, scale) -> None:
         h = q.shape[0]
         flat = maps.view(h * b, s, s)  # (heads, b) flattened into one bmm batch
         torch.baddbmm(
-            flat, q.view(h * b, s, d), k.view(h * b, s, d).transpose(1, 2),
-            beta=0.0, alpha=scale, out=flat,
-        )  # fmt: skip
+            flat,
+            q.view(h * b, s, d),
+            k.view(h * b, s, d).transpose(1, 2),
+            beta=0.0,
+            alpha=scale,
+            out=flat,
+        )
 
 
 def _relative_maps(out, q_we, k_we, k_r, q_r, index, scale) -> None:
