@@ -48,13 +48,14 @@ import re
 import sys
 import time
 
-from benchmarks.harness.corpora import learning_corpus
+from benchmarks.harness.corpora import CORPORA, learning_corpus, prepare
 from benchmarks.harness.paths import BENCH_OUT
 from benchmarks.harness.results import write_results
 from benchmarks.learning.curves import load_curves
 from benchmarks.learning.report import report
 from benchmarks.learning.runs import Job, run_jobs
-from benchmarks.learning.setting import MODELS, OURS, Setting
+from benchmarks.learning.setting import MODELS, OURS, PARITY, Setting
+from benchmarks.learning.variants import train_flops_per_iteration
 
 COLD_STARTS = ("unigram", "uniform", "mask", "mlm")  # data/sas_collator.py's, for --help
 WITH_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a --with curve's name
@@ -81,11 +82,14 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-fraction", type=float, default=0.1)
     p.add_argument("--seeds", type=int, default=1, help="Seeds per model (spread = seed noise).")
-    p.add_argument("--corpus", choices=("bundled", "registry"), default="registry")
+    p.add_argument("--corpus", choices=("bundled", "registry", *CORPORA), default="registry",
+                   help="bundled/registry: --corpus-mb of the bundled (and registry) text with a "
+                   "--vocab-size tokenizer, in build/bench_data/learning; demo/wiki: a corpus of "
+                   "benchmarks/harness/corpora.py (--split defaults to its 90,5,5).")  # fmt: skip
     p.add_argument("--data-path", help="Use this dataset prefix instead of building the corpus.")
     p.add_argument("--tokenizer-model", help="The tokenizer of --data-path.")
     p.add_argument("--data-cache-path", help="Sample-index cache for --data-path.")
-    p.add_argument("--split", default="949,50,1")
+    p.add_argument("--split", help="Default 949,50,1 (90,5,5 for --corpus demo/wiki).")
     p.add_argument("--seed", type=int, default=1234, help="The first seed.")
     p.add_argument("--cold-start", choices=COLD_STARTS, default="unigram",
                    help="SAS's first-epoch replacements, for ours and the reference.")  # fmt: skip
@@ -97,6 +101,13 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--left-plateau", type=float, default=1.5,
                    help="Left the plateau: MLM accuracy >= this x the baseline.")  # fmt: skip
+    p.add_argument("--equal-flops", action="store_true",
+                   help="Every model trains for TACO's training FLOPs at --iters (ELECTRA's "
+                   "convention; needs taco in --models): its own iterations, schedule and "
+                   "warm-up scaled to that budget; the report adds TACO against BERT at "
+                   "equal FLOPs.")  # fmt: skip
+    p.add_argument("--reuse", action="store_true",
+                   help="Keep the runs in --out that ended instead of running them again.")  # fmt: skip
     p.add_argument("--jobs", type=int, default=2, help="Runs at a time (one core each).")
     p.add_argument("--taco-flags", default="", help="More flags for our TACO runs.")
     p.add_argument("--sas-flags", default="", help="More flags for our SAS runs (all variants).")
@@ -114,14 +125,20 @@ def main(argv=None) -> int:
         if not os.path.isfile(path):
             p.error(f"--with {item}: {path} is not a file")
         existing[model] = path
-    if (args.layers, args.hidden) != (4, 256) and "taco" in args.models:
-        p.error("--layers/--hidden size SAS and the peers; TACO keeps TACO-small's widths: "
-                "leave taco out of --models")  # fmt: skip
+    if (args.layers, args.hidden) != (4, 256) and "taco" in args.models and not args.equal_flops:
+        p.error("--layers/--hidden size SAS and the peers; TACO keeps TACO-small's widths "
+                "(or --taco-flags'): leave taco out of --models, or compare at --equal-flops")  # fmt: skip
+    if args.equal_flops and "taco" not in args.models:
+        p.error("--equal-flops gives every model TACO's FLOPs: put taco in --models")
     if args.data_path and not args.tokenizer_model:
         p.error("--data-path needs --tokenizer-model (the tokenizer the dataset was made with)")
     if args.data_path:
         prefix, tokenizer = args.data_path, args.tokenizer_model
         cache = args.data_cache_path or os.path.join(args.out, "cache")
+    elif args.corpus in CORPORA:
+        corpus = prepare(args.corpus, vocab_size=args.vocab_size)
+        prefix, tokenizer, cache = corpus.prefix, corpus.tokenizer, corpus.cache
+        args.split = args.split or corpus.split
     else:
         text = learning_corpus(args.corpus, args.corpus_mb, args.vocab_size)
         prefix, tokenizer, cache = text.prefix, text.tokenizer, text.cache
@@ -129,24 +146,33 @@ def main(argv=None) -> int:
     s = Setting(prefix=prefix, tokenizer=tokenizer, cache=cache,
                 seq_length=args.seq_length, batch=args.batch, iters=args.iters, lr=args.lr,
                 warmup_fraction=args.warmup_fraction, eval_interval=args.eval_interval,
-                eval_iters=args.eval_iters, split=args.split, seed=args.seed,
+                eval_iters=args.eval_iters, split=args.split or "949,50,1", seed=args.seed,
                 cold_start=args.cold_start, layers=args.layers, hidden=args.hidden)  # fmt: skip
+    from megatron_taco.data.tokenizer import Tokenizer
+
     os.makedirs(args.out, exist_ok=True)
     # The slowest first, so that the two workers finish together.
-    order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert"]
+    order = ["taco", "sas_da", "electra", "sas", "sas_ref", "sas_c", "bert", *PARITY]
     flags = {"pretrain_taco.py": args.taco_flags.split(), "pretrain_sas.py": args.sas_flags.split()}
-    jobs = [Job(m, m, args.seed + k, args.cold_start, tuple(flags.get(OURS.get(m, ("",))[0], ())))
+    vocab = Tokenizer(tokenizer).vocab_size
+    flops = {m: train_flops_per_iteration(m, s, vocab, tuple(args.taco_flags.split()))
+             for m in args.models}  # fmt: skip
+    iters = {}
+    if args.equal_flops:  # TACO's FLOPs at --iters, in each model's iterations
+        iters = {m: max(1, round(args.iters * flops["taco"] / flops[m])) for m in args.models}
+    jobs = [Job(m, m, args.seed + k, args.cold_start, tuple(flags.get(OURS.get(m, ("",))[0], ())),
+                iters=iters.get(m))
             for m in order if m in args.models and m not in existing
             for k in range(args.seeds)]  # fmt: skip
     start = time.time()
-    done = run_jobs(jobs, s, args.out, args.jobs)
+    done = run_jobs(jobs, s, args.out, args.jobs, reuse=args.reuse)
     log(f"all runs: {(time.time() - start) / 60:.1f} min")
     done.update({(model, args.seed): path for model, path in existing.items()})
     curves = load_curves(done)
     for model, path in existing.items():
         if model not in curves:
             log(f"  --with {model}={path}: no validation records in it; not reported")
-    results = report(curves, s, args, args.out)
+    results = report(curves, s, args, args.out, flops if args.equal_flops else None)
     write_results(args.results_json, results)
     return 0 if len(done) == len(jobs) + len(existing) else 1
 

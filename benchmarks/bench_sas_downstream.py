@@ -4,8 +4,8 @@ equal training wall time, on evaluations a random encoder cannot win, each model
 random-init twins: zero-shot word order by the RTD head (a shuffled sentence should look
 more "replaced") and by the MLM head's pseudo-log-likelihood (ELECTRA: its generator's), and
 a frozen-feature probe (logistic regression on mean-pooled last-layer vectors) on 32, 64 and
-128 labelled sentences. The evaluations are megatron_taco/evaluation's (the demo's), on the held-out
-documents of --split.
+128 labelled sentences. The evaluations are megatron_taco/evaluation's (the demo's), on the
+held-out documents of --split.
 
 --finetune replaces them with what the SAS paper judges by (its GLUE Table 6 protocol):
 every encoder fine-tuned end to end under a classification head on the held-out word-order
@@ -14,11 +14,12 @@ sentence in both forms, 80/20 train/dev by sentence), for each learning rate of 
 --ft-seeds seeds, one recipe for all: AdamW (0.9, 0.999, eps 1e-6, no weight decay), warmup
 0.1 then linear decay to 0, gradient norm clipped at 1 (ELECTRA's optimiser), dropout 0.1,
 --ft-epochs epochs of --ft-batch; a run scores its best epoch's dev accuracy, and the
-learning rate whose mean over seeds is best is reported, mean and std over its seeds. SAS runs as our fine-tuning
-builds it (models/finetune.TaskModel, the encoder's weights taken by
-encoder_state_from_pretraining), ELECTRA as transformers' ElectraForSequenceClassification
-holding the discriminator's weights; one training loop runs both (our driver, a DeepSpeed
-engine per run, is too slow for the grid on a CPU). Only ELECTRA at SAS's FLOPs is tuned.
+learning rate whose mean over seeds is best is reported, mean and std over its seeds. SAS
+runs as our fine-tuning builds it (models/finetune.TaskModel, the encoder's weights taken by
+encoder_state_from_pretraining), ELECTRA as transformers' ElectraModel holding the
+discriminator's weights under the same linear head (benchmarks/learning/downstream.py); one
+training loop runs both (our driver, a DeepSpeed engine per run, is too slow for the grid on
+a CPU). Only ELECTRA at SAS's FLOPs is tuned.
 
 Inputs are the run folders of bench_sas_variants (or bench_learning) from
 one setting: a SAS variant's folder keeps its final checkpoint and metrics, ELECTRA's keeps
@@ -35,7 +36,6 @@ taken at the evaluation nearest SAS's FLOPs and nearest SAS's training time.
 from __future__ import annotations
 
 import argparse
-import copy
 import glob
 import os
 import re
@@ -46,30 +46,21 @@ import torch
 
 from benchmarks.harness.corpora import CORPORA, prepare
 from benchmarks.harness.results import write_json
+from benchmarks.learning.campaign import campaign
+from benchmarks.learning.downstream import (
+    POOLINGS,
+    electra_encoder,
+    electra_net,
+    finetune_grid,
+    finetune_task,
+)
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
 from megatron_taco.data.tokenizer import load_tokenizer
 from megatron_taco.evaluation import encoders, word_order
-from megatron_taco.evaluation.encoders import FrozenEncoder, OurEncoder, TransformersEncoder
+from megatron_taco.evaluation.encoders import OurEncoder
 from megatron_taco.evaluation.random_twins import mean_std
-from megatron_taco.evaluation.word_order import held_out_sentences, train_dev_rows
-
-
-def electra_encoder(net) -> FrozenEncoder:
-    """benchmarks.learning.peers.Electra read as ours are: the discriminator's vectors and
-    RTD logits, the generator's MLM head."""
-    return TransformersEncoder(net.disc.eval(), mlm=net.gen.eval(), rtd=net.disc, kind="ELECTRA")
-
-
-def electra_net(vocab: int, s: Setting, state: dict | None, seed: int = 0):
-    from benchmarks.learning.peers import Electra
-
-    torch.manual_seed(seed)
-    size = s.size()
-    net = Electra(vocab, size, embedding=size.hidden // 2)  # as peer_loop.run_peer
-    if state is not None:
-        net.load_state_dict(state)
-    return net
+from megatron_taco.evaluation.word_order import held_out_sentences
 
 
 def sas_train_seconds(metrics: str, upto: int) -> float:
@@ -119,9 +110,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_sas_downstream", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--sas", nargs="+", required=True, metavar="VARIANT=FOLDER",
+    p.add_argument("--sas", nargs="+", metavar="VARIANT=FOLDER",
                    help="SAS variants' run folders (checkpoints/ and metrics.jsonl).")  # fmt: skip
-    p.add_argument("--electra", required=True, help="The ELECTRA run's folder.")
+    p.add_argument("--electra", help="The ELECTRA run's folder.")
+    p.add_argument("--runs", metavar="OUT",
+                   help="Instead of --sas/--electra: a bench_sas_variants --out holding a "
+                   "campaign (variants x --lrs x --seeds, --equal-flops): each variant's lr "
+                   "picked on the validation documents, its seeds evaluated on the test "
+                   "documents, paired tests against ELECTRA (benchmarks/learning/campaign.py).")  # fmt: skip
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                   help="--runs: only these variants (default: every one found).")  # fmt: skip
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--data-path", help="The dataset prefix the SAS runs trained on.")
     data.add_argument(
@@ -144,18 +142,34 @@ def main(argv=None) -> int:
                    "zero-shot and probe evaluations.")  # fmt: skip
     p.add_argument("--ft-corruption", choices=("swap", "shuffle"), default="swap",
                    help="The task's corrupted form (make_word_order_task.py's --corruption).")  # fmt: skip
-    p.add_argument("--ft-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
+    p.add_argument("--ft-lrs", type=float, nargs="+",
+                   help="Default 1e-4 7.5e-5 with --runs (Table 6, small models), else 1e-4 "
+                   "3e-4 1e-3.")  # fmt: skip
     p.add_argument("--ft-seeds", type=int, default=3)
-    p.add_argument("--ft-epochs", type=int, default=10)
+    p.add_argument("--ft-epochs", type=int,
+                   help="Default 20 with --runs (Table 6's budget for small tasks), else 10.")  # fmt: skip
     p.add_argument("--ft-batch", type=int, default=32)
+    p.add_argument("--ft-poolings", nargs="+", choices=POOLINGS, default=list(POOLINGS),
+                   help="--runs: the heads fine-tuned, on [CLS] and/or mean-pooled vectors.")  # fmt: skip
     p.add_argument("--json")
     args = p.parse_args(argv)
+    table6 = bool(args.runs)
+    args.ft_lrs = args.ft_lrs or ([1e-4, 7.5e-5] if table6 else [1e-4, 3e-4, 1e-3])
+    args.ft_epochs = args.ft_epochs or (20 if table6 else 10)
+    if args.runs and (args.sas or args.electra):
+        p.error("--runs replaces --sas and --electra (a campaign's folders are found in it)")
+    if not args.runs and not (args.sas and args.electra):
+        p.error("give --sas and --electra, or --runs")
+    if args.runs and not os.path.isdir(args.runs):
+        p.error(f"--runs {args.runs}: not a folder")
     for name in ("sentences", "seeds", "random_twins", "ft_seeds", "ft_epochs", "ft_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(not lr > 0 for lr in args.ft_lrs):
         p.error(f"--ft-lrs must all be > 0, got {args.ft_lrs}")
 
+    if args.runs:
+        return run_campaign(args, p)
     runs = {}  # label -> (variant, folder, iteration or None for the latest)
     for item in args.sas:
         name, _, where = item.partition("=")
@@ -182,6 +196,31 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointError, IndexedDatasetError) as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+def run_campaign(args, p) -> int:
+    from megatron_taco.checkpoint.errors import CheckpointError
+    from megatron_taco.data.indexed_dataset import IndexedDatasetError
+    from megatron_taco.errors import ConfigError
+
+    if args.corpus:
+        corpus = prepare(args.corpus, vocab_size=args.vocab_size)
+        args.data_path, tokenizer = corpus.prefix, corpus.tokenizer
+    else:
+        p.error("--runs needs --corpus (the tokenizer of the campaign's runs)")
+    tok = load_tokenizer(tokenizer)
+    s = Setting(prefix=args.data_path, tokenizer=tokenizer, cache="", split=args.split,
+                seq_length=args.seq_length, batch=args.batch, iters=0, lr=0.0,
+                warmup_fraction=0.0, eval_interval=0, eval_iters=0, seed=0,
+                layers=args.layers, hidden=args.hidden)  # fmt: skip
+    try:
+        result = campaign(args, s, tok)
+    except (ConfigError, CheckpointError, IndexedDatasetError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        write_json(args.json, result)
+    return 0
 
 
 def compare(args, runs: dict, points: list) -> int:
@@ -289,112 +328,6 @@ def nearest(points: list, measure, target: float):
 
 # ---------------------------------------------------------------------------------------
 # --finetune
-
-
-def finetune_task(tok, sentences: list[str], seq_length: int, corruption: str = "swap",
-                  seed: int = 0):  # fmt: skip
-    """((ids, mask, labels) of train, of dev): the word-order task, each sentence in both
-    forms (label 0 the original), rows longer than ``seq_length`` pieces ([CLS] and [SEP]
-    included) left out."""
-    out = []
-    splits = train_dev_rows(sentences, corruption, np.random.default_rng(seed), both_forms=True)
-    for name in ("train", "dev"):
-        encoded = encoders.token_rows(tok, [text for text, _ in splits[name]])
-        keep = [i for i, r in enumerate(encoded) if len(r) <= seq_length]
-        ids, mask, _ = encoders.pad_rows([encoded[i] for i in keep] or [[tok.cls_id]], tok.pad_id)
-        labels = torch.tensor([int(splits[name][i][1] != "original") for i in keep])
-        out.append((ids[: len(keep)], mask[: len(keep)], labels))
-    return tuple(out)
-
-
-def classifier(enc: FrozenEncoder, seed: int):
-    """(model, step): the encoder under a fresh 2-class head (its init seeded), and
-    step(ids, mask, labels) -> (cross-entropy loss, logits [b, 2])."""
-    torch.manual_seed(seed)
-    if enc.kind == "ELECTRA":
-        from transformers import ElectraForSequenceClassification
-
-        from benchmarks.learning.peers import no_token_types
-
-        config = copy.deepcopy(enc.model.config)
-        config.num_labels = 2
-        model = ElectraForSequenceClassification(config)
-        model.electra.load_state_dict(enc.model.electra.state_dict())
-        no_token_types(model.electra)  # as pretrained: no segments, none learned now
-
-        def step(ids, mask, labels):
-            out = model(input_ids=ids, attention_mask=mask.long(), labels=labels)
-            return out.loss, out.logits
-
-        return model, step
-    from megatron_taco.models.finetune import TaskModel, encoder_state_from_pretraining
-    from megatron_taco.parallel.state import single_process_state
-
-    pre = enc.model
-    model = TaskModel("SAS", pre.config, single_process_state(), task_kind="classification",
-                      num_labels=2, classifier_dropout=0.1)  # fmt: skip
-    model.encoder.load_state_dict(encoder_state_from_pretraining("SAS", pre.state_dict()))
-
-    def step(ids, mask, labels):
-        out = model({"input_ids": ids, "attention_mask": mask, "labels": labels})
-        return out["loss"], out["logits"]
-
-    return model, step
-
-
-def finetune_run(enc: FrozenEncoder, task, lr: float, seed: int, epochs: int, batch: int):
-    """(dev accuracy, mean training loss) after each epoch of one fine-tuning run."""
-    from megatron_taco.training.optim import AnnealingLR
-
-    (ids, mask, labels), dev = task
-    model, step = classifier(enc, seed)
-    params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
-    total = (len(ids) // batch) * epochs
-    sched = AnnealingLR(opt, max_lr=lr, min_lr=0.0, warmup_steps=round(0.1 * total),
-                        decay_steps=total, decay_style="linear")  # fmt: skip
-    rng = np.random.default_rng(seed)
-    accs, losses = [], []
-    for _ in range(epochs):
-        model.train()
-        seen = []
-        order = torch.from_numpy(rng.permutation(len(ids)))
-        for k in range(len(ids) // batch):
-            i = order[k * batch : (k + 1) * batch]
-            width = int(mask[i].sum(1).max())  # the batch's longest row
-            loss, _ = step(ids[i, :width], mask[i, :width], labels[i])
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            seen.append(loss.detach())
-        losses.append(float(torch.stack(seen).mean()))
-        model.eval()
-        with torch.no_grad():
-            _, logits = step(*dev)
-        accs.append(float((logits.argmax(-1) == dev[2]).double().mean()))
-    return accs, losses
-
-
-def select_lr(scores: dict) -> float:
-    """The SAS paper's choice: the learning rate whose mean over seeds is best (the first
-    listed of a tie)."""
-    return max(scores, key=lambda lr: np.mean(scores[lr]))
-
-
-def finetune_grid(encoders: list, task, args) -> dict:
-    """Every learning rate x seed (a random row's seed k fine-tunes twin k mod twins): each
-    run's per-epoch dev accuracies, its best epoch's, and the chosen learning rate."""
-    runs = {lr: [finetune_run(encoders[seed % len(encoders)], task, lr, seed, args.ft_epochs,
-                              args.ft_batch) for seed in range(args.ft_seeds)]
-            for lr in args.ft_lrs}  # fmt: skip
-    best = {lr: [max(acc) for acc, _ in rs] for lr, rs in runs.items()}
-    lr = select_lr(best)
-    return {"epochs": {str(k): v for k, v in runs.items()},
-            "best_epoch": {str(k): v for k, v in best.items()}, "lr": lr, "dev_acc": best[lr],
-            "last_epoch_acc": [acc[-1] for acc, _ in runs[lr]],
-            "last_train_loss": [loss[-1] for _, loss in runs[lr]]}  # fmt: skip
 
 
 def ft_cell(ft: dict) -> str:

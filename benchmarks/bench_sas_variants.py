@@ -23,11 +23,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 from benchmarks.harness.corpora import CORPORA, prepare
 from benchmarks.harness.paths import BENCH_OUT
 from benchmarks.harness.results import write_json
-from benchmarks.learning.curves import left_plateau, load_curves, mean
+from benchmarks.learning.curves import (
+    at_equal_flops,
+    left_plateau,
+    load_curves,
+    mean,
+    per_seed_curves,
+)
 from benchmarks.learning.runs import Job, run_jobs
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
@@ -39,7 +46,16 @@ def summarise(curves: dict, tokens: int, factor: float) -> dict:
         end = points[max(points)]
         left = left_plateau(points, factor)
         acc, base = mean(end, "mlm_acc"), mean(end, "mlm_baseline_acc")
+        seeds = per_seed_curves(points)
+        exits = {k: left_plateau(curve, factor) for k, curve in seeds.items()}
+        ratios = [r["mlm_acc"] / r["mlm_baseline_acc"] for r in end if r.get("mlm_baseline_acc")]
         out[name] = {
+            "seeds": len(seeds),
+            "left_plateau_tokens_by_seed": {
+                str(k): None if it is None else it * tokens for k, it in exits.items()
+            },
+            "ratio_by_seed": ratios,
+            "collapse_by_seed": [r["collapse_cosine"] for r in end if "collapse_cosine" in r],
             "left_plateau_tokens": None if left is None else left * tokens,
             "mlm_acc": acc,
             "baseline": base,
@@ -52,48 +68,52 @@ def summarise(curves: dict, tokens: int, factor: float) -> dict:
     return out
 
 
-def at_equal_flops(curve: dict, per_iteration: float, budget: float) -> float | None:
-    """MLM accuracy of ``curve`` after ``budget`` training FLOPs, linear between evaluations."""
-    points = sorted((it * per_iteration, mean(rs, "mlm_acc")) for it, rs in curve.items())
-    for (f0, a0), (f1, a1) in zip(points, points[1:]):
-        if f0 <= budget <= f1:
-            return a0 + (a1 - a0) * (budget - f0) / (f1 - f0)
-    return None
-
-
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def report(curves: dict, variants: dict, s: Setting, args, vocab: int) -> dict:
+    """``variants``: curve name -> (its variant's entry of VARIANTS, its lr)."""
     tokens = s.batch * s.seq_length
     table = summarise(curves, tokens, args.left_plateau)
-    flops = {n: train_flops_per_iteration(variants[n][0], s, vocab) for n in curves}
+    flops = {n: train_flops_per_iteration(variants[n][0][0], s, vocab) for n in curves}
     print(f"\n{s.layers} layers x {s.hidden}, batch {s.batch} x seq {s.seq_length}, "
-          f"{s.iters} iterations, lr {s.lr:g}; 'left' = first evaluation at >= "
-          f"{args.left_plateau:g}x the baseline")  # fmt: skip
-    print(f"{'variant':<24} {'left at':>10} {'MLM %':>6} {'x base':>6} {'collapse':>8} "
-          f"{'RTD repl':>8} {'RTD orig':>8} {'GFLOP/it':>9}  what")  # fmt: skip
+          f"{s.iters} iterations (SAS's), lr {' '.join(sorted({f'{v[1]:g}' for v in variants.values()}))}; "
+          f"'left' = first evaluation at >= "
+          f"{args.left_plateau:g}x the baseline (of the mean over seeds; 'k/n': seeds whose "
+          "own curve left); MLM figures mean over seeds, x base ± std")  # fmt: skip
+    print(f"{'variant':<28} {'seeds left':>10} {'left at':>10} {'MLM %':>6} "
+          f"{'x base':>12} {'collapse':>8} {'RTD repl':>8} {'RTD orig':>8} {'GFLOP/it':>9}  what")  # fmt: skip
     for name, row in table.items():
-        print(f"{name:<24} {_fmt(row['left_plateau_tokens'], ',.0f'):>10} "
+        exits = row["left_plateau_tokens_by_seed"].values()
+        ratio = row["ratio"]
+        ratio_cell = "-" if ratio is None else f"{ratio:.2f} ± {_std(row['ratio_by_seed']):.2f}"
+        print(f"{name:<28} {sum(e is not None for e in exits):>6}/{len(exits):<3} "
+              f"{_fmt(row['left_plateau_tokens'], ',.0f'):>10} "
               f"{_fmt(row['mlm_acc'] and 100 * row['mlm_acc'], '.2f'):>6} "
-              f"{_fmt(row['ratio'], '.2f'):>6} {_fmt(row['collapse'], '.3f'):>8} "
+              f"{ratio_cell:>12} {_fmt(row['collapse'], '.3f'):>8} "
               f"{_fmt(row['rtd_replaced'], '.3f'):>8} {_fmt(row['rtd_original'], '.3f'):>8} "
-              f"{flops[name] / 1e9:>9.2f}  {variants[name][3]}")  # fmt: skip
+              f"{flops[name] / 1e9:>9.2f}  {variants[name][0][3]}")  # fmt: skip
         row["train_flops_per_iteration"] = flops[name]
-    if "electra" in curves:
+        row["variant"], row["lr"] = variants[name][0][0], variants[name][1]
+    electras = [n for n in curves if variants[n][0][0] == "electra"]
+    if electras:
         print("\nheld-out MLM accuracy at ELECTRA's training FLOPs (SAS's MLM head vs ELECTRA's "
-              "generator)")  # fmt: skip
-        ref = curves["electra"]
+              f"generator, {electras[0]})")  # fmt: skip
+        ref = curves[electras[0]]
         for name in curves:
-            if name in ("electra", "bert"):
+            if variants[name][0][0] in ("electra", "bert"):
                 continue
-            budgets = [it * flops["electra"] for it in sorted(ref)]
+            budgets = [it * flops[electras[0]] for it in sorted(ref)]
             pairs = [(b, at_equal_flops(curves[name], flops[name], b)) for b in budgets]
             pairs = [(b, a) for b, a in pairs if a is not None]
             if pairs:
                 b, a = pairs[-1]
-                e = at_equal_flops(ref, flops["electra"], b)
+                e = at_equal_flops(ref, flops[electras[0]], b)
                 print(f"  {name:<24} at {b:.3g} FLOPs: {100 * a:.2f}% vs ELECTRA {100 * e:.2f}%")
                 table[name]["vs_electra_equal_flops"] = {"flops": b, "mlm_acc": a, "electra": e}
     plot(curves, table, flops, tokens, os.path.join(args.out, "sas_variants.png"))
@@ -138,11 +158,37 @@ def plot(curves: dict, table: dict, flops: dict, tokens: int, path: str) -> None
                 xlabel="training FLOPs", xscale="log")  # fmt: skip
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:  # an empty panel (no RTD model) has none
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"\ncurves: {path}")
+
+
+def run_selected(jobs: list[Job], s: Setting, args, variants: dict, variant_of: dict) -> dict:
+    """--select-lr: the grid at the first seed, each variant's lr chosen on the validation
+    documents (benchmarks/learning/campaign.py), the other seeds at that lr only.
+    ``variant_of``: a run's curve name (VARIANT_lrLR) -> its VARIANT."""
+    from benchmarks.learning.campaign import Run, choose_lr, selection_part
+    from megatron_taco.data.tokenizer import load_tokenizer
+
+    done = run_jobs([j for j in jobs if j.seed == args.seed], s, args.out, args.jobs,
+                    reuse=args.reuse)  # fmt: skip
+    tok = load_tokenizer(args.tokenizer_model)
+    dev = selection_part(args.data_path, tok, args.split, s.seq_length)
+    rest = []
+    for variant in dict.fromkeys(variant_of[j.name] for j in jobs):
+        runs = [Run(variant, variants[j.name][1], j.seed, os.path.join(args.out, f"{j.name}_s{j.seed}"))
+                for j in jobs if variant_of[j.name] == variant and (j.name, j.seed) in done]  # fmt: skip
+        if not runs:
+            continue
+        chosen, _ = choose_lr(runs, dev, s, tok)
+        print(f"{variant}: lr {chosen:g} chosen on the validation documents", flush=True)
+        rest += [j for j in jobs if variant_of[j.name] == variant and j.seed != args.seed
+                 and j.lr == chosen]  # fmt: skip
+    done.update(run_jobs(rest, s, args.out, args.jobs, reuse=args.reuse))
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +222,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="The first seed.")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="Seeds per variant (--seed, --seed + 1, ...): curves are their means, "
+                   "the table gives the spread and how many seeds left the plateau.")  # fmt: skip
+    p.add_argument("--lrs", type=float, nargs="+", metavar="LR",
+                   help="A learning-rate grid instead of --lr: every variant at each (curves "
+                   "VARIANT_lrLR); bench_sas_downstream --runs picks each variant's on a "
+                   "held-out split.")  # fmt: skip
+    p.add_argument("--equal-flops", action="store_true",
+                   help="Each variant trains for the training FLOPs of SAS at --iters "
+                   "(ELECTRA's convention): its own --iters, schedule and warm-up scaled "
+                   "to that budget (ELECTRA, with its generator, runs fewer iterations).")  # fmt: skip
+    p.add_argument("--select-lr", action="store_true",
+                   help="With --lrs and --seeds > 1: run the grid at --seed only, pick each "
+                   "variant's lr on the validation documents (bench_sas_downstream --runs' "
+                   "choice: the frozen probe), then the other seeds at that lr only.")  # fmt: skip
+    p.add_argument("--reuse", action="store_true",
+                   help="Keep the runs in --out that ended (same names and seeds) instead of "
+                   "running them again: a campaign resumes where it stopped.")  # fmt: skip
     p.add_argument("--left-plateau", type=float, default=1.5)
     p.add_argument("--jobs", type=int, default=2, help="Runs at a time (one core each).")
     p.add_argument(
@@ -190,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(BENCH_OUT, "sas_variants"))
     p.add_argument("--json", help="Write the summary here.")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.lrs is not None and (not args.lrs or any(not lr > 0 for lr in args.lrs)):
+        p.error(f"--lrs must be one or more values > 0, got {args.lrs}")
+    if args.select_lr and not (args.lrs and len(args.lrs) > 1 and args.seeds > 1):
+        p.error("--select-lr needs a grid (--lrs with two or more values) and --seeds > 1")
     existing = {}
     for item in args.existing:
         name, sep, path = item.partition("=")
@@ -212,21 +282,35 @@ def main(argv: list[str] | None = None) -> int:
                    warmup_fraction=0.1, eval_interval=args.eval_interval,
                    eval_iters=args.eval_iters, split=args.split or "949,50,1", seed=args.seed,
                    layers=args.layers, hidden=args.hidden)  # fmt: skip
-    variants = {name: VARIANTS[name] for name in [*args.variants, *existing]}
+    vocab = Tokenizer(args.tokenizer_model).vocab_size
+    lrs = args.lrs or [args.lr]
+    variants = {name: (VARIANTS[name], args.lr) for name in existing}
+    variant_of = {}  # a run's curve name -> its variant
     jobs = []
     for name in args.variants:
         if name in existing:
             continue
         model, cold, flags, _ = VARIANTS[name]
-        flags = tuple(f.replace("{warmup}", str(args.iters // 2)) for f in flags)
-        jobs.append(Job(name, model, args.seed, cold, flags))
+        iters = args.iters
+        if args.equal_flops:  # SAS's FLOPs at --iters, in this variant's iterations
+            budget = args.iters * train_flops_per_iteration("sas", s, vocab)
+            iters = max(1, round(budget / train_flops_per_iteration(model, s, vocab)))
+        flags = tuple(f.replace("{warmup}", str(iters // 2)) for f in flags)
+        for lr in lrs:
+            run = f"{name}_lr{lr:g}" if args.lrs else name
+            variants[run] = (VARIANTS[name], lr)
+            variant_of[run] = name
+            jobs += [Job(run, model, args.seed + k, cold, flags, lr=lr, iters=iters)
+                     for k in range(args.seeds)]  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    done = run_jobs(jobs, s, args.out, args.jobs)
+    if args.select_lr:
+        done = run_selected(jobs, s, args, variants, variant_of)
+    else:
+        done = run_jobs(jobs, s, args.out, args.jobs, reuse=args.reuse)
     done.update({(name, args.seed): path for name, path in existing.items()})
     curves = {name: points for name, points in load_curves(done).items()}
     order = [n for n in variants if n in curves]
-    table = report({n: curves[n] for n in order}, variants, s, args,
-                   Tokenizer(args.tokenizer_model).vocab_size)  # fmt: skip
+    table = report({n: curves[n] for n in order}, variants, s, args, vocab)
     if args.json:
         write_json(args.json, table)
     return 0 if len(done) == len(jobs) + len(existing) else 1

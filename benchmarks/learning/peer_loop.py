@@ -14,11 +14,12 @@ import os
 import sys
 import time
 
-from benchmarks.learning.setting import PEERS, Setting
+from benchmarks.learning.setting import PARITY, PEERS, Setting
 
 
 def _peer_data(model: str, s: Setting, tokenizer):
-    """(train stream, valid dataset, collator, store or None), as our driver builds them."""
+    """(train stream, valid dataset, collator, store or None), as our driver builds them
+    (the train stream: a sample dataset, or SAS's instances with their ``train`` view)."""
     from megatron_taco.data.bert_dataset import build_train_valid_test_datasets
     from megatron_taco.data.config import DataConfig
 
@@ -26,6 +27,8 @@ def _peer_data(model: str, s: Setting, tokenizer):
                       seq_length=s.seq_length, data_cache_path=s.cache, seed=s.seed,
                       num_workers=0)  # fmt: skip
     eval_samples = s.eval_iters * s.batch
+    if model in PARITY:
+        return _parity_data(data, s, tokenizer, eval_samples)
     if model != "sas_ref":
         from megatron_taco.data.taco_collator import TacoMaskingCollator
 
@@ -58,6 +61,35 @@ def _peer_data(model: str, s: Setting, tokenizer):
     return instances, instances.valid, collator, store
 
 
+def _parity_data(data, s: Setting, tokenizer, eval_samples: int):
+    """SAS's instances under BERT's masking at S in every epoch: the reference release's mlm
+    cold start (80% [MASK], 10% a uniform random token, 10% kept) as the only source, so S
+    is fixed per instance (as SAS needs) and the 80/10/10 draw is redrawn per epoch, seeded
+    by (seed, instance, epoch): every parity model reads identical batches and masks."""
+    from megatron_taco.data.sas_collator import (
+        ReplacementConfig,
+        SasCollator,
+        cold_start_probs,
+        make_cold_start,
+    )
+    from megatron_taco.recipes.sas import make_instances
+
+    instances = make_instances(
+        data, tokenizer, s.batch, eval_samples, train_samples=s.iters * s.batch
+    )
+    replacement = ReplacementConfig(cold_start="mlm")
+    probs = cold_start_probs(replacement, [s.prefix], [1.0], tokenizer.is_special_mask())
+    source = make_cold_start(replacement, probs, s.seed, mask_id=tokenizer.mask_id)
+    collator = SasCollator(
+        pad_id=tokenizer.pad_id,
+        seq_length=s.seq_length,
+        seed=s.seed,
+        config=replacement,
+        source=source,
+    )
+    return instances, instances.valid, collator, None
+
+
 def evaluate(model, valid, collator, s: Setting) -> dict:
     from megatron_taco.parallel.state import single_process_state
     from megatron_taco.training.loop import evaluate_batches
@@ -73,7 +105,14 @@ def evaluate(model, valid, collator, s: Setting) -> dict:
 def run_peer(model: str, s: Setting, metrics_file: str) -> None:
     import torch
 
-    from benchmarks.learning.peers import BertMlm, Electra, SasObjective, rtd_weight, whole_epochs
+    from benchmarks.learning.peers import (
+        BertMlm,
+        Electra,
+        SasMlm,
+        SasObjective,
+        rtd_weight,
+        whole_epochs,
+    )
     from megatron_taco.data.tokenizer import Tokenizer
     from megatron_taco.training.optim import build_optimizer, build_scheduler
 
@@ -83,12 +122,16 @@ def run_peer(model: str, s: Setting, metrics_file: str) -> None:
     vocab, size = tokenizer.vocab_size, s.size()
     if model == "electra":  # ELECTRA-small's factorised embedding: half the hidden width
         net = Electra(vocab, size, embedding=size.hidden // 2)
+    elif model in ("sas_mlm", "sas_mlm_init02"):
+        net = SasMlm(vocab, size, "megatron" if model == "sas_mlm" else "electra")
+    elif model in ("bert_mlm", "bert_mlm_scaled"):
+        net = BertMlm(vocab, size, all_rows=True, scaled_output_init=model == "bert_mlm_scaled")
     else:
         net = {"bert": BertMlm, "sas_ref": SasObjective}[model](vocab, size)
     training = s.training_config()
     optimizer, _ = build_optimizer(net, training)
     scheduler = build_scheduler(optimizer, training)
-    train = stream.train if store is not None else stream
+    train = stream.train if hasattr(stream, "train") else stream
     epochs = whole_epochs(s.iters * s.batch, stream.count) if store is not None else 1
     started = time.perf_counter()
     with open(metrics_file, "w") as out:

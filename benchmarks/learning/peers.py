@@ -62,18 +62,30 @@ def no_token_types(model: nn.Module) -> None:
 
 
 class BertMlm(nn.Module):
-    """transformers' BertForMaskedLM on the [MASK]ed rows (BERT's objective)."""
+    """transformers' BertForMaskedLM on the [MASK]ed rows (BERT's objective): the MLM half
+    of a TACO collator batch, or with ``all_rows`` every row of a SAS collator batch under
+    BERT's masking (the parity comparison). ``scaled_output_init``: the attention-output and
+    FFN-output projections drawn as Megatron-LM draws them, normal(0.02 / sqrt(2 layers))
+    (our SAS's default), instead of transformers' normal(0.02) (an ablation arm)."""
 
-    def __init__(self, vocab: int, size: Size) -> None:
+    def __init__(
+        self, vocab: int, size: Size, *, all_rows: bool = False, scaled_output_init: bool = False
+    ) -> None:
         super().__init__()
         from transformers import BertConfig, BertForMaskedLM
 
         self.bert = BertForMaskedLM(BertConfig(**size.kwargs(vocab)))
         no_token_types(self.bert.bert)
-        self.vocab = vocab
+        if scaled_output_init:
+            std = self.bert.config.initializer_range / math.sqrt(2.0 * size.layers)
+            with torch.no_grad():
+                for layer in self.bert.bert.encoder.layer:
+                    for dense in (layer.attention.output.dense, layer.output.dense):
+                        dense.weight.normal_(0.0, std)
+        self.vocab, self.all_rows = vocab, all_rows
 
     def forward(self, batch: dict) -> dict:
-        b = mlm_rows(batch)
+        b = batch if self.all_rows else mlm_rows(batch)
         mask = b["attention_mask"].long()
         out = self.bert.bert(input_ids=b["input_ids"], attention_mask=mask)
         hidden = out.last_hidden_state
@@ -194,6 +206,39 @@ class SasObjective(nn.Module):
         if not self.training:
             result.update(monitoring_outputs(hidden, mask, mlm=(labels, self.vocab)))
         return result
+
+
+class SasMlm(nn.Module):
+    """Our SAS encoder and MLM head (megatron_taco.models.sas.SasForPretraining, built as
+    the driver builds it for these sizes) under BERT's objective: lambda 0, the batch a SAS
+    collator's under BERT's masking at S (no RTD labels). The parity comparison's side of
+    ours, beside BertMlm(all_rows=True) on the same batches. ``output_layer_init``: our
+    --output-layer-init ('megatron', the default, or 'electra' = transformers' 0.02)."""
+
+    def __init__(self, vocab: int, size: Size, output_layer_init: str = "megatron") -> None:
+        super().__init__()
+        from megatron_taco.models.sas.config import SasConfig
+        from megatron_taco.models.sas.model import SasForPretraining
+        from megatron_taco.parallel.state import single_process_state
+
+        config = SasConfig(
+            num_layers=size.layers,
+            hidden_size=size.hidden,
+            ffn_hidden_size=size.ffn,
+            num_attention_heads=size.heads,
+            embedding_size=size.hidden,
+            max_position_embeddings=size.max_positions,
+            vocab_size=vocab,
+            output_layer_init=output_layer_init,
+        )
+        self.sas = SasForPretraining(config, single_process_state())
+        self.sas.set_rtd_weight(0.0)
+
+    def forward(self, batch: dict) -> dict:
+        out = self.sas(batch)
+        # Our model's self-augmentation outputs and its (empty) RTD figures are not BERT's.
+        skip = ("mlm_logits", "mlm_positions", "rtd_weight")
+        return {k: v for k, v in out.items() if k not in skip and not k.startswith("rtd_")}
 
 
 def rtd_weight(epoch: int, whole_epochs: int, first: float = 50.0, final: float = 200.0) -> float:

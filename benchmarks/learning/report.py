@@ -4,10 +4,19 @@ goals as results, and a PNG of the curves."""
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 from benchmarks.harness.results import Result
-from benchmarks.learning.curves import family_baseline, left_plateau, mean, spread
+from benchmarks.learning.curves import (
+    at_equal_flops,
+    by_seed,
+    family_baseline,
+    left_plateau,
+    mean,
+    per_seed_curves,
+    spread,
+)
 from benchmarks.learning.setting import MODELS, Setting, label, sas_like
 
 
@@ -16,7 +25,9 @@ def colour(name: str, names: list[str]) -> str:
     return f"C{known % 10}"
 
 
-def report(curves: dict, s: Setting, args, out_dir: str) -> list:
+def report(curves: dict, s: Setting, args, out_dir: str, flops: dict | None = None) -> list:
+    """``flops``: each model's training FLOPs per iteration when the runs ended at equal
+    FLOPs (bench_learning --equal-flops): TACO and BERT are then compared by FLOPs."""
     tokens = s.batch * s.seq_length
     models = [m for m in MODELS if m in curves] + [m for m in curves if m not in MODELS]
     iters = sorted({it for m in models for it in curves[m]})
@@ -44,7 +55,9 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
         shown = "-" if collapse is None else f"{collapse:.4f}"
         print(f"  {m:>8}: collapse {shown}{rtd}  ({label(m)})")
     results = []
-    if "taco" in curves and "bert" in curves:
+    if flops is not None and "taco" in curves and "bert" in curves:
+        results += taco_vs_bert_at_equal_flops(curves, flops, tokens)
+    elif "taco" in curves and "bert" in curves:
         common = [it for it in iters if it in curves["taco"] and it in curves["bert"]]
         ratios = [mean(curves["taco"][it], "mlm_acc") / max(mean(curves["bert"][it], "mlm_acc"),
                   1e-9) for it in common]  # fmt: skip
@@ -73,6 +86,7 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
             )
             results.append(Result("bench_learning", f"sas_minus_ref_{key}", None if b is None else a - b,
                                    None, "<=", "abs", note))  # fmt: skip
+    results += parity(curves, tokens)
     for m in ("sas", "electra"):
         if m in curves:
             it = left_plateau(curves[m], args.left_plateau)
@@ -85,6 +99,96 @@ def report(curves: dict, s: Setting, args, out_dir: str) -> list:
         goal = f" (goal {r.op} {r.goal:g})" if r.goal is not None else ""
         print(f"  {r.metric}: {shown}{goal}  {r.note}")
     plot(curves, models, s, os.path.join(out_dir, "learning_curves.png"))
+    return results
+
+
+def taco_vs_bert_at_equal_flops(curves: dict, flops: dict, tokens: int) -> list:
+    """At each of TACO's evaluations, BERT's held-out MLM accuracy after the same training
+    FLOPs (linear between its evaluations), seed by seed; the worst ratio of the means and
+    the end's, with a paired t-test over the seeds at the end."""
+    from scipy import stats
+
+    taco, bert = per_seed_curves(curves["taco"]), per_seed_curves(curves["bert"])
+    seeds = sorted(set(taco) & set(bert))
+    print(f"\nTACO vs BERT at equal training FLOPs (TACO {flops['taco'] / 1e9:.1f}, BERT "
+          f"{flops['bert'] / 1e9:.1f} GFLOPs per iteration), held-out MLM accuracy %, "
+          f"{len(seeds)} seeds")  # fmt: skip
+    print(f"{'TFLOPs':>8} {'TACO tokens':>12} {'TACO':>14} {'BERT':>14} {'ratio':>6}")
+    rows = []
+    for it in sorted(curves["taco"]):
+        budget = it * flops["taco"]
+        t = [mean(taco[k].get(it, []), "mlm_acc") for k in seeds]
+        b = [at_equal_flops(bert[k], flops["bert"], budget) for k in seeds]
+        if None in t or None in b:
+            continue
+        rows.append((budget, it, t, b))
+        print(f"{budget / 1e12:>8.2f} {it * tokens:>12,} {_ms(t):>14} {_ms(b):>14} "
+              f"{statistics.mean(t) / max(statistics.mean(b), 1e-9):>6.2f}")  # fmt: skip
+    if not rows:
+        return []
+    ratios = [statistics.mean(t) / max(statistics.mean(b), 1e-9) for _, _, t, b in rows]
+    _, _, t, b = rows[-1]
+    p = stats.ttest_rel(t, b).pvalue if len(seeds) > 2 else float("nan")
+    worst = min(range(len(rows)), key=lambda k: ratios[k])
+    return [
+        Result("bench_learning", "taco_vs_bert_equal_flops_worst_point", ratios[worst], 1.0,
+               ">=", "x", f"at {rows[worst][0] / 1e12:.2f} TFLOPs, worst of {len(rows)}; "
+               f"at or above at {sum(r >= 1.0 for r in ratios)}"),
+        Result("bench_learning", "taco_vs_bert_equal_flops_end", ratios[-1], 1.0, ">=", "x",
+               f"{_ms(t)} vs {_ms(b)} at {rows[-1][0] / 1e12:.2f} TFLOPs over {len(seeds)} "
+               f"seeds, paired t-test p {p:.3f}"),
+    ]  # fmt: skip
+
+
+# (ours, reference): the parity comparison and its ablation arms (PARITY in setting.py).
+PARITY_PAIRS = (
+    ("sas_mlm", "bert_mlm"),
+    ("sas_mlm_init02", "bert_mlm"),
+    ("sas_mlm", "bert_mlm_scaled"),
+    ("sas_mlm_init02", "bert_mlm_scaled"),
+)
+
+
+def _ms(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{100 * values[0]:.2f}" if values else "-"
+    return f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}"
+
+
+def parity(curves: dict, tokens: int) -> list:
+    """Held-out MLM accuracy of each (ours, reference) pair at every evaluation, seed by
+    seed (seed k of both read the same batches and masks): the difference of the means
+    against the seed spread (the larger of the two models' max - min over seeds), and a
+    paired t-test over the seeds (scipy) at each evaluation."""
+    from scipy import stats
+
+    results = []
+    for a, b in PARITY_PAIRS:
+        if a not in curves or b not in curves:
+            continue
+        common = [it for it in sorted(curves[a]) if it in curves[b]]
+        print(f"\nparity: {a} vs {b}, held-out MLM accuracy % (mean ± std over seeds), "
+              "difference of the means, seed spread (max - min, the larger), paired t-test")  # fmt: skip
+        print(f"{'tokens':>10} {a:>16} {b:>16} {'diff':>7} {'spread':>7} {'p':>6}")
+        outside, worst = 0, None
+        for it in common:
+            x, y = by_seed(curves[a][it], "mlm_acc"), by_seed(curves[b][it], "mlm_acc")
+            seeds = sorted(set(x) & set(y))
+            xs, ys = [x[k] for k in seeds], [y[k] for k in seeds]
+            diff = statistics.mean(xs) - statistics.mean(ys)
+            noise = max(max(xs) - min(xs), max(ys) - min(ys)) if len(seeds) > 1 else 0.0
+            p = stats.ttest_rel(xs, ys).pvalue if len(seeds) > 2 else float("nan")
+            outside += abs(diff) > noise
+            if worst is None or abs(diff) - noise > abs(worst[0]) - worst[1]:
+                worst = (diff, noise, it)
+            print(f"{it * tokens:>10,} {_ms(xs):>16} {_ms(ys):>16} {100 * diff:>+7.2f} "
+                  f"{100 * noise:>7.2f} {p:>6.3f}")  # fmt: skip
+        diff, noise, it = worst
+        results.append(Result("bench_learning", f"parity_{a}_vs_{b}_outside_seed_spread",
+                              float(outside), 0.0, "<=", "evaluations",
+                              f"of {len(common)}; largest excess at {it * tokens:,} tokens: "
+                              f"{100 * diff:+.2f} points against a seed spread of "
+                              f"{100 * noise:.2f}"))  # fmt: skip
     return results
 
 
@@ -116,7 +220,8 @@ def plot(curves: dict, models: list[str], s: Setting, path: str) -> None:
     axes[2].set(title="RTD accuracy on replaced tokens", xlabel="training tokens")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # an empty panel (no RTD model) has none
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"curves: {path}", file=sys.stderr, flush=True)

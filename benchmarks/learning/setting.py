@@ -21,8 +21,12 @@ OURS = {
     "sas_da": ("pretrain_sas.py", ["--model-size", "small", "--num-layers", "4",
                                    "--disentangled-attention"]),
 }  # fmt: skip
-PEERS = ("bert", "electra", "sas_ref")
-MODELS = ("taco", "bert", "electra", "sas", "sas_ref", "sas_c", "sas_da")
+# The parity comparison (BERT's objective on identical batches and masks, one loop): our
+# SAS encoder and MLM head vs transformers' BertForMaskedLM, and each with the other's
+# output-layer init (the ablation arms of the one architectural difference in init).
+PARITY = ("sas_mlm", "bert_mlm", "sas_mlm_init02", "bert_mlm_scaled")
+PEERS = ("bert", "electra", "sas_ref", *PARITY)
+MODELS = ("taco", "bert", "electra", "sas", "sas_ref", "sas_c", "sas_da", *PARITY)
 LABELS = {
     "taco": "TACO (ours)",
     "bert": "BERT (transformers, [MASK] MLM)",
@@ -32,14 +36,18 @@ LABELS = {
     "sas_c": "SAS^c (ours)",
     "sas_da": "SAS^DA (ours)",
     "sas_paper": "SAS, the paper's recipe (ours)",
+    "sas_mlm": "our SAS encoder + MLM head, BERT's objective (parity)",
+    "bert_mlm": "transformers' BertForMaskedLM, the same batches (parity)",
+    "sas_mlm_init02": "sas_mlm with --output-layer-init electra (std 0.02)",
+    "bert_mlm_scaled": "bert_mlm with Megatron's scaled output-layer init",
 }
 SAS_LIKE = ("sas", "sas_ref", "sas_c", "sas_da")
 
 
 def sas_like(name: str) -> bool:
     # bench_learning's --with may add curves of other runs under their own names; "sas..."
-    # names are SAS-like.
-    return name in SAS_LIKE or name.startswith("sas")
+    # names are SAS-like. The parity models train BERT's objective (no RTD): not SAS-like.
+    return name not in PARITY and (name in SAS_LIKE or name.startswith("sas"))
 
 
 def label(name: str) -> str:

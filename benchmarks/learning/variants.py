@@ -48,8 +48,11 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def train_flops_per_iteration(model: str, s: Setting, vocab: int) -> float:
-    """ELECTRA's convention (tools/count_flops.py) for one iteration of ``s.batch`` rows."""
+def train_flops_per_iteration(
+    model: str, s: Setting, vocab: int, taco_flags: tuple[str, ...] = ()
+) -> float:
+    """ELECTRA's convention (tools/count_flops.py) for one iteration of ``s.batch`` rows;
+    ``taco_flags``: our TACO's size flags beyond its preset (bench_learning --taco-flags)."""
     from megatron_taco.models import flops
 
     size = s.size()
@@ -63,4 +66,15 @@ def train_flops_per_iteration(model: str, s: Setting, vocab: int) -> float:
         return flops.electra_train_flops(disc, flops.generator_shape(disc), s.batch, 1)
     if model == "bert":
         return flops.bert_train_flops(shape, s.batch, 1)
+    if model == "taco":  # our TACO's widths as the driver reads them; MLM and MPM rows
+        import argparse
+
+        from benchmarks.learning.setting import OURS
+        from megatron_taco.models.taco.config import TacoConfig
+
+        parser = argparse.ArgumentParser(add_help=False)
+        TacoConfig.add_args(parser)
+        known, _ = parser.parse_known_args([*OURS["taco"][1], *taco_flags])
+        config = TacoConfig.from_args(known, vocab_size=vocab)
+        return flops.taco_electra_train_flops(config, s.seq_length, s.batch, 1)
     return flops.sas_train_flops(shape, s.batch, 1, disentangled_attention=model == "sas_da")

@@ -25,14 +25,18 @@ MASK_EVERY = 5  # zero-shot pseudo-log-likelihood: every 5th word [MASK]ed per p
 PROBE_SIZES = (32, 64, 128)  # labelled sentences the frozen probe trains on
 
 
-def held_out_sentences(prefix: str, tokenizer: Tokenizer, split: str) -> list[str]:
+def held_out_sentences(
+    prefix: str, tokenizer: Tokenizer, split: str, parts: tuple[str, ...] = ("valid", "test")
+) -> list[str]:
     """The sentences of 8-40 words (two distinct at least, no tab) of the validation and
-    test documents of ``split``, decoded from the indexed dataset."""
+    test documents of ``split``, or of those of ``parts`` only (a model selection on one,
+    the figure on the other), decoded from the indexed dataset."""
     data = IndexedDataset(prefix)
     docs = data.document_indices
     _, valid, test = get_split_document_ranges(len(docs) - 1, split)
+    ranges = {"valid": valid, "test": test}
     out = []
-    for start, end in (valid, test):
+    for start, end in (ranges[part] for part in parts):
         for seq in range(int(docs[start]), int(docs[end])):
             text = " ".join(tokenizer.decode(data[seq]).split())
             words = text.split()

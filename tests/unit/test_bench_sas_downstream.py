@@ -1,10 +1,15 @@
-"""benchmarks/bench_sas_downstream.py's own parts: timing, bad input, the learning-rate and
-FLOPs choices, the fine-tuning classifiers. (Its ELECTRA adapter and the word-order rows:
-tests/unit/test_evaluation.py.)"""
+"""benchmarks/bench_sas_downstream.py's own parts and benchmarks/learning/{downstream,
+campaign}.py: timing, bad input, the learning-rate and FLOPs choices, the fine-tuning
+classifiers ([CLS] and mean-pooled), model selection on dev, the campaign's runs. (The
+ELECTRA adapter and the word-order rows: tests/unit/test_evaluation.py.)"""
 
 from __future__ import annotations
 
 import torch
+
+from benchmarks import bench_sas_downstream as bd
+from benchmarks.learning import downstream as dn
+from benchmarks.learning.peers import Electra, Size
 
 
 def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
@@ -15,7 +20,6 @@ def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
 
     import pytest
 
-    from benchmarks import bench_sas_downstream as bd
     from megatron_taco.errors import ConfigError
 
     metrics = tmp_path / "metrics.jsonl"
@@ -33,8 +37,6 @@ def test_sas_train_seconds_counts_each_windows_iterations(tmp_path):
 
 def test_bad_input_is_one_line(tmp_path, capsys):
     import pytest
-
-    from benchmarks import bench_sas_downstream as bd
 
     sas = tmp_path / "paper_s1"
     (sas / "checkpoints").mkdir(parents=True)
@@ -67,17 +69,15 @@ def test_select_lr_takes_the_best_mean_not_the_best_median():
     """The SAS paper reports the configuration whose mean over seeds is best. Hand-derived:
     1e-4 has mean 0.70 and median 0.80, 3e-4 mean 0.75 and median 0.75, so the mean picks
     3e-4 where a median would pick 1e-4; of a tie in the mean, the first listed."""
-    from benchmarks import bench_sas_downstream as bd
 
-    assert bd.select_lr({1e-4: [0.5, 0.8, 0.8], 3e-4: [0.75, 0.75, 0.75]}) == 3e-4
-    assert bd.select_lr({1e-3: [0.6, 0.8], 1e-4: [0.7, 0.7], 3e-4: [0.5, 0.9]}) == 1e-3
+    assert dn.select_lr({1e-4: [0.5, 0.8, 0.8], 3e-4: [0.75, 0.75, 0.75]}) == 3e-4
+    assert dn.select_lr({1e-3: [0.6, 0.8], 1e-4: [0.7, 0.7], 3e-4: [0.5, 0.9]}) == 1e-3
 
 
 def test_nearest_picks_electras_evaluation_at_sas_flops():
     """ELECTRA evaluated at iterations 250, 500, 750 at 2 FLOPs per iteration: SAS at 1100
     FLOPs is nearest 500's 1000 (off 100, 750's is off 400); at 1250 the two are off 250
     each and the first, 500, is kept."""
-    from benchmarks import bench_sas_downstream as bd
 
     points = [(250, 10.0, "a"), (500, 20.0, "b"), (750, 30.0, "c")]
     assert bd.nearest(points, lambda q: 2 * q[0], 1100)[2] == "b"
@@ -86,11 +86,10 @@ def test_nearest_picks_electras_evaluation_at_sas_flops():
 
 
 def test_classifiers_start_from_the_pretrained_encoders():
-    """The fine-tuning models hold the pretrained encoders unchanged: ELECTRA's
-    ElectraForSequenceClassification gives the discriminator's own last layer, our TaskModel
-    the pretraining model's; each returns its cross entropy on the [CLS] logits."""
-    from benchmarks import bench_sas_downstream as bd
-    from benchmarks.learning.peers import Electra, Size
+    """The fine-tuning models hold the pretrained encoders unchanged: ELECTRA's classifier
+    gives the discriminator's own last layer, our TaskModel the pretraining model's; each
+    returns its cross entropy on the [CLS] logits, and with pooling "mean" on the head
+    applied to the mean of the real tokens' vectors (padding left out)."""
     from megatron_taco.evaluation.encoders import OurEncoder
     from tests.helpers import VOCAB, build_sas, make_sas_batch, tiny_sas_config
 
@@ -102,7 +101,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
     labels = torch.tensor([0, 1, 1])
     # Another seed than the discriminator's: built alike, a seed-0 classifier would start
     # from its weights even without the copy.
-    model, step = bd.classifier(bd.electra_encoder(net), seed=5)
+    model, step = dn.classifier(dn.electra_encoder(net), seed=5)
     model.double().eval()
     with torch.no_grad():
         want = net.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
@@ -114,7 +113,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
         assert logits.shape == (3, 2)
 
     pre = build_sas(tiny_sas_config(), seed=1).double().eval()
-    model, step = bd.classifier(OurEncoder(pre, "SAS"), seed=0)
+    model, step = dn.classifier(OurEncoder(pre, "SAS"), seed=0)
     model.double().eval()
     batch = make_sas_batch(3, vocab=VOCAB)
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -123,3 +122,62 @@ def test_classifiers_start_from_the_pretrained_encoders():
         loss, logits = step(ids, mask, labels)
         ce = torch.nn.functional.cross_entropy(logits, labels)
         torch.testing.assert_close(loss.double(), ce.double(), rtol=1e-12, atol=0)
+
+    mean_model, mean_step = dn.classifier(OurEncoder(pre, "SAS"), seed=0, pooling="mean")
+    mean_model.double().eval()
+    with torch.no_grad():
+        hidden = pre.sas(ids, mask)
+        m = mask[..., None].double()
+        pooled = (hidden * m).sum(1) / m.sum(1)
+        want = mean_model.head(pooled)
+        loss, logits = mean_step(ids, mask, labels)
+        torch.testing.assert_close(logits, want, rtol=1e-12, atol=0)
+        # Not the [CLS] logits of the same head.
+        assert not torch.allclose(logits, mean_model.head(hidden[:, 0]))
+
+    model, step = dn.classifier(dn.electra_encoder(net), seed=5, pooling="mean")
+    model.double().eval()
+    ids, mask = torch.randint(5, 60, (3, 10)), torch.ones(3, 10, dtype=torch.bool)
+    mask[2, 7:] = False
+    with torch.no_grad():
+        hidden = net.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        m = mask[..., None].double()
+        _, logits = step(ids, mask, labels)
+        torch.testing.assert_close(logits, model.head((hidden * m).sum(1) / m.sum(1)),
+                                   rtol=1e-12, atol=0)  # fmt: skip
+
+
+def test_select_and_test_chooses_lr_and_epoch_on_dev_and_reports_test():
+    """Hand-derived: lr 1e-4's dev means by epoch are 0.60, 0.70, 0.65; 7.5e-5's 0.55, 0.72,
+    0.60: the best mean (0.72) is 7.5e-5 at epoch 2, whose test accuracies (0.50, 0.70) are
+    reported, mean 0.60, though 1e-4 has the best test figure (0.90)."""
+    runs = {
+        1e-4: [{"dev": [0.6, 0.7, 0.6], "test": [0.9, 0.9, 0.9], "loss": [0.7, 0.6, 0.5]},
+               {"dev": [0.6, 0.7, 0.7], "test": [0.9, 0.9, 0.9], "loss": [0.7, 0.6, 0.5]}],
+        7.5e-5: [{"dev": [0.5, 0.74, 0.6], "test": [0.1, 0.5, 0.1], "loss": [0.7, 0.4, 0.5]},
+                 {"dev": [0.6, 0.70, 0.6], "test": [0.1, 0.7, 0.1], "loss": [0.7, 0.2, 0.5]}],
+    }  # fmt: skip
+    got = dn.select_and_test(runs)
+    assert (got["lr"], got["epoch"]) == (7.5e-5, 2)
+    assert abs(got["dev"] - 0.72) < 1e-12 and abs(got["test"] - 0.60) < 1e-12
+    assert got["test_by_seed"] == [0.5, 0.7] and abs(got["train_loss"] - 0.3) < 1e-12
+
+
+def test_campaign_finds_the_runs_that_ended_by_variant_lr_and_seed(tmp_path):
+    from benchmarks.learning.campaign import Run, discover
+
+    (tmp_path / "mlm_lambda_small_lr0.001_s1234" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "electra_lr0.0005_s1235").mkdir()
+    (tmp_path / "electra_lr0.0005_s1235" / "peer_iter_0001909.pt").write_bytes(b"")
+    (tmp_path / "paper_s1234" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "paper_s1236").mkdir()  # did not end: no checkpoint
+    (tmp_path / "electra_s7").mkdir()  # did not end: no weights
+    (tmp_path / "nonsense_s1" / "checkpoints").mkdir(parents=True)  # not a variant
+    runs = discover(str(tmp_path))
+    assert sorted((r.variant, r.lr, r.seed) for r in runs) == [
+        ("electra", 5e-4, 1235),
+        ("mlm_lambda_small", 1e-3, 1234),
+        ("paper", None, 1234),
+    ]
+    assert all(isinstance(r, Run) for r in runs)
+    assert [r.variant for r in discover(str(tmp_path), ["paper"])] == ["paper"]

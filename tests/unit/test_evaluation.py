@@ -60,6 +60,32 @@ def test_sentences_longer_than_the_position_table_are_left_out_not_cut(tokenizer
             assert sorted(a) == sorted(b) and a != b
 
 
+def test_held_out_sentences_of_the_validation_or_the_test_documents(tokenizer_model, tmp_path):
+    """Ten one-sentence documents, --split 80,10,10: document 8 is validation, 9 test (0-7
+    train, never read); ``parts`` picks one side (the campaign's lr choice on validation,
+    its figures on test), the default reads both in order."""
+    from megatron_taco.data.indexed_dataset import (
+        IndexedDatasetBuilder,
+        data_file_path,
+        index_file_path,
+    )
+    from megatron_taco.data.tokenizer import Tokenizer
+    from megatron_taco.evaluation.word_order import held_out_sentences
+
+    tok = Tokenizer(tokenizer_model)
+    sentences = botchan_sentences(min_words=8, max_words=40)[:10]
+    prefix = str(tmp_path / "docs")
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.int32)
+    for s in sentences:
+        builder.add_item(tok.encode(s))
+        builder.end_document()
+    builder.finalize(index_file_path(prefix))
+    decoded = [" ".join(tok.decode(tok.encode(s)).split()) for s in sentences]
+    assert held_out_sentences(prefix, tok, "80,10,10", parts=("valid",)) == [decoded[8]]
+    assert held_out_sentences(prefix, tok, "80,10,10", parts=("test",)) == [decoded[9]]
+    assert held_out_sentences(prefix, tok, "80,10,10") == decoded[8:]
+
+
 def test_word_order_rows_in_both_forms_split_by_sentence():
     """Each sentence gives an original and a swapped row, on the same side of the split: no
     dev sentence is seen in training in either form. 10 sentences -> 2 dev (4 rows), 8 train."""
@@ -152,15 +178,18 @@ def test_our_encoder_mlm_nll_is_the_models_own_mlm_loss(kind):
 
 
 def test_electra_adapter_is_the_peers_own_heads():
-    """benchmarks/bench_sas_downstream.py's ELECTRA (benchmarks.learning.peers.Electra: generator and
-    discriminator) read as ours are: the generator's MLM loss as the peer trains it, the
-    discriminator's own RTD logits and vectors."""
+    """The downstream benchmarks' ELECTRA (benchmarks.learning.peers.Electra: generator and
+    discriminator, read by benchmarks/learning/downstream.electra_encoder) read as ours are:
+    the generator's MLM loss as the peer trains it, the discriminator's own RTD logits and
+    vectors."""
+    from benchmarks.learning.downstream import electra_encoder
     from benchmarks.learning.peers import Electra, Size
 
     torch.manual_seed(0)
     net = Electra(60, Size(1, 32, 2, 64, max_positions=16), embedding=16).double().eval()
     ids, mask, labels, masked = _ids_and_labels(60)
-    enc = TransformersEncoder(net.disc, mlm=net.gen, rtd=net.disc, kind="ELECTRA")
+    enc = electra_encoder(net)
+    assert isinstance(enc, TransformersEncoder) and enc.kind == "ELECTRA"
     assert enc.heads == ("rtd", "mlm") and enc.max_positions == 16
     # The generator's MLM loss as the peer trains it (rows doubled: it reads the first half).
     twice = {
