@@ -69,7 +69,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_learning", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS,
+                   help="The models to train here; none: only report --with's curves "
+                   "(the demo's cached ones).")  # fmt: skip
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=8, help="Held-out batches per evaluation.")
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(BENCH_OUT, "learning"))
     p.add_argument("--results-json")
     args = p.parse_args(argv)
+    if not args.models and not args.existing:
+        p.error("--models: none given and no --with curves: nothing to train or report")
     # Checked before any run: a bad --with found at the report lost the runs' half hour.
     existing = {}
     for item in args.existing:

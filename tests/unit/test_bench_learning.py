@@ -37,6 +37,13 @@ def test_data_path_needs_its_tokenizer(tmp_path, capsys):
     assert "--data-path needs --tokenizer-model" in capsys.readouterr().err
 
 
+def test_no_models_and_no_curves_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_learning.main(["--models", "--out", str(tmp_path / "o")])
+    assert "--models: none given and no --with curves" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def _records(values: list[float]) -> list[dict]:
     return [{"mlm_acc": v, "seed": 1234 + k} for k, v in enumerate(values)]
 
