@@ -123,7 +123,7 @@ def _trainer(parallel, save=None, epochs=2):
     return SimpleNamespace(
         parallel=parallel,
         num_epochs=lambda: epochs,
-        training=SimpleNamespace(save=save),
+        checkpoint=SimpleNamespace(save=save),
         exiting=None,
     )
 
