@@ -98,8 +98,8 @@ def one_run(kind: str, args, parallel, rng_tracker, save: str) -> dict:
     from megatron_taco.checkpoint.config import CheckpointConfig
     from megatron_taco.checkpoint.layout import TrainingState
     from megatron_taco.training.callbacks import Callback
-    from megatron_taco.training.config import (
-        TrainingConfig,
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import (
         load_deepspeed_json,
         resolve_deepspeed_config,
     )

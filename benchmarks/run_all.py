@@ -112,6 +112,15 @@ BENCHMARKS = (
         "<= 30 s, the launcher's grace before SIGKILL",
     ),
     Benchmark(
+        "bench_faults",
+        "randomly placed faults (killed ranks and launchers, signals, a kill mid-save, "
+        "ENOSPC/EIO, corrupt bytes, stale locks) on TACO/SAS/SAS^DA runs, each requeued "
+        "and compared bit for bit with a run that never failed",
+        "every trial exact (<= one --save-interval redone) or refused in one line; 0 differed, "
+        "0 hung, 0 lost data",
+        "python -m benchmarks.bench_faults --trials 200 --seed 1 --out OUT",
+    ),
+    Benchmark(
         "bench_task_features",
         "load_task('mnli') features vs Megatron-LM's per-example featurisation loop",
         ">= 2.0x in CPU seconds",

@@ -283,8 +283,8 @@ def train_tiny(model: str, parallel, tmp: str, ds_file: str, *, device_type: str
     records; None on the other ranks)."""
     from megatron_taco.checkpoint.layout import TrainingState
     from megatron_taco.parallel.random import model_parallel_seed
-    from megatron_taco.training.config import (
-        TrainingConfig,
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import (
         load_deepspeed_json,
         resolve_deepspeed_config,
     )

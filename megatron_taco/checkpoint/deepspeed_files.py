@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import io
 import logging
 import math
 import os
@@ -38,7 +39,6 @@ from typing import Any
 
 import torch
 
-from megatron_taco import io
 from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.checkpoint.layout import (
     METADATA_FILENAME,

@@ -37,10 +37,6 @@ METADATA_FILENAME = "metadata.json"
 FORMAT = "megatron_taco/2"  # 2: manifest + metadata checksum, RNG states as tensors
 
 
-# The crash tests' hooks (signals.KILL_ENV, PAUSE_ENV) at the named points of a save, e.g.
-# "after_metadata@4" (the save of iteration 4 only). Every rank passes after_model_files
-# and after_rng_files; rank 0 alone after_metadata (complete, not yet renamed), after_rename
-# (before the tracker) and after_tracker (before replaced or retired checkpoints are deleted).
 ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_taco import io
 from megatron_taco.checkpoint.engine import safe_engine
 from megatron_taco.checkpoint.errors import CheckpointInvalid, CheckpointMisfit
 from megatron_taco.checkpoint.layout import (
@@ -21,6 +22,7 @@ from megatron_taco.checkpoint.layout import (
     TrainingState,
     checkpoint_tag,
     rng_state_path,
+    tracker_path,
 )
 from megatron_taco.checkpoint.manifest import read_metadata
 from megatron_taco.checkpoint.plan import (
@@ -243,7 +245,24 @@ def execute_plan(
     the last complete checkpoint before it that fits, or with --load-fallback that one is
     loaded instead (after ``request.check``), as for a checkpoint that does not verify.
     Every rank takes the same path: the misfit is agreed on, and the ranks see the same
-    files (rendezvous.agree_on_load)."""
+    files (rendezvous.agree_on_load). A fall-back within --save makes the tracker name the
+    checkpoint loaded: a requeue before the next save, or a run with nothing left to train,
+    then resumes it without --load-fallback."""
+    state, done = _execute(engine, plan, request, parallel, rng_tracker)
+    if done.action == FALLBACK and request.checkpoint.resumes_save:
+        if parallel.rank == 0:
+            io.atomic_write(tracker_path(done.load_dir), f"{done.iteration}\n")
+        parallel.file_barrier()
+    return state, done
+
+
+def _execute(
+    engine,
+    plan: ResumePlan,
+    request: ResumeRequest,
+    parallel: ParallelState,
+    rng_tracker: RNGTracker | None,
+) -> tuple[TrainingState, ResumePlan]:
     if not plan.loads or plan.action == READ:
         return TrainingState(), plan
     kw = dict(
@@ -267,12 +286,13 @@ def execute_plan(
         logger.warning("%s; --load-fallback: loading iteration %d instead", misfit, older[0])
     meta = read_metadata(os.path.join(plan.load_dir, checkpoint_tag(older[0])))
     request.check(Candidate(plan.load_dir, older[0], meta))
+    resumed = f"resumed from {plan.load_dir} at iteration {older[0]} (--load-fallback)"
     fell_back = dataclasses.replace(
         plan,
         action=FALLBACK if plan.action == RESUME else plan.action,
         iteration=older[0],
         checksum=older[1],
-        note=f"resumed from {plan.load_dir} at iteration {older[0]} (--load-fallback)",
+        note=plan.note if plan.action == WEIGHTS else resumed,  # --finetune: iteration 0
         warning=None,  # warned above
     )
     state = load_checkpoint(engine, plan.load_dir, older[0], parallel, rng_tracker, **kw)

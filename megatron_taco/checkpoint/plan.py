@@ -289,9 +289,11 @@ def _choose(
     except CheckpointUnreadable:
         raise
     except ConfigError as e:
-        older = newest_verified(load_dir, None, **kw) if ck.load_fallback else None
+        older = newest_verified(load_dir, None, **kw)
         if older is None:
             raise
+        if not ck.load_fallback:
+            raise ConfigError(f"{e}; {_way_on(request, older[0])}") from None
         return _fall_back(str(e), older)
     if iteration is None:
         return None
@@ -309,9 +311,15 @@ def _choose(
         raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
     if ck.load_fallback:
         return _fall_back(problem, older)
-    raise CheckpointInvalid(
-        f"{problem}; the last complete checkpoint there is iteration {older[0]}: pass "
-        f"--ckpt-step {older[0]}, or --load-fallback to fall back automatically"
+    raise CheckpointInvalid(f"{problem}; {_way_on(request, older[0])}")
+
+
+def _way_on(request: ResumeRequest, iteration: int) -> str:
+    # A reader (conversion, export, a fine-tuning's pretrained model) has no --load-fallback.
+    fallback = "" if request.layout is None else ", or --load-fallback to fall back automatically"
+    return (
+        f"the last complete checkpoint there is iteration {iteration}: pass --ckpt-step "
+        f"{iteration}{fallback}"
     )
 
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from megatron_taco import io
 from megatron_taco.errors import ConfigError
 from megatron_taco.runtime.launcher import launch_id
 
@@ -65,10 +66,7 @@ def _read_result(path: str) -> dict[str, Any] | None:
 
 
 def _write_result(path: str, result: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    os.replace(tmp, path)
+    io.atomic_write(path, json.dumps(result))
 
 
 def once_per_node(

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _target_ds_config(info: CheckpointInfo, path: str | None) -> dict[str, Any]:
-    from megatron_taco.training.config import load_deepspeed_json
+    from megatron_taco.training.deepspeed_config import load_deepspeed_json
 
     saved = dict(info.configs.get("deepspeed") or {})
     if path is None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import sentencepiece as spm
 
+from megatron_taco import io
 from megatron_taco.arguments import (
     add_dataclass_args,
     dataclass_from_args,
@@ -348,10 +349,7 @@ def _train_wordpiece(config: TrainTokenizerConfig, stream: _SentenceStream) -> s
     model_path = config.model_prefix + "-vocab.txt"
     vocab = trainer.get_vocab()
     pieces = sorted(vocab, key=vocab.__getitem__)
-    tmp = f"{model_path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(p + "\n" for p in pieces))
-    os.replace(tmp, model_path)
+    io.atomic_write(model_path, "".join(p + "\n" for p in pieces))
     return model_path
 
 

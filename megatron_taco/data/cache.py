@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -36,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from megatron_taco import io
 
 logger = logging.getLogger(__name__)
 
@@ -76,33 +77,6 @@ def _distributed() -> tuple[bool, int]:
 def _paths(cache_dir: str, kind: str, key: str, names) -> tuple[str, dict[str, str]]:
     base = os.path.join(cache_dir, f"{kind}-{key}")
     return base + "-description.json", {n: f"{base}-{n}.npy" for n in names}
-
-
-def _atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the cache from others
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(directory or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _load(description_path: str, paths: dict[str, str]) -> tuple[dict[str, np.ndarray], dict]:
@@ -204,11 +178,11 @@ def _build_and_save(
         sizes = {}
         for name, path in paths.items():
             arr = np.ascontiguousarray(arrays[name])
-            _atomic_write(path, lambda f, a=arr: np.save(f, a, allow_pickle=False))
+            io.atomic_write(path, lambda f, a=arr: np.save(f, a, allow_pickle=False))
             sizes[name] = os.path.getsize(path)
         meta = {"kind": kind, "key": key, "description": description, "info": info, "bytes": sizes}
         text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
-        _atomic_write(description_path, lambda f: f.write(text), mode="w")
+        io.atomic_write(description_path, text)
     except OSError as e:
         warnings.warn(
             f"cannot write the {kind} cache in {cache_dir} ({e}); using the index built in "

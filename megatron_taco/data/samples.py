@@ -600,5 +600,3 @@ def log_stats(stats: SampleIndexStats, what: str = "sample index") -> None:
             what,
             stats.long_sentences,
         )
-
-

@@ -437,13 +437,14 @@ def save_tokenizer_copy(save_dir: str, tokenizer: AnyTokenizer, record: dict[str
     there); returns the copy's path."""
     import shutil
 
+    from megatron_taco import io
+
     dest = os.path.join(save_dir, *record["file"].split("/"))
     if os.path.isfile(dest) and file_sha256(dest) == record["sha256"]:
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = f"{dest}.tmp-{os.getpid()}"
-    shutil.copyfile(tokenizer.model_path, tmp)
-    os.replace(tmp, dest)
+    with io.atomic_path(dest) as tmp:
+        shutil.copyfile(tokenizer.model_path, tmp)
     return dest
 
 

@@ -39,8 +39,9 @@ from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.recipes.finetune_output import claim_output, run_record
 from megatron_taco.tasks import TASKS
-from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.configure import add_launcher_compat_args, resume_request
+from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 from megatron_taco.training.resilience.exit import ExitConfig
 from megatron_taco.training.spec import ModelSpec, RunConfigs, group
 
@@ -260,8 +261,10 @@ _OWN_TRAINING_FIELDS = (
     "eval_interval",
 )
 # CheckpointConfig fields this recipe sets itself: --save/--load are OUTPUT/checkpoints,
-# and --load/--ckpt-step name the pretrained checkpoint (FinetuneConfig).
-_OWN_CHECKPOINT_FIELDS = ("save", "load", "ckpt_step", "finetune", "no_load_optim", "no_load_rng")
+# and --load/--ckpt-step name the pretrained checkpoint (FinetuneConfig). --no-load-optim and
+# --no-load-rng stay: the ways on that plan_resume names for resuming OUTPUT/checkpoints at
+# another world size.
+_OWN_CHECKPOINT_FIELDS = ("save", "load", "ckpt_step", "finetune")
 # Fine-tuning defaults (the SAS paper's Table 6 where it gives one).
 _DEFAULTS = {
     "train_epochs": 3,
@@ -363,7 +366,11 @@ def finetune_configs(
     # for_run, once the task's files have passed too.
     claim_output(ft.output, run_record(cfg), write=False)
     plan = plan_resume(resume_request(cfg, spec), once=verify_once_per_node)
-    what = "a random initialisation" if ft.random_init else f"the pretrained {kind.name} encoder"
+    what = (
+        f"a random initialisation (--random-init) of {kind.name}, the architecture"
+        if ft.random_init
+        else f"the pretrained {kind.name} encoder"
+    )
     return dataclasses.replace(cfg, plan=with_initialisation(plan, source, f"starting from {what}"))
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_taco import io
 from megatron_taco.parallel import comm
 from megatron_taco.training.callbacks import Callback
 
@@ -222,12 +222,7 @@ def write_json_atomic(path: str, data: Any) -> None:
 def write_text_atomic(path: str, text: str) -> None:
     """Replace ``path`` whole: readers, and other writers (a sweep's array tasks on other
     nodes rewrite the same summary), see the old file or the new one, never a mix."""
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    io.atomic_write(path, text)
 
 
 def read_results(output: str) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from megatron_taco import io
 from megatron_taco.errors import ConfigError
 
 RUN_FILE = "run.json"  # what OUTPUT was started with: a restart must match it
@@ -62,14 +63,17 @@ def run_record(cfg) -> dict[str, Any]:
 
 def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     """A new --output, or the same run again (it resumes); anything else is refused. Every
-    rank checks, rank 0 writes run.json: its half-written file has a hidden name, and the
-    listing is taken before run.json is read, so a rank checking while rank 0 renames it
+    rank checks, rank 0 writes run.json: its half-written file (io.atomic_write's
+    ``run.json.<random>.tmp``) is not counted, and the listing is taken before run.json is read, so a rank checking while rank 0 renames it
     into place sees either no run.json or the whole of it. An empty checkpoints/ is what a
     refused command may have left (the save directory is test-written before the task's
     files are read), so it does not make --output foreign."""
-    tmp_prefix = f".{RUN_FILE}.tmp."
+
+    def half_written(name: str) -> bool:
+        return name.startswith(f"{RUN_FILE}.") and name.endswith(".tmp")
+
     try:
-        names = [n for n in os.listdir(output) if not n.startswith(tmp_prefix)]
+        names = [n for n in os.listdir(output) if not half_written(n)]
     except FileNotFoundError:
         names = []
     except OSError as e:
@@ -102,22 +106,37 @@ def claim_output(output: str, run: dict[str, Any], *, write: bool) -> None:
     if not write or int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 writes it; the others only check
     os.makedirs(output, exist_ok=True)
-    tmp = os.path.join(output, f"{tmp_prefix}{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(run, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    io.atomic_write(path, json.dumps(run, indent=2, sort_keys=True))
+
+
+# What run.json's "training" held before the checkpoint flags left TrainingConfig (issue
+# 35): a run interrupted before then resumes, those being the ones this recipe sets itself.
+_MOVED_TO_CHECKPOINT = (
+    "save",
+    "save_interval",
+    "load",
+    "ckpt_step",
+    "finetune",
+    "no_load_optim",
+    "no_load_rng",
+)
 
 
 def _by_content(run: Any) -> Any:
     """A run record without its tokenizer's path: the same tokenizer at another path (the
     pretrained checkpoint's copy, or the original) resumes the run. Its content is checked
     against the pretrained checkpoint (checkpoint_tokenizer) and, once the run has saved,
-    against its own checkpoint (check_resume_tokenizer)."""
-    data = run.get("data") if isinstance(run, dict) else None
-    if not isinstance(data, dict):
+    against its own checkpoint (plan_resume's tokenizer check)."""
+    if not isinstance(run, dict):
         return run
-    paths = ("tokenizer_model", "vocab_file")
-    return {**run, "data": {k: v for k, v in data.items() if k not in paths}}
+    data, training = run.get("data"), run.get("training")
+    if isinstance(data, dict):
+        paths = ("tokenizer_model", "vocab_file")
+        run = {**run, "data": {k: v for k, v in data.items() if k not in paths}}
+    if isinstance(training, dict):
+        kept = {k: v for k, v in training.items() if k not in _MOVED_TO_CHECKPOINT}
+        run = {**run, "training": kept}
+    return run
 
 
 def _first_difference(a: Any, b: Any, where: str = "") -> str:

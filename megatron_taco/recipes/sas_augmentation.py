@@ -6,7 +6,7 @@ replaced set S in epoch t+1 are sampled from its own MLM softmax at S in epoch t
   vocabulary (parallel/sampling.py: an inverse-CDF draw with a counter-based uniform keyed
   by (seed, instance, position, epoch), so a resumed run, or another layout, draws the same
   tokens).
-* The rows go to the sharded on-disk store (data/replacement_store.py, docs/replacement_store.md):
+* The rows go to the sharded on-disk store (data/replacement_store/, docs/replacement_store.md):
   generation t holds what epoch t sampled. Shard k is written only by data-parallel rank
   k mod dp (tensor-parallel rank 0): each micro-batch's rows are all-gathered over the
   data-parallel group and every rank keeps those of its shards, so no two processes ever
@@ -296,7 +296,10 @@ class SelfAugmentation(Callback):
 
     def _commit(self, trainer, epoch: int) -> None:
         hook_point("store_commit", epoch)
-        commit_generation(self.root, epoch, self.layout)
+        try:
+            commit_generation(self.root, epoch, self.layout)
+        except ReplacementStoreError as e:
+            raise ReplacementStoreError(f"{e}; {_rewrite_hint(trainer, epoch)}") from None
         if trainer.exiting is not None:
             # Within the grace time of an exit: the next epoch end (maybe the next run's)
             # deletes what no checkpoint needs.
@@ -459,6 +462,26 @@ class SelfAugmentation(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"generation_being_written": self.epoch, "root": self.root}
+
+
+def _rewrite_hint(trainer, epoch: int) -> str:
+    """The way on from a generation that cannot be committed: a row written before the
+    last checkpoint is not written again by resuming from it, but every row is by resuming
+    from a checkpoint saved before the epoch that writes the generation began."""
+    save = trainer.checkpoint.save
+    start = epoch * trainer.parts.samples_per_epoch // trainer.global_batch_size
+    earlier = [i for i in complete_iterations(save) if i <= start] if save else []
+    if earlier:
+        return (
+            f"resume from a checkpoint saved before epoch {epoch + 1} began, which writes "
+            f"the generation anew: --load {save} --ckpt-step {earlier[-1]}"
+        )
+    where = f"in --save {save} " if save else ""
+    again = " with --override-existing-checkpoints" if save else ""
+    return (
+        f"no checkpoint {where}predates epoch {epoch + 1} (iteration {start}), which would "
+        f"write the generation anew: start the run again{again}"
+    )
 
 
 def _agreed(parallel, runs: bool, work, error: type[Exception], root: str) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_taco import io
 from megatron_taco.tasks.base import (
     FeatureDataset,
     FeatureOptions,
@@ -539,11 +540,7 @@ def write_squad_predictions(output_dir: str | os.PathLike, decoded: dict[str, An
     ):
         if key in decoded:
             path = os.path.join(output_dir, name)
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(decoded[key], f, indent=2, ensure_ascii=False)
-                f.write("\n")
-            os.replace(tmp, path)
+            io.atomic_write(path, json.dumps(decoded[key], indent=2, ensure_ascii=False) + "\n")
             written.append(path)
     return written
 

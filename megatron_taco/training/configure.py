@@ -24,7 +24,8 @@ from megatron_taco.data.config import DataConfig
 from megatron_taco.data.samples import parse_split
 from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
-from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 from megatron_taco.training.observability.monitor import LearningMonitorConfig
 from megatron_taco.training.optim import optimizer_implementation
 from megatron_taco.training.resilience.exit import ExitConfig

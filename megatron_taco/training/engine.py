@@ -33,7 +33,8 @@ from megatron_taco.parallel.state import (
     set_cuda_device,
 )
 from megatron_taco.runtime.launcher import RENDEZVOUS_ENV, mpi_world_size_env
-from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import DeepSpeedSettings
 from megatron_taco.training.optim import (
     AnnealingLR,
     build_optimizer,

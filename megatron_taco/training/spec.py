@@ -20,7 +20,8 @@ from megatron_taco.checkpoint.config import CheckpointConfig
 from megatron_taco.checkpoint.plan import Check, ResumePlan
 from megatron_taco.parallel.config import ParallelConfig
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.config import DeepSpeedSettings, TrainingConfig
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import DeepSpeedSettings
 from megatron_taco.training.observability.monitor import LearningMonitorConfig
 from megatron_taco.training.resilience.exit import ExitConfig
 

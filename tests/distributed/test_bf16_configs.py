@@ -10,11 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_taco.training.config import (
-    TrainingConfig,
-    load_deepspeed_json,
-    resolve_deepspeed_config,
-)
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import load_deepspeed_json, resolve_deepspeed_config
 from tests.helpers import REPO, run_distributed
 
 # Per rank, per micro-batch: the gradient of the one weight. DeepSpeed scales each by 1/2

@@ -16,11 +16,8 @@ import torch
 from torch import nn
 
 from megatron_taco.parallel.state import cuda_device_index, init_parallel
-from megatron_taco.training.config import (
-    TrainingConfig,
-    load_deepspeed_json,
-    resolve_deepspeed_config,
-)
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import load_deepspeed_json, resolve_deepspeed_config
 from megatron_taco.training.engine import initialize_engine, release_engine
 from tests.helpers import run_distributed
 

@@ -23,11 +23,8 @@ from megatron_taco.checkpoint.load import execute_plan, load_checkpoint
 from megatron_taco.checkpoint.plan import ResumeRequest, RunLayout, plan_resume
 from megatron_taco.parallel.state import init_parallel
 from megatron_taco.training.callbacks import Callback
-from megatron_taco.training.config import (
-    TrainingConfig,
-    load_deepspeed_json,
-    resolve_deepspeed_config,
-)
+from megatron_taco.training.config import TrainingConfig
+from megatron_taco.training.deepspeed_config import load_deepspeed_json, resolve_deepspeed_config
 from megatron_taco.training.engine import initialize_engine
 from megatron_taco.training.loop import Trainer
 from megatron_taco.training.observability.log import TrainingLogger, read_metrics

@@ -124,6 +124,8 @@ def _trainer(parallel, save=None, epochs=2):
         parallel=parallel,
         num_epochs=lambda: epochs,
         checkpoint=SimpleNamespace(save=save),
+        parts=SimpleNamespace(samples_per_epoch=N),
+        global_batch_size=N // 4,
         exiting=None,
     )
 
@@ -393,7 +395,8 @@ def test_a_row_changed_between_its_write_and_the_commit_stops_every_rank(tmp_pat
         == [
             f"--replacement-store: {shard}: row {row} (instance {first}) does not match the "
             "checksum written with it (the shard changed on disk after the row was written); 1 "
-            "such row(s); refusing to commit generation 0"
+            "such row(s); refusing to commit generation 0; no checkpoint predates epoch 1 "
+            "(iteration 0), which would write the generation anew: start the run again"
         ]
         * 2
     )
@@ -464,4 +467,26 @@ def test_a_store_write_failing_on_one_rank_stops_every_rank_before_the_save(tmp_
             "checkpoint is kept: none is saved without its rows)"
         ]
         * 2
+    )
+
+
+def test_a_generation_that_cannot_be_committed_names_the_way_on(tmp_path):
+    """Rows written before the last checkpoint are not written again by resuming from it;
+    every row is by resuming from a checkpoint saved before the epoch began (the fault
+    campaign's trial 14: every requeue stopped with a line naming no way on)."""
+    from megatron_taco.recipes.sas_augmentation import _rewrite_hint
+
+    save = tmp_path / "ckpt"
+    for iteration in (4, 8, 12):  # epochs of 8 iterations: epoch 2 (index 1) began at 8
+        (save / f"iter_{iteration:07d}").mkdir(parents=True)
+        (save / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+    trainer = _trainer(None, str(save))
+    trainer.parts.samples_per_epoch, trainer.global_batch_size = 64, 8
+    assert _rewrite_hint(trainer, 1) == (
+        f"resume from a checkpoint saved before epoch 2 began, which writes the generation "
+        f"anew: --load {save} --ckpt-step 8"
+    )
+    assert _rewrite_hint(trainer, 0) == (
+        f"no checkpoint in --save {save} predates epoch 1 (iteration 0), which would write the "
+        "generation anew: start the run again with --override-existing-checkpoints"
     )

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron_taco.checkpoint.deepspeed_files import load_file
+from megatron_taco.checkpoint.plan import FALLBACK
 from megatron_taco.checkpoint.reshard import ModelLayout
 from megatron_taco.cli.convert_checkpoint import main as convert_main
 from megatron_taco.data.tokenizer import file_sha256
@@ -452,7 +453,8 @@ def test_the_layout_checked_is_that_of_the_checkpoint_load_fallback_picks(
     model.write_bytes(model.read_bytes()[:-100])
     cfg = configs(botchan_dataset, tmp_path / "new", 2, *TACO, "--load", str(load),
                   "--load-fallback")  # fmt: skip
-    assert cfg.load_iteration == 2  # iteration 2 has this run's layout: nothing to refuse
+    # iteration 2 has this run's layout: nothing to refuse
+    assert (cfg.plan.action, cfg.plan.iteration) == (FALLBACK, 2)
 
 
 # ---------------------------------------------------------------------------------------

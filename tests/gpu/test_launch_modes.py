@@ -28,8 +28,8 @@ def _one_gpu_per_task(stage: int) -> str:
     os.environ["MASTER_PORT"] = str(free_port())
     from torch import nn
 
-    from megatron_taco.training.config import (
-        TrainingConfig,
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import (
         load_deepspeed_json,
         resolve_deepspeed_config,
     )

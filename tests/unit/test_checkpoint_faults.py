@@ -54,7 +54,10 @@ class ToyModel(nn.Module):
 
 
 def _engine(save: str, parallel):
-    from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
+    from megatron_taco.training.deepspeed_config import (
+        load_deepspeed_json,
+        resolve_deepspeed_config,
+    )
     from megatron_taco.training.engine import initialize_engine
 
     training = TrainingConfig(

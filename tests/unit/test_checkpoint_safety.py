@@ -36,8 +36,10 @@ from megatron_taco.checkpoint.load import execute_plan, load_checkpoint
 from megatron_taco.checkpoint.manifest import file_checksum, verify_checkpoint
 from megatron_taco.checkpoint.ownership import check_save_dir
 from megatron_taco.checkpoint.plan import (
+    FALLBACK,
     FRESH,
     RESUME,
+    WEIGHTS,
     ResumePlan,
     ResumeRequest,
     RunLayout,
@@ -108,7 +110,10 @@ def _training(tmp: str, **kw) -> TrainingConfig:
 
 
 def _engine(training: TrainingConfig, parallel, stage: int = 1, model_class=None):
-    from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
+    from megatron_taco.training.deepspeed_config import (
+        load_deepspeed_json,
+        resolve_deepspeed_config,
+    )
     from megatron_taco.training.engine import initialize_engine
 
     ds_json = load_deepspeed_json(str(REPO / "ds_configs" / f"zero{stage}_fp32.json"))
@@ -531,19 +536,30 @@ def test_checkpoint_flags_are_cross_checked(tmp_path):
 # A checkpoint that verifies but does not fit the model (issue 22 item 4)
 
 
-def _misfit_worker(rank, world_size, load, fallback, padded_ranks=()):
+def _no_older_checkpoint(candidate) -> None:
+    """A recipe's check (ResumeRequest.checks) that refuses every checkpoint before 8."""
+    if candidate.iteration < 8:
+        raise ConfigError(f"--seed: iteration {candidate.iteration} was trained with another")
+
+
+def _misfit_worker(rank, world_size, load, fallback, padded_ranks=(), finetune=False, checks=()):
+    """The loaded state, or the line; with --load-fallback, (state, the plan carried out)."""
     from megatron_taco.parallel.state import init_parallel
 
     parallel = init_parallel(1)
     model_class = PaddedToyModel if rank in padded_ranks else ToyModel
     engine = _engine(_training(load), parallel, model_class=model_class).model_engine
     checksum = manifest.read_metadata(os.path.join(load, "iter_0000008"))["checksum"]
-    plan = ResumePlan(RESUME, load, 8, checksum, restore_optimizer=True, restore_rng=True)
-    request = ResumeRequest(CheckpointConfig(load=load, load_fallback=fallback))
+    if finetune:
+        plan = ResumePlan(WEIGHTS, load, 8, checksum, note=f"fine-tuning from {load}")
+    else:
+        plan = ResumePlan(RESUME, load, 8, checksum, restore_optimizer=True, restore_rng=True)
+    flags = CheckpointConfig(load=load, load_fallback=fallback, finetune=finetune)
     try:
-        return execute_plan(engine, plan, request, parallel)[0]
+        state, done = execute_plan(engine, plan, ResumeRequest(flags, checks=checks), parallel)
     except ConfigError as e:
         return str(e)
+    return (state, done.action, done.iteration, done.note) if fallback else state
 
 
 def _resave(path: Path, change) -> None:
@@ -578,7 +594,21 @@ def test_a_checkpoint_whose_tensors_do_not_fit_is_one_line_or_fallen_back_from(t
         * 2
     )
     # --load-fallback: the one before it, as for a checkpoint that does not verify.
-    assert run_distributed(_misfit_worker, 2, str(load), True) == [TrainingState(6, 24)] * 2
+    resumed = (
+        TrainingState(6, 24),
+        FALLBACK,
+        6,
+        f"resumed from {load} at iteration 6 (--load-fallback)",
+    )
+    assert run_distributed(_misfit_worker, 2, str(load), True) == [resumed] * 2
+    # The checkpoint fallen back to passes the run's checks first (layout, tokenizer, recipe's).
+    checked = run_distributed(
+        _misfit_worker, 2, str(load), True, (), False, (_no_older_checkpoint,)
+    )
+    assert checked == ["--seed: iteration 6 was trained with another"] * 2
+    # --finetune falls back the same way, and still restarts at iteration 0 (so says the banner).
+    weights = (TrainingState(0, 0), WEIGHTS, 6, f"fine-tuning from {load}")
+    assert run_distributed(_misfit_worker, 2, str(load), True, (), True) == [weights] * 2
     # A loadable pickle with other keys altogether (no "module" state dict).
     _resave(path, lambda states: {"weights": torch.zeros(2), "step": 8})
     lines = run_distributed(_misfit_worker, 2, str(load), False)
@@ -662,3 +692,27 @@ def test_the_cuda_generator_of_this_rank_from_either_format():
         assert torch.equal(rng.own_cuda_state(states, device), states[device])
     # The old format of a one-GPU-per-task rank (a list of one), resumed on device 3.
     assert torch.equal(rng.own_cuda_state(states[2:3], 3), states[2])
+
+
+def _fallback_worker(rank, world_size, load):
+    from megatron_taco.parallel.state import init_parallel
+
+    parallel = init_parallel(1)
+    engine = _engine(_training(load), parallel).model_engine
+    checkpoint = CheckpointConfig(save=load, load=load, load_fallback=True)
+    request = ResumeRequest(checkpoint, RunLayout(world_size=2, tp_size=1, zero_stage=1))
+    plan = plan_resume(request)
+    state, done = execute_plan(engine, plan, request, parallel)
+    return plan.action, state, done.iteration
+
+
+def test_a_fallback_within_save_makes_the_tracker_name_what_it_loaded(two_checkpoints):
+    """The fault campaign's trial 7 (a damaged tracker after the last save): the fallback
+    resumed, found nothing left to train, and left the tracker damaged, so every later
+    requeue needed --load-fallback again. The tracker now names the checkpoint loaded."""
+    load = two_checkpoints
+    (load / TRACKER_FILENAME).write_text("8C\n")
+    results = run_distributed(_fallback_worker, 2, str(load))
+    assert results == [("fallback", TrainingState(8, 32), 8)] * 2
+    assert (load / TRACKER_FILENAME).read_text() == "8\n"
+    assert chosen(load) == 8  # a plain requeue resumes it

@@ -23,8 +23,9 @@ import pytest
 
 from megatron_taco.arguments import dataclass_from_args
 from megatron_taco.errors import ConfigError
-from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.configure import build_parser, flag_configs
+from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 from tests.helpers import REPO
 
 LAUNCHERS = ("deepspeed", "torchrun", "mpirun", "sbatch")

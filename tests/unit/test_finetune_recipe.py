@@ -190,7 +190,8 @@ def _built(tmp_path, **data_flags):
         TaskDataConfig,
     )
     from megatron_taco.tasks.base import TaskData
-    from megatron_taco.training.config import TrainingConfig, resolve_deepspeed_config
+    from megatron_taco.training.config import TrainingConfig
+    from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
     from megatron_taco.training.spec import BuildContext, RunConfigs
     from tests.helpers import tiny_sas_config
 
@@ -466,3 +467,24 @@ def test_task_help_lists_every_task_and_the_parser_takes_megatrons_precision_fla
     # Sample-based training is pretraining's: fine-tuning counts epochs.
     with pytest.raises(SystemExit):
         parser.parse_args(["--load", "x", "--task", "cola", "--train-samples", "100"])
+
+
+def test_a_run_started_before_the_checkpoint_flags_moved_still_resumes(tmp_path):
+    """run.json of a run interrupted before issue 35 lists --save, --load, --finetune...
+    under "training"; the same command after it records them nowhere (this recipe sets
+    them): it resumes, and a real difference is still refused."""
+    from megatron_taco.errors import ConfigError
+    from megatron_taco.recipes.finetune_output import RUN_FILE, claim_output
+
+    now = {"training": {"lr": 1e-4, "train_epochs": 3}, "data": {"task": "sst2"}}
+    before = {
+        "training": {**now["training"], "save": "o/checkpoints", "load": "o/checkpoints",
+                     "save_interval": None, "ckpt_step": None, "finetune": False,
+                     "no_load_optim": False, "no_load_rng": False},
+        "data": now["data"],
+    }  # fmt: skip
+    (tmp_path / RUN_FILE).write_text(json.dumps(before))
+    claim_output(str(tmp_path), now, write=False)
+    other = {**now, "training": {**now["training"], "lr": 2e-4}}
+    with pytest.raises(ConfigError, match=r"training\.lr: 0\.0001 before, 0\.0002 now"):
+        claim_output(str(tmp_path), other, write=False)

@@ -81,7 +81,10 @@ def _trainer(parallel, tmp, stage, *, exit_monitor=None, callbacks=(), valid=Non
              learning_monitor=None, collate=_collate, train=None, num_workers=0,
              **kw):  # fmt: skip
     from megatron_taco.checkpoint.config import CheckpointConfig
-    from megatron_taco.training.config import load_deepspeed_json, resolve_deepspeed_config
+    from megatron_taco.training.deepspeed_config import (
+        load_deepspeed_json,
+        resolve_deepspeed_config,
+    )
     from megatron_taco.training.engine import initialize_engine
     from megatron_taco.training.loop import Trainer
     from megatron_taco.training.observability.log import TrainingLogger

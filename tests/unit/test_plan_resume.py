@@ -27,6 +27,7 @@ from megatron_taco.checkpoint.plan import (
     RunLayout,
     find_checkpoint,
     plan_resume,
+    with_initialisation,
 )
 from megatron_taco.errors import ConfigError
 
@@ -102,6 +103,11 @@ def test_what_a_run_does(load, tmp_path):
         False,
         False,
     )
+    # Each flag leaves out its own state only.
+    plan = _plan(load=str(load), no_load_rng=True)
+    assert (plan.restore_optimizer, plan.restore_rng) == (True, False)
+    plan = _plan(load=str(load), no_load_optim=True, layout=RunLayout(2, 1, zero_stage=1))
+    assert (plan.restore_optimizer, plan.restore_rng) == (False, True)
     # --finetune: the weights of another layout's checkpoint (world 4, ZeRO 0).
     plan = _plan(load=str(load), finetune=True, layout=RunLayout(4, 1))
     assert (plan.action, plan.iteration, plan.restore_optimizer) == (WEIGHTS, 8, False)
@@ -123,12 +129,25 @@ def test_a_corrupt_latest_is_refused_or_fallen_back_from(load):
     )
     plan = _plan(load=str(load), load_fallback=True)
     assert (plan.action, plan.iteration, plan.restore_optimizer) == (FALLBACK, 6, True)
+    assert plan.note == f"resumed from {load} at iteration 6 (--load-fallback)"
     assert "has 7 bytes, the manifest says" in plan.warning
     assert plan.warning.endswith("--load-fallback: loading iteration 6 instead")
     (load / "iter_0000006" / "mp_rank_00_model_states.pt.bin").write_bytes(b"damaged")
     assert _refused(load=str(load), load_fallback=True).endswith(
         f"no older checkpoint in {load} verifies either"
     )
+
+
+def test_an_unreadable_tracker_names_the_way_on(load):
+    (load / TRACKER_FILENAME).write_text("garbage\n")
+    line = _refused(load=str(load))
+    assert line.startswith(f"--load: {load / TRACKER_FILENAME} must hold an iteration number")
+    assert line.endswith(
+        "the last complete checkpoint there is iteration 8: pass --ckpt-step 8, or "
+        "--load-fallback to fall back automatically"
+    )
+    plan = _plan(load=str(load), load_fallback=True)
+    assert (plan.action, plan.iteration) == (FALLBACK, 8)
 
 
 @pytest.mark.parametrize(
@@ -165,6 +184,10 @@ def test_a_corrupt_latest_is_refused_or_fallen_back_from(load):
             "--finetune: not supported with ZeRO stage 3",
         ),
         (
+            dict(no_load_optim=True, layout=RunLayout(2, 1, zero_stage=3)),
+            "--no-load-optim: not supported with ZeRO stage 3",
+        ),
+        (
             dict(layout=RunLayout(2, 1, zero_stage=1, ds_config={"checkpoint": {"writer": 1}})),
             "--deepspeed-config: key 'checkpoint.writer' is not supported",
         ),
@@ -199,6 +222,13 @@ def test_a_store_of_another_run_and_the_recipes_checks(load, tmp_path):
     request = ResumeRequest(CheckpointConfig(save=str(tmp_path / "new")), LAYOUT, stores=stores)
     with pytest.raises(ConfigError, match="^--replacement-store: .* holds another run's data"):
         plan_resume(request)
+    # --finetune restarts at iteration 0: it resumes no store either.
+    finetune = CheckpointConfig(save=str(tmp_path / "new"), load=str(load), finetune=True)
+    with pytest.raises(ConfigError, match="^--replacement-store: .* holds another run's data"):
+        plan_resume(ResumeRequest(finetune, LAYOUT, models=("SAS",), stores=stores))
+    # A resume restores the store its checkpoint needs (also into another --save).
+    resume = CheckpointConfig(save=str(tmp_path / "resumed"), load=str(load))
+    assert plan_resume(ResumeRequest(resume, LAYOUT, stores=stores)).action == RESUME
 
     def origin(candidate):
         raise ConfigError(f"--seed: differs from the store's ({candidate.iteration})")
@@ -225,3 +255,83 @@ def test_a_checkpoint_of_another_tokenizer_is_refused(load, tmp_path):
     assert "is not the tokenizer" in str(e.value) and os.fspath(load) in str(e.value)
     data.tokenizer_model = str(theirs)  # the same content anywhere is the same tokenizer
     assert plan_resume(request).iteration == 10
+
+
+def test_a_readers_refusal_names_no_flag_it_does_not_take(load, tmp_path):
+    """Conversion, export and fine-tuning's pretrained --load take --ckpt-step but not
+    --load-fallback (fine-tuning's applies to its own --output/checkpoints): a reader's
+    line names the iteration to pass, and find_checkpoint verifies what it finds."""
+    (load / "iter_0000008" / "mp_rank_00_model_states.pt.bin").write_bytes(b"damaged")
+    for damage in ("the checkpoint", "the tracker"):
+        with pytest.raises(ConfigError) as e:
+            find_checkpoint(str(load))
+        line = str(e.value)
+        assert line.endswith(
+            "the last complete checkpoint there is iteration 6: pass --ckpt-step 6"
+        )
+        assert "--load-fallback" not in line, (damage, line)
+        (load / TRACKER_FILENAME).write_text("garbage\n")
+    assert find_checkpoint(str(load), 6).iteration == 6
+    missing = tmp_path / "missing"
+    with pytest.raises(ConfigError, match=f"^--load: {missing} is not a directory$"):
+        find_checkpoint(str(missing))
+
+
+def test_a_fresh_run_says_what_its_weights_start_from(load, tmp_path):
+    source = _plan(load=str(load), layout=None, models=None)  # fine-tuning's pretrained read
+    fresh = _plan(load=str(tmp_path / "output" / "checkpoints"))  # its own: none yet
+    assert fresh.warning is not None
+    plan = with_initialisation(fresh, source, "starting from the pretrained SAS encoder")
+    assert (plan.action, plan.note, plan.warning) == (
+        FRESH,
+        f"starting from the pretrained SAS encoder from {load / 'iter_0000008'}",
+        None,  # not "training from scratch"
+    )
+    resumed = _plan(load=str(load))
+    assert with_initialisation(resumed, source, "starting from") is resumed
+
+
+def test_fine_tuning_resumes_its_output_at_another_world_size_with_its_own_flags(
+    tmp_path, tokenizer_model
+):
+    """taco-finetune plans its --output/checkpoints as a run's resume: a requeued run on
+    fewer ranks holds the RNG states of more, and the line that refuses it must name a flag
+    that taco-finetune takes (before, its --no-load-rng was pretraining's alone)."""
+    import dataclasses
+
+    from megatron_taco.recipes.finetune import SPEC
+    from megatron_taco.recipes.finetune_config import finetune_configs
+    from megatron_taco.recipes.finetune_output import claim_output, run_record
+    from megatron_taco.training.configure import build_parser
+    from megatron_taco.training.optim import optimizer_implementation
+    from tests.helpers import tiny_sas_config
+
+    model = dataclasses.asdict(tiny_sas_config())
+    data = {"tokenizer_model": tokenizer_model, "tokenizer_type": "SentencePiece"}
+    _save(tmp_path / "pretrained", 4, configs={"deepspeed": ZERO1, "model": model, "data": data})
+    (tmp_path / "sst2").mkdir()
+    output = tmp_path / "run"
+    argv = ["--load", str(tmp_path / "pretrained"), "--task", "sst2"]
+    argv += ["--data-dir", str(tmp_path / "sst2"), "--output", str(output)]
+
+    def configs(world_size: int, *flags: str):
+        args = build_parser(SPEC).parse_args([*argv, *flags])
+        return finetune_configs(SPEC, args, world_size=world_size, device_type="cpu")
+
+    first = configs(2)  # the interrupted run, at world size 2: its run.json and a checkpoint
+    claim_output(str(output), run_record(first), write=True)
+    _save(
+        output / "checkpoints",
+        3,
+        model="finetune",
+        world=2,
+        ds=first.deepspeed.config,
+        optimizer=optimizer_implementation(),
+    )
+    assert configs(2).plan.action == RESUME
+    with pytest.raises(ConfigError) as e:
+        configs(1)
+    line = str(e.value)
+    assert "holds the RNG states of 2 ranks, this run has 1; pass --no-load-rng" in line
+    plan = configs(1, "--no-load-rng").plan  # the flag the line names
+    assert (plan.action, plan.iteration, plan.restore_rng) == (RESUME, 3, False)

@@ -25,6 +25,7 @@ from megatron_taco.data.replacement_store import (
     manifest_path,
     read_manifest,
 )
+from megatron_taco.data.replacement_store import layout as store_layout
 from tests.helpers import committed_generations, shard_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -391,6 +392,7 @@ _CREATION_CHILD = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
 from megatron_taco.data import replacement_store as rs
+from megatron_taco.data.replacement_store import writer
 
 def stop_here():
     print("READY", flush=True)
@@ -400,7 +402,7 @@ if {stage!r} == "fill":
     def half_fill(fd, nbytes, layout):
         os.pwrite(fd, b"\\xff" * (nbytes // 2), 0)
         stop_here()
-    rs._fill_sentinel = half_fill
+    writer._fill_sentinel = half_fill
 else:  # filled and fsynced, killed just before the rename
     real_replace = os.replace
     def blocked_replace(src, dst):
@@ -661,7 +663,7 @@ def test_memory_is_flat_in_the_number_of_instances(tmp_path):
 
 def test_scanning_uses_bounded_chunks(tmp_path, monkeypatch):
     # The chunk size is what bounds creation and checksum memory; a tiny one must still work.
-    monkeypatch.setattr(rs, "_CHUNK_BYTES", 7)
+    monkeypatch.setattr(store_layout, "CHUNK_BYTES", 7)
     layout = StoreLayout(num_instances=41, width=3, vocab_size=70_000, num_shards=2)
     _write_all(tmp_path, layout)
     np.testing.assert_array_equal(

@@ -14,12 +14,9 @@ from megatron_taco.checkpoint.config import CheckpointConfig
 from megatron_taco.cli.pretrain_taco import SPEC, main
 from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.state import single_process_state
-from megatron_taco.training.config import (
-    DEFAULT_WARMUP_ITERS,
-    TrainingConfig,
-    resolve_deepspeed_config,
-)
+from megatron_taco.training.config import DEFAULT_WARMUP_ITERS, TrainingConfig
 from megatron_taco.training.configure import build_parser, configs_from_args, flag_configs
+from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[2]
 DS_CONFIGS = REPO / "ds_configs"

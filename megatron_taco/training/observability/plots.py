@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+from megatron_taco import io
 from megatron_taco.training.observability.log import read_metrics
 from megatron_taco.training.observability.monitor import BASELINE_SUFFIX as _BASELINE
 from megatron_taco.training.observability.monitor import COLLAPSE
@@ -84,10 +85,9 @@ def _save_panels(
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = output + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
+    with io.atomic_path(output) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
-    os.replace(tmp, output)
     return output
 
 
