@@ -4,6 +4,8 @@ that fail under it (docs/benchmarks.md lists them with the test that caught each
     python -m tests.mutations --list            the mutations and their tests
     python -m tests.mutations [NAME ...]        each applied, its tests run, file restored
     python -m tests.mutations --root DIR ...    the same on another checkout (a baseline)
+    python -m tests.mutations --tier e2e ...    only the tests under tests/e2e (each tier's
+                                                power on its own)
 
 A mutation is a list of (old, new) text replacements in one file, each old text found
 exactly once. The file is restored after its tests whatever happens; a copy is kept beside
@@ -294,7 +296,7 @@ def apply(m: Mutation, text: str) -> str:
     return text
 
 
-def run(m: Mutation, root: Path, timeout: float) -> tuple[str, float]:
+def run(m: Mutation, root: Path, timeout: float, tests: tuple[str, ...]) -> tuple[str, float]:
     """(the first failing test, or "" when all passed; seconds)."""
     path = root / m.path
     original = path.read_bytes()
@@ -305,7 +307,7 @@ def run(m: Mutation, root: Path, timeout: float) -> tuple[str, float]:
     try:
         path.write_text(mutated)
         env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
         try:
             res = subprocess.run(
                 cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
@@ -330,12 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=REPO, help="the checkout to mutate")
     parser.add_argument("--list", action="store_true", help="list them, run nothing")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per mutation")
+    parser.add_argument("--tier", help="only the mutations' tests under tests/TIER")
     args = parser.parse_args(argv)
     known = {m.name: m for m in MUTATIONS}
     unknown = [n for n in args.names if n not in known]
     if unknown:
         parser.error(f"unknown mutation(s) {', '.join(unknown)}; --list shows them")
     chosen = [known[n] for n in args.names] or list(MUTATIONS)
+    tests = {m.name: m.tests for m in chosen}
+    if args.tier:
+        tests = {
+            n: tuple(t for t in ts if t.startswith(f"tests/{args.tier}/"))
+            for n, ts in tests.items()
+        }
+        chosen = [m for m in chosen if tests[m.name]]
     if args.list:
         for m in chosen:
             print(f"{m.name}: {m.what} ({m.path}); tests: {' '.join(m.tests)}")
@@ -347,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         apply(m, (root / m.path).read_text())  # every snippet found before anything runs
     missed = 0
     for m in chosen:
-        caught, seconds = run(m, root, args.timeout)
+        caught, seconds = run(m, root, args.timeout, tests[m.name])
         ok = caught and not caught.startswith("(")
         missed += not ok
         verdict = f"caught by {caught}" if ok else f"MISSED {caught}".rstrip()
