@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv system-deps test demo lint format clean bench bench-list gpu-test gpu-wheels gpu-rehearsal
+.PHONY: venv system-deps test test-fast demo lint format clean bench bench-list gpu-test gpu-wheels gpu-rehearsal
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ system-deps:
 
 test: venv system-deps
 	$(PY) -m pytest -q tests
+
+# The unit tier alone (a few minutes on 2 cores), for the edit-run loop; `make test` is the
+# whole suite (docs/benchmarks.md: what each tier costs and the mutations it catches).
+test-fast: venv
+	$(PY) -m pytest -q tests/unit
 
 demo: venv
 	bash examples/demo.sh

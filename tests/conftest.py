@@ -97,3 +97,33 @@ def preprocess_botchan(tmp: Path, **tokenizer_flags) -> dict:
         progress=False,
     )
     return {"prefix": summary["datasets"]["text"]["prefix"], "dir": tmp}
+
+
+@pytest.fixture(scope="session")
+def taco_checkpoint(botchan_dataset, tmp_path_factory) -> Path:
+    """A --save directory of tiny TACO trained by the real driver on 2 ranks (tp 1 x dp 2,
+    ZeRO-1 fp32; tiny_pretrain_args): checkpoints at iterations 2 and 4. Trained once per
+    session for every test that loads, damages or converts a TACO checkpoint: read it, or
+    copy it (shutil.copytree) before changing anything in it."""
+    from tests.helpers import ZERO1_FP32, launch, tiny_pretrain_args
+
+    save = tmp_path_factory.mktemp("taco_checkpoint") / "ckpt"
+    argv = tiny_pretrain_args(botchan_dataset, save, "--deepspeed-config", ZERO1_FP32)
+    launch("pretrain_taco.py", *argv, world=2)
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    return save
+
+
+@pytest.fixture(scope="session")
+def sas_da_checkpoint(botchan_dataset, tmp_path_factory) -> Path:
+    """The same for SAS^DA on one rank (ZeRO-0 bf16): checkpoints at 2 and 4, its
+    replacement store beside them."""
+    from tests.helpers import ZERO0_BF16, launch, tiny_pretrain_args
+
+    save = tmp_path_factory.mktemp("sas_da_checkpoint") / "ckpt"
+    argv = tiny_pretrain_args(
+        botchan_dataset, save, "--disentangled-attention", "--deepspeed-config", ZERO0_BF16
+    )
+    launch("pretrain_sas.py", *argv, world=1)
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    return save

@@ -1,31 +1,32 @@
-"""What several test files share: real gloo process groups (run_distributed), free ports,
-tiny model configs and batches, and the metric keys each model logs. Test files import
-from here, never from each other."""
+"""What several test files share: real gloo process groups (run_distributed, from
+tests/processes.py), tiny model configs and batches, the real launchers' commands, and the
+metric keys each model logs. Test files import from here, never from each other."""
 
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import os
-import pickle
-import socket
-import subprocess
-import sys
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.training.observability.log import read_metrics
+from tests.processes import BIN as BIN
+from tests.processes import ENV as ENV
+from tests.processes import REPO as REPO
+from tests.processes import deepspeed as deepspeed
+from tests.processes import deepspeed_command as deepspeed_command
+from tests.processes import free_port as free_port
+from tests.processes import launch as launch
+from tests.processes import run as run
+from tests.processes import run_distributed as run_distributed
+from tests.processes import run_in_process as run_in_process
 
 TACO_METRIC_KEYS = (
     "loss",
@@ -38,133 +39,6 @@ TACO_METRIC_KEYS = (
 )
 VOCAB = 97
 SEQ = 32
-
-# ---------------------------------------------------------------------------------------
-# run_distributed(fn, world_size): run ``fn(rank, world_size, *args)`` in real gloo processes.
-# Each rank is a spawned process with a real torch.distributed process group (gloo on
-# 127.0.0.1, a free port per call). A failure or exception on any rank fails the call with
-# that rank's traceback; return values are collected per rank and returned as a list.
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable,
-    args: tuple,
-    queue,
-    timeout: float,
-    backend: str = "gloo",
-) -> None:
-    # A rank still running shortly before the parent gives up prints where it is stuck.
-    faulthandler.dump_traceback_later(max(timeout - 15, 1), exit=False)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":  # one GPU per rank, chosen before the process group
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        # Pickled here: torch's queue would pass tensors as file descriptors that the parent
-        # fetches from this process, which may have exited by then (FileNotFoundError).
-        queue.put((rank, "ok", pickle.dumps(result)))
-    except BaseException:  # every failure, even SystemExit, must reach the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            # Tear the group down explicitly: letting gloo's threads die in interpreter
-            # shutdown is what aborts with "terminate called without an active exception".
-            dist.destroy_process_group()
-
-
-def run_distributed(
-    fn: Callable,
-    world_size: int,
-    *args: Any,
-    timeout: float = 300,
-    backend: str = "gloo",
-    exit_timeout: float = 30,
-) -> list[Any]:
-    """``fn`` must be importable (module level) so spawned processes can unpickle it.
-    ``backend="nccl"``: rank r on GPU r (tests/gpu). ``exit_timeout``: seconds each rank
-    has to exit after reporting (more ranks than cores tear down slowly)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world_size, port, fn, args, queue, timeout, backend),
-            daemon=False,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = pickle.loads(payload)
-            else:
-                errors.append(f"rank {rank} failed:\n{payload}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=exit_timeout if not errors else 5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
-    if bad:
-        raise AssertionError(f"ranks exited with codes {bad}")
-    return [results[r] for r in range(world_size)]
-
-
-def _solo(fn: Callable, args: tuple, queue) -> None:
-    try:
-        queue.put(("ok", fn(*args)))
-    except BaseException:
-        queue.put(("error", traceback.format_exc()))
-
-
-def run_in_process(fn: Callable, *args: Any, timeout: float = 600) -> Any:
-    """``fn(*args)`` in a fresh spawned process without any process group (the driver then
-    sets up its own one-rank world, NCCL on a GPU); its return value, or its traceback as
-    the failure. ``fn`` must be importable."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_solo, args=(fn, args, queue))
-    proc.start()
-    try:
-        status, payload = queue.get(timeout=timeout)
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    assert status == "ok", payload
-    return payload
-
 
 # ---------------------------------------------------------------------------------------
 # Versions
@@ -448,48 +322,42 @@ def train_tiny(model: str, parallel, tmp: str, ds_file: str, *, device_type: str
 
 
 # ---------------------------------------------------------------------------------------
-# Real launchers (deepspeed, torchrun, plain python) from the venv running the tests
+# What the e2e tests share
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONUNBUFFERED": "1",
-    "TORCH_EXTENSIONS_DIR": os.environ.get(
-        "TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions")
-    ),
-    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+
+ZERO1_FP32 = "ds_configs/zero1_fp32.json"
+ZERO0_BF16 = "ds_configs/zero0_bf16.json"
+
+# The shared tiny runs: seq 64 on the Botchan dataset, micro-batch 2 x global 4, 4 iterations,
+# checkpoints at 2 and 4, dropout off (runs at other layouts compute the same losses).
+TINY_RUN = {
+    "--model-size": "tiny",
+    "--seq-length": "64",
+    "--split": "80,10,10",
+    "--micro-batch-size": "2",
+    "--global-batch-size": "4",
+    "--train-iters": "4",
+    "--lr": "1e-3",
+    "--lr-warmup-iters": "1",
+    "--log-interval": "1",
+    "--eval-iters": "0",
+    "--num-workers": "0",
+    "--hidden-dropout": "0",
+    "--attention-dropout": "0",
+    "--save-interval": "2",
 }
-for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-    ENV.pop(_var, None)
 
 
-def run(cmd: list[str], timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert res.returncode == 0, (
-            f"{' '.join(cmd)}\n--- stdout\n{res.stdout[-6000:]}\n--- stderr\n{res.stderr[-6000:]}"
-        )
-    return res
-
-
-def deepspeed_command(script: str, *args: str, num_gpus: int = 2) -> list[str]:
-    # The launcher script beside the interpreter (a venv), else its module: `make gpu-test`
-    # puts DeepSpeed in a private folder on PYTHONPATH, where no script is on PATH.
-    script_launcher = BIN / "deepspeed"
-    launcher = (
-        [str(script_launcher)]
-        if script_launcher.is_file()
-        else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    )
-    # A free port: other test runs on this machine may hold DeepSpeed's default 29500.
-    return [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(free_port()),
-            script, *args]  # fmt: skip
-
-
-def deepspeed(script: str, *args: str, num_gpus: int = 2, timeout: int = 240):
-    return run(deepspeed_command(script, *args, num_gpus=num_gpus), timeout=timeout)
+def tiny_pretrain_args(dataset: dict, save: Path, *extra: str) -> list[str]:
+    """pretrain_taco.py / pretrain_sas.py flags of a TINY_RUN on ``dataset`` into ``save``."""
+    flags = {
+        **TINY_RUN,
+        "--data-path": dataset["prefix"],
+        "--tokenizer-model": dataset["tokenizer"],
+        "--data-cache-path": str(dataset["dir"] / "cache"),
+        "--save": str(save),
+    }
+    return [x for pair in flags.items() for x in pair] + list(extra)
 
 
 def demo_evaluate(loads: list, dataset: dict, output: Path) -> list[dict]:
@@ -497,11 +365,11 @@ def demo_evaluate(loads: list, dataset: dict, output: Path) -> list[dict]:
     seed, one random twin); its JSON rows."""
     import json
 
-    cmd = [sys.executable, "examples/demo_evaluate.py", "--data-path", dataset["prefix"],
-           "--sentences", "40", "--seeds", "1", "--random-twins", "1", "--output", str(output)]  # fmt: skip
+    argv = ["--data-path", dataset["prefix"], "--sentences", "40", "--seeds", "1",
+            "--random-twins", "1", "--output", str(output)]  # fmt: skip
     for load in loads:
-        cmd += ["--load", str(load)]
-    run(cmd, timeout=240)
+        argv += ["--load", str(load)]
+    launch("examples/demo_evaluate.py", *argv, timeout=240)
     return json.loads(Path(output).read_text())
 
 

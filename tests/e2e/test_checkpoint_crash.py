@@ -1,5 +1,7 @@
-"""Checkpoints under crashes and damage, with the real `deepspeed` launcher (tiny TACO, ZeRO-1
-fp32, tp 1 x dp 2, a checkpoint every 2 iterations):
+"""Checkpoints under crashes and damage: pretrain_taco.py on 2 ranks (forked as torchrun starts
+them; the launchers themselves are tested in test_pretrain_taco.py and test_preemption.py),
+tiny TACO, ZeRO-1 fp32, tp 1 x dp 2, a checkpoint every 2 iterations, resumed from the
+session's taco_checkpoint (iterations 2 and 4):
 
 * kill -9 at several points of a save (MEGATRON_TACO_TEST_KILL_AT), including while an
   iteration the tracker names is saved again after a --ckpt-step rollback: "latest" always
@@ -37,30 +39,41 @@ from megatron_taco.checkpoint.manifest import write_metadata as _write_metadata
 from megatron_taco.checkpoint.safe_files import safe_torch_load
 from megatron_taco.cli.pretrain_taco import main as taco_main
 from megatron_taco.runtime.faults import KILL_ENV
-from tests.helpers import ENV, REPO, deepspeed_command, train_records
+from tests.helpers import (
+    ENV,
+    REPO,
+    ZERO1_FP32,
+    deepspeed_command,
+    tiny_pretrain_args,
+    train_records,
+)
+from tests.helpers import launch as ranks
 
 pytestmark = pytest.mark.e2e
 
 
 def taco_args(dataset, save: Path, *extra: str) -> list[str]:
-    return [
-        "--model-size", "tiny", "--seq-length", "64",
-        "--data-path", dataset["prefix"], "--tokenizer-model", dataset["tokenizer"],
-        "--data-cache-path", str(dataset["dir"] / "cache"), "--split", "80,10,10",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
-        "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
-        "--num-workers", "0", "--deepspeed-config", "ds_configs/zero1_fp32.json",
-        "--save", str(save), "--save-interval", "2", *extra,
-    ]  # fmt: skip
+    """taco_checkpoint's flags (its --train-iters given in ``extra``)."""
+    return tiny_pretrain_args(dataset, save, "--deepspeed-config", ZERO1_FP32, *extra)
 
 
 def launch(dataset, save: Path, *extra: str, kill_at: str | None = None, preexec=None):
-    env = dict(ENV)
-    if kill_at is not None:
-        env[KILL_ENV] = kill_at
-    cmd = deepspeed_command("pretrain_taco.py", *taco_args(dataset, save, *extra))
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
-                          preexec_fn=preexec)  # fmt: skip
+    """2 ranks; ``preexec``: run in the launcher first (a resource limit), so through the
+    real deepspeed launcher."""
+    env = {KILL_ENV: kill_at} if kill_at is not None else {}
+    argv = taco_args(dataset, save, *extra)
+    if preexec is None:
+        return ranks("pretrain_taco.py", *argv, world=2, env=env, check=False)
+    cmd = deepspeed_command("pretrain_taco.py", *argv)
+    return subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**ENV, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=preexec,
+    )
 
 
 def show(res) -> str:
@@ -76,13 +89,10 @@ def errors(res) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def base(botchan_dataset, tmp_path_factory) -> Path:
-    """Iterations 2 and 4 saved by a 2-rank run."""
-    save = tmp_path_factory.mktemp("base") / "ckpt"
-    res = launch(botchan_dataset, save, "--train-iters", "4")
-    assert res.returncode == 0, show(res)
-    assert tracker(save) == 4
-    return save
+def base(taco_checkpoint) -> Path:
+    """Iterations 2 and 4 saved by a 2-rank run (copied before any change)."""
+    assert tracker(taco_checkpoint) == 4
+    return taco_checkpoint
 
 
 def copy_of(base: Path, tmp_path: Path) -> Path:

@@ -29,7 +29,17 @@ from megatron_taco.data.tokenizer import file_sha256
 from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.registry import read_checkpoint
 from megatron_taco.training.configure import build_parser, configs_from_args
-from tests.helpers import REPO, TACO_METRIC_KEYS, run, run_distributed, train_records
+from tests.helpers import (
+    REPO,
+    TACO_METRIC_KEYS,
+    ZERO0_BF16,
+    ZERO1_FP32,
+    launch,
+    run,
+    run_distributed,
+    tiny_pretrain_args,
+    train_records,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -40,16 +50,7 @@ def pretrain(rank: int, world: int, module: str, argv: list[str]) -> int:
     return importlib.import_module(f"megatron_taco.cli.{module}").main(argv)
 
 
-def train_args(dataset, save: Path, *extra: str) -> list[str]:
-    return [
-        "--model-size", "tiny", "--seq-length", "64",
-        "--data-path", dataset["prefix"], "--tokenizer-model", dataset["tokenizer"],
-        "--data-cache-path", str(dataset["dir"] / "cache"), "--split", "80,10,10",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
-        "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
-        "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--save", str(save), "--save-interval", "2", *extra,
-    ]  # fmt: skip
+train_args = tiny_pretrain_args
 
 
 def train(module: str, world: int, argv: list[str], timeout: float = 240) -> None:
@@ -57,24 +58,20 @@ def train(module: str, world: int, argv: list[str], timeout: float = 240) -> Non
     assert codes == [0] * world
 
 
-TACO = ("--deepspeed-config", "ds_configs/zero1_fp32.json")
-SAS_DA = ("--disentangled-attention", "--deepspeed-config", "ds_configs/zero0_bf16.json")
+TACO = ("--deepspeed-config", ZERO1_FP32)
+SAS_DA = ("--disentangled-attention", "--deepspeed-config", ZERO0_BF16)
 
 
 @pytest.fixture(scope="module")
-def taco_run(botchan_dataset, tmp_path_factory) -> Path:
-    """TACO at tp 1 x dp 2, ZeRO-1 fp32, 4 iterations, checkpoints at 2 and 4."""
-    save = tmp_path_factory.mktemp("taco") / "run"
-    train("pretrain_taco", 2, train_args(botchan_dataset, save, *TACO))
-    return save
+def taco_run(taco_checkpoint) -> Path:
+    """TACO at tp 1 x dp 2, ZeRO-1 fp32, 4 iterations, checkpoints at 2 and 4 (read only)."""
+    return taco_checkpoint
 
 
 @pytest.fixture(scope="module")
-def sas_da_run(botchan_dataset, tmp_path_factory) -> Path:
-    """SAS^DA at tp 1 x dp 1, ZeRO-0 bf16, 4 iterations, checkpoints at 2 and 4."""
-    save = tmp_path_factory.mktemp("sas_da") / "run"
-    train("pretrain_sas", 1, train_args(botchan_dataset, save, *SAS_DA))
-    return save
+def sas_da_run(sas_da_checkpoint) -> Path:
+    """SAS^DA at tp 1 x dp 1, ZeRO-0 bf16, 4 iterations, checkpoints at 2 and 4 (read only)."""
+    return sas_da_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -540,11 +537,11 @@ def test_zero3_checkpoints_consolidate_export_convert_and_fine_tune(
 
     def losses(name: str) -> list[float]:
         output = tmp_path / f"ft_{name}"
-        run([sys.executable, "tools/finetune.py", "--load", str(zero3_runs[name]),
-             "--task", "custom", "--data-dir", str(tmp_path / "marker"), "--output",
-             str(output), "--seq-length", "64", "--micro-batch-size", "16",
-             "--global-batch-size", "16", "--epochs", "1", "--num-workers", "0",
-             "--log-interval", "1"], timeout=600)  # fmt: skip
+        launch("tools/finetune.py", "--load", str(zero3_runs[name]),
+               "--task", "custom", "--data-dir", str(tmp_path / "marker"), "--output",
+               str(output), "--seq-length", "64", "--micro-batch-size", "16",
+               "--global-batch-size", "16", "--epochs", "1", "--num-workers", "0",
+               "--log-interval", "1", timeout=600)  # fmt: skip
         records = map(json.loads, (output / "metrics.jsonl").open())
         return [r["loss"] for r in records if r["split"] == "train"][:4]
 

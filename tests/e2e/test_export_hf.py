@@ -4,7 +4,7 @@ SAS^DA (ZeRO-1 bf16, fp32 master weights) to DeBERTa-v2. transformers loads each
 (model, MLM head, RTD head, AutoTokenizer) and, on the same input, its encoder states, RTD
 logits and MLM logits equal those of our model built at tp=1 from the consolidated
 checkpoint (float32; tolerance relative to the largest value). The exported tokenizer
-encodes like ours. TACO (trained at tp=2 by the deepspeed launcher, ZeRO-1 bf16) exports
+encodes like ours. TACO (trained at tp=2, ZeRO-1 bf16) exports
 with its own modeling code: loaded by the Auto classes with trust_remote_code=True while
 megatron_taco cannot be imported, its hidden states and MLM/MPM logits equal ours on a
 padded batch in float64, and the task models miss only their new head.
@@ -29,7 +29,7 @@ from megatron_taco.data.tokenizer import Tokenizer
 from megatron_taco.models.sas.model import SasForPretraining
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.recipes.registry import read_checkpoint
-from tests.helpers import deepspeed, run_distributed
+from tests.helpers import launch
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -41,13 +41,8 @@ TEXTS = [
 ]
 
 
-def pretrain(rank: int, world: int, argv: list[str]) -> int:
-    from megatron_taco.cli.pretrain_sas import main
-
-    return main(argv)
-
-
-def train_tp2(dataset, save: Path, *extra: str) -> Path:
+def train_tp2(dataset, save: Path, *extra: str, script: str = "pretrain_sas.py") -> Path:
+    """2 iterations at tensor parallel 2 on 2 ranks, a checkpoint at the last."""
     argv = [
         "--model-size", "tiny", "--seq-length", "64", "--tensor-model-parallel-size", "2",
         "--data-path", dataset["prefix"], "--tokenizer-model", dataset["tokenizer"],
@@ -56,7 +51,7 @@ def train_tp2(dataset, save: Path, *extra: str) -> Path:
         "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
         "--num-workers", "0", "--save", str(save), "--save-interval", "2", *extra,
     ]  # fmt: skip
-    assert run_distributed(pretrain, 2, argv, timeout=240) == [0, 0]
+    launch(script, *argv, world=2)
     return save
 
 
@@ -189,21 +184,11 @@ TACO_HEADS = {
 
 @pytest.fixture(scope="module")
 def taco_tp2(botchan_dataset, tmp_path_factory) -> Path:
-    """TACO trained 2 steps at tp=2 by the real deepspeed launcher (ZeRO-1, bf16 with fp32
+    """TACO trained 2 steps at tp=2 by the real driver on 2 ranks (ZeRO-1, bf16 with fp32
     master weights)."""
     save = tmp_path_factory.mktemp("taco") / "run"
-    data = botchan_dataset
-    deepspeed(
-        "pretrain_taco.py",
-        "--model-size", "tiny", "--seq-length", "64", "--tensor-model-parallel-size", "2",
-        "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
-        "--data-cache-path", str(data["dir"] / "cache"), "--split", "80,10,10",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
-        "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
-        "--num-workers", "0", "--save", str(save), "--save-interval", "2",
-        "--deepspeed_config", "ds_configs/zero1_bf16.json",
-    )  # fmt: skip
-    return save
+    return train_tp2(botchan_dataset, save, "--deepspeed-config", "ds_configs/zero1_bf16.json",
+                     script="pretrain_taco.py")  # fmt: skip
 
 
 @contextmanager

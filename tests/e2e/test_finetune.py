@@ -33,6 +33,7 @@ from tests.helpers import (
     REPO,
     deepspeed_command,
     free_port,
+    launch,
     run,
     write_marker_task,
     write_place_race,
@@ -56,13 +57,13 @@ def pretrain_args(dataset, save: Path, iters: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pretrained(botchan_dataset, tmp_path_factory) -> dict[str, Path]:
-    """Tiny SAS and TACO checkpoints, pretrained for 40 iterations by plain python."""
+    """Tiny SAS and TACO checkpoints, pretrained for 40 iterations by the real driver."""
     root = tmp_path_factory.mktemp("pretrained")
     out = {}
     for model in ("sas", "taco"):
         out[model] = root / model
-        run([PY, f"pretrain_{model}.py", *pretrain_args(botchan_dataset, out[model], 40)],
-            timeout=600)  # fmt: skip
+        launch(f"pretrain_{model}.py", *pretrain_args(botchan_dataset, out[model], 40),
+               timeout=600)  # fmt: skip
     return out
 
 
@@ -161,8 +162,8 @@ def test_zero3_fine_tunes_the_pretrained_weights(pretrained, tasks, tmp_path):
     the dev accuracy alone would not show the pretrained weights were kept)."""
 
     def losses(out: Path, *extra: str) -> list[float]:
-        res = run([PY, *finetune_args(pretrained["sas"], "custom", tasks["marker"], out,
-                                      "--epochs", "1", "--log-interval", "1", *extra)],
+        res = launch(*finetune_args(pretrained["sas"], "custom", tasks["marker"], out,
+                                      "--epochs", "1", "--log-interval", "1", *extra),
                   timeout=600)  # fmt: skip
         assert results(out)["finished"]
         return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())
@@ -182,8 +183,8 @@ def test_zero3_fine_tunes_the_pretrained_weights(pretrained, tasks, tmp_path):
 
 def test_span_task_is_learnt(pretrained, tasks, tokenizer, tmp_path):
     out = tmp_path / "squad"
-    run([PY, *finetune_args(pretrained["sas"], "squad_v1", tasks["squad"], out,
-                            "--doc-stride", "24", "--epochs", "2", "--lr", "3e-3")],
+    launch(*finetune_args(pretrained["sas"], "squad_v1", tasks["squad"], out,
+                            "--doc-stride", "24", "--epochs", "2", "--lr", "3e-3"),
         timeout=900)  # fmt: skip
     r = results(out)
     assert r["dev"]["f1"] >= 85.0, r["epochs"]
@@ -217,8 +218,8 @@ def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
     from megatron_taco.tasks import squad_v2_evaluate
 
     out = tmp_path / "squad2"
-    run([PY, *finetune_args(pretrained["taco"], "squad_v2", tasks["squad2"], out,
-                            "--doc-stride", "24", "--epochs", "1")], timeout=600)  # fmt: skip
+    launch(*finetune_args(pretrained["taco"], "squad_v2", tasks["squad2"], out,
+                            "--doc-stride", "24", "--epochs", "1"), timeout=600)  # fmt: skip
     r = results(out)
     dev = r["dev"]
     for key in ("exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
@@ -260,8 +261,8 @@ def test_squad_v2_reports_the_official_fields(pretrained, tasks, tmp_path):
 
 def test_multiple_choice_is_learnt(pretrained, tasks, tokenizer, tmp_path):
     out = tmp_path / "race"
-    run([PY, *finetune_args(pretrained["sas"], "race", tasks["race"], out, "--epochs", "1",
-                            "--global-batch-size", "8", "--micro-batch-size", "8")],
+    launch(*finetune_args(pretrained["sas"], "race", tasks["race"], out, "--epochs", "1",
+                            "--global-batch-size", "8", "--micro-batch-size", "8"),
         timeout=900)  # fmt: skip
     dev = results(out)["dev"]
     assert {"acc", "acc_middle", "acc_high"} <= set(dev)
@@ -306,26 +307,25 @@ def _kill_after(cmd: list[str], metrics: Path, iteration: int, timeout: float = 
 
 
 def test_killed_run_resumes_to_the_same_dev_metrics_at_tp2(pretrained, tasks, tmp_path):
-    """deepspeed launcher, 2 ranks at tensor parallel 2 (the checkpoint was saved at 1),
-    ZeRO-1, length-grouped batches: killed in epoch 2, the same command resumes from the
-    epoch-1 checkpoint."""
+    """2 ranks at tensor parallel 2 (the checkpoint was saved at 1), ZeRO-1, length-grouped
+    batches: killed in epoch 2, the same flags resume from the epoch-1 checkpoint."""
 
-    def command(output: Path) -> list[str]:
+    def args(output: Path) -> list[str]:
         # --group-by-length: the length-grouped order (and the dynamic padding it meets) is
         # a function of the seed and the position, so the resumed run reads the same batches
-        args = finetune_args(pretrained["taco"], "custom", tasks["marker"], output,
+        return finetune_args(pretrained["taco"], "custom", tasks["marker"], output,
                              "--epochs", "3", "--tensor-model-parallel-size", "2",
                              "--deepspeed-config", "ds_configs/zero1_fp32.json",
                              "--group-by-length")  # fmt: skip
-        return deepspeed_command(args[0], *args[1:])
 
     full, crashed = tmp_path / "full", tmp_path / "crashed"
-    res = run(command(full), timeout=900)
+    res = launch(*args(full), world=2, timeout=900)
     assert "world size 2 = tensor parallel 2 x data parallel 1" in res.stdout
-    # 663 examples at batch 16: 41 iterations per epoch; killed at 60, resumed from 41.
-    _kill_after(command(crashed), crashed / "metrics.jsonl", iteration=60)
+    # 663 examples at batch 16: 41 iterations per epoch; killed at 60, resumed from 41. The
+    # killed one through the real deepspeed launcher, all of it killed (a node lost).
+    _kill_after(deepspeed_command(*args(crashed)), crashed / "metrics.jsonl", iteration=60)
     assert not results(crashed)["finished"]
-    res = run(command(crashed), timeout=900)
+    res = launch(*args(crashed), world=2, timeout=900)
     assert "resumed from" in res.stdout and "at iteration 41" in res.stdout
     a, b = results(full), results(crashed)
     assert b["finished"] and a["epochs"] == b["epochs"] and a["dev"] == b["dev"]
@@ -357,8 +357,8 @@ def test_predict_test_writes_the_glue_servers_file_of_the_chosen_epoch(pretraine
                 "index\tsentence\n" + "".join(f"{10 + i}\t{t}\n" for i, (t, _) in enumerate(rows))
             )
     out = tmp_path / "run"
-    res = run([PY, *finetune_args(pretrained["sas"], "sst2", sst2, out, "--epochs", "2",
-                                  "--predict-test", "--group-by-length")], timeout=600)  # fmt: skip
+    res = launch(*finetune_args(pretrained["sas"], "sst2", sst2, out, "--epochs", "2",
+                                  "--predict-test", "--group-by-length"), timeout=600)  # fmt: skip
     assert "submission/" in res.stdout
     r = results(out)
     assert r["submission"]["epoch"] == r["chosen_epoch"] and r["submission"]["files"] == [
@@ -373,9 +373,9 @@ def test_predict_test_writes_the_glue_servers_file_of_the_chosen_epoch(pretraine
     assert acc == pytest.approx(r["dev"]["acc"], abs=1e-9)
     # A run that chose its epoch without the flag cannot submit it later: one line.
     bare = tmp_path / "bare"
-    run([PY, *finetune_args(pretrained["sas"], "sst2", sst2, bare, "--epochs", "1")], timeout=600)
-    res = run([PY, *finetune_args(pretrained["sas"], "sst2", sst2, bare, "--epochs", "1",
-                                  "--predict-test")], check=False)  # fmt: skip
+    launch(*finetune_args(pretrained["sas"], "sst2", sst2, bare, "--epochs", "1"), timeout=600)
+    res = launch(*finetune_args(pretrained["sas"], "sst2", sst2, bare, "--epochs", "1",
+                                  "--predict-test"), check=False)  # fmt: skip
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "--predict-test: " in res.stderr.strip().splitlines()[-1]
     assert "chose epoch 1 before --predict-test was given" in res.stderr
@@ -409,7 +409,7 @@ def test_sweep_under_torchrun_skips_finished_runs(pretrained, tasks, tmp_path):
 
 def test_bad_input_is_one_line(pretrained, tasks, tmp_path):
     def fails(*extra: str, data: Path = tasks["marker"], task: str = "custom") -> str:
-        res = run([PY, *finetune_args(pretrained["sas"], task, data, tmp_path / "o", *extra)],
+        res = launch(*finetune_args(pretrained["sas"], task, data, tmp_path / "o", *extra),
                   check=False)  # fmt: skip
         assert res.returncode == 2, res.stderr
         assert "Traceback" not in res.stderr
@@ -432,8 +432,8 @@ def test_bad_input_is_one_line(pretrained, tasks, tmp_path):
     # No refused command claimed --output: the corrected one below runs in it.
     assert not (tmp_path / "o" / "run.json").exists()
     # An --output holding a run with other settings is refused, the run is kept.
-    run([PY, *finetune_args(pretrained["sas"], "custom", tasks["marker"], tmp_path / "o",
-                            "--epochs", "1")], timeout=600)  # fmt: skip
+    launch(*finetune_args(pretrained["sas"], "custom", tasks["marker"], tmp_path / "o",
+                            "--epochs", "1"), timeout=600)  # fmt: skip
     assert "--output" in fails("--epochs", "1", "--lr", "1e-4")
     # Resuming with another batch order: the checkpoint's position means other batches.
     assert fails("--epochs", "1", "--group-by-length").endswith(

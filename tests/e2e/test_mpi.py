@@ -1,5 +1,6 @@
 """pretrain_taco.py started by MPI (MPICH's Hydra from the `mpich` wheel, mpi4py), two ways,
-each training the same 3 iterations as `deepspeed --num_gpus 2` with identical losses:
+each training the same 3 iterations as 2 ranks started as `deepspeed --num_gpus 2` starts
+them, with identical losses:
 
 * `mpirun -np 2 python pretrain_taco.py`: the ranks have only MPI's variables (PMI_RANK,
   PMI_SIZE); init_distributed runs DeepSpeed's MPI discovery (mpi4py) and rank 0 picks the
@@ -17,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.helpers import BIN, TACO_METRIC_KEYS, deepspeed, free_port, run, train_records
+from tests.helpers import BIN, TACO_METRIC_KEYS, free_port, launch, run, train_records
 
 pytestmark = pytest.mark.e2e
 
@@ -46,9 +47,9 @@ def args(dataset, metrics) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(botchan_dataset, tmp_path_factory):
-    """The same run under `deepspeed --num_gpus 2`."""
+    """The same run on 2 ranks as `deepspeed --num_gpus 2` and torchrun start them."""
     metrics = tmp_path_factory.mktemp("deepspeed") / "metrics.jsonl"
-    res = deepspeed("pretrain_taco.py", *args(botchan_dataset, metrics))
+    res = launch("pretrain_taco.py", *args(botchan_dataset, metrics), world=2)
     assert "world size 2 = tensor parallel 1 x data parallel 2" in res.stdout
     return train_records(metrics)
 

@@ -1,5 +1,6 @@
 """Preemption and failures with the real `deepspeed --num_gpus 2` launcher and real signals,
-on a tiny TACO:
+on a tiny TACO (the runs that are not signalled, a reference and the resumptions, on 2
+forked ranks):
 
 * SIGTERM to the whole process group (what SLURM does at preemption and time limit) saves a
   checkpoint at the next iteration boundary; the resumed run logs exactly the losses of an
@@ -32,9 +33,9 @@ from tests.helpers import (
     ENV,
     REPO,
     TACO_METRIC_KEYS,
-    deepspeed,
     deepspeed_command,
     free_port,
+    launch,
     run,
     train_records,
 )
@@ -61,7 +62,7 @@ def taco_args(dataset, *extra: str) -> list[str]:
 def reference(botchan_dataset, tmp_path_factory) -> dict[int, dict]:
     metrics = tmp_path_factory.mktemp("reference") / "metrics.jsonl"
     args = taco_args(botchan_dataset, "--train-iters", str(TRAIN_ITERS))
-    deepspeed("pretrain_taco.py", *args, "--metrics-file", str(metrics))
+    launch("pretrain_taco.py", *args, "--metrics-file", str(metrics), world=2)
     return train_records(metrics)
 
 
@@ -162,7 +163,7 @@ def test_sigterm_to_the_process_group_saves_and_resumes_exactly(
     assert "Traceback" not in out
     assert max(logged_iterations(ckpt / "metrics.jsonl")) == stopped
 
-    res = deepspeed("pretrain_taco.py", *args, "--load", str(ckpt))
+    res = launch("pretrain_taco.py", *args, "--load", str(ckpt), world=2)
     assert f"resumed from {ckpt} at iteration {stopped}" in res.stdout
     resumed = train_records(ckpt / "metrics.jsonl")
     assert sorted(resumed) == list(range(1, TRAIN_ITERS + 1))
@@ -173,7 +174,7 @@ def test_time_limit_and_sigusr1_exit_0_and_resume_exactly(botchan_dataset, refer
     ckpt = tmp_path / "ckpt"
     args = taco_args(botchan_dataset, "--train-iters", str(TRAIN_ITERS), "--save", str(ckpt))
     # 0.6 s after the process started: over at the end of the first iteration.
-    res = deepspeed("pretrain_taco.py", *args, "--exit-duration-in-mins", "0.01")
+    res = launch("pretrain_taco.py", *args, "--exit-duration-in-mins", "0.01", world=2)
     assert " exiting at iteration 1: --exit-duration-in-mins 0.01 reached; saving" in res.stdout
     assert latest(ckpt) == 1
 
@@ -192,7 +193,7 @@ def test_time_limit_and_sigusr1_exit_0_and_resume_exactly(botchan_dataset, refer
     assert 5 <= stopped < TRAIN_ITERS
     assert f" exiting at iteration {stopped}: SIGUSR1 received" in log.read_text()
 
-    deepspeed("pretrain_taco.py", *args, "--load", str(ckpt))
+    launch("pretrain_taco.py", *args, "--load", str(ckpt), world=2)
     assert_matches(reference, train_records(ckpt / "metrics.jsonl"), range(1, TRAIN_ITERS + 1))
 
 

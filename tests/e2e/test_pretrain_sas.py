@@ -1,4 +1,5 @@
-"""pretrain_sas.py as users run it, with the real `deepspeed` launcher on 2 ranks:
+"""pretrain_sas.py as users run it on 2 ranks (forked as torchrun starts them; the kill of
+a whole launch through the real `deepspeed` launcher):
 
 * SAS^DA at tensor-parallel 2 saves, and a run resumed from the step-3 checkpoint logs
   exactly the losses of the uninterrupted run;
@@ -28,9 +29,9 @@ from tests.helpers import (
     REPO,
     SAS_METRIC_KEYS,
     assert_pretrained_and_random_rows,
-    deepspeed,
     deepspeed_command,
     demo_evaluate,
+    launch,
     train_records,
 )
 
@@ -58,7 +59,7 @@ def test_sas_da_tp2_deepspeed_exact_resume(botchan_dataset, tmp_path):
         "--eval-interval", "3", "--save-interval", "3",
         "--deepspeed-config", "ds_configs/zero1_bf16.json",
     )  # fmt: skip
-    res = deepspeed("pretrain_sas.py", *run_args, "--save", str(full_dir))
+    res = launch("pretrain_sas.py", *run_args, "--save", str(full_dir), world=2)
     out = res.stdout
     assert "megatron_taco: SAS pretraining" in out
     assert "world size 2 = tensor parallel 2 x data parallel 1" in out
@@ -73,9 +74,9 @@ def test_sas_da_tp2_deepspeed_exact_resume(botchan_dataset, tmp_path):
     rows = demo_evaluate([full_dir], botchan_dataset, tmp_path / "evaluation.json")
     assert_pretrained_and_random_rows(rows, "SAS")
 
-    res = deepspeed(
+    res = launch(
         "pretrain_sas.py", *run_args, "--load", str(full_dir), "--ckpt-step", "3",
-        "--save", str(resumed_dir),
+        "--save", str(resumed_dir), world=2,
     )  # fmt: skip
     assert f"resumed from {full_dir} at iteration 3" in res.stdout
     resumed = train_records(resumed_dir / "metrics.jsonl")
@@ -122,7 +123,7 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
     )  # fmt: skip
     common = [*base, "--train-epochs", "3"]
     full_dir, crash_dir = tmp_path / "full", tmp_path / "crash"
-    deepspeed("pretrain_sas.py", *common, "--save", str(full_dir), timeout=300)
+    launch("pretrain_sas.py", *common, "--save", str(full_dir), world=2, timeout=300)
     full = train_records(full_dir / "metrics.jsonl")
     e = max(i for i, r in full.items() if r["epoch"] == 1)
     assert 10 < e < 15 and sorted(full)[-1] == 3 * e
@@ -135,8 +136,8 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
                             str(crash_dir))  # fmt: skip
     _run_until_killed(cmd, crash_dir / "metrics.jsonl", iteration=16)
     assert (crash_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "15"
-    deepspeed("pretrain_sas.py", *common, "--save", str(crash_dir), "--load", str(crash_dir),
-              timeout=300)  # fmt: skip
+    launch("pretrain_sas.py", *common, "--save", str(crash_dir), "--load", str(crash_dir),
+           world=2, timeout=300)  # fmt: skip
     resumed = train_records(crash_dir / "metrics.jsonl")
     for it in range(16, 3 * e + 1):
         for key in (*SAS_METRIC_KEYS, "lr", "epoch"):
@@ -151,8 +152,8 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
 
     # The finished run extended by a 4th epoch: it reads generation 2, which the last epoch
     # committed.
-    deepspeed("pretrain_sas.py", *base, "--train-epochs", "4", "--save", str(crash_dir),
-              "--load", str(crash_dir), timeout=300)  # fmt: skip
+    launch("pretrain_sas.py", *base, "--train-epochs", "4", "--save", str(crash_dir),
+           "--load", str(crash_dir), world=2, timeout=300)  # fmt: skip
     extended = train_records(crash_dir / "metrics.jsonl")
     assert sorted(extended)[-1] == 4 * e
     for it in range(3 * e + 1, 4 * e + 1):
@@ -160,9 +161,9 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
         assert extended[it]["rtd_weight"] == 200.0, it
     # Back to the checkpoint at iteration 10, older than three epoch boundaries: the rows
     # generation 0 got before it were kept for it, so epoch 1 commits again, byte-identical.
-    deepspeed("pretrain_sas.py", *base, "--save", str(crash_dir), "--load", str(crash_dir),
-              "--ckpt-step", "10", "--train-iters", "15", "--lr-decay-iters", str(3 * e),
-              timeout=300)  # fmt: skip
+    launch("pretrain_sas.py", *base, "--save", str(crash_dir), "--load", str(crash_dir),
+           "--ckpt-step", "10", "--train-iters", "15", "--lr-decay-iters", str(3 * e),
+           world=2, timeout=300)  # fmt: skip
     rewound = train_records(crash_dir / "metrics.jsonl")
     for it in range(11, e + 1):  # epoch 1: the same lambda and learning rates as the full run
         for key in (*SAS_METRIC_KEYS, "lr"):

@@ -1,5 +1,5 @@
 """tools/word_order_probe.py as users run it, on a TACO and a SAS checkpoint trained briefly
-by `python pretrain_*.py`, TACO's transformers export (remote code) and a tiny BERT
+by the real driver (TACO's: the session's taco_checkpoint), TACO's transformers export (remote code) and a tiny BERT
 directory: the table on stdout, the JSON, CSV and PNG files. TACO's checkpoint and its
 export, two independent implementations read through two tokenizers, give the same numbers;
 BERT's [CLS] and final "." numbers are recomputed here from the model's outputs."""
@@ -18,6 +18,7 @@ import torch
 from megatron_taco.cli.export_hf import main as export_main
 from megatron_taco.cli.export_hf import save_tokenizer
 from megatron_taco.evaluation.figure1 import PAPER_SENTENCES, ProbeConfig, run
+from tests.helpers import launch
 from tests.helpers import run as run_command
 
 transformers = pytest.importorskip("transformers")
@@ -28,23 +29,23 @@ PAIRS = [[1, 2], [1, 3], [2, 3]]
 
 
 def pretrain(script: str, data, save: Path, *extra: str) -> Path:
-    run_command([
-        sys.executable, script, "--model-size", "tiny", "--seq-length", "64",
+    launch(
+        script, "--model-size", "tiny", "--seq-length", "64",
         "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
         "--data-cache-path", str(data["dir"] / "cache"), "--split", "80,10,10",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
         "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
         "--num-workers", "0", "--save", str(save), "--save-interval", "2", *extra,
-    ], timeout=240)  # fmt: skip
+        timeout=240,
+    )  # fmt: skip
     return save
 
 
 @pytest.fixture(scope="module")
-def models(botchan_dataset, tmp_path_factory) -> dict[str, Path]:
+def models(botchan_dataset, taco_checkpoint, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("probe_models")
     data = botchan_dataset
-    taco = pretrain("pretrain_taco.py", data, root / "taco", "--deepspeed-config",
-                    "ds_configs/zero1_fp32.json")  # fmt: skip
+    taco = taco_checkpoint  # read only
     sas = pretrain("pretrain_sas.py", data, root / "sas")
     assert export_main(["--load", str(taco), "--output", str(root / "taco_hf")]) == 0
     # A tiny BERT (random weights) with our exported tokenizer: any transformers directory.

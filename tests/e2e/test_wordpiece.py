@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from megatron_taco.cli.export_hf import main as export_main
 from megatron_taco.data.tokenizer import WordPieceTokenizer, file_sha256
 from megatron_taco.errors import ConfigError
 from megatron_taco.training.configure import build_parser, configs_from_args
-from tests.helpers import run, write_marker_task
+from tests.helpers import launch, write_marker_task
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -52,7 +51,7 @@ def runs(wordpiece_dataset, tmp_path_factory) -> dict[str, Path]:
             "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
             "--num-workers", "0", "--save", str(saves[model]), "--save-interval", "2",
         ]  # fmt: skip
-        run([sys.executable, f"pretrain_{model}.py", *argv], timeout=600)
+        launch(f"pretrain_{model}.py", *argv, timeout=600)
     shutil.rmtree(given.parent)  # moved or deleted: the checkpoints do not need it
     return saves
 
