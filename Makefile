@@ -37,13 +37,17 @@ system-deps:
 	        apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null; \
 	else echo "system-deps: no slurm-wlm/munge and no root apt-get: the SLURM tests will skip"; fi
 
+# Two workers (pytest-xdist), a file at a time each: most tests wait on processes they
+# started, so two at once on 2 cores finish in ~2/3 of the time (docs/benchmarks.md).
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: venv system-deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 # The unit tier alone (a few minutes on 2 cores), for the edit-run loop; `make test` is the
 # whole suite (docs/benchmarks.md: what each tier costs and the mutations it catches).
 test-fast: venv
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q $(XDIST) tests/unit
 
 demo: venv
 	bash examples/demo.sh

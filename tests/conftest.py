@@ -6,6 +6,20 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BOTCHAN = FIXTURES / "text" / "botchan_excerpt.txt"
 TOKENIZER_VOCAB_SIZE = 800
 
+# `make test` runs the files on two workers (pytest-xdist, --dist loadfile
+# --no-loadscope-reorder), each taking the next file when it is free: the tiers whose files
+# take longest go first, so that the short unit files fill in beside them and the run does
+# not end on one worker's two-minute learning test (docs/benchmarks.md, "Tests").
+TIER_ORDER = ("learning", "e2e", "distributed", "gpu", "unit")
+
+
+def pytest_collection_modifyitems(items):
+    def tier(item) -> int:
+        parts = Path(item.path).relative_to(FIXTURES.parent).parts
+        return TIER_ORDER.index(parts[0]) if parts[0] in TIER_ORDER else len(TIER_ORDER)
+
+    items.sort(key=tier)  # stable: each file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def botchan_path() -> Path:

@@ -28,10 +28,9 @@ SIZE = ["--model-size", "small", "--num-layers", "2", "--hidden-size", "128",
         "--ffn-hidden-size", "512", "--num-attention-heads", "2", "--embedding-size", "128"]  # fmt: skip
 RECIPE = ["--cold-start", "mlm", "--rtd-weight", "1", "--rtd-weight-final", "4"]
 ITERS = 800
-WIKI_ITERS = 800
 
 
-def _train(dataset: dict, tmp_path, iters: int, eval_interval: int):
+def train_demo_recipe(dataset: dict, tmp_path, iters: int, eval_interval: int):
     """The demo's recipe at this size, trained by the real driver on ``dataset``: (its
     stdout, {iteration: held-out record}, [train records])."""
     metrics = tmp_path / "metrics.jsonl"
@@ -57,7 +56,7 @@ def _train(dataset: dict, tmp_path, iters: int, eval_interval: int):
 
 
 def test_small_sas_learns_with_the_demo_recipe(demo_dataset, tmp_path):
-    stdout, valid, train = _train(demo_dataset, tmp_path, ITERS, 200)
+    stdout, valid, train = train_demo_recipe(demo_dataset, tmp_path, ITERS, 200)
     assert "cold start mlm (the reference release" in stdout
     assert sorted(valid) == [200, 400, 600, 800]
     assert {r["epoch"] for r in train} >= {1, 2, 6}  # self-augmentation for five epochs
@@ -69,14 +68,4 @@ def test_small_sas_learns_with_the_demo_recipe(demo_dataset, tmp_path):
     assert all(r["rtd_tokens"] > 0 for r in train if r["epoch"] >= 2)
     end = valid[ITERS]
     assert end["mlm_acc"] > 1.5 * end["mlm_baseline_acc"], end
-    assert end["collapse_cosine"] < 0.8, end
-
-
-def test_small_sas_learns_with_the_demo_recipe_on_wikipedia_leads(wiki_dataset, tmp_path):
-    """The same recipe and size on text nobody tuned it on (issue 37): above 1.25x the
-    baseline at the end and not collapsed, with self-augmented epochs behind it."""
-    _, valid, train = _train(wiki_dataset, tmp_path, WIKI_ITERS, WIKI_ITERS)
-    assert {r["epoch"] for r in train} >= {1, 2}  # the model's own samples were trained on
-    end = valid[WIKI_ITERS]
-    assert end["mlm_acc"] > 1.25 * end["mlm_baseline_acc"], end
     assert end["collapse_cosine"] < 0.8, end
