@@ -132,3 +132,37 @@ def test_a_rank_started_by_tini_is_tied_to_it_not_refused(tmp_path):
     out = subprocess.run([str(shim), "-c", _SHIM, sys.executable], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.stdout.split("\n")[0] == "0 tied ", out
+
+
+# -- SIGTERM in start-up: a stop, not a second error line ----------------------------------
+
+_STARTING_RANK = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from megatron_taco.training.resilience.exit import tie_at_start
+tie_at_start("pretrain_taco.py")
+print("tied", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigterm_in_start_up_is_a_stop_line_not_an_error():
+    """A launcher tears a rank down with SIGTERM in its start-up when a peer refused its
+    input first (the fault campaign's trial 57: rank 1's --load refusal, then rank 0's
+    "error: ... SIGTERM received"): the user must read one error, the peer's. The stop is
+    said, without "error:", and the exit status is the signal's."""
+    env = {**ENV, "LOCAL_RANK": "0", "RANK": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STARTING_RANK, str(REPO)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "tied"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.strip() == (
+        "pretrain_taco.py: rank 0: SIGTERM received before the rank started; exiting"
+    ), err

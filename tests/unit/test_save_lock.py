@@ -97,7 +97,7 @@ def test_the_exit_watchdog_releases_it(tmp_path):
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert (
         proc.stderr.read()
-        == "holder.py: error: rank 0: SIGTERM received during start-up; exiting\n"
+        == "holder.py: rank 0: SIGTERM received during start-up; exiting\n"
     )
     assert not (tmp_path / LOCK_FILENAME).exists()
 

@@ -233,7 +233,7 @@ def test_a_signal_during_a_save_waits_for_it_then_ends_the_rank(tmp_path):
     assert saved.read_text() == "complete"
     assert code == 128 + signal.SIGTERM and child.stdout.read() == ""
     assert (
-        child.stderr.read() == "rank.py: error: rank 0: SIGTERM received during training; exiting\n"
+        child.stderr.read() == "rank.py: rank 0: SIGTERM received during training; exiting\n"
     )
 
 
@@ -524,14 +524,16 @@ def test_a_rank_blocked_in_the_rendezvous_ends_with_one_line(tmp_path, event):
     finally:
         launcher.kill()
         launcher.wait()
+    # A signal is a stop (no "error:": a launcher sends it when a peer failed first); a dead
+    # launcher is an error.
     what = (
-        "SIGTERM received"
+        "rank 0: SIGTERM received"
         if event == "SIGTERM"
-        else f"launcher process {launcher.pid} (python) exited"
+        else f"error: rank 0: launcher process {launcher.pid} (python) exited"
     )
     text = out.read_text()
     ours = [line for line in text.splitlines() if line.startswith("rank.py")]
-    assert ours == [f"rank.py: error: rank 0: {what} during the rendezvous; exiting"]
+    assert ours == [f"rank.py: {what} during the rendezvous; exiting"]
     assert "Traceback" not in text
 
 

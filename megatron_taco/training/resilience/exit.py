@@ -178,6 +178,8 @@ def tie_at_start(program: str) -> None:
 
         def on_sigterm(signum, frame) -> None:
             if os.getppid() == parent:
+                # A stop, not an error: launchers send it when a peer failed first (its
+                # line is the one to read) or the job was cancelled.
                 _start_line(program, "SIGTERM received before the rank started", 128 + signum)
             _start_line(program, "its launcher exited before the rank started", 1)
 
@@ -190,10 +192,12 @@ def tie_at_start(program: str) -> None:
 
 
 def _start_line(program: str, why: str, code: int) -> None:
+    """Exit ``code`` with one line: an error for an orphan (code 1), a stop for a signal."""
     adopter = os.getppid()
-    parent = f" (its parent is now {process_name(adopter)}, pid {adopter})" if code == 1 else ""
+    orphan = code == 1
+    parent = f" (its parent is now {process_name(adopter)}, pid {adopter})" if orphan else ""
     print(
-        f"{program}: error: rank {launcher_rank()}: {why}{parent}; exiting",
+        f"{program}: {'error: ' if orphan else ''}rank {launcher_rank()}: {why}{parent}; exiting",
         file=sys.stderr,
         flush=True,
     )
@@ -503,7 +507,8 @@ class ExitMonitor:
                 what, code = f"{signal.Signals(signum).name} received", 128 + signum
             else:
                 return
-            self._leave(lambda: f"{what} during {self._seen_in or self.phase}", code)
+            orphan = self.launcher_gone is not None
+            self._leave(lambda: f"{what} during {self._seen_in or self.phase}", code, orphan)
 
     def _abandon_when_overdue(self) -> None:
         """Inside the loop a dead launcher is an exit request, answered by a save; but the
@@ -529,8 +534,10 @@ class ExitMonitor:
 
             self._leave(line, 1)
 
-    def _leave(self, what: Callable[[], str], code: int) -> None:
-        """Ends the process now, with one line: "<program>: error: rank N: <what>; exiting"."""
+    def _leave(self, what: Callable[[], str], code: int, error: bool = True) -> None:
+        """Ends the process now, with one line: "<program>: error: rank N: <what>; exiting"
+        (a signal's: "<program>: rank N: ...", a stop, not a second error beside the line of
+        the peer whose failure made the launcher send it)."""
         # Nothing from here may keep the rank alive: a stalled reader of stderr (its mode is
         # shared with the launcher and the shell: not made non-blocking), a hung file system
         # under the exit actions or ``what``. SIGALRM's default action ends the process.
@@ -538,7 +545,8 @@ class ExitMonitor:
         for action in self.exit_actions:
             with contextlib.suppress(Exception):
                 action()
-        line = f"{self.program}: error: rank {launcher_rank()}: {what()}; exiting\n"
+        kind = "error: " if error else ""
+        line = f"{self.program}: {kind}rank {launcher_rank()}: {what()}; exiting\n"
         with contextlib.suppress(OSError):
             os.write(2, line.encode())
         os._exit(code)
