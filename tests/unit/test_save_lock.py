@@ -95,10 +95,7 @@ def test_the_exit_watchdog_releases_it(tmp_path):
     proc = holder(tmp_path)
     proc.send_signal(signal.SIGTERM)  # outside a training loop: the rank ends at once
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-    assert (
-        proc.stderr.read()
-        == "holder.py: rank 0: SIGTERM received during start-up; exiting\n"
-    )
+    assert proc.stderr.read() == "holder.py: rank 0: SIGTERM received during start-up; exiting\n"
     assert not (tmp_path / LOCK_FILENAME).exists()
 
 

@@ -232,9 +232,7 @@ def test_a_signal_during_a_save_waits_for_it_then_ends_the_rank(tmp_path):
         child.wait()
     assert saved.read_text() == "complete"
     assert code == 128 + signal.SIGTERM and child.stdout.read() == ""
-    assert (
-        child.stderr.read() == "rank.py: rank 0: SIGTERM received during training; exiting\n"
-    )
+    assert child.stderr.read() == "rank.py: rank 0: SIGTERM received during training; exiting\n"
 
 
 _WORKER_CHILD = """
