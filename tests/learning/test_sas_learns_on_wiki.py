@@ -11,7 +11,11 @@ pure MLM epoch) and falls back once the model's own samples replace it (1.59x an
 
 from __future__ import annotations
 
+import pytest
+
 from tests.learning.test_sas_learns import train_demo_recipe
+
+pytestmark = pytest.mark.network
 
 WIKI_ITERS = 800
 
