@@ -196,12 +196,14 @@ def _start_line(program: str, why: str, code: int) -> None:
     adopter = os.getppid()
     orphan = code == 1
     parent = f" (its parent is now {process_name(adopter)}, pid {adopter})" if orphan else ""
-    print(
-        f"{program}: {'error: ' if orphan else ''}rank {launcher_rank()}: {why}{parent}; exiting",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(exit_line(program, why + parent, error=orphan), file=sys.stderr, flush=True)
     os._exit(code)
+
+
+def exit_line(program: str, what: str, error: bool) -> str:
+    """The one line a rank ends with: an error (a dead launcher), or a stop (a signal: the
+    launcher sends it when a peer failed first, whose line is the error to read)."""
+    return f"{program}: {'error: ' if error else ''}rank {launcher_rank()}: {what}; exiting"
 
 
 def ignore_in_worker(signums: tuple[int, ...], _worker_id: int = 0) -> None:
@@ -545,8 +547,7 @@ class ExitMonitor:
         for action in self.exit_actions:
             with contextlib.suppress(Exception):
                 action()
-        kind = "error: " if error else ""
-        line = f"{self.program}: {kind}rank {launcher_rank()}: {what()}; exiting\n"
+        line = exit_line(self.program, what(), error) + "\n"
         with contextlib.suppress(OSError):
             os.write(2, line.encode())
         os._exit(code)
