@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
+import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+logger = logging.getLogger(__name__)
 
 
 class TaskDataError(ValueError):
@@ -174,6 +179,12 @@ def _glue(name, labels, metrics, main, dev=("dev",), description="", test=("test
 
 
 _ACC = ("acc",)
+# squad_v2_evaluate's: exact, f1, total of all questions, of the answerable (HasAns_) and the
+# unanswerable ones (NoAns_), then the best no-answer thresholds
+_SQUAD_V2_METRICS = (
+    *(f"{part}{m}" for part in ("", "HasAns_", "NoAns_") for m in ("exact", "f1", "total")),
+    *("best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"),
+)
 TASKS: dict[str, TaskInfo] = {
     info.name: info
     for info in (
@@ -202,30 +213,7 @@ TASKS: dict[str, TaskInfo] = {
         # labels are read from train.tsv at load time (sorted): TaskData.info has them
         TaskInfo("custom", "classification", 0, (), ("dev",), _ACC, "acc", "train.tsv/dev.tsv"),
         TaskInfo("squad_v1", "span", 2, (), ("dev",), ("exact", "f1", "total"), "f1", "SQuAD v1.1"),
-        TaskInfo(
-            "squad_v2",
-            "span",
-            2,
-            (),
-            ("dev",),
-            (
-                "exact",
-                "f1",
-                "total",
-                "HasAns_exact",
-                "HasAns_f1",
-                "HasAns_total",
-                "NoAns_exact",
-                "NoAns_f1",
-                "NoAns_total",
-                "best_exact",
-                "best_exact_thresh",
-                "best_f1",
-                "best_f1_thresh",
-            ),
-            "f1",
-            "SQuAD v2.0",
-        ),
+        TaskInfo("squad_v2", "span", 2, (), ("dev",), _SQUAD_V2_METRICS, "f1", "SQuAD v2.0"),
         TaskInfo(
             "race",
             "multiple_choice",
@@ -278,30 +266,18 @@ def load_task(
     data_dir: str | os.PathLike,
     tokenizer,
     *,
-    seq_length: int,
-    doc_stride: int = 128,
-    max_query_length: int = 64,
-    max_answer_length: int = 30,
-    n_best_size: int = 20,
-    null_score_diff_threshold: float = 0.0,
     splits: Sequence[str] | None = None,
+    **options,
 ) -> TaskData:
     """Read task ``name`` from its released layout in ``data_dir`` and build its features.
 
-    splits: which of "train", the task's dev splits and its test splits to load (default:
-    train and the dev splits). Bad data raises TaskDataError naming the file and line or
-    record."""
+    options: FeatureOptions' fields (seq_length is required). splits: which of "train", the
+    task's dev splits and its test splits to load (default: train and the dev splits). Bad
+    data raises TaskDataError naming the file and line or record."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     info = TASKS[name]
-    options = FeatureOptions(
-        seq_length=seq_length,
-        doc_stride=doc_stride,
-        max_query_length=max_query_length,
-        max_answer_length=max_answer_length,
-        n_best_size=n_best_size,
-        null_score_diff_threshold=null_score_diff_threshold,
-    )
+    options = FeatureOptions(**options)
     allowed = ("train", *info.dev_splits, *info.test_splits, *_EXTRA_SPLITS.get(name, ()))
     splits = tuple(splits) if splits is not None else ("train", *info.dev_splits)
     unknown = [s for s in splits if s not in allowed]
@@ -312,6 +288,33 @@ def load_task(
         raise TaskDataError(f"{data_dir}: no such directory (the {name} data directory)")
     module = importlib.import_module(f"megatron_taco.tasks.{_MODULES[name]}")
     return module.load(info, data_dir, tokenizer, options, splits)
+
+
+def load_splits(name: str, splits: Sequence[str], one: Callable) -> tuple[dict, dict, dict]:
+    """one(split) -> (features, what scoring the split needs, its source files, its stats) for
+    each split -> (features by split, the needs by split, the load's stats: "sources" and each
+    stat keyed by split, "seconds")."""
+    start = time.perf_counter()
+    stats: dict = {"sources": {}}
+    datasets, needs = {}, {}
+    for split in splits:
+        datasets[split], needs[split], sources, split_stats = one(split)
+        stats["sources"][split] = sources
+        for k, v in split_stats.items():
+            stats.setdefault(k, {})[split] = v
+        logger.info("%s %s: %s from %s", name, split, split_stats, ", ".join(sources))
+    stats["seconds"] = time.perf_counter() - start
+    return datasets, needs, stats
+
+
+def read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise TaskDataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise TaskDataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import math
 import os
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -33,11 +31,10 @@ from megatron_taco.tasks.base import (
     assemble,
     check_outputs,
     ids_dtype,
+    load_splits,
     tokenize,
     truncate_pair,
 )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -500,37 +497,24 @@ def build(
 ) -> TaskData:
     """read(split) -> Examples of a labelled split, read_test(split) of a test split; shared
     by GLUE and custom."""
-    start = time.perf_counter()
-    stats: dict = {k: {} for k in ("sources", "examples", "features", "truncated", "skipped")}
-    datasets: dict[str, FeatureDataset] = {}
-    gold: dict[str, np.ndarray] = {}
-    index: dict[str, list[str]] = {}
-    for split in splits:
+
+    def one(split: str):
         examples = read_test(split) if split in info.test_splits else read(split)
         if not len(examples):
             raise TaskDataError(f"{', '.join(examples.sources)}: no examples in the {split} split")
         features, truncated = featurize(examples, tokenizer, options.seq_length)
-        datasets[split] = features
-        if examples.labels is None:
-            index[split] = examples.index
-        else:
-            gold[split] = examples.labels
-        stats["sources"][split] = examples.sources
-        stats["examples"][split] = len(examples)
-        stats["features"][split] = len(features)
-        stats["truncated"][split] = truncated
-        stats["skipped"][split] = dict(examples.skipped)
-        logger.info(
-            "%s %s: %d examples from %s, %d truncated to %d tokens, skipped %s",
-            info.name,
-            split,
-            len(examples),
-            ", ".join(examples.sources),
-            truncated,
-            options.seq_length,
-            dict(examples.skipped) or "none",
-        )
-    stats["seconds"] = time.perf_counter() - start
+        split_stats = {
+            "examples": len(examples),
+            "features": len(features),
+            "truncated": truncated,
+            "skipped": dict(examples.skipped),
+        }
+        # test splits: the rows' indices, which the server's file names; others: the labels
+        need = examples.index if examples.labels is None else examples.labels
+        return features, need, examples.sources, split_stats
+
+    datasets, needs, stats = load_splits(info.name, splits, one)
+    index = {s: needs.pop(s) for s in splits if s in info.test_splits}
 
     def submit(split: str, outputs: dict[str, np.ndarray]) -> tuple[str, str]:
         return submission_text(info, split, index[split], outputs)
@@ -540,7 +524,7 @@ def build(
         train=datasets.pop("train", None),
         dev={s: d for s, d in datasets.items() if s not in index},
         stats=stats,
-        scorer=_scorer(info, gold),
+        scorer=_scorer(info, needs),
         test={s: d for s, d in datasets.items() if s in index},
         submitter=submit if index else None,
     )

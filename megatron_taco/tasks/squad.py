@@ -17,7 +17,6 @@ import math
 import os
 import re
 import string
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,8 @@ from megatron_taco.tasks.base import (
     assemble,
     check_outputs,
     ids_dtype,
+    load_splits,
+    read_json,
     tokenize,
 )
 
@@ -218,14 +219,7 @@ def _need(obj, key, kind, where):
 def read_squad(path: str, version: int, training: bool) -> SquadSet:
     if not os.path.isfile(path):
         raise TaskDataError(f"{path}: missing (SQuAD v{'1.1' if version == 1 else '2.0'} file)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except json.JSONDecodeError as e:
-        raise TaskDataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
-    except UnicodeDecodeError as e:
-        raise TaskDataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    data = _need(doc, "data", list, path)
+    data = _need(read_json(path), "data", list, path)
     out = SquadSet(path, data, [], np.zeros(0), [], [], np.zeros(0), np.zeros(0))
     para, starts, ends = [], [], []
     first_seen: dict[str, str] = {}  # question id -> where (dev: predictions are keyed by id)
@@ -550,19 +544,14 @@ def write_squad_predictions(output_dir: str | os.PathLike, decoded: dict[str, An
 
 def load(info: TaskInfo, data_dir: str, tokenizer, options: FeatureOptions, splits) -> TaskData:
     version = 1 if info.name == "squad_v1" else 2
-    t0 = time.perf_counter()
-    stats: dict = {"sources": {}}
-    datasets, states = {}, {}
-    for split in splits:
+
+    def one(split: str):
         path = os.path.join(data_dir, FILES[info.name][split])
         squad = read_squad(path, version, training=split == "train")
         features, state, split_stats = featurize(squad, tokenizer, options)
-        datasets[split], states[split] = features, state
-        stats["sources"][split] = [path]
-        for k, v in split_stats.items():
-            stats.setdefault(k, {})[split] = v
-        logger.info("%s %s: %s from %s", info.name, split, split_stats, path)
-    stats["seconds"] = time.perf_counter() - t0
+        return features, state, [path], split_stats
+
+    datasets, states, stats = load_splits(info.name, splits, one)
 
     def predict(split: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
         shape = (len(datasets[split]), options.seq_length)
