@@ -149,13 +149,19 @@ class Word:
 
 
 def words_of(text: str, case_insensitive: bool = False) -> list[Word]:
+    words = [Word(m.group(), m.group(), 0, m.span()) for m in _WORD.finditer(text)]
+    return _keyed(words, str.casefold if case_insensitive else str)
+
+
+def _keyed(words: Sequence[Word], key: Callable[[str], str]) -> list[Word]:
+    """The words keyed by ``key(text)``, the occurrences of each key counted again."""
     seen: dict[str, int] = defaultdict(int)
-    words = []
-    for m in _WORD.finditer(text):
-        key = m.group().casefold() if case_insensitive else m.group()
-        words.append(Word(m.group(), key, seen[key], m.span()))
-        seen[key] += 1
-    return words
+    out = []
+    for w in words:
+        k = key(w.text)
+        out.append(dataclasses.replace(w, key=k, occurrence=seen[k]))
+        seen[k] += 1
+    return out
 
 
 def word_vectors(
@@ -209,23 +215,12 @@ def compared_words(
         paired_a, paired_b = {i for i, _ in shared}, {j for _, j in shared}
         rest_a = [i for i in range(len(a)) if i not in paired_a]
         rest_b = [j for j in range(len(b)) if j not in paired_b]
-        folded_a = _case_folded([a[i] for i in rest_a])
-        folded_b = _case_folded([b[j] for j in rest_b])
+        folded_a = _keyed([a[i] for i in rest_a], str.casefold)
+        folded_b = _keyed([b[j] for j in rest_b], str.casefold)
         for p, q in shared_words(folded_a, folded_b):
             i, j = rest_a[p], rest_b[q]
             skipped.append(_skip(a[i], b[j], "differs in case (see --case-insensitive)"))
     return compared, skipped
-
-
-def _case_folded(words: Sequence[Word]) -> list[Word]:
-    """The words keyed case-insensitively, their occurrences counted again."""
-    seen: dict[str, int] = defaultdict(int)
-    out = []
-    for w in words:
-        key = w.text.casefold()
-        out.append(dataclasses.replace(w, key=key, occurrence=seen[key]))
-        seen[key] += 1
-    return out
 
 
 def _skip(a: Word, b: Word, reason: str) -> dict:
