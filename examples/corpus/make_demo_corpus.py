@@ -102,34 +102,16 @@ def strip_gutenberg(text: str) -> str:
     return body
 
 
-def reflow_wrapped(lines: list[str]) -> list[str]:
-    """Paragraphs of hard-wrapped text without blank lines between paragraphs (Botchan as
-    shipped by sentencepiece): a line much shorter than the wrap width ends a paragraph."""
-    paras, cur = [], []
-    for line in lines:
-        line = line.strip()
-        if not line:
-            if cur:
-                paras.append(" ".join(cur))
-                cur = []
-            continue
-        cur.append(line)
-        if len(line) < 55:
-            paras.append(" ".join(cur))
-            cur = []
-    if cur:
-        paras.append(" ".join(cur))
-    return paras
-
-
-def blocks(lines: list[str]) -> list[str]:
-    """Paragraphs of text whose paragraphs (speeches) are separated by blank lines."""
+def blocks(lines: list[str], wrap_end: int = 0) -> list[str]:
+    """Paragraphs of text whose paragraphs (speeches) are separated by blank lines. With
+    ``wrap_end``, hard-wrapped text without blank lines between paragraphs (Botchan as shipped
+    by sentencepiece): a line shorter than that, much shorter than the wrap width, ends one."""
     paras, cur = [], []
     for line in [*lines, ""]:
         line = line.strip()
         if line:
             cur.append(line)
-        elif cur:
+        if cur and (not line or len(line) < wrap_end):
             paras.append(re.sub(r"\s+", " ", " ".join(cur)))
             cur = []
     return paras
@@ -147,11 +129,11 @@ def botchan_units(text: str) -> list[tuple[str, list[str]]]:
         if not started:
             continue  # title page
         if m:
-            units.append((title, reflow_wrapped(cur)))
+            units.append((title, blocks(cur, wrap_end=55)))
             title, cur = f"Botchan, Chapter {m.group(1)}", []
             continue
         cur.append(line)
-    units.append((title, reflow_wrapped(cur)))
+    units.append((title, blocks(cur, wrap_end=55)))
     return units
 
 
