@@ -326,19 +326,17 @@ def ids_dtype(vocab_size: int) -> np.dtype:
 
 
 @dataclass
-class Tokens:
+class Segment:
     """Many token sequences in one flat array: sequence i is flat[start[i]:start[i]+length[i]]
-    (sequences of equal texts share their tokens)."""
+    (tokenize's: sequences of equal texts share their tokens; assemble's: one part of every
+    row, row i copying sequence i)."""
 
     flat: np.ndarray  # int32 [total]
     start: np.ndarray  # int64 [n]
     length: np.ndarray  # int64 [n]
 
-    def __len__(self) -> int:
-        return len(self.start)
 
-
-def tokenize(tokenizer, texts: Sequence[str], chunk: int = 32768) -> Tokens:
+def tokenize(tokenizer, texts: Sequence[str], chunk: int = 32768) -> Segment:
     """encode_batch in chunks into one flat int32 array (python lists of ids for all of MNLI at
     once would take gigabytes). Each distinct text is encoded once: MNLI pairs every premise
     with three hypotheses, QNLI repeats its questions."""
@@ -358,7 +356,7 @@ def tokenize(tokenizer, texts: Sequence[str], chunk: int = 32768) -> Tokens:
     length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     flat = np.concatenate(flats) if flats else np.zeros(0, np.int32)
     start = np.cumsum(length) - length
-    return Tokens(flat, start[inverse], length[inverse])
+    return Segment(flat, start[inverse], length[inverse])
 
 
 def truncate_pair(la: np.ndarray, lb: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -375,15 +373,6 @@ def truncate_pair(la: np.ndarray, lb: np.ndarray, budget: int) -> tuple[np.ndarr
     a = np.where(halve, (budget + 1) // 2, a)
     b = np.where(halve, budget // 2, b)
     return a, b
-
-
-@dataclass
-class Segment:
-    """One part of every row: row r copies tokens[start[r] : start[r] + length[r]]."""
-
-    flat: np.ndarray
-    start: np.ndarray
-    length: np.ndarray
 
 
 def assemble(
