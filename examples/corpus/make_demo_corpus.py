@@ -118,16 +118,11 @@ def blocks(lines: list[str], wrap_end: int = 0) -> list[str]:
 
 
 def botchan_units(text: str) -> list[tuple[str, list[str]]]:
-    lines = strip_gutenberg(text).splitlines()
+    lines = [line.strip() for line in strip_gutenberg(text).splitlines()]
+    lines = lines[lines.index("A NOTE BY THE TRANSLATOR") + 1 :]  # after the title page
     units, title, cur = [], "Botchan, A Note by the Translator", []
-    started = False
     for line in lines:
-        m = re.match(r"^CHAPTER ([IVXLC]+)\.?\s*$", line.strip())
-        if line.strip() == "A NOTE BY THE TRANSLATOR":
-            started = True
-            continue
-        if not started:
-            continue  # title page
+        m = re.match(r"^CHAPTER ([IVXLC]+)\.?\s*$", line)
         if m:
             units.append((title, blocks(cur, wrap_end=55)))
             title, cur = f"Botchan, Chapter {m.group(1)}", []

@@ -159,12 +159,6 @@ def check_unique(path: str, header: list[str], names=None) -> None:
             )
 
 
-def _label_map(info: TaskInfo, kind: str) -> dict[str, int]:
-    if kind == "names":
-        return {name: i for i, name in enumerate(info.labels)}
-    return {str(i): i for i in range(len(info.labels))}
-
-
 def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str = "train") -> Examples:
     """A split's TSV file. A test file's header (CoLA's too) names an index column ("index";
     QQP "id") and the text columns; it has no labels."""
@@ -190,7 +184,11 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str = "trai
         )
     ncol = len(header)
     cols = [header.index(c) for c in wanted]
-    label_map = None if fmt.tsv_label_kind == "float" else _label_map(info, fmt.tsv_label_kind)
+    label_map = {
+        "float": None,
+        "names": {name: i for i, name in enumerate(info.labels)},
+        "ids": {str(i): i for i in range(len(info.labels))},
+    }[fmt.tsv_label_kind]
     texts: list[list[str]] = [[] for _ in text]
     lasts: list = []  # the labels, or a test file's indices
     seen: dict[str, str] = {}

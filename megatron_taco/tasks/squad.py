@@ -465,11 +465,7 @@ def decode(
         begin = ctx.begin[ctx.start[p] : ctx.start[p] + ctx.length[p]]
         end = ctx.end[ctx.start[p] : ctx.start[p] + ctx.length[p]]
         f0, f1 = state.feature_start[e], state.feature_start[e + 1]
-        is_max = (
-            max_context(win.doc_start[f0:f1], win.doc_len[f0:f1], int(ctx.length[p]))
-            if f1 - f0 > 1
-            else [np.ones(win.doc_len[f0], dtype=bool)]
-        )
+        is_max = max_context(win.doc_start[f0:f1], win.doc_len[f0:f1], int(ctx.length[p]))
         firsts, lasts, s_logit, e_logit = [], [], [], []  # candidates, feature by feature
         for w, f in enumerate(range(f0, f1)):
             if win.doc_len[f] == 0:
