@@ -235,13 +235,9 @@ def _skip(a: Word, b: Word, reason: str) -> dict:
 
 def char_spans_from_bytes(text: str, spans: Sequence[Span]) -> list[Span]:
     """Sentencepiece reports UTF-8 byte offsets; the words are found in characters."""
-    char_at = np.zeros(len(text.encode("utf-8")) + 1, dtype=np.int64)
-    pos = 0
-    for i, ch in enumerate(text):
-        n = len(ch.encode("utf-8"))
-        char_at[pos : pos + n] = i
-        pos += n
-    char_at[pos] = len(text)
+    # [bytes + 1]: the character of each byte, then the end
+    n_bytes = [len(ch.encode("utf-8")) for ch in text]
+    char_at = np.append(np.repeat(np.arange(len(text)), n_bytes), len(text))
     return [(int(char_at[s]), int(char_at[e])) for s, e in spans]
 
 
