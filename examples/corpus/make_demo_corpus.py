@@ -120,20 +120,18 @@ def blocks(lines: list[str], wrap_end: int = 0) -> list[str]:
 def botchan_units(text: str) -> list[tuple[str, list[str]]]:
     lines = [line.strip() for line in strip_gutenberg(text).splitlines()]
     lines = lines[lines.index("A NOTE BY THE TRANSLATOR") + 1 :]  # after the title page
-    units, title, cur = [], "Botchan, A Note by the Translator", []
+    units: list[tuple[str, list[str]]] = [("Botchan, A Note by the Translator", [])]
     for line in lines:
         m = re.match(r"^CHAPTER ([IVXLC]+)\.?\s*$", line)
         if m:
-            units.append((title, blocks(cur, wrap_end=55)))
-            title, cur = f"Botchan, Chapter {m.group(1)}", []
-            continue
-        cur.append(line)
-    units.append((title, blocks(cur, wrap_end=55)))
-    return units
+            units.append((f"Botchan, Chapter {m.group(1)}", []))
+        else:
+            units[-1][1].append(line)
+    return [(title, blocks(cur, wrap_end=55)) for title, cur in units]
 
 
 def play_units(text: str, play: str) -> list[tuple[str, list[str]]]:
-    units, title, cur = [], None, []
+    units: list[tuple[str, list[str]]] = []
     act = ""
     for line in text.splitlines():
         s = line.strip()
@@ -141,19 +139,13 @@ def play_units(text: str, play: str) -> list[tuple[str, list[str]]]:
         m_scene = re.match(r"^SCENE ([IVXLC]+|\d+)\b", s, re.I)
         if m_act and len(s) < 40:
             act = m_act.group(1).upper()
-            continue
-        if m_scene:
-            if title is not None:
-                units.append((title, blocks(cur)))
-            title, cur = f"{play}, Act {act}, Scene {m_scene.group(1).upper()}", []
-            continue
-        if title is not None:  # the dramatis personae before the first scene is a list
-            cur.append(line)
-    if title is not None:
-        units.append((title, blocks(cur)))
+        elif m_scene:
+            units.append((f"{play}, Act {act}, Scene {m_scene.group(1).upper()}", []))
+        elif units:  # the dramatis personae before the first scene is a list
+            units[-1][1].append(line)
     if len(units) < 5:
         raise SystemExit(f"{play}: only {len(units)} scenes found; the source layout changed")
-    return units
+    return [(title, blocks(cur)) for title, cur in units]
 
 
 def milton_units(text: str, work: str) -> list[tuple[str, list[str]]]:
