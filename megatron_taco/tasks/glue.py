@@ -41,8 +41,8 @@ from megatron_taco.tasks.base import (
 class GlueFormat:
     tsv_text: tuple[str, ...]  # the TSV header's names of the text columns (1 or 2)
     tsv_label: str
-    hf_text: tuple[str, ...]  # the hub's column names
     tsv_label_kind: str = "names"  # "names" (label strings), "ids" ("0"/"1"), "float"
+    hf_text: tuple[str, ...] = ()  # the hub's column names, where they differ from tsv_text
     # CoLA's train/dev files have no header: their four columns are named here
     headerless: tuple[str, ...] = ()
     # QQP's released train.tsv has rows broken by stray newlines inside questions; the hub's
@@ -55,32 +55,16 @@ class GlueFormat:
 
 FORMATS = {
     "cola": GlueFormat(
-        ("sentence",),
-        "label",
-        ("sentence",),
-        "ids",
-        headerless=("source", "label", "original_label", "sentence"),
+        ("sentence",), "label", "ids", headerless=("source", "label", "original_label", "sentence")
     ),
-    "sst2": GlueFormat(("sentence",), "label", ("sentence",), "ids"),
-    "mrpc": GlueFormat(("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"), "ids"),
-    "stsb": GlueFormat(
-        ("sentence1", "sentence2"),
-        "score",
-        ("sentence1", "sentence2"),
-        "float",
-        score_range=(0.0, 5.0),
-    ),
-    "qqp": GlueFormat(
-        ("question1", "question2"),
-        "is_duplicate",
-        ("question1", "question2"),
-        "ids",
-        skip_malformed=True,
-    ),
-    "mnli": GlueFormat(("sentence1", "sentence2"), "gold_label", ("premise", "hypothesis")),
-    "qnli": GlueFormat(("question", "sentence"), "label", ("question", "sentence")),
-    "rte": GlueFormat(("sentence1", "sentence2"), "label", ("sentence1", "sentence2")),
-    "wnli": GlueFormat(("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), "ids"),
+    "sst2": GlueFormat(("sentence",), "label", "ids"),
+    "mrpc": GlueFormat(("#1 String", "#2 String"), "Quality", "ids", ("sentence1", "sentence2")),
+    "stsb": GlueFormat(("sentence1", "sentence2"), "score", "float", score_range=(0.0, 5.0)),
+    "qqp": GlueFormat(("question1", "question2"), "is_duplicate", "ids", skip_malformed=True),
+    "mnli": GlueFormat(("sentence1", "sentence2"), "gold_label", hf_text=("premise", "hypothesis")),
+    "qnli": GlueFormat(("question", "sentence"), "label"),
+    "rte": GlueFormat(("sentence1", "sentence2"), "label"),
+    "wnli": GlueFormat(("sentence1", "sentence2"), "label", "ids"),
 }
 
 
@@ -345,7 +329,7 @@ def _hf_records(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict
 
 def read_hf(paths: list[str], info: TaskInfo, fmt: GlueFormat, split: str = "train") -> Examples:
     test = split in info.test_splits
-    text = ("premise", "hypothesis") if split == "diagnostic" else fmt.hf_text
+    text = ("premise", "hypothesis") if split == "diagnostic" else fmt.hf_text or fmt.tsv_text
     last = "idx" if test else "label"
     label_map = None if info.kind == "regression" else {n: i for i, n in enumerate(info.labels)}
     texts: list[list[str]] = [[] for _ in text]
