@@ -179,11 +179,9 @@ def build(sdist_dir: str, output: str) -> None:
     docs: list[dict] = []
 
     def add(units, work, source):
-        for title, paras in units:
-            paras = [p for p in paras if p]
-            if paras:
-                for t, text in chunk(title, paras):
-                    docs.append({"text": text, "title": t, "work": work, "source": source})
+        for title, paras in units:  # blocks gives no empty paragraph; chunk cuts [] into []
+            for t, text in chunk(title, paras):
+                docs.append({"text": text, "title": t, "work": work, "source": source})
 
     add(botchan_units(src[BOTCHAN]), "Botchan", GUTENBERG_URLS["Botchan"])
     for key, play in PLAYS.items():
