@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -263,8 +264,9 @@ class ProbedModel:
         ids, spans, names = self.pieces(text)
         limit = self.encoder.max_positions
         if limit is not None and len(ids) > limit:
+            short = repr(text if len(text) <= 40 else text[:37] + "...")
             raise ConfigError(
-                f"--sentences: {_short(text)} has {len(ids)} tokens; {self.where} takes {limit}"
+                f"--sentences: {short} has {len(ids)} tokens; {self.where} takes {limit}"
             )
         x = torch.tensor([ids])
         mask = torch.ones_like(x, dtype=torch.bool)
@@ -332,10 +334,6 @@ def transformers_model(path: str, config: ProbeConfig) -> ProbedModel:
     return ProbedModel(f"{kind}: {_name(path)}", encoder, pieces, config.taco_stream, path)
 
 
-def _short(text: str) -> str:
-    return repr(text if len(text) <= 40 else text[:37] + "...")
-
-
 def _name(path: str) -> str:
     return os.path.basename(os.path.normpath(path))
 
@@ -369,17 +367,16 @@ def probe(
         words, vectors = word_vectors(words, spans, hidden, rule, names)
         per_sentence.append((words, vectors, cls))
     tokens, cls_rows, skipped = [], [], []
-    for i in range(len(sentences)):
-        for j in range(i + 1, len(sentences)):
-            (wa, va, ca), (wb, vb, cb) = per_sentence[i], per_sentence[j]
-            pair = [i + 1, j + 1]
-            compared, left_out = compared_words(wa, wb, case_insensitive)
-            for a, b in compared:
-                w = wa[a]
-                row = dict(word=w.text, occurrence=w.occurrence, pieces=list(w.pieces))
-                tokens.append({"pair": pair, **row, **_measures(va[a], vb[b])})
-            skipped += [{"pair": pair, **row} for row in left_out]
-            cls_rows.append({"pair": pair, **_measures(ca, cb)})
+    for i, j in itertools.combinations(range(len(sentences)), 2):
+        (wa, va, ca), (wb, vb, cb) = per_sentence[i], per_sentence[j]
+        pair = [i + 1, j + 1]
+        compared, left_out = compared_words(wa, wb, case_insensitive)
+        for a, b in compared:
+            w = wa[a]
+            row = dict(word=w.text, occurrence=w.occurrence, pieces=list(w.pieces))
+            tokens.append({"pair": pair, **row, **_measures(va[a], vb[b])})
+        skipped += [{"pair": pair, **row} for row in left_out]
+        cls_rows.append({"pair": pair, **_measures(ca, cb)})
     return {"label": model.label, "tokens": tokens, "cls": cls_rows, "skipped": skipped}
 
 
