@@ -477,11 +477,8 @@ def _read_custom(path: str) -> tuple[list[list[str]], list[str], list[int]]:
             f"{path}:1: header names both 'sentence' and 'sentence1'/'sentence2', found "
             f"{header}; name one text column 'sentence' or two 'sentence1' and 'sentence2'"
         )
-    if "label" in header and "sentence" in header:
-        text = ["sentence"]
-    elif "label" in header and "sentence1" in header and "sentence2" in header:
-        text = ["sentence1", "sentence2"]
-    else:
+    text = ["sentence"] if "sentence" in header else ["sentence1", "sentence2"]
+    if any(c not in header for c in (*text, "label")):
         raise TaskDataError(
             f"{path}:1: header must name 'sentence' (or 'sentence1' and 'sentence2') and "
             f"'label', found {header}"
