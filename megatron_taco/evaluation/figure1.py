@@ -185,8 +185,7 @@ def word_vectors(
         covering = tuple(names[i] for i in rows) if names is not None else ()
         kept.append(dataclasses.replace(word, pieces=covering))
         vectors.append(hidden[rows[0]] if rule == "first" else hidden[rows].mean(axis=0))
-    width = hidden.shape[-1]
-    return kept, np.stack(vectors) if vectors else np.zeros((0, width))
+    return kept, np.stack(vectors) if vectors else np.zeros((0, hidden.shape[-1]))
 
 
 def shared_words(a: Sequence[Word], b: Sequence[Word]) -> list[tuple[int, int]]:

@@ -302,13 +302,12 @@ class ContextTokens:
 
 
 def tokenize_contexts(tokenizer, contexts: list[str], chunk: int = 4096) -> ContextTokens:
-    ids, offsets, lengths = [], [], []
+    ids, offsets = [], []
     for lo in range(0, len(contexts), chunk):
         for i, o in tokenizer.encode_with_offsets(contexts[lo : lo + chunk]):
             ids.append(i)
             offsets.append(o)
-            lengths.append(len(i))
-    length = np.asarray(lengths, dtype=np.int64)
+    length = np.asarray([len(i) for i in ids], dtype=np.int64)
     off = np.concatenate(offsets) if offsets else np.zeros((0, 2), np.int64)
     return ContextTokens(
         ids=np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32),
