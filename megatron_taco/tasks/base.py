@@ -228,14 +228,6 @@ TASKS: dict[str, TaskInfo] = {
 }
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
 
-_MODULES = {
-    **dict.fromkeys(GLUE_TASKS, "glue"),
-    "custom": "glue",
-    "squad_v1": "squad",
-    "squad_v2": "squad",
-    "race": "race",
-}
-
 # Splits a task's release has beyond train and dev that load_task accepts on request.
 _EXTRA_SPLITS = {"race": ("test",)}
 
@@ -286,8 +278,11 @@ def load_task(
     data_dir = os.fspath(data_dir)
     if not os.path.isdir(data_dir):
         raise TaskDataError(f"{data_dir}: no such directory (the {name} data directory)")
-    module = importlib.import_module(f"megatron_taco.tasks.{_MODULES[name]}")
-    return module.load(info, data_dir, tokenizer, options, splits)
+    # span tasks are squad.py's, multiple choice race.py's, GLUE and custom glue.py's
+    module = {"span": "squad", "multiple_choice": "race"}.get(info.kind, "glue")
+    return importlib.import_module(f"megatron_taco.tasks.{module}").load(
+        info, data_dir, tokenizer, options, splits
+    )
 
 
 def load_splits(name: str, splits: Sequence[str], one: Callable) -> tuple[dict, dict, dict]:

@@ -309,9 +309,8 @@ def _hf_records(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict
                 f"{path}: no column(s) {missing} (found {table.column_names}); "
                 "expected the Hugging Face hub's column names"
             )
-        data = {c: table.column(c).to_pylist() for c in columns}
-        for i in range(table.num_rows):
-            yield f"{path}: row {i}", {c: data[c][i] for c in columns}
+        for i, record in enumerate(table.select(list(columns)).to_pylist()):
+            yield f"{path}: row {i}", record
         return
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
