@@ -220,13 +220,11 @@ def submission_text(info: TaskInfo, split: str, index: list[str], outputs) -> tu
     label id for tasks whose files give ids (CoLA, SST-2, MRPC, QQP, WNLI), the label name
     for the others (MNLI, AX, QNLI, RTE), STS-B's score with 3 decimals."""
     fmt = FORMATS[info.name]
-    n = len(index)
+    pred = _predictions(info, split, outputs, len(index))
     if info.kind == "regression":
-        pred = check_outputs(info, split, outputs, "predictions", (n,))
         values = [f"{v:.3f}" for v in pred]
     else:
-        ids = check_outputs(info, split, outputs, "logits", (n, info.num_labels)).argmax(-1)
-        values = [str(i) if fmt.tsv_label_kind == "ids" else info.labels[i] for i in ids]
+        values = [str(i) if fmt.tsv_label_kind == "ids" else info.labels[i] for i in pred]
     lines = ["index\tprediction", *(f"{i}\t{v}" for i, v in zip(index, values))]
     return SUBMISSION_FILES[info.name][split], "\n".join(lines) + "\n"
 
@@ -405,16 +403,11 @@ def featurize(examples: Examples, tokenizer, seq_length: int) -> tuple[FeatureDa
     return FeatureDataset(ids, lengths.astype(np.int32), targets), truncated
 
 
-def _scorer(info: TaskInfo, gold: dict[str, np.ndarray]):
-    def score(split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
-        n = len(gold[split])
-        if info.kind == "regression":
-            pred = check_outputs(info, split, outputs, "predictions", (n,))
-        else:
-            pred = check_outputs(info, split, outputs, "logits", (n, info.num_labels)).argmax(-1)
-        return metrics.compute(info.metrics, pred, gold[split])
-
-    return score
+def _predictions(info: TaskInfo, split: str, outputs: dict[str, np.ndarray], n: int):
+    """[n]: the scores (regression) or the class ids that the model's outputs predict."""
+    if info.kind == "regression":
+        return check_outputs(info, split, outputs, "predictions", (n,))
+    return check_outputs(info, split, outputs, "logits", (n, info.num_labels)).argmax(-1)
 
 
 def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> TaskData:
@@ -439,6 +432,10 @@ def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> T
     datasets, needs, stats = load_splits(info.name, splits, one)
     index = {s: needs.pop(s) for s in splits if s in info.test_splits}
 
+    def score(split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        pred = _predictions(info, split, outputs, len(needs[split]))
+        return metrics.compute(info.metrics, pred, needs[split])
+
     def submit(split: str, outputs: dict[str, np.ndarray]) -> tuple[str, str]:
         return submission_text(info, split, index[split], outputs)
 
@@ -447,7 +444,7 @@ def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> T
         train=datasets.pop("train", None),
         dev={s: d for s, d in datasets.items() if s not in index},
         stats=stats,
-        scorer=_scorer(info, needs),
+        scorer=score,
         test={s: d for s, d in datasets.items() if s in index},
         submitter=submit if index else None,
     )
