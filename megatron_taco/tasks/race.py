@@ -157,8 +157,7 @@ def load(info: TaskInfo, data_dir: str, tokenizer, options: FeatureOptions, spli
 
     def score(split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         labels, level = gold[split]
-        logits = check_outputs(info, split, outputs, "logits", (len(labels), NUM_CHOICES))
-        pred = logits.argmax(-1)
+        pred = check_outputs(info, split, outputs, "logits", (len(labels), NUM_CHOICES)).argmax(-1)
         out = {"acc": metrics.accuracy(pred, labels)}
         for lv, name in enumerate(LEVELS):
             sel = level == lv
