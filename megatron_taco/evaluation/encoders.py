@@ -145,10 +145,8 @@ def token_rows(tokenizer, sentences: list[str]) -> list[list[int]]:
 
 def pad_rows(rows: list[list[int]], pad: int):
     """(ids, mask, pos) [len(rows), longest row] of right-padded rows."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
+    rows_t = [torch.tensor(r, dtype=torch.long) for r in rows]
+    ids = torch.nn.utils.rnn.pad_sequence(rows_t, batch_first=True, padding_value=pad)
     mask = ids != pad
     mask[:, 0] = True
-    return ids, mask, torch.arange(width).expand(len(rows), width) * mask
+    return ids, mask, torch.arange(ids.shape[1]).expand_as(ids) * mask

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -149,13 +150,19 @@ class Word:
 
 
 def words_of(text: str, case_insensitive: bool = False) -> list[Word]:
+    words = [Word(m.group(), m.group(), 0, m.span()) for m in _WORD.finditer(text)]
+    return _keyed(words, str.casefold if case_insensitive else str)
+
+
+def _keyed(words: Sequence[Word], key: Callable[[str], str]) -> list[Word]:
+    """The words keyed by ``key(text)``, the occurrences of each key counted again."""
     seen: dict[str, int] = defaultdict(int)
-    words = []
-    for m in _WORD.finditer(text):
-        key = m.group().casefold() if case_insensitive else m.group()
-        words.append(Word(m.group(), key, seen[key], m.span()))
-        seen[key] += 1
-    return words
+    out = []
+    for w in words:
+        k = key(w.text)
+        out.append(dataclasses.replace(w, key=k, occurrence=seen[k]))
+        seen[k] += 1
+    return out
 
 
 def word_vectors(
@@ -178,8 +185,7 @@ def word_vectors(
         covering = tuple(names[i] for i in rows) if names is not None else ()
         kept.append(dataclasses.replace(word, pieces=covering))
         vectors.append(hidden[rows[0]] if rule == "first" else hidden[rows].mean(axis=0))
-    width = hidden.shape[-1]
-    return kept, np.stack(vectors) if vectors else np.zeros((0, width))
+    return kept, np.stack(vectors) if vectors else np.zeros((0, hidden.shape[-1]))
 
 
 def shared_words(a: Sequence[Word], b: Sequence[Word]) -> list[tuple[int, int]]:
@@ -209,23 +215,12 @@ def compared_words(
         paired_a, paired_b = {i for i, _ in shared}, {j for _, j in shared}
         rest_a = [i for i in range(len(a)) if i not in paired_a]
         rest_b = [j for j in range(len(b)) if j not in paired_b]
-        folded_a = _case_folded([a[i] for i in rest_a])
-        folded_b = _case_folded([b[j] for j in rest_b])
+        folded_a = _keyed([a[i] for i in rest_a], str.casefold)
+        folded_b = _keyed([b[j] for j in rest_b], str.casefold)
         for p, q in shared_words(folded_a, folded_b):
             i, j = rest_a[p], rest_b[q]
             skipped.append(_skip(a[i], b[j], "differs in case (see --case-insensitive)"))
     return compared, skipped
-
-
-def _case_folded(words: Sequence[Word]) -> list[Word]:
-    """The words keyed case-insensitively, their occurrences counted again."""
-    seen: dict[str, int] = defaultdict(int)
-    out = []
-    for w in words:
-        key = w.text.casefold()
-        out.append(dataclasses.replace(w, key=key, occurrence=seen[key]))
-        seen[key] += 1
-    return out
 
 
 def _skip(a: Word, b: Word, reason: str) -> dict:
@@ -240,13 +235,9 @@ def _skip(a: Word, b: Word, reason: str) -> dict:
 
 def char_spans_from_bytes(text: str, spans: Sequence[Span]) -> list[Span]:
     """Sentencepiece reports UTF-8 byte offsets; the words are found in characters."""
-    char_at = np.zeros(len(text.encode("utf-8")) + 1, dtype=np.int64)
-    pos = 0
-    for i, ch in enumerate(text):
-        n = len(ch.encode("utf-8"))
-        char_at[pos : pos + n] = i
-        pos += n
-    char_at[pos] = len(text)
+    # [bytes + 1]: the character of each byte, then the end
+    n_bytes = [len(ch.encode("utf-8")) for ch in text]
+    char_at = np.append(np.repeat(np.arange(len(text)), n_bytes), len(text))
     return [(int(char_at[s]), int(char_at[e])) for s, e in spans]
 
 
@@ -272,8 +263,9 @@ class ProbedModel:
         ids, spans, names = self.pieces(text)
         limit = self.encoder.max_positions
         if limit is not None and len(ids) > limit:
+            short = repr(text if len(text) <= 40 else text[:37] + "...")
             raise ConfigError(
-                f"--sentences: {_short(text)} has {len(ids)} tokens; {self.where} takes {limit}"
+                f"--sentences: {short} has {len(ids)} tokens; {self.where} takes {limit}"
             )
         x = torch.tensor([ids])
         mask = torch.ones_like(x, dtype=torch.bool)
@@ -341,10 +333,6 @@ def transformers_model(path: str, config: ProbeConfig) -> ProbedModel:
     return ProbedModel(f"{kind}: {_name(path)}", encoder, pieces, config.taco_stream, path)
 
 
-def _short(text: str) -> str:
-    return repr(text if len(text) <= 40 else text[:37] + "...")
-
-
 def _name(path: str) -> str:
     return os.path.basename(os.path.normpath(path))
 
@@ -378,17 +366,16 @@ def probe(
         words, vectors = word_vectors(words, spans, hidden, rule, names)
         per_sentence.append((words, vectors, cls))
     tokens, cls_rows, skipped = [], [], []
-    for i in range(len(sentences)):
-        for j in range(i + 1, len(sentences)):
-            (wa, va, ca), (wb, vb, cb) = per_sentence[i], per_sentence[j]
-            pair = [i + 1, j + 1]
-            compared, left_out = compared_words(wa, wb, case_insensitive)
-            for a, b in compared:
-                w = wa[a]
-                row = dict(word=w.text, occurrence=w.occurrence, pieces=list(w.pieces))
-                tokens.append({"pair": pair, **row, **_measures(va[a], vb[b])})
-            skipped += [{"pair": pair, **row} for row in left_out]
-            cls_rows.append({"pair": pair, **_measures(ca, cb)})
+    for i, j in itertools.combinations(range(len(sentences)), 2):
+        (wa, va, ca), (wb, vb, cb) = per_sentence[i], per_sentence[j]
+        pair = [i + 1, j + 1]
+        compared, left_out = compared_words(wa, wb, case_insensitive)
+        for a, b in compared:
+            w = wa[a]
+            row = dict(word=w.text, occurrence=w.occurrence, pieces=list(w.pieces))
+            tokens.append({"pair": pair, **row, **_measures(va[a], vb[b])})
+        skipped += [{"pair": pair, **row} for row in left_out]
+        cls_rows.append({"pair": pair, **_measures(ca, cb)})
     return {"label": model.label, "tokens": tokens, "cls": cls_rows, "skipped": skipped}
 
 

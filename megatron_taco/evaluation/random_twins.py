@@ -174,8 +174,12 @@ def evaluate_checkpoint(path: str, config: TwinsConfig, sentences: list[str]) ->
 def evaluate(config: TwinsConfig) -> list[Row]:
     """Every checkpoint's rows on the same held-out sentences: printed as a table, written
     to ``config.output`` as JSON."""
-    tok_file, split = _tokenizer_and_split_of(config.load[0], config.tokenizer_model)
-    split = config.split or split
+    from megatron_taco.checkpoint.plan import find_checkpoint
+    from megatron_taco.recipes.registry import checkpoint_tokenizer
+
+    first = find_checkpoint(config.load[0])
+    tok_file = checkpoint_tokenizer(first, config.tokenizer_model)
+    split = config.split or (first.configs.get("data") or {}).get("split")
     if split is None:
         raise ConfigError(f"--split: {config.load[0]} records none; give the one it trained with")
     sentences = held_out_sentences(config.data_path, load_tokenizer(*tok_file), split)
@@ -218,12 +222,3 @@ def print_table(rows: list[Row]) -> None:
         "\n(MLM acc and baseline in %: the held-out accuracy of the pretraining head and the "
         "most frequent target's share; zero-shot: a random encoder is at 50 by construction)"
     )
-
-
-def _tokenizer_and_split_of(path: str, tokenizer_model: str | None):
-    from megatron_taco.checkpoint.plan import find_checkpoint
-    from megatron_taco.recipes.registry import checkpoint_tokenizer
-
-    info = find_checkpoint(path)
-    split = (info.configs.get("data") or {}).get("split")
-    return checkpoint_tokenizer(info, tokenizer_model), split

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
+import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+logger = logging.getLogger(__name__)
 
 
 class TaskDataError(ValueError):
@@ -168,12 +173,18 @@ class TaskData:
         return self.predictor(split, outputs)
 
 
-def _glue(name, labels, metrics, main, dev=("dev",), description="", test=("test",)):
+def _glue(name, labels, metrics, main, dev=("dev",), test=("test",)):
     kind = "regression" if not labels else "classification"
-    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, description, test)
+    return TaskInfo(name, kind, max(len(labels), 1), labels, dev, metrics, main, test_splits=test)
 
 
 _ACC = ("acc",)
+# squad_v2_evaluate's: exact, f1, total of all questions, of the answerable (HasAns_) and the
+# unanswerable ones (NoAns_), then the best no-answer thresholds
+_SQUAD_V2_METRICS = (
+    *(f"{part}{m}" for part in ("", "HasAns_", "NoAns_") for m in ("exact", "f1", "total")),
+    *("best_exact", "best_exact_thresh", "best_f1", "best_f1_thresh"),
+)
 TASKS: dict[str, TaskInfo] = {
     info.name: info
     for info in (
@@ -202,30 +213,7 @@ TASKS: dict[str, TaskInfo] = {
         # labels are read from train.tsv at load time (sorted): TaskData.info has them
         TaskInfo("custom", "classification", 0, (), ("dev",), _ACC, "acc", "train.tsv/dev.tsv"),
         TaskInfo("squad_v1", "span", 2, (), ("dev",), ("exact", "f1", "total"), "f1", "SQuAD v1.1"),
-        TaskInfo(
-            "squad_v2",
-            "span",
-            2,
-            (),
-            ("dev",),
-            (
-                "exact",
-                "f1",
-                "total",
-                "HasAns_exact",
-                "HasAns_f1",
-                "HasAns_total",
-                "NoAns_exact",
-                "NoAns_f1",
-                "NoAns_total",
-                "best_exact",
-                "best_exact_thresh",
-                "best_f1",
-                "best_f1_thresh",
-            ),
-            "f1",
-            "SQuAD v2.0",
-        ),
+        TaskInfo("squad_v2", "span", 2, (), ("dev",), _SQUAD_V2_METRICS, "f1", "SQuAD v2.0"),
         TaskInfo(
             "race",
             "multiple_choice",
@@ -239,14 +227,6 @@ TASKS: dict[str, TaskInfo] = {
     )
 }
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
-
-_MODULES = {
-    **dict.fromkeys(GLUE_TASKS, "glue"),
-    "custom": "glue",
-    "squad_v1": "squad",
-    "squad_v2": "squad",
-    "race": "race",
-}
 
 # Splits a task's release has beyond train and dev that load_task accepts on request.
 _EXTRA_SPLITS = {"race": ("test",)}
@@ -278,30 +258,18 @@ def load_task(
     data_dir: str | os.PathLike,
     tokenizer,
     *,
-    seq_length: int,
-    doc_stride: int = 128,
-    max_query_length: int = 64,
-    max_answer_length: int = 30,
-    n_best_size: int = 20,
-    null_score_diff_threshold: float = 0.0,
     splits: Sequence[str] | None = None,
+    **options,
 ) -> TaskData:
     """Read task ``name`` from its released layout in ``data_dir`` and build its features.
 
-    splits: which of "train", the task's dev splits and its test splits to load (default:
-    train and the dev splits). Bad data raises TaskDataError naming the file and line or
-    record."""
+    options: FeatureOptions' fields (seq_length is required). splits: which of "train", the
+    task's dev splits and its test splits to load (default: train and the dev splits). Bad
+    data raises TaskDataError naming the file and line or record."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     info = TASKS[name]
-    options = FeatureOptions(
-        seq_length=seq_length,
-        doc_stride=doc_stride,
-        max_query_length=max_query_length,
-        max_answer_length=max_answer_length,
-        n_best_size=n_best_size,
-        null_score_diff_threshold=null_score_diff_threshold,
-    )
+    options = FeatureOptions(**options)
     allowed = ("train", *info.dev_splits, *info.test_splits, *_EXTRA_SPLITS.get(name, ()))
     splits = tuple(splits) if splits is not None else ("train", *info.dev_splits)
     unknown = [s for s in splits if s not in allowed]
@@ -310,8 +278,38 @@ def load_task(
     data_dir = os.fspath(data_dir)
     if not os.path.isdir(data_dir):
         raise TaskDataError(f"{data_dir}: no such directory (the {name} data directory)")
-    module = importlib.import_module(f"megatron_taco.tasks.{_MODULES[name]}")
-    return module.load(info, data_dir, tokenizer, options, splits)
+    # span tasks are squad.py's, multiple choice race.py's, GLUE and custom glue.py's
+    module = {"span": "squad", "multiple_choice": "race"}.get(info.kind, "glue")
+    return importlib.import_module(f"megatron_taco.tasks.{module}").load(
+        info, data_dir, tokenizer, options, splits
+    )
+
+
+def load_splits(name: str, splits: Sequence[str], one: Callable) -> tuple[dict, dict, dict]:
+    """one(split) -> (features, what scoring the split needs, its source files, its stats) for
+    each split -> (features by split, the needs by split, the load's stats: "sources" and each
+    stat keyed by split, "seconds")."""
+    start = time.perf_counter()
+    stats: dict = {"sources": {}}
+    datasets, needs = {}, {}
+    for split in splits:
+        datasets[split], needs[split], sources, split_stats = one(split)
+        stats["sources"][split] = sources
+        for k, v in split_stats.items():
+            stats.setdefault(k, {})[split] = v
+        logger.info("%s %s: %s from %s", name, split, split_stats, ", ".join(sources))
+    stats["seconds"] = time.perf_counter() - start
+    return datasets, needs, stats
+
+
+def read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise TaskDataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise TaskDataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -323,19 +321,17 @@ def ids_dtype(vocab_size: int) -> np.dtype:
 
 
 @dataclass
-class Tokens:
+class Segment:
     """Many token sequences in one flat array: sequence i is flat[start[i]:start[i]+length[i]]
-    (sequences of equal texts share their tokens)."""
+    (tokenize's: sequences of equal texts share their tokens; assemble's: one part of every
+    row, row i copying sequence i)."""
 
     flat: np.ndarray  # int32 [total]
     start: np.ndarray  # int64 [n]
     length: np.ndarray  # int64 [n]
 
-    def __len__(self) -> int:
-        return len(self.start)
 
-
-def tokenize(tokenizer, texts: Sequence[str], chunk: int = 32768) -> Tokens:
+def tokenize(tokenizer, texts: Sequence[str], chunk: int = 32768) -> Segment:
     """encode_batch in chunks into one flat int32 array (python lists of ids for all of MNLI at
     once would take gigabytes). Each distinct text is encoded once: MNLI pairs every premise
     with three hypotheses, QNLI repeats its questions."""
@@ -355,7 +351,7 @@ def tokenize(tokenizer, texts: Sequence[str], chunk: int = 32768) -> Tokens:
     length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     flat = np.concatenate(flats) if flats else np.zeros(0, np.int32)
     start = np.cumsum(length) - length
-    return Tokens(flat, start[inverse], length[inverse])
+    return Segment(flat, start[inverse], length[inverse])
 
 
 def truncate_pair(la: np.ndarray, lb: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -372,15 +368,6 @@ def truncate_pair(la: np.ndarray, lb: np.ndarray, budget: int) -> tuple[np.ndarr
     a = np.where(halve, (budget + 1) // 2, a)
     b = np.where(halve, budget // 2, b)
     return a, b
-
-
-@dataclass
-class Segment:
-    """One part of every row: row r copies tokens[start[r] : start[r] + length[r]]."""
-
-    flat: np.ndarray
-    start: np.ndarray
-    length: np.ndarray
 
 
 def assemble(

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import math
 import os
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -33,19 +31,18 @@ from megatron_taco.tasks.base import (
     assemble,
     check_outputs,
     ids_dtype,
+    load_splits,
     tokenize,
     truncate_pair,
 )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class GlueFormat:
     tsv_text: tuple[str, ...]  # the TSV header's names of the text columns (1 or 2)
     tsv_label: str
-    hf_text: tuple[str, ...]  # the hub's column names
     tsv_label_kind: str = "names"  # "names" (label strings), "ids" ("0"/"1"), "float"
+    hf_text: tuple[str, ...] = ()  # the hub's column names, where they differ from tsv_text
     # CoLA's train/dev files have no header: their four columns are named here
     headerless: tuple[str, ...] = ()
     # QQP's released train.tsv has rows broken by stray newlines inside questions; the hub's
@@ -58,50 +55,25 @@ class GlueFormat:
 
 FORMATS = {
     "cola": GlueFormat(
-        ("sentence",),
-        "label",
-        ("sentence",),
-        "ids",
-        headerless=("source", "label", "original_label", "sentence"),
+        ("sentence",), "label", "ids", headerless=("source", "label", "original_label", "sentence")
     ),
-    "sst2": GlueFormat(("sentence",), "label", ("sentence",), "ids"),
-    "mrpc": GlueFormat(("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"), "ids"),
-    "stsb": GlueFormat(
-        ("sentence1", "sentence2"),
-        "score",
-        ("sentence1", "sentence2"),
-        "float",
-        score_range=(0.0, 5.0),
-    ),
-    "qqp": GlueFormat(
-        ("question1", "question2"),
-        "is_duplicate",
-        ("question1", "question2"),
-        "ids",
-        skip_malformed=True,
-    ),
-    "mnli": GlueFormat(("sentence1", "sentence2"), "gold_label", ("premise", "hypothesis")),
-    "qnli": GlueFormat(("question", "sentence"), "label", ("question", "sentence")),
-    "rte": GlueFormat(("sentence1", "sentence2"), "label", ("sentence1", "sentence2")),
-    "wnli": GlueFormat(("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), "ids"),
+    "sst2": GlueFormat(("sentence",), "label", "ids"),
+    "mrpc": GlueFormat(("#1 String", "#2 String"), "Quality", "ids", ("sentence1", "sentence2")),
+    "stsb": GlueFormat(("sentence1", "sentence2"), "score", "float", score_range=(0.0, 5.0)),
+    "qqp": GlueFormat(("question1", "question2"), "is_duplicate", "ids", skip_malformed=True),
+    "mnli": GlueFormat(("sentence1", "sentence2"), "gold_label", hf_text=("premise", "hypothesis")),
+    "qnli": GlueFormat(("question", "sentence"), "label"),
+    "rte": GlueFormat(("sentence1", "sentence2"), "label"),
+    "wnli": GlueFormat(("sentence1", "sentence2"), "label", "ids"),
 }
 
-# our split name -> the GLUE distribution's file stem and the hub's split name
-_TSV_SPLIT = {
-    "train": "train",
-    "dev": "dev",
-    "dev_matched": "dev_matched",
-    "dev_mismatched": "dev_mismatched",
-}
-_HF_SPLIT = {
-    "train": "train",
-    "dev": "validation",
-    "dev_matched": "validation_matched",
-    "dev_mismatched": "validation_mismatched",
-    "test": "test",
-    "test_matched": "test_matched",
-    "test_mismatched": "test_mismatched",
-}
+
+def _hub_split(split: str) -> str:
+    # the hub names our dev splits "validation" (dev_matched: validation_matched); the others
+    # as we do
+    return split.replace("dev", "validation")
+
+
 # The GLUE server's file of each test split (the leaderboard's names, as its sample
 # submission has them). MNLI's model also predicts the diagnostic set AX.
 SUBMISSION_FILES = {
@@ -171,34 +143,39 @@ def check_unique(path: str, header: list[str], names=None) -> None:
             )
 
 
-def _label_map(info: TaskInfo, kind: str) -> dict[str, int]:
-    if kind == "names":
-        return {name: i for i, name in enumerate(info.labels)}
-    return {str(i): i for i in range(len(info.labels))}
-
-
 def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str = "train") -> Examples:
+    """A split's TSV file. A test file's header (CoLA's too) names an index column ("index";
+    QQP "id") and the text columns; it has no labels."""
+    test = split in info.test_splits
     rows = read_tsv(path)
-    if fmt.headerless:
+    if fmt.headerless and not test:
         header = list(fmt.headerless)
     else:
         first = next(rows, None)
         if first is None:
             raise TaskDataError(f"{path}: empty file (expected a header line)")
         header = first[1]
-    wanted = (*fmt.tsv_text, fmt.tsv_label)
+    text = ("sentence1", "sentence2") if split == "diagnostic" else fmt.tsv_text
+    last = next((c for c in _INDEX_COLUMNS if c in header), None) if test else fmt.tsv_label
+    wanted = (*text, last)
+    layout = f"{info.name} {split}" if test else info.name
     check_unique(path, header, wanted)
-    missing = [c for c in wanted if c not in header]
+    missing = [c or "index" for c in wanted if c not in header]
     if missing:
         raise TaskDataError(
-            f"{path}:1: header lacks column(s) {missing} of the GLUE {info.name} layout "
+            f"{path}:1: header lacks column(s) {missing} of the GLUE {layout} layout "
             f"(found {header})"
         )
     ncol = len(header)
     cols = [header.index(c) for c in wanted]
-    label_map = None if fmt.tsv_label_kind == "float" else _label_map(info, fmt.tsv_label_kind)
-    texts: list[list[str]] = [[] for _ in fmt.tsv_text]
-    labels: list = []
+    label_map = {
+        "float": None,
+        "names": {name: i for i, name in enumerate(info.labels)},
+        "ids": {str(i): i for i in range(len(info.labels))},
+    }[fmt.tsv_label_kind]
+    texts: list[list[str]] = [[] for _ in text]
+    lasts: list = []  # the labels, or a test file's indices
+    seen: dict[str, str] = {}
     skipped: Counter = Counter()
     for lineno, row in rows:
         if row == [""]:
@@ -209,71 +186,20 @@ def read_glue_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str = "trai
                 skipped["malformed_row"] += 1
                 continue
             raise TaskDataError(
-                f"{path}:{lineno}: {len(row)} tab-separated columns, the {info.name} layout has "
+                f"{path}:{lineno}: {len(row)} tab-separated columns, the {layout} layout has "
                 f"{ncol} ({', '.join(header)})"
                 + ("; a tab inside a field?" if len(row) > ncol else "")
                 + ("" if split == "train" else f"; rows of the {split} split are never skipped")
             )
         values = [row[c] for c in cols]
-        labels.append(_parse_label(values[-1], label_map, f"{path}:{lineno}", info, fmt))
+        if test:
+            _check_index(seen, values[-1], f"{path}:{lineno}", f"line {lineno}")
+            lasts.append(values[-1])
+        else:
+            lasts.append(_parse_label(values[-1], label_map, f"{path}:{lineno}", info, fmt))
         for t, v in zip(texts, values):
             t.append(v)
-    return _examples(texts, labels, label_map is None, [path], skipped)
-
-
-def read_test_tsv(path: str, info: TaskInfo, fmt: GlueFormat, split: str) -> Examples:
-    """A GLUE test file: a header (CoLA's too) naming an index column ("index"; QQP "id")
-    and the text columns; no labels. Every row must have the header's columns."""
-    rows = read_tsv(path)
-    first = next(rows, None)
-    if first is None:
-        raise TaskDataError(f"{path}: empty file (expected a header line)")
-    header = first[1]
-    index = next((c for c in _INDEX_COLUMNS if c in header), None)
-    wanted = (*fmt.tsv_text,) if split != "diagnostic" else ("sentence1", "sentence2")
-    check_unique(path, header, (*wanted, index))
-    missing = [c for c in wanted if c not in header] + ([] if index else ["index"])
-    if missing:
-        raise TaskDataError(
-            f"{path}:1: header lacks column(s) {missing} of the GLUE {info.name} {split} layout "
-            f"(found {header})"
-        )
-    cols = [header.index(c) for c in (index, *wanted)]
-    columns: list[list[str]] = [[] for _ in cols]
-    seen: dict[str, str] = {}
-    for lineno, row in rows:
-        if row == [""]:
-            continue
-        if len(row) != len(header):
-            raise TaskDataError(
-                f"{path}:{lineno}: {len(row)} tab-separated columns, the {info.name} {split} "
-                f"layout has {len(header)} ({', '.join(header)}); rows of the {split} split "
-                "are never skipped"
-            )
-        _check_index(seen, row[cols[0]], f"{path}:{lineno}", f"line {lineno}")
-        for values, c in zip(columns, cols):
-            values.append(row[c])
-    return Examples(
-        columns[1], columns[2] if len(columns) > 2 else None, None, [path], index=columns[0]
-    )
-
-
-def read_hf_test(paths: list[str], info: TaskInfo, text: tuple[str, ...]) -> Examples:
-    columns: list[list[str]] = [[] for _ in text]
-    index: list[str] = []
-    seen: dict[str, str] = {}
-    for path in paths:
-        for where, record in _hf_records(path, (*text, "idx")):
-            for c in text:
-                if not isinstance(record[c], str):
-                    raise TaskDataError(f"{where}: {c} is {record[c]!r}, not text")
-            _check_index(seen, str(record["idx"]), where, where)
-            index.append(str(record["idx"]))
-            for values, c in zip(columns, text):
-                values.append(record[c])
-    return Examples(
-        columns[0], columns[1] if len(columns) > 1 else None, None, list(paths), index=index
-    )
+    return _examples(info, texts, lasts, test, [path], skipped)
 
 
 def _check_index(seen: dict[str, str], value: str, where: str, name: str) -> None:
@@ -288,55 +214,22 @@ def _check_index(seen: dict[str, str], value: str, where: str, name: str) -> Non
     seen[value] = name
 
 
-def read_test_split(data_dir: str, info: TaskInfo, split: str) -> Examples:
-    """A test split in the GLUE layout (test.tsv, MNLI test_matched.tsv / test_mismatched.tsv,
-    the diagnostic set's diagnostic.tsv, beside the task's folder or in it) or the hub's."""
-    fmt = FORMATS[info.name]
-    parent = os.path.dirname(os.path.normpath(data_dir))
-    if split == "diagnostic":
-        tsvs = [
-            os.path.join(data_dir, "diagnostic.tsv"),
-            os.path.join(parent, "diagnostic", "diagnostic.tsv"),
-        ]
-        hubs = [(os.path.join(d, "ax"), "test") for d in (data_dir, parent)]
-        text = ("premise", "hypothesis")
-    else:
-        tsvs = [os.path.join(data_dir, f"{split}.tsv")]
-        hubs = [(data_dir, _HF_SPLIT[split]), (os.path.join(data_dir, info.name), _HF_SPLIT[split])]
-        text = fmt.hf_text
-    for tsv in tsvs:
-        if os.path.isfile(tsv):
-            return read_test_tsv(tsv, info, fmt, split)
-    for base, hub_split in hubs:
-        paths = hf_files(base, "", hub_split)
-        if paths:
-            return read_hf_test(paths, info, text)
-    raise TaskDataError(
-        f"{data_dir}: no {split} split of {info.name} (--predict-test): looked for "
-        + ", ".join(tsvs)
-        + f" (GLUE layout) and {_HF_SPLIT.get(split, 'ax/test')}.parquet/.jsonl (Hugging Face "
-        "layout)"
-    )
-
-
 def submission_text(info: TaskInfo, split: str, index: list[str], outputs) -> tuple[str, str]:
     """(file name, text) of the GLUE server's file: a header "index\tprediction", then one
     row per test example in the file's order, the prediction as the server reads it: the
     label id for tasks whose files give ids (CoLA, SST-2, MRPC, QQP, WNLI), the label name
     for the others (MNLI, AX, QNLI, RTE), STS-B's score with 3 decimals."""
     fmt = FORMATS[info.name]
-    n = len(index)
+    pred = _predictions(info, split, outputs, len(index))
     if info.kind == "regression":
-        pred = check_outputs(info, split, outputs, "predictions", (n,))
         values = [f"{v:.3f}" for v in pred]
     else:
-        ids = check_outputs(info, split, outputs, "logits", (n, info.num_labels)).argmax(-1)
-        values = [str(i) if fmt.tsv_label_kind == "ids" else info.labels[i] for i in ids]
+        values = [str(i) if fmt.tsv_label_kind == "ids" else info.labels[i] for i in pred]
     lines = ["index\tprediction", *(f"{i}\t{v}" for i, v in zip(index, values))]
     return SUBMISSION_FILES[info.name][split], "\n".join(lines) + "\n"
 
 
-def _parse_label(value, label_map, where: str, info: TaskInfo, fmt: GlueFormat | None = None):
+def _parse_label(value, label_map, where: str, info: TaskInfo, fmt: GlueFormat):
     if label_map is None:
         if isinstance(value, bool):  # float(True) is 1.0: a bool column is not a score
             raise TaskDataError(f"{where}: score {value!r} is a boolean, not a number")
@@ -346,7 +239,7 @@ def _parse_label(value, label_map, where: str, info: TaskInfo, fmt: GlueFormat |
             score = math.nan
         if not math.isfinite(score):
             raise TaskDataError(f"{where}: score {value!r} is not a number")
-        low, high = (fmt.score_range if fmt else None) or (-math.inf, math.inf)
+        low, high = fmt.score_range or (-math.inf, math.inf)
         if not low <= score <= high:
             raise TaskDataError(
                 f"{where}: score {value!r} is outside {info.name}'s range {low:g}-{high:g}"
@@ -367,13 +260,16 @@ def _parse_label(value, label_map, where: str, info: TaskInfo, fmt: GlueFormat |
     )
 
 
-def _examples(texts, labels, regression, sources, skipped) -> Examples:
+def _examples(info: TaskInfo, texts, lasts, test: bool, sources, skipped) -> Examples:
+    """``lasts``: each row's label, or (``test``) its index."""
+    dtype = np.float32 if info.kind == "regression" else np.int64
     return Examples(
         text_a=texts[0],
         text_b=texts[1] if len(texts) > 1 else None,
-        labels=np.asarray(labels, dtype=np.float32 if regression else np.int64),
+        labels=None if test else np.asarray(lasts, dtype=dtype),
         sources=sources,
         skipped=skipped,
+        index=lasts if test else None,
     )
 
 
@@ -411,9 +307,8 @@ def _hf_records(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict
                 f"{path}: no column(s) {missing} (found {table.column_names}); "
                 "expected the Hugging Face hub's column names"
             )
-        data = {c: table.column(c).to_pylist() for c in columns}
-        for i in range(table.num_rows):
-            yield f"{path}: row {i}", {c: data[c][i] for c in columns}
+        for i, record in enumerate(table.select(list(columns)).to_pylist()):
+            yield f"{path}: row {i}", record
         return
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -429,36 +324,61 @@ def _hf_records(path: str, columns: tuple[str, ...]) -> Iterator[tuple[str, dict
             yield f"{path}:{lineno}", record
 
 
-def read_hf(paths: list[str], info: TaskInfo, fmt: GlueFormat) -> Examples:
-    columns = (*fmt.hf_text, "label")
-    regression = info.kind == "regression"
-    label_map = None if regression else {n: i for i, n in enumerate(info.labels)}
-    texts: list[list[str]] = [[] for _ in fmt.hf_text]
-    labels: list = []
+def read_hf(paths: list[str], info: TaskInfo, fmt: GlueFormat, split: str = "train") -> Examples:
+    test = split in info.test_splits
+    text = ("premise", "hypothesis") if split == "diagnostic" else fmt.hf_text or fmt.tsv_text
+    last = "idx" if test else "label"
+    label_map = None if info.kind == "regression" else {n: i for i, n in enumerate(info.labels)}
+    texts: list[list[str]] = [[] for _ in text]
+    lasts: list = []  # the labels, or a test split's indices
+    seen: dict[str, str] = {}
     for path in paths:
-        for where, record in _hf_records(path, columns):
-            for c in fmt.hf_text:
+        for where, record in _hf_records(path, (*text, last)):
+            for c in text:
                 if not isinstance(record[c], str):
                     raise TaskDataError(f"{where}: {c} is {record[c]!r}, not text")
-            labels.append(_parse_label(record["label"], label_map, where, info, fmt))
-            for t, c in zip(texts, fmt.hf_text):
+            if test:
+                _check_index(seen, str(record["idx"]), where, where)
+                lasts.append(str(record["idx"]))
+            else:
+                lasts.append(_parse_label(record["label"], label_map, where, info, fmt))
+            for t, c in zip(texts, text):
                 t.append(record[c])
-    return _examples(texts, labels, regression, list(paths), Counter())
+    return _examples(info, texts, lasts, test, list(paths), Counter())
 
 
 def read_split(data_dir: str, info: TaskInfo, split: str) -> Examples:
+    """A split in the GLUE layout ({split}.tsv; the diagnostic set's diagnostic.tsv beside the
+    task's folder or in it) or the hub's."""
     fmt = FORMATS[info.name]
-    tsv = os.path.join(data_dir, _TSV_SPLIT[split] + ".tsv")
-    if os.path.isfile(tsv):
-        return read_glue_tsv(tsv, info, fmt, split)
-    paths = hf_files(data_dir, info.name, _HF_SPLIT[split])
-    if paths:
-        return read_hf(paths, info, fmt)
-    hf = _HF_SPLIT[split]
+    if split == "diagnostic":
+        parent = os.path.dirname(os.path.normpath(data_dir))
+        tsvs = [
+            os.path.join(data_dir, "diagnostic.tsv"),
+            os.path.join(parent, "diagnostic", "diagnostic.tsv"),
+        ]
+        hubs = [(os.path.join(d, "ax"), "", "test") for d in (data_dir, parent)]
+    else:
+        tsvs = [os.path.join(data_dir, f"{split}.tsv")]
+        hubs = [(data_dir, info.name, _hub_split(split))]
+    for tsv in tsvs:
+        if os.path.isfile(tsv):
+            return read_glue_tsv(tsv, info, fmt, split)
+    for hub in hubs:
+        paths = hf_files(*hub)
+        if paths:
+            return read_hf(paths, info, fmt, split)
+    hf = hubs[0][2] if split != "diagnostic" else "ax/test"
+    if split in info.test_splits:
+        raise TaskDataError(
+            f"{data_dir}: no {split} split of {info.name} (--predict-test): looked for "
+            + ", ".join(tsvs)
+            + f" (GLUE layout) and {hf}.parquet/.jsonl (Hugging Face layout)"
+        )
     raise TaskDataError(
-        f"{data_dir}: no {split} split of {info.name}: looked for {os.path.basename(tsv)} (GLUE "
-        f"layout) and {hf}.parquet, {hf}.jsonl, {hf}-*.parquet, {hf}/*.parquet, also under "
-        f"{info.name}/ (Hugging Face layout)"
+        f"{data_dir}: no {split} split of {info.name}: looked for {os.path.basename(tsvs[0])} "
+        f"(GLUE layout) and {hf}.parquet, {hf}.jsonl, {hf}-*.parquet, {hf}/*.parquet, also "
+        f"under {info.name}/ (Hugging Face layout)"
     )
 
 
@@ -483,54 +403,38 @@ def featurize(examples: Examples, tokenizer, seq_length: int) -> tuple[FeatureDa
     return FeatureDataset(ids, lengths.astype(np.int32), targets), truncated
 
 
-def _scorer(info: TaskInfo, gold: dict[str, np.ndarray]):
-    def score(split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
-        n = len(gold[split])
-        if info.kind == "regression":
-            pred = check_outputs(info, split, outputs, "predictions", (n,))
-        else:
-            pred = check_outputs(info, split, outputs, "logits", (n, info.num_labels)).argmax(-1)
-        return metrics.compute(info.metrics, pred, gold[split])
-
-    return score
+def _predictions(info: TaskInfo, split: str, outputs: dict[str, np.ndarray], n: int):
+    """[n]: the scores (regression) or the class ids that the model's outputs predict."""
+    if info.kind == "regression":
+        return check_outputs(info, split, outputs, "predictions", (n,))
+    return check_outputs(info, split, outputs, "logits", (n, info.num_labels)).argmax(-1)
 
 
-def build(
-    info: TaskInfo, read, tokenizer, options: FeatureOptions, splits, read_test=None
-) -> TaskData:
-    """read(split) -> Examples of a labelled split, read_test(split) of a test split; shared
-    by GLUE and custom."""
-    start = time.perf_counter()
-    stats: dict = {k: {} for k in ("sources", "examples", "features", "truncated", "skipped")}
-    datasets: dict[str, FeatureDataset] = {}
-    gold: dict[str, np.ndarray] = {}
-    index: dict[str, list[str]] = {}
-    for split in splits:
-        examples = read_test(split) if split in info.test_splits else read(split)
+def build(info: TaskInfo, read, tokenizer, options: FeatureOptions, splits) -> TaskData:
+    """read(split) -> Examples of a split (test splits: with the rows' indices, no labels);
+    shared by GLUE and custom."""
+
+    def one(split: str):
+        examples = read(split)
         if not len(examples):
             raise TaskDataError(f"{', '.join(examples.sources)}: no examples in the {split} split")
         features, truncated = featurize(examples, tokenizer, options.seq_length)
-        datasets[split] = features
-        if examples.labels is None:
-            index[split] = examples.index
-        else:
-            gold[split] = examples.labels
-        stats["sources"][split] = examples.sources
-        stats["examples"][split] = len(examples)
-        stats["features"][split] = len(features)
-        stats["truncated"][split] = truncated
-        stats["skipped"][split] = dict(examples.skipped)
-        logger.info(
-            "%s %s: %d examples from %s, %d truncated to %d tokens, skipped %s",
-            info.name,
-            split,
-            len(examples),
-            ", ".join(examples.sources),
-            truncated,
-            options.seq_length,
-            dict(examples.skipped) or "none",
-        )
-    stats["seconds"] = time.perf_counter() - start
+        split_stats = {
+            "examples": len(examples),
+            "features": len(features),
+            "truncated": truncated,
+            "skipped": dict(examples.skipped),
+        }
+        # test splits: the rows' indices, which the server's file names; others: the labels
+        need = examples.index if examples.labels is None else examples.labels
+        return features, need, examples.sources, split_stats
+
+    datasets, needs, stats = load_splits(info.name, splits, one)
+    index = {s: needs.pop(s) for s in splits if s in info.test_splits}
+
+    def score(split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        pred = _predictions(info, split, outputs, len(needs[split]))
+        return metrics.compute(info.metrics, pred, needs[split])
 
     def submit(split: str, outputs: dict[str, np.ndarray]) -> tuple[str, str]:
         return submission_text(info, split, index[split], outputs)
@@ -540,7 +444,7 @@ def build(
         train=datasets.pop("train", None),
         dev={s: d for s, d in datasets.items() if s not in index},
         stats=stats,
-        scorer=_scorer(info, gold),
+        scorer=score,
         test={s: d for s, d in datasets.items() if s in index},
         submitter=submit if index else None,
     )
@@ -549,14 +453,7 @@ def build(
 def load(info: TaskInfo, data_dir: str, tokenizer, options: FeatureOptions, splits) -> TaskData:
     if info.name == "custom":
         return load_custom(info, data_dir, tokenizer, options, splits)
-    return build(
-        info,
-        lambda split: read_split(data_dir, info, split),
-        tokenizer,
-        options,
-        splits,
-        lambda split: read_test_split(data_dir, info, split),
-    )
+    return build(info, lambda split: read_split(data_dir, info, split), tokenizer, options, splits)
 
 
 # ---------------------------------------------------------------------------------------
@@ -576,11 +473,8 @@ def _read_custom(path: str) -> tuple[list[list[str]], list[str], list[int]]:
             f"{path}:1: header names both 'sentence' and 'sentence1'/'sentence2', found "
             f"{header}; name one text column 'sentence' or two 'sentence1' and 'sentence2'"
         )
-    if "label" in header and "sentence" in header:
-        text = ["sentence"]
-    elif "label" in header and "sentence1" in header and "sentence2" in header:
-        text = ["sentence1", "sentence2"]
-    else:
+    text = ["sentence"] if "sentence" in header else ["sentence1", "sentence2"]
+    if any(c not in header for c in (*text, "label")):
         raise TaskDataError(
             f"{path}:1: header must name 'sentence' (or 'sentence1' and 'sentence2') and "
             f"'label', found {header}"
@@ -624,6 +518,6 @@ def load_custom(info, data_dir, tokenizer, options, splits) -> TaskData:
                     f"(labels: {', '.join(names)})"
                 )
             ids.append(label_map[label])
-        return _examples(texts, ids, False, [paths[split]], Counter())
+        return _examples(info, texts, ids, False, [paths[split]], Counter())
 
     return build(info, examples, tokenizer, options, splits)

@@ -11,10 +11,7 @@ start, so that the option, which tells the four rows apart, survives).
 from __future__ import annotations
 
 import glob
-import json
-import logging
 import os
-import time
 
 import numpy as np
 
@@ -29,10 +26,10 @@ from megatron_taco.tasks.base import (
     assemble,
     check_outputs,
     ids_dtype,
+    load_splits,
+    read_json,
     tokenize,
 )
-
-logger = logging.getLogger(__name__)
 
 LEVELS = ("middle", "high")
 NUM_CHOICES = 4
@@ -59,15 +56,7 @@ def read_race(data_dir: str, split: str) -> dict:
             raise TaskDataError(f"{folder}: no *.txt files")
         for path in paths:
             files.append(path)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    doc = json.load(f)
-            except json.JSONDecodeError as e:
-                raise TaskDataError(
-                    f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})"
-                ) from None
-            except UnicodeDecodeError as e:
-                raise TaskDataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            doc = read_json(path)
             fields = ("article", "questions", "options", "answers")
             if not isinstance(doc, dict) or any(k not in doc for k in fields):
                 found = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
@@ -158,24 +147,17 @@ def featurize(raw: dict, tokenizer, seq_length: int) -> tuple[FeatureDataset, di
 
 
 def load(info: TaskInfo, data_dir: str, tokenizer, options: FeatureOptions, splits) -> TaskData:
-    t0 = time.perf_counter()
-    stats: dict = {"sources": {}}
-    datasets, gold = {}, {}
-    for split in splits:
+    def one(split: str):
         raw = read_race(data_dir, split)
         features, split_stats = featurize(raw, tokenizer, options.seq_length)
-        datasets[split] = features
-        gold[split] = (raw["labels"], raw["level"])
-        stats["sources"][split] = [os.path.join(data_dir, split)]
-        for k, v in split_stats.items():
-            stats.setdefault(k, {})[split] = v
-        logger.info("race %s: %s", split, split_stats)
-    stats["seconds"] = time.perf_counter() - t0
+        gold = (raw["labels"], raw["level"])
+        return features, gold, [os.path.join(data_dir, split)], split_stats
+
+    datasets, gold, stats = load_splits(info.name, splits, one)
 
     def score(split: str, outputs: dict[str, np.ndarray]) -> dict[str, float]:
         labels, level = gold[split]
-        logits = check_outputs(info, split, outputs, "logits", (len(labels), NUM_CHOICES))
-        pred = logits.argmax(-1)
+        pred = check_outputs(info, split, outputs, "logits", (len(labels), NUM_CHOICES)).argmax(-1)
         out = {"acc": metrics.accuracy(pred, labels)}
         for lv, name in enumerate(LEVELS):
             sel = level == lv

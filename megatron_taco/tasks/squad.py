@@ -17,7 +17,6 @@ import math
 import os
 import re
 import string
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,8 @@ from megatron_taco.tasks.base import (
     assemble,
     check_outputs,
     ids_dtype,
+    load_splits,
+    read_json,
     tokenize,
 )
 
@@ -218,14 +219,7 @@ def _need(obj, key, kind, where):
 def read_squad(path: str, version: int, training: bool) -> SquadSet:
     if not os.path.isfile(path):
         raise TaskDataError(f"{path}: missing (SQuAD v{'1.1' if version == 1 else '2.0'} file)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except json.JSONDecodeError as e:
-        raise TaskDataError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
-    except UnicodeDecodeError as e:
-        raise TaskDataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    data = _need(doc, "data", list, path)
+    data = _need(read_json(path), "data", list, path)
     out = SquadSet(path, data, [], np.zeros(0), [], [], np.zeros(0), np.zeros(0))
     para, starts, ends = [], [], []
     first_seen: dict[str, str] = {}  # question id -> where (dev: predictions are keyed by id)
@@ -308,13 +302,12 @@ class ContextTokens:
 
 
 def tokenize_contexts(tokenizer, contexts: list[str], chunk: int = 4096) -> ContextTokens:
-    ids, offsets, lengths = [], [], []
+    ids, offsets = [], []
     for lo in range(0, len(contexts), chunk):
         for i, o in tokenizer.encode_with_offsets(contexts[lo : lo + chunk]):
             ids.append(i)
             offsets.append(o)
-            lengths.append(len(i))
-    length = np.asarray(lengths, dtype=np.int64)
+    length = np.asarray([len(i) for i in ids], dtype=np.int64)
     off = np.concatenate(offsets) if offsets else np.zeros((0, 2), np.int64)
     return ContextTokens(
         ids=np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32),
@@ -471,11 +464,7 @@ def decode(
         begin = ctx.begin[ctx.start[p] : ctx.start[p] + ctx.length[p]]
         end = ctx.end[ctx.start[p] : ctx.start[p] + ctx.length[p]]
         f0, f1 = state.feature_start[e], state.feature_start[e + 1]
-        is_max = (
-            max_context(win.doc_start[f0:f1], win.doc_len[f0:f1], int(ctx.length[p]))
-            if f1 - f0 > 1
-            else [np.ones(win.doc_len[f0], dtype=bool)]
-        )
+        is_max = max_context(win.doc_start[f0:f1], win.doc_len[f0:f1], int(ctx.length[p]))
         firsts, lasts, s_logit, e_logit = [], [], [], []  # candidates, feature by feature
         for w, f in enumerate(range(f0, f1)):
             if win.doc_len[f] == 0:
@@ -550,19 +539,14 @@ def write_squad_predictions(output_dir: str | os.PathLike, decoded: dict[str, An
 
 def load(info: TaskInfo, data_dir: str, tokenizer, options: FeatureOptions, splits) -> TaskData:
     version = 1 if info.name == "squad_v1" else 2
-    t0 = time.perf_counter()
-    stats: dict = {"sources": {}}
-    datasets, states = {}, {}
-    for split in splits:
+
+    def one(split: str):
         path = os.path.join(data_dir, FILES[info.name][split])
         squad = read_squad(path, version, training=split == "train")
         features, state, split_stats = featurize(squad, tokenizer, options)
-        datasets[split], states[split] = features, state
-        stats["sources"][split] = [path]
-        for k, v in split_stats.items():
-            stats.setdefault(k, {})[split] = v
-        logger.info("%s %s: %s from %s", info.name, split, split_stats, path)
-    stats["seconds"] = time.perf_counter() - t0
+        return features, state, [path], split_stats
+
+    datasets, states, stats = load_splits(info.name, splits, one)
 
     def predict(split: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
         shape = (len(datasets[split]), options.seq_length)
