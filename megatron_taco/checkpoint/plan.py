@@ -16,7 +16,7 @@ reads every byte runs once per node (``once``), and after the rendezvous the ran
 their plans (rendezvous.agree_on_load), so a stale network-file-system view cannot make two
 ranks load different checkpoints. Executing it is load.load_checkpoint's; a checkpoint that
 verifies but whose tensors misfit the model is only found then, and its fall-back is
-decided by ``ResumeRequest.check`` here as well.
+planned by ``plan_for`` here as well.
 """
 
 from __future__ import annotations
@@ -119,8 +119,7 @@ class ResumeRequest:
 
     def check(self, candidate: Candidate) -> None:
         """Every check of one chosen checkpoint beyond its own integrity: the layout it can be
-        resumed at, the tokenizer, the recipe's. Also for a fall-back chosen after the
-        engine exists (load.load_fitting_checkpoint)."""
+        resumed at, the tokenizer, the recipe's."""
         if self.layout is not None and not self.checkpoint.finetune:
             _check_layout(self.checkpoint, self.layout, candidate)
         if self.tokenizer is not None:
@@ -193,13 +192,15 @@ def plan_resume(
             return _choose(ck, request, tp_size=None if layout is None else layout.tp_size)
 
         chosen = choose() if once is None else once(choose)
-        plan = _plan_for(request, chosen)
+        plan = plan_for(request, chosen)
     if request.stores:
         check_own_stores(ck, request.stores, fresh=plan.starts_fresh)
     return plan
 
 
-def _plan_for(request: ResumeRequest, chosen: tuple[int, str, str | None] | None) -> ResumePlan:
+def plan_for(request: ResumeRequest, chosen: tuple[int, str, str | None] | None) -> ResumePlan:
+    """The plan of ``chosen`` (_choose's answer), also of a fall-back that load.execute_plan
+    chooses once the engine exists."""
     ck = request.checkpoint
     if chosen is None:
         if request.required:
@@ -293,8 +294,8 @@ def _choose(
         if older is None:
             raise
         if not ck.load_fallback:
-            raise ConfigError(f"{e}; {_way_on(request, older[0])}") from None
-        return _fall_back(str(e), older)
+            raise ConfigError(f"{e}; {way_on(request, older[0])}") from None
+        return (*older, str(e))
     if iteration is None:
         return None
     try:
@@ -310,21 +311,17 @@ def _choose(
     if older is None:
         raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
     if ck.load_fallback:
-        return _fall_back(problem, older)
-    raise CheckpointInvalid(f"{problem}; {_way_on(request, older[0])}")
+        return (*older, problem)
+    raise CheckpointInvalid(f"{problem}; {way_on(request, older[0])}")
 
 
-def _way_on(request: ResumeRequest, iteration: int) -> str:
+def way_on(request: ResumeRequest, iteration: int) -> str:
     # A reader (conversion, export, a fine-tuning's pretrained model) has no --load-fallback.
     fallback = "" if request.layout is None else ", or --load-fallback to fall back automatically"
     return (
         f"the last complete checkpoint there is iteration {iteration}: pass --ckpt-step "
         f"{iteration}{fallback}"
     )
-
-
-def _fall_back(problem: str, older: tuple[int, str]) -> tuple[int, str, str]:
-    return older[0], older[1], problem
 
 
 # -- resuming at this run's layout ---------------------------------------------------------
