@@ -168,13 +168,8 @@ def check_model_kind(meta: dict[str, Any], where: str, accepted: tuple[str, ...]
     )
 
 
-def file_checksum(path: str) -> tuple[int, str]:
-    """(size in bytes, CRC-32 as 8 hex digits) of a regular file, streamed."""
-    return checksum_regular(path)
-
-
 def manifest_entry(path: str) -> dict[str, Any]:
-    size, crc = file_checksum(path)
+    size, crc = checksum_regular(path)
     return {"bytes": size, "crc32": crc}
 
 
