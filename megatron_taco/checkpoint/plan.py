@@ -22,6 +22,7 @@ planned by ``plan_for`` here as well.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -164,7 +165,7 @@ class ResumePlan:
 
 
 def plan_resume(
-    request: ResumeRequest, *, once: Callable[[Callable[[], Any]], Any] | None = None
+    request: ResumeRequest, *, once: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
 ) -> ResumePlan:
     """The checks every rank runs before the rendezvous, and what the run will load.
     ``once(fn)`` runs the verification, which reads every byte of the checkpoint, once for
@@ -187,12 +188,7 @@ def plan_resume(
                 "without the optimizer files through zero_to_fp32, which unpickles them "
                 "unsafely; load with a ZeRO stage 0-2 config"
             )
-
-        def choose() -> tuple[int, str, str | None] | None:
-            return _choose(ck, request, tp_size=None if layout is None else layout.tp_size)
-
-        chosen = choose() if once is None else once(choose)
-        plan = plan_for(request, chosen)
+        plan = plan_for(request, once(functools.partial(_choose, request)))
     if request.stores:
         check_own_stores(ck, request.stores, fresh=plan.starts_fresh)
     return plan
@@ -276,15 +272,14 @@ def newest_verified(
     return None
 
 
-def _choose(
-    ck: CheckpointConfig, request: ResumeRequest, *, tp_size: int | None
-) -> tuple[int, str, str | None] | None:
+def _choose(request: ResumeRequest) -> tuple[int, str, str | None] | None:
     """(iteration, checksum, why it is a fall-back or None) of the checkpoint --load will
     restore, verified; None: no tracker, a fresh start."""
-    load_dir, models = ck.load, request.models
+    ck, layout = request.checkpoint, request.layout
+    load_dir = ck.load
     if request.required and not os.path.isdir(load_dir):
         raise CheckpointError(f"--load: {load_dir} is not a directory")
-    kw = dict(tp_size=tp_size, models=models)
+    kw = dict(tp_size=None if layout is None else layout.tp_size, models=request.models)
     try:
         iteration = ck.ckpt_step if ck.ckpt_step is not None else read_tracker(load_dir)
     except CheckpointUnreadable:

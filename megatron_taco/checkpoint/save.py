@@ -113,12 +113,6 @@ def _retire(save_dir: str, keep: int, token: str) -> None:
         io.remove(aside)
 
 
-def _sweep_leftovers(save_dir: str) -> None:
-    for name in os.listdir(save_dir):
-        if LEFTOVER.match(name):
-            io.remove(os.path.join(save_dir, name))
-
-
 def _shared_token(device: torch.device) -> str:
     """A random name part, the same on every rank (DeepSpeed checks the tag is)."""
     value = torch.tensor([secrets.randbits(48)], dtype=torch.int64, device=device)
@@ -130,7 +124,9 @@ def _shared_token(device: torch.device) -> str:
 def _start_save(save_dir: str, tmp_dir: str, sweep: bool) -> None:
     os.makedirs(save_dir, exist_ok=True)
     if sweep:
-        _sweep_leftovers(save_dir)
+        for name in os.listdir(save_dir):
+            if LEFTOVER.match(name):
+                io.remove(os.path.join(save_dir, name))
     os.makedirs(tmp_dir)
 
 
