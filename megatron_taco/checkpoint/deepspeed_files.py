@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import glob
 import io
-import logging
 import math
 import os
 import re
@@ -47,9 +46,6 @@ from megatron_taco.checkpoint.layout import (
 from megatron_taco.checkpoint.reshard import ModelLayout, Tensors
 from megatron_taco.checkpoint.safe_files import safe_torch_load
 from megatron_taco.errors import ConfigError
-
-logger = logging.getLogger(__name__)
-
 
 # The command that converts a checkpoint; error messages name it.
 CONVERTER = "taco-convert-checkpoint"

@@ -7,7 +7,6 @@ strings and DeepSpeed's few bookkeeping classes.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import stat
@@ -38,9 +37,6 @@ from megatron_taco.checkpoint.safe_files import (
     unsafe_globals,
 )
 from megatron_taco.errors import ConfigError
-
-logger = logging.getLogger(__name__)
-
 
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 

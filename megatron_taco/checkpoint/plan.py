@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -56,8 +55,6 @@ from megatron_taco.checkpoint.ownership import (
     check_save_dir,
 )
 from megatron_taco.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 FRESH, RESUME, FALLBACK, WEIGHTS, READ = "fresh", "resume", "fallback", "weights", "read"
 
