@@ -39,10 +39,7 @@ from typing import Any
 import torch
 
 from megatron_taco.checkpoint.errors import CheckpointError
-from megatron_taco.checkpoint.layout import (
-    METADATA_FILENAME,
-    checkpoint_tag,
-)
+from megatron_taco.checkpoint.layout import checkpoint_tag
 from megatron_taco.checkpoint.reshard import ModelLayout, Tensors
 from megatron_taco.checkpoint.safe_files import safe_torch_load
 from megatron_taco.errors import ConfigError
@@ -109,22 +106,16 @@ def ds_format(ds_config: dict[str, Any] | None) -> tuple[int, str]:
 
 def describe_checkpoint(load_dir: str, iteration: int, meta: dict[str, Any]) -> CheckpointInfo:
     """What DeepSpeed's files of a checkpoint are (layout, ZeRO stage, precision), from its
-    metadata.json and, for checkpoints that do not record them, its file names."""
+    metadata.json (read_metadata checked its fields) and, for ZeRO-3, its file names."""
     iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
-    if not isinstance(meta.get("configs", {}), dict):
-        raise CheckpointError(f"{iter_dir}/{METADATA_FILENAME}: 'configs' must be an object")
     stage, precision = ds_format(meta.get("configs", {}).get("deepspeed"))
     if glob.glob(os.path.join(iter_dir, "zero_pp_rank_*_model_states.pt")):
         stage = 3
-    tp = meta.get("tensor_model_parallel_size")
-    if not isinstance(tp, int) or tp < 1:
-        tp = len(glob.glob(os.path.join(iter_dir, "mp_rank_*_model_states.pt")))
-    dp = meta.get("data_parallel_size", 1)
-    return CheckpointInfo(iter_dir, iteration, meta, tp, int(dp), stage, precision)
+    tp, dp = meta["tensor_model_parallel_size"], meta["data_parallel_size"]
+    return CheckpointInfo(iter_dir, iteration, meta, tp, dp, stage, precision)
 
 
 def load_file(path: str) -> Any:
-    """A checkpoint file, read with weights_only=True (checkpointing.safe_torch_load)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} does not exist")
     return safe_torch_load(path)

@@ -29,12 +29,12 @@ from megatron_taco.checkpoint.manifest import read_metadata
 from megatron_taco.checkpoint.plan import (
     FALLBACK,
     READ,
+    RESUME,
     WEIGHTS,
+    Candidate,
     ResumePlan,
     ResumeRequest,
     newest_verified,
-    plan_for,
-    way_on,
 )
 from megatron_taco.checkpoint.rng import load_rng_file, set_rng_states
 from megatron_taco.checkpoint.safe_files import safe_torch_load
@@ -229,21 +229,6 @@ def execute_plan(
     files (rendezvous.agree_on_load). A fall-back within --save makes the tracker name the
     checkpoint loaded: a requeue before the next save, or a run with nothing left to train,
     then resumes it without --load-fallback."""
-    state, done = _execute(engine, plan, request, parallel, rng_tracker)
-    if done.action == FALLBACK and request.checkpoint.resumes_save:
-        if parallel.rank == 0:
-            io.atomic_write(tracker_path(done.load_dir), f"{done.iteration}\n")
-        parallel.file_barrier()
-    return state, done
-
-
-def _execute(
-    engine,
-    plan: ResumePlan,
-    request: ResumeRequest,
-    parallel: ParallelState,
-    rng_tracker: RNGTracker | None,
-) -> tuple[TrainingState, ResumePlan]:
     if not plan.loads or plan.action == READ:
         return TrainingState(), plan
     kw = dict(
@@ -251,22 +236,35 @@ def _execute(
         restore_rng=plan.restore_rng,
         weights_only=plan.action == WEIGHTS,
     )
+    load_dir = plan.load_dir
     try:
-        return load_checkpoint(
-            engine, plan.load_dir, plan.iteration, parallel, rng_tracker, **kw
-        ), plan
-    except CheckpointMisfit as e:
-        misfit = e
-    older = _older_fitting(engine, plan.load_dir, plan.iteration, misfit, parallel, request.models)
-    if not request.checkpoint.load_fallback:
-        raise CheckpointInvalid(f"{misfit}; {way_on(request, older[0])}")
-    if parallel.rank == 0:
-        logger.warning("%s; --load-fallback: loading iteration %d instead", misfit, older[0])
-    # The plan plan_resume makes of a fall-back (request.check included).
-    fell_back = plan_for(request, (*older, str(misfit)))
-    note = plan.note if plan.action == WEIGHTS else fell_back.note  # --finetune: iteration 0
-    state = load_checkpoint(engine, plan.load_dir, older[0], parallel, rng_tracker, **kw)
-    return state, dataclasses.replace(fell_back, note=note, warning=None)  # warned above
+        state = load_checkpoint(engine, load_dir, plan.iteration, parallel, rng_tracker, **kw)
+    except CheckpointMisfit as misfit:
+        older = _older_fitting(engine, load_dir, plan.iteration, misfit, parallel, request.models)
+        if not request.checkpoint.load_fallback:
+            raise CheckpointInvalid(
+                f"{misfit}; the last complete checkpoint there is iteration {older[0]}: pass "
+                f"--ckpt-step {older[0]}, or --load-fallback to fall back automatically"
+            ) from None
+        if parallel.rank == 0:
+            logger.warning("%s; --load-fallback: loading iteration %d instead", misfit, older[0])
+        meta = read_metadata(os.path.join(load_dir, checkpoint_tag(older[0])))
+        request.check(Candidate(load_dir, older[0], meta))
+        resumed = f"resumed from {load_dir} at iteration {older[0]} (--load-fallback)"
+        state = load_checkpoint(engine, load_dir, older[0], parallel, rng_tracker, **kw)
+        plan = dataclasses.replace(
+            plan,
+            action=FALLBACK if plan.action == RESUME else plan.action,
+            iteration=older[0],
+            checksum=older[1],
+            note=plan.note if plan.action == WEIGHTS else resumed,  # --finetune: iteration 0
+            warning=None,  # warned above
+        )
+    if plan.action == FALLBACK and request.checkpoint.resumes_save:
+        if parallel.rank == 0:
+            io.atomic_write(tracker_path(load_dir), f"{plan.iteration}\n")
+        parallel.file_barrier()
+    return state, plan
 
 
 def _older_fitting(

@@ -16,7 +16,7 @@ reads every byte runs once per node (``once``), and after the rendezvous the ran
 their plans (rendezvous.agree_on_load), so a stale network-file-system view cannot make two
 ranks load different checkpoints. Executing it is load.load_checkpoint's; a checkpoint that
 verifies but whose tensors misfit the model is only found then, and its fall-back is
-planned by ``plan_for`` here as well.
+decided by ``ResumeRequest.check`` here as well.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ class ResumeRequest:
 
     def check(self, candidate: Candidate) -> None:
         """Every check of one chosen checkpoint beyond its own integrity: the layout it can be
-        resumed at, the tokenizer, the recipe's."""
+        resumed at, the tokenizer, the recipe's. Also for a fall-back chosen after the
+        engine exists (load.execute_plan)."""
         if self.layout is not None and not self.checkpoint.finetune:
             _check_layout(self.checkpoint, self.layout, candidate)
         if self.tokenizer is not None:
@@ -185,15 +186,13 @@ def plan_resume(
                 "without the optimizer files through zero_to_fp32, which unpickles them "
                 "unsafely; load with a ZeRO stage 0-2 config"
             )
-        plan = plan_for(request, once(functools.partial(_choose, request)))
+        plan = _plan_for(request, once(functools.partial(_choose, request)))
     if request.stores:
         check_own_stores(ck, request.stores, fresh=plan.starts_fresh)
     return plan
 
 
-def plan_for(request: ResumeRequest, chosen: tuple[int, str, str | None] | None) -> ResumePlan:
-    """The plan of ``chosen`` (_choose's answer), also of a fall-back that load.execute_plan
-    chooses once the engine exists."""
+def _plan_for(request: ResumeRequest, chosen: tuple[int, str, str | None] | None) -> ResumePlan:
     ck = request.checkpoint
     if chosen is None:
         if request.required:
@@ -286,7 +285,7 @@ def _choose(request: ResumeRequest) -> tuple[int, str, str | None] | None:
         if older is None:
             raise
         if not ck.load_fallback:
-            raise ConfigError(f"{e}; {way_on(request, older[0])}") from None
+            raise ConfigError(f"{e}; {_way_on(request, older[0])}") from None
         return (*older, str(e))
     if iteration is None:
         return None
@@ -304,10 +303,10 @@ def _choose(request: ResumeRequest) -> tuple[int, str, str | None] | None:
         raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
     if ck.load_fallback:
         return (*older, problem)
-    raise CheckpointInvalid(f"{problem}; {way_on(request, older[0])}")
+    raise CheckpointInvalid(f"{problem}; {_way_on(request, older[0])}")
 
 
-def way_on(request: ResumeRequest, iteration: int) -> str:
+def _way_on(request: ResumeRequest, iteration: int) -> str:
     # A reader (conversion, export, a fine-tuning's pretrained model) has no --load-fallback.
     fallback = "" if request.layout is None else ", or --load-fallback to fall back automatically"
     return (

@@ -130,12 +130,6 @@ def _start_save(save_dir: str, tmp_dir: str, sweep: bool) -> None:
     os.makedirs(tmp_dir)
 
 
-def _write_rng(path: str, rng_tracker: RNGTracker | None, writer: SafeCheckpointEngine) -> None:
-    states = get_rng_states(rng_tracker)
-    io.write_durably(path, lambda f: torch.save(states, f))
-    writer.written.append(path)
-
-
 def _own_manifest(writer: SafeCheckpointEngine, tmp_dir: str) -> dict[str, dict]:
     """Size and CRC-32 of the files this rank wrote (read back from the page cache)."""
     entries = {}
@@ -225,8 +219,7 @@ def save_checkpoint(
     tmp_tag = os.path.basename(tmp_dir)
     engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
     hook_point("after_model_files", iteration)
-    rng_path = rng_state_path(tmp_dir, parallel.rank)
-    writer.attempt(rng_path, _write_rng, rng_path, rng_tracker, writer)
+    writer.save(get_rng_states(rng_tracker), rng_state_path(tmp_dir, parallel.rank))
     hook_point("after_rng_files", iteration)
     gathered = comm.all_gather_object((writer.error, _own_manifest(writer, tmp_dir)))
     message = warning = None
