@@ -170,13 +170,18 @@ def load_checkpoint(
     """Collective: restore iteration ``iteration`` of ``load_dir``: the model (+ optimizer and
     scheduler with ``restore_optimizer``, RNG states with ``restore_rng``, the data
     position), or with ``weights_only`` the model weights alone (the state is iteration 0).
-    plan_resume verified the checkpoint before any process group existed, and refused one of
-    another tensor-parallel size or a ZeRO-3 load without the optimizer (zero_to_fp32's
-    unrestricted torch.load); every file is read with weights_only=True regardless."""
+    plan_resume verified the checkpoint before any process group existed (and refused one of
+    another tensor-parallel size); every file is read with weights_only=True regardless."""
     tag = checkpoint_tag(iteration)
     iter_dir = os.path.join(load_dir, tag)
     meta = read_metadata(iter_dir)
     restore_optimizer = restore_optimizer and not weights_only
+    if not restore_optimizer and engine.zero_optimization_partition_weights():
+        # DeepSpeed would rebuild the weights through zero_to_fp32's unrestricted torch.load.
+        raise ConfigError(
+            "--finetune/--no-load-optim: not supported with ZeRO stage 3; load with a ZeRO "
+            "stage 0-2 config"
+        )
     safe_engine(engine)
     _agree_on_fit(engine, load_dir, iteration, parallel)
     load_path, client_state = engine.load_checkpoint(
