@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from megatron_taco.arguments import option, require
 
@@ -95,14 +95,7 @@ class CheckpointConfig:
                 good = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
                 require(good, cls, name, f"must be an integer >= {minimum}, got {value!r}")
                 require(getattr(self, needs) is not None, cls, name, f"needs --{needs}")
-        for name in (
-            "no_load_optim",
-            "no_load_rng",
-            "finetune",
-            "load_fallback",
-            "override_existing_checkpoints",
-            "save_lock_flock_local",
-        ):
+        for name in (f.name for f in fields(cls) if f.type == "bool"):  # every switch
             value = getattr(self, name)
             require(isinstance(value, bool), cls, name, f"must be true or false, got {value!r}")
         if self.override_existing_checkpoints:
