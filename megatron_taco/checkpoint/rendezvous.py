@@ -2,9 +2,9 @@
 
 Before it (no process group yet): work every rank of a node would repeat on the same files,
 above all verifying the checkpoint --load restores (it reads every byte), is done once per
-node (``verify_once_per_node``). The ranks a launcher started on one node share a lock file named
-after that launch; the first to take the lock does the work and leaves its result (or its
-one-line error) beside the lock, and the others read it. A rank that dies while holding
+node (``verify_once_per_node``). The ranks a launcher started on one node share a lock file
+named after that launch; the first to take the lock does the work and leaves its result (or
+its one-line error) beside the lock, and the others read it. A rank that dies while holding
 the lock releases it, and the next one does the work itself. Errors stay one line before
 any process group exists, on every rank.
 

@@ -78,7 +78,6 @@ def open_regular(path: str) -> int:
 
 
 def read_regular(path: str, limit: int | None = None) -> bytes:
-    """The bytes of the regular file ``path`` (at most ``limit``)."""
     fd = open_regular(path)
     with os.fdopen(fd, "rb") as f:
         return f.read() if limit is None else f.read(limit)
