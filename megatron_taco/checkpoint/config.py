@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from megatron_taco.arguments import option, require
-
-
-def _is_int(value, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 @dataclass(frozen=True)
@@ -89,38 +85,17 @@ class CheckpointConfig:
                     f"expected a path, got {value!r}",
                 )
                 object.__setattr__(self, name, os.fspath(value))
-        if self.save_interval is not None:
-            require(
-                _is_int(self.save_interval, 1),
-                cls,
-                "save_interval",
-                f"must be an integer >= 1, got {self.save_interval!r}",
-            )
-            require(self.save is not None, cls, "save_interval", "needs --save")
-        if self.ckpt_step is not None:
-            require(
-                _is_int(self.ckpt_step, 0),
-                cls,
-                "ckpt_step",
-                f"must be an integer >= 0, got {self.ckpt_step!r}",
-            )
-            require(self.load is not None, cls, "ckpt_step", "needs --load")
-        if self.save_retain is not None:
-            require(
-                _is_int(self.save_retain, 1),
-                cls,
-                "save_retain",
-                f"must be an integer >= 1, got {self.save_retain!r}",
-            )
-            require(self.save is not None, cls, "save_retain", "needs --save")
-        for name in (
-            "no_load_optim",
-            "no_load_rng",
-            "finetune",
-            "load_fallback",
-            "override_existing_checkpoints",
-            "save_lock_flock_local",
+        for name, minimum, needs in (
+            ("save_interval", 1, "save"),
+            ("ckpt_step", 0, "load"),
+            ("save_retain", 1, "save"),
         ):
+            value = getattr(self, name)
+            if value is not None:
+                good = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+                require(good, cls, name, f"must be an integer >= {minimum}, got {value!r}")
+                require(getattr(self, needs) is not None, cls, name, f"needs --{needs}")
+        for name in (f.name for f in fields(cls) if f.type == "bool"):  # every switch
             value = getattr(self, name)
             require(isinstance(value, bool), cls, name, f"must be true or false, got {value!r}")
         if self.override_existing_checkpoints:

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import glob
 import io
-import logging
 import math
 import os
 import re
@@ -40,16 +39,10 @@ from typing import Any
 import torch
 
 from megatron_taco.checkpoint.errors import CheckpointError
-from megatron_taco.checkpoint.layout import (
-    METADATA_FILENAME,
-    checkpoint_tag,
-)
+from megatron_taco.checkpoint.layout import checkpoint_tag
 from megatron_taco.checkpoint.reshard import ModelLayout, Tensors
 from megatron_taco.checkpoint.safe_files import safe_torch_load
 from megatron_taco.errors import ConfigError
-
-logger = logging.getLogger(__name__)
-
 
 # The command that converts a checkpoint; error messages name it.
 CONVERTER = "taco-convert-checkpoint"
@@ -79,17 +72,23 @@ class CheckpointInfo:
     def configs(self) -> dict[str, Any]:
         return self.meta.get("configs") or {}
 
-    def model_file(self, tp_rank: int) -> str:
-        return os.path.join(self.iter_dir, f"mp_rank_{tp_rank:02d}_model_states.pt")
-
-    def zero3_model_file(self, dp_rank: int, tp_rank: int) -> str:
-        name = f"zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_model_states.pt"
-        return os.path.join(self.iter_dir, name)
+    def model_file(self, tp_rank: int, dp_rank: int | None = None) -> str:
+        return os.path.join(self.iter_dir, model_states_name(tp_rank, dp_rank))
 
     def zero_file(self, dp_rank: int, tp_rank: int) -> str:
-        prefix = "bf16_" if self.precision == "bf16" else ""
-        name = f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
-        return os.path.join(self.iter_dir, name)
+        return os.path.join(self.iter_dir, optim_states_name(self.precision, dp_rank, tp_rank))
+
+
+def model_states_name(tp_rank: int, dp_rank: int | None = None) -> str:
+    """DeepSpeed's model states file of tensor-parallel rank ``tp_rank``; ZeRO-3 keeps one
+    per data-parallel rank (``dp_rank``)."""
+    zero3 = "" if dp_rank is None else f"zero_pp_rank_{dp_rank}_"
+    return f"{zero3}mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(precision: str, dp_rank: int, tp_rank: int) -> str:
+    prefix = "bf16_" if precision == "bf16" else ""
+    return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
 
 
 def ds_format(ds_config: dict[str, Any] | None) -> tuple[int, str]:
@@ -107,22 +106,16 @@ def ds_format(ds_config: dict[str, Any] | None) -> tuple[int, str]:
 
 def describe_checkpoint(load_dir: str, iteration: int, meta: dict[str, Any]) -> CheckpointInfo:
     """What DeepSpeed's files of a checkpoint are (layout, ZeRO stage, precision), from its
-    metadata.json and, for checkpoints that do not record them, its file names."""
+    metadata.json (read_metadata checked its fields) and, for ZeRO-3, its file names."""
     iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
-    if not isinstance(meta.get("configs", {}), dict):
-        raise CheckpointError(f"{iter_dir}/{METADATA_FILENAME}: 'configs' must be an object")
     stage, precision = ds_format(meta.get("configs", {}).get("deepspeed"))
     if glob.glob(os.path.join(iter_dir, "zero_pp_rank_*_model_states.pt")):
         stage = 3
-    tp = meta.get("tensor_model_parallel_size")
-    if not isinstance(tp, int) or tp < 1:
-        tp = len(glob.glob(os.path.join(iter_dir, "mp_rank_*_model_states.pt")))
-    dp = meta.get("data_parallel_size", 1)
-    return CheckpointInfo(iter_dir, iteration, meta, tp, int(dp), stage, precision)
+    tp, dp = meta["tensor_model_parallel_size"], meta["data_parallel_size"]
+    return CheckpointInfo(iter_dir, iteration, meta, tp, dp, stage, precision)
 
 
 def load_file(path: str) -> Any:
-    """A checkpoint file, read with weights_only=True (checkpointing.safe_torch_load)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} does not exist")
     return safe_torch_load(path)
@@ -301,7 +294,7 @@ def _zero3(info: CheckpointInfo, layout: ModelLayout, tp_rank: int, optimizer: b
     from deepspeed.utils import zero_to_fp32
 
     dp = info.dp_size
-    models = [load_file(info.zero3_model_file(d, tp_rank)) for d in range(dp)]
+    models = [load_file(info.model_file(tp_rank, d)) for d in range(dp)]
     what = info.zero_file(0, tp_rank)
     files = [load_file(info.zero_file(d, tp_rank)) for d in range(dp)]
     osds = [f.get("optimizer_state_dict") if isinstance(f, dict) else None for f in files]
@@ -386,7 +379,7 @@ def read_states(info: CheckpointInfo, layout: ModelLayout, *, optimizer: bool = 
     _check_model_files(info)
     ranks, client = [], {}
     for r in range(info.tp_size):
-        path = info.zero3_model_file(0, r) if info.zero_stage == 3 else info.model_file(r)
+        path = info.model_file(r, 0 if info.zero_stage == 3 else None)
         sd = load_file(path)
         if not isinstance(sd, dict) or not isinstance(sd.get("module"), dict):
             raise CheckpointError(f"{path}: no 'module' state dict in it")
@@ -590,21 +583,10 @@ def write_states(states: TrainingStates, target: TargetLayout, iter_dir: str) ->
             optimizer = _stage0_optimizer(states, rank, target)
         else:
             for d, part in enumerate(_zero_partitions(states, rank, target)):
-                name = os.path.basename(_target_info(states, target, iter_dir).zero_file(d, r))
+                name = optim_states_name(target.precision, d, r)
                 torch.save(_zero_file(states, part, target), os.path.join(iter_dir, name))
                 written.append(name)
-        name = f"mp_rank_{r:02d}_model_states.pt"
+        name = model_states_name(r)
         torch.save(_model_file(states, module, optimizer, target), os.path.join(iter_dir, name))
         written.append(name)
     return written
-
-
-def _target_info(states: TrainingStates, target: TargetLayout, iter_dir: str) -> CheckpointInfo:
-    return dataclasses.replace(
-        states.info,
-        iter_dir=iter_dir,
-        tp_size=target.layout.tp_size,
-        dp_size=target.dp_size,
-        zero_stage=target.zero_stage,
-        precision=target.precision,
-    )

@@ -71,11 +71,9 @@ class SafeCheckpointEngine:
                 io.remove(path)
 
     def save(self, state_dict: Any, path: str) -> None:
-        def write() -> None:
-            io.write_durably(path, lambda f: torch.save(state_dict, f))
+        self.attempt(path, io.write_durably, path, lambda f: torch.save(state_dict, f))
+        if self.error is None:  # written (attempt skips every write after a failed one)
             self.written.append(path)
-
-        self.attempt(path, write)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return safe_torch_load(path, map_location)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megatron_taco import io
+from megatron_taco.checkpoint.deepspeed_files import model_states_name
 from megatron_taco.checkpoint.engine import safe_engine
 from megatron_taco.checkpoint.errors import CheckpointInvalid, CheckpointMisfit
 from megatron_taco.checkpoint.layout import (
@@ -105,20 +106,13 @@ def checkpoint_misfit(engine, path: str, iter_dir: str) -> tuple[str, Any] | Non
     return f"--load: {path} does not fit this model: {'; '.join(parts)}", how
 
 
-def _model_states_file(engine, iter_dir: str, parallel: ParallelState) -> str:
-    """This rank's model states file (DeepSpeed's names; ZeRO-3 keeps one per dp rank)."""
-    if engine.zero_optimization_partition_weights():
-        name = f"zero_pp_rank_{parallel.dp_rank}_mp_rank_{parallel.tp_rank:02d}_model_states.pt"
-    else:
-        name = f"mp_rank_{parallel.tp_rank:02d}_model_states.pt"
-    return os.path.join(iter_dir, name)
-
-
 def _agree_on_fit(engine, load_dir: str, iteration: int, parallel: ParallelState) -> None:
     """Collective: every rank checks its own model states file before DeepSpeed loads any;
     a misfit on one rank stops every rank with the first rank's line."""
     iter_dir = os.path.join(load_dir, checkpoint_tag(iteration))
-    problem = checkpoint_misfit(engine, _model_states_file(engine, iter_dir, parallel), iter_dir)
+    dp_rank = parallel.dp_rank if engine.zero_optimization_partition_weights() else None
+    path = os.path.join(iter_dir, model_states_name(parallel.tp_rank, dp_rank))
+    problem = checkpoint_misfit(engine, path, iter_dir)
     found = comm.all_gather_object(problem)
     first = next((p for p in found if p is not None), None)
     if first is not None:
@@ -176,19 +170,11 @@ def load_checkpoint(
     """Collective: restore iteration ``iteration`` of ``load_dir``: the model (+ optimizer and
     scheduler with ``restore_optimizer``, RNG states with ``restore_rng``, the data
     position), or with ``weights_only`` the model weights alone (the state is iteration 0).
-    plan_resume verified the checkpoint before any process group existed; every file is
-    read with weights_only=True regardless."""
+    plan_resume verified the checkpoint before any process group existed (and refused one of
+    another tensor-parallel size); every file is read with weights_only=True regardless."""
     tag = checkpoint_tag(iteration)
     iter_dir = os.path.join(load_dir, tag)
-    if not os.path.isdir(iter_dir):
-        raise ConfigError(f"--load: checkpoint directory {iter_dir} does not exist")
     meta = read_metadata(iter_dir)
-    saved_tp = meta.get("tensor_model_parallel_size")
-    if saved_tp is not None and saved_tp != parallel.tp_size:
-        raise ConfigError(
-            f"--tensor-model-parallel-size: {iter_dir} was saved with tensor parallel size "
-            f"{saved_tp}, this run uses {parallel.tp_size}"
-        )
     restore_optimizer = restore_optimizer and not weights_only
     if not restore_optimizer and engine.zero_optimization_partition_weights():
         # DeepSpeed would rebuild the weights through zero_to_fp32's unrestricted torch.load.
@@ -220,7 +206,7 @@ def load_checkpoint(
         consumed_samples=int(client_state.get("consumed_samples", meta.get("consumed_samples", 0))),
         callback_states=dict(meta.get("callbacks", {})),
     )
-    if restore_rng and not weights_only:
+    if restore_rng:
         path = rng_state_path(iter_dir, parallel.rank)
         if not os.path.isfile(path):
             raise ConfigError(
@@ -248,21 +234,6 @@ def execute_plan(
     files (rendezvous.agree_on_load). A fall-back within --save makes the tracker name the
     checkpoint loaded: a requeue before the next save, or a run with nothing left to train,
     then resumes it without --load-fallback."""
-    state, done = _execute(engine, plan, request, parallel, rng_tracker)
-    if done.action == FALLBACK and request.checkpoint.resumes_save:
-        if parallel.rank == 0:
-            io.atomic_write(tracker_path(done.load_dir), f"{done.iteration}\n")
-        parallel.file_barrier()
-    return state, done
-
-
-def _execute(
-    engine,
-    plan: ResumePlan,
-    request: ResumeRequest,
-    parallel: ParallelState,
-    rng_tracker: RNGTracker | None,
-) -> tuple[TrainingState, ResumePlan]:
     if not plan.loads or plan.action == READ:
         return TrainingState(), plan
     kw = dict(
@@ -270,33 +241,35 @@ def _execute(
         restore_rng=plan.restore_rng,
         weights_only=plan.action == WEIGHTS,
     )
+    load_dir = plan.load_dir
     try:
-        return load_checkpoint(
-            engine, plan.load_dir, plan.iteration, parallel, rng_tracker, **kw
-        ), plan
-    except CheckpointMisfit as e:
-        misfit = e
-    older = _older_fitting(engine, plan.load_dir, plan.iteration, misfit, parallel, request.models)
-    if not request.checkpoint.load_fallback:
-        raise CheckpointInvalid(
-            f"{misfit}; the last complete checkpoint there is iteration {older[0]}: pass "
-            f"--ckpt-step {older[0]}, or --load-fallback to fall back automatically"
+        state = load_checkpoint(engine, load_dir, plan.iteration, parallel, rng_tracker, **kw)
+    except CheckpointMisfit as misfit:
+        older = _older_fitting(engine, load_dir, plan.iteration, misfit, parallel, request.models)
+        if not request.checkpoint.load_fallback:
+            raise CheckpointInvalid(
+                f"{misfit}; the last complete checkpoint there is iteration {older[0]}: pass "
+                f"--ckpt-step {older[0]}, or --load-fallback to fall back automatically"
+            ) from None
+        if parallel.rank == 0:
+            logger.warning("%s; --load-fallback: loading iteration %d instead", misfit, older[0])
+        meta = read_metadata(os.path.join(load_dir, checkpoint_tag(older[0])))
+        request.check(Candidate(load_dir, older[0], meta))
+        resumed = f"resumed from {load_dir} at iteration {older[0]} (--load-fallback)"
+        state = load_checkpoint(engine, load_dir, older[0], parallel, rng_tracker, **kw)
+        plan = dataclasses.replace(
+            plan,
+            action=FALLBACK if plan.action == RESUME else plan.action,
+            iteration=older[0],
+            checksum=older[1],
+            note=plan.note if plan.action == WEIGHTS else resumed,  # --finetune: iteration 0
+            warning=None,  # warned above
         )
-    if parallel.rank == 0:
-        logger.warning("%s; --load-fallback: loading iteration %d instead", misfit, older[0])
-    meta = read_metadata(os.path.join(plan.load_dir, checkpoint_tag(older[0])))
-    request.check(Candidate(plan.load_dir, older[0], meta))
-    resumed = f"resumed from {plan.load_dir} at iteration {older[0]} (--load-fallback)"
-    fell_back = dataclasses.replace(
-        plan,
-        action=FALLBACK if plan.action == RESUME else plan.action,
-        iteration=older[0],
-        checksum=older[1],
-        note=plan.note if plan.action == WEIGHTS else resumed,  # --finetune: iteration 0
-        warning=None,  # warned above
-    )
-    state = load_checkpoint(engine, plan.load_dir, older[0], parallel, rng_tracker, **kw)
-    return state, fell_back
+    if plan.action == FALLBACK and request.checkpoint.resumes_save:
+        if parallel.rank == 0:
+            io.atomic_write(tracker_path(load_dir), f"{plan.iteration}\n")
+        parallel.file_barrier()
+    return state, plan
 
 
 def _older_fitting(

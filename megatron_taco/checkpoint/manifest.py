@@ -7,11 +7,11 @@ strings and DeepSpeed's few bookkeeping classes.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import stat
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,9 +37,6 @@ from megatron_taco.checkpoint.safe_files import (
     unsafe_globals,
 )
 from megatron_taco.errors import ConfigError
-
-logger = logging.getLogger(__name__)
-
 
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 
@@ -128,12 +125,7 @@ def _check_schema(path: str, meta: dict[str, Any]) -> None:
 def read_metadata(iter_dir: str) -> dict[str, Any]:
     """metadata.json, read without following links, its schema and checksum checked."""
     path = os.path.join(iter_dir, METADATA_FILENAME)
-    try:
-        raw = retried_read(path, lambda: read_regular(path, _MAX_METADATA_BYTES + 1))
-    except FileNotFoundError:
-        raise CheckpointInvalid(f"{path} is missing") from None
-    except UnsafeFile as e:
-        raise CheckpointInvalid(str(e)) from None
+    raw = _read(path, lambda: read_regular(path, _MAX_METADATA_BYTES + 1))
     if len(raw) > _MAX_METADATA_BYTES:
         raise CheckpointInvalid(f"{path} is larger than {_MAX_METADATA_BYTES >> 20} MiB")
     try:
@@ -168,13 +160,8 @@ def check_model_kind(meta: dict[str, Any], where: str, accepted: tuple[str, ...]
     )
 
 
-def file_checksum(path: str) -> tuple[int, str]:
-    """(size in bytes, CRC-32 as 8 hex digits) of a regular file, streamed."""
-    return checksum_regular(path)
-
-
 def manifest_entry(path: str) -> dict[str, Any]:
-    size, crc = file_checksum(path)
+    size, crc = checksum_regular(path)
     return {"bytes": size, "crc32": crc}
 
 
@@ -210,12 +197,7 @@ def verify_files(iter_dir: str, meta: dict[str, Any]) -> None:
     I/O error included, raises CheckpointInvalid naming the file."""
     manifest = meta["files"]
     paths = {name: _check_manifest_entry(iter_dir, name, entry) for name, entry in manifest.items()}
-    try:
-        present = retried_read(iter_dir, lambda: relative_files(iter_dir))
-    except UnsafeFile as e:
-        raise CheckpointInvalid(str(e)) from None
-    except FileNotFoundError as e:
-        raise CheckpointInvalid(f"{e.filename or iter_dir} is missing") from None
+    present = _read(iter_dir, lambda: relative_files(iter_dir))
     for name in sorted(set(manifest) - present):
         raise CheckpointInvalid(f"{paths[name]} is missing")
     for name in sorted(present - set(manifest)):
@@ -226,13 +208,18 @@ def verify_files(iter_dir: str, meta: dict[str, Any]) -> None:
         _verify_file(paths[name], manifest[name])
 
 
-def _verify_file(path: str, entry: dict[str, Any]) -> None:
+def _read(path: str, read: Callable[[], Any]) -> Any:
+    """retried_read; a missing file, or one that is not a regular file, is CheckpointInvalid."""
     try:
-        size, crc = retried_read(path, lambda: checksum_regular(path))
-    except FileNotFoundError:
-        raise CheckpointInvalid(f"{path} is missing") from None
+        return retried_read(path, read)
+    except FileNotFoundError as e:
+        raise CheckpointInvalid(f"{e.filename or path} is missing") from None
     except UnsafeFile as e:
         raise CheckpointInvalid(str(e)) from None
+
+
+def _verify_file(path: str, entry: dict[str, Any]) -> None:
+    size, crc = _read(path, lambda: checksum_regular(path))
     if size != entry["bytes"]:
         raise CheckpointInvalid(
             f"{path} has {size} bytes, the manifest says {entry['bytes']} (truncated "
@@ -254,6 +241,9 @@ def _check_pickle(path: str) -> None:
     require_safe_torch()
     try:
         unsafe = unsafe_globals(path)
+        if not unsafe:
+            with torch.serialization.safe_globals(deepspeed_safe_globals()):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise CheckpointInvalid(
             f"{path} is not a readable torch checkpoint ({exception_line(e)})"
@@ -263,13 +253,6 @@ def _check_pickle(path: str) -> None:
             f"{path} holds pickled objects other than tensors, numbers and strings "
             f"({', '.join(unsafe[:3])}); refusing to load it"
         )
-    try:
-        with torch.serialization.safe_globals(deepspeed_safe_globals()):
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise CheckpointInvalid(
-            f"{path} is not a readable torch checkpoint ({exception_line(e)})"
-        ) from None
 
 
 def verify_checkpoint(

@@ -22,7 +22,7 @@ decided by ``ResumeRequest.check`` here as well.
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -55,8 +55,6 @@ from megatron_taco.checkpoint.ownership import (
     check_save_dir,
 )
 from megatron_taco.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 FRESH, RESUME, FALLBACK, WEIGHTS, READ = "fresh", "resume", "fallback", "weights", "read"
 
@@ -120,7 +118,7 @@ class ResumeRequest:
     def check(self, candidate: Candidate) -> None:
         """Every check of one chosen checkpoint beyond its own integrity: the layout it can be
         resumed at, the tokenizer, the recipe's. Also for a fall-back chosen after the
-        engine exists (load.load_fitting_checkpoint)."""
+        engine exists (load.execute_plan)."""
         if self.layout is not None and not self.checkpoint.finetune:
             _check_layout(self.checkpoint, self.layout, candidate)
         if self.tokenizer is not None:
@@ -165,7 +163,7 @@ class ResumePlan:
 
 
 def plan_resume(
-    request: ResumeRequest, *, once: Callable[[Callable[[], Any]], Any] | None = None
+    request: ResumeRequest, *, once: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
 ) -> ResumePlan:
     """The checks every rank runs before the rendezvous, and what the run will load.
     ``once(fn)`` runs the verification, which reads every byte of the checkpoint, once for
@@ -188,12 +186,7 @@ def plan_resume(
                 "without the optimizer files through zero_to_fp32, which unpickles them "
                 "unsafely; load with a ZeRO stage 0-2 config"
             )
-
-        def choose() -> tuple[int, str, str | None] | None:
-            return _choose(ck, request, tp_size=None if layout is None else layout.tp_size)
-
-        chosen = choose() if once is None else once(choose)
-        plan = _plan_for(request, chosen)
+        plan = _plan_for(request, once(functools.partial(_choose, request)))
     if request.stores:
         check_own_stores(ck, request.stores, fresh=plan.starts_fresh)
     return plan
@@ -275,15 +268,14 @@ def newest_verified(
     return None
 
 
-def _choose(
-    ck: CheckpointConfig, request: ResumeRequest, *, tp_size: int | None
-) -> tuple[int, str, str | None] | None:
+def _choose(request: ResumeRequest) -> tuple[int, str, str | None] | None:
     """(iteration, checksum, why it is a fall-back or None) of the checkpoint --load will
     restore, verified; None: no tracker, a fresh start."""
-    load_dir, models = ck.load, request.models
+    ck, layout = request.checkpoint, request.layout
+    load_dir = ck.load
     if request.required and not os.path.isdir(load_dir):
         raise CheckpointError(f"--load: {load_dir} is not a directory")
-    kw = dict(tp_size=tp_size, models=models)
+    kw = dict(tp_size=None if layout is None else layout.tp_size, models=request.models)
     try:
         iteration = ck.ckpt_step if ck.ckpt_step is not None else read_tracker(load_dir)
     except CheckpointUnreadable:
@@ -294,7 +286,7 @@ def _choose(
             raise
         if not ck.load_fallback:
             raise ConfigError(f"{e}; {_way_on(request, older[0])}") from None
-        return _fall_back(str(e), older)
+        return (*older, str(e))
     if iteration is None:
         return None
     try:
@@ -310,7 +302,7 @@ def _choose(
     if older is None:
         raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
     if ck.load_fallback:
-        return _fall_back(problem, older)
+        return (*older, problem)
     raise CheckpointInvalid(f"{problem}; {_way_on(request, older[0])}")
 
 
@@ -321,10 +313,6 @@ def _way_on(request: ResumeRequest, iteration: int) -> str:
         f"the last complete checkpoint there is iteration {iteration}: pass --ckpt-step "
         f"{iteration}{fallback}"
     )
-
-
-def _fall_back(problem: str, older: tuple[int, str]) -> tuple[int, str, str]:
-    return older[0], older[1], problem
 
 
 # -- resuming at this run's layout ---------------------------------------------------------

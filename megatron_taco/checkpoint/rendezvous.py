@@ -2,9 +2,9 @@
 
 Before it (no process group yet): work every rank of a node would repeat on the same files,
 above all verifying the checkpoint --load restores (it reads every byte), is done once per
-node (``once_per_node``). The ranks a launcher started on one node share a lock file named
-after that launch; the first to take the lock does the work and leaves its result (or its
-one-line error) beside the lock, and the others read it. A rank that dies while holding
+node (``verify_once_per_node``). The ranks a launcher started on one node share a lock file
+named after that launch; the first to take the lock does the work and leaves its result (or
+its one-line error) beside the lock, and the others read it. A rank that dies while holding
 the lock releases it, and the next one does the work itself. Errors stay one line before
 any process group exists, on every rank.
 
@@ -24,6 +24,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable
+from itertools import groupby
 from typing import Any
 
 from megatron_taco import io
@@ -33,10 +34,14 @@ from megatron_taco.runtime.launcher import launch_id
 _STALE_S = 7 * 24 * 3600
 
 
+def _results_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"megatron_taco-{os.getuid()}")
+
+
 def _private_dir() -> str:
     """A directory of this user's only (0700, owned by us, not a link): a result file
     planted by another user must not be taken for a rank's verdict."""
-    path = os.path.join(tempfile.gettempdir(), f"megatron_taco-{os.getuid()}")
+    path = _results_dir()
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
@@ -57,48 +62,36 @@ def _sweep(directory: str) -> None:
                 os.unlink(path)
 
 
-def _read_result(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-
-
-def _write_result(path: str, result: dict[str, Any]) -> None:
-    io.atomic_write(path, json.dumps(result))
-
-
-def once_per_node(
-    name: str,
-    compute: Callable[[], Any],
-    encode: Callable[[Any], Any] = lambda value: value,
-    decode: Callable[[Any], Any] = lambda value: value,
-) -> Any:
-    """``compute()`` on one rank of this node, its result (``encode``d to JSON and
-    ``decode``d back) on all of them; a ConfigError it raises is raised on all of them.
-    Runs ``compute()`` directly where this process is alone on its node."""
+def verify_once_per_node(choose: Callable[[], Any], name: str = "load") -> Any:
+    """plan_resume's ``once``: ``choose()``, the --load verification (which reads every byte),
+    on one rank of this node, its result (None or [iteration, checksum, fall-back reason]) on
+    all of them; a ConfigError it raises is raised on all of them. Runs ``choose()``
+    directly where this process is alone on its node."""
     key = launch_id()
     if key is None:
-        return compute()
+        return choose()
     directory = _private_dir()
     base = os.path.join(directory, f"{name}-{key}")
     fd = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if the holder dies
-        result = _read_result(f"{base}.json")
+        try:
+            with open(f"{base}.json", encoding="utf-8") as f:
+                result = json.load(f)
+        except FileNotFoundError:
+            result = None
         if result is None:
             _sweep(directory)
             try:
-                result = {"value": encode(compute())}
+                result = {"value": choose()}
             except ConfigError as e:
                 result = {"error": str(e)}
-            _write_result(f"{base}.json", result)
+            io.atomic_write(f"{base}.json", json.dumps(result))
     finally:
         os.close(fd)  # unlocks
     if "error" in result:
         raise ConfigError(result["error"])
-    return decode(result["value"])
+    return None if result["value"] is None else tuple(result["value"])
 
 
 def forget_node_results(name: str) -> None:
@@ -107,21 +100,16 @@ def forget_node_results(name: str) -> None:
     key = launch_id()
     if key is None:
         return
-    base = os.path.join(tempfile.gettempdir(), f"megatron_taco-{os.getuid()}", f"{name}-{key}")
+    base = os.path.join(_results_dir(), f"{name}-{key}")
     for path in (f"{base}.json", f"{base}.lock"):
         with contextlib.suppress(OSError):
             os.unlink(path)
 
 
 def _ranges(ranks: list[int]) -> str:
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
+    """'0-3,6' for ascending ranks: a run of consecutive ones has one rank - index."""
+    runs = [[r for _, r in run] for _, run in groupby(enumerate(ranks), lambda p: p[1] - p[0])]
+    return ",".join(f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def describe_disagreement(views: list[tuple[str, Any]], what: str) -> str | None:
@@ -139,12 +127,6 @@ def describe_disagreement(views: list[tuple[str, Any]], what: str) -> str | None
         for v, ranks in groups.items()
     ]
     return f"the ranks disagree on {what}: {'; '.join(parts)}"
-
-
-def verify_once_per_node(choose: Callable[[], Any], name: str = "load") -> Any:
-    """plan_resume's ``once``: the --load verification (which reads every byte), by one rank
-    per node; its result (None or [iteration, checksum, fall-back reason]) on every rank."""
-    return once_per_node(name, choose, decode=lambda value: None if value is None else tuple(value))
 
 
 def agree_on_load(plan: Any) -> None:

@@ -12,7 +12,6 @@ Their padding rows are dropped when merging and zero rows appended when splittin
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 
 import torch
@@ -22,9 +21,6 @@ from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.parallel.layers import merge_partitions, pad_vocab_size, split_partition
 from megatron_taco.parallel.state import ParallelState
 from megatron_taco.param_groups import split_weight_decay
-
-logger = logging.getLogger(__name__)
-
 
 ModelBuilder = Callable[[ParallelState, int], nn.Module]
 

@@ -23,8 +23,7 @@ RNG_FORMAT = 2
 
 
 def get_rng_states(rng_tracker: RNGTracker | None) -> dict[str, Any]:
-    """Every RNG's state as tensors and numbers only, so that the file loads with
-    weights_only=True. numpy's legacy global state on purpose: third-party code draws from it."""
+    """numpy's legacy global state on purpose: third-party code draws from it."""
     version, mt, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()  # noqa: NPY002
     return {

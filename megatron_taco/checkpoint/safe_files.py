@@ -58,22 +58,19 @@ def _refuse(path: str, mode: int) -> UnsafeFile:
     return UnsafeFile(f"{path} is {kind_of(mode)}, not a regular file; refusing to read it")
 
 
-def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = None) -> int:
-    """A read-only descriptor of the regular file ``path`` (relative to ``dir_fd`` if given);
-    a symbolic link, FIFO or device raises UnsafeFile without blocking."""
-    shown = shown or path
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``; a symbolic link, FIFO or device
+    raises UnsafeFile without blocking."""
     try:
-        fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
+        fd = os.open(path, _OPEN_FLAGS)
     except OSError as e:
         if e.errno == errno.ELOOP:  # O_NOFOLLOW on a symbolic link
-            raise UnsafeFile(
-                f"{shown} is a symbolic link, not a regular file; refusing to read it"
-            ) from None
+            raise _refuse(path, stat.S_IFLNK) from None
         raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise _refuse(shown, mode)
+            raise _refuse(path, mode)
     except BaseException:
         os.close(fd)
         raise
@@ -81,7 +78,6 @@ def open_regular(path: str, *, dir_fd: int | None = None, shown: str | None = No
 
 
 def read_regular(path: str, limit: int | None = None) -> bytes:
-    """The bytes of the regular file ``path`` (at most ``limit``)."""
     fd = open_regular(path)
     with os.fdopen(fd, "rb") as f:
         return f.read() if limit is None else f.read(limit)
@@ -100,24 +96,17 @@ def checksum_fd(fd: int, sink: Callable[[bytes], object] | None = None) -> tuple
 
 
 def checksum_regular(path: str) -> tuple[int, str]:
-    fd = open_regular(path)
-    try:
-        return checksum_fd(fd)
-    finally:
-        os.close(fd)
+    with os.fdopen(open_regular(path), "rb") as f:
+        return checksum_fd(f.fileno())
 
 
 def copy_regular(src: str, dst: str) -> tuple[int, str]:
     """Copy the regular file ``src`` to the new file ``dst`` (fsynced); returns the size and
     CRC-32 of the bytes copied, so the caller can check them against a manifest."""
-    fd = open_regular(src)
-    try:
-        with open(dst, "xb") as out:
-            result = checksum_fd(fd, out.write)
-            out.flush()
-            os.fsync(out.fileno())
-    finally:
-        os.close(fd)
+    with os.fdopen(open_regular(src), "rb") as f, open(dst, "xb") as out:
+        result = checksum_fd(f.fileno(), out.write)
+        out.flush()
+        os.fsync(out.fileno())
     return result
 
 

@@ -113,12 +113,6 @@ def _retire(save_dir: str, keep: int, token: str) -> None:
         io.remove(aside)
 
 
-def _sweep_leftovers(save_dir: str) -> None:
-    for name in os.listdir(save_dir):
-        if LEFTOVER.match(name):
-            io.remove(os.path.join(save_dir, name))
-
-
 def _shared_token(device: torch.device) -> str:
     """A random name part, the same on every rank (DeepSpeed checks the tag is)."""
     value = torch.tensor([secrets.randbits(48)], dtype=torch.int64, device=device)
@@ -130,14 +124,10 @@ def _shared_token(device: torch.device) -> str:
 def _start_save(save_dir: str, tmp_dir: str, sweep: bool) -> None:
     os.makedirs(save_dir, exist_ok=True)
     if sweep:
-        _sweep_leftovers(save_dir)
+        for name in os.listdir(save_dir):
+            if LEFTOVER.match(name):
+                io.remove(os.path.join(save_dir, name))
     os.makedirs(tmp_dir)
-
-
-def _write_rng(path: str, rng_tracker: RNGTracker | None, writer: SafeCheckpointEngine) -> None:
-    states = get_rng_states(rng_tracker)
-    io.write_durably(path, lambda f: torch.save(states, f))
-    writer.written.append(path)
 
 
 def _own_manifest(writer: SafeCheckpointEngine, tmp_dir: str) -> dict[str, dict]:
@@ -229,8 +219,7 @@ def save_checkpoint(
     tmp_tag = os.path.basename(tmp_dir)
     engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=client_state, save_latest=False)
     hook_point("after_model_files", iteration)
-    rng_path = rng_state_path(tmp_dir, parallel.rank)
-    writer.attempt(rng_path, _write_rng, rng_path, rng_tracker, writer)
+    writer.save(get_rng_states(rng_tracker), rng_state_path(tmp_dir, parallel.rank))
     hook_point("after_rng_files", iteration)
     gathered = comm.all_gather_object((writer.error, _own_manifest(writer, tmp_dir)))
     message = warning = None

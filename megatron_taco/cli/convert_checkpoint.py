@@ -179,7 +179,7 @@ def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[
     checkpoint. Returns (its directory, whether it holds the RNG states, a note on the
     replacement store copied along)."""
     from megatron_taco.checkpoint.layout import checkpoint_tag, tracker_path
-    from megatron_taco.checkpoint.manifest import file_checksum, write_metadata
+    from megatron_taco.checkpoint.manifest import manifest_entry, write_metadata
     from megatron_taco.checkpoint.ownership import check_new_save
 
     save, tag = args.save, checkpoint_tag(states.info.iteration)
@@ -193,8 +193,7 @@ def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[
         files = {}
         for name in write_states(states, target, tmp) + rng:
             io.fsync_file(os.path.join(tmp, name))
-            size, crc = file_checksum(os.path.join(tmp, name))
-            files[name] = {"bytes": size, "crc32": crc}
+            files[name] = manifest_entry(os.path.join(tmp, name))
         meta = _metadata(states, target, args, rng=bool(rng))
         meta["tokenizer"] = _copy_tokenizer(states.info, args.tokenizer_model, save)
         write_metadata(tmp, meta, files)

@@ -49,22 +49,19 @@ def launched_by_launcher() -> bool:
     return "LOCAL_RANK" in os.environ or any(k in os.environ for k in MPI_RANK_ENV)
 
 
+def _first_number(keys: tuple[str, ...]) -> int | None:
+    return next((int(os.environ[k]) for k in keys if os.environ.get(k, "").isdigit()), None)
+
+
 def launcher_rank() -> int:
     """This process's global rank as its launcher announced it (0 for plain python): known
     before any process group exists."""
-    for key in RANK_ENV:
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    return _first_number(RANK_ENV) or 0
 
 
 def mpi_world_size_env() -> tuple[str, str] | None:
     """(variable, value) of an MPI launcher's world size, None when none is set."""
-    for key in MPI_WORLD_SIZE_ENV:
-        if key in os.environ:
-            return key, os.environ[key]
-    return None
+    return next(((k, os.environ[k]) for k in MPI_WORLD_SIZE_ENV if k in os.environ), None)
 
 
 def launcher_world_size() -> int:
@@ -80,11 +77,7 @@ def launcher_world_size() -> int:
 
 
 def local_size() -> int | None:
-    for key in LOCAL_SIZE_ENV:
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return None
+    return _first_number(LOCAL_SIZE_ENV)
 
 
 def launch_id() -> str | None:

@@ -21,12 +21,19 @@ class ProcStat:
     start_ticks: int  # since boot: with the PID, identifies a process across PID reuse
 
 
+def _read(path: str) -> str | None:
+    """A /proc file's text (NULs kept), None when it cannot be read (or not on Linux)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def proc_stat(pid: int) -> ProcStat | None:
     """The process's /proc/PID/stat, None when it does not exist (or not on Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
+    text = _read(f"/proc/{pid}/stat")
+    if text is None:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ")".
     fields = text[text.rindex(")") + 2 :].split()
@@ -34,11 +41,7 @@ def proc_stat(pid: int) -> ProcStat | None:
 
 
 def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+    return (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ")
 
 
 def process_start_time() -> float:
@@ -72,11 +75,10 @@ def set_pdeathsig(signum: int) -> bool:
 def process_name(pid: int) -> str:
     """'torchrun', 'deepspeed', 'python': the program a process runs (its script's name when
     an interpreter runs one), for messages."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            words = [w.decode(errors="replace") for w in f.read().split(b"\0") if w]
-    except OSError:
+    text = _read(f"/proc/{pid}/cmdline")
+    if text is None:
         return "?"
+    words = [w for w in text.split("\0") if w]
     if not words or not os.path.basename(words[0]).startswith("python"):
         return os.path.basename(words[0]) if words else "?"
     for i, word in enumerate(words[1:], 1):
@@ -90,8 +92,5 @@ def process_name(pid: int) -> str:
 
 
 def init_name() -> str:
-    try:
-        with open("/proc/1/comm", encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
+    text = _read("/proc/1/comm")
+    return "?" if text is None else text.strip()

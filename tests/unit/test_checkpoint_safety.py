@@ -33,7 +33,7 @@ from megatron_taco.checkpoint.config import CheckpointConfig
 from megatron_taco.checkpoint.errors import CheckpointInvalid, CheckpointSaveError
 from megatron_taco.checkpoint.layout import METADATA_FILENAME, TRACKER_FILENAME, TrainingState
 from megatron_taco.checkpoint.load import execute_plan, load_checkpoint
-from megatron_taco.checkpoint.manifest import file_checksum, verify_checkpoint
+from megatron_taco.checkpoint.manifest import verify_checkpoint
 from megatron_taco.checkpoint.ownership import check_save_dir
 from megatron_taco.checkpoint.plan import (
     FALLBACK,
@@ -230,7 +230,7 @@ def test_save_writes_a_manifest_and_leaves_no_temporary_files(saved):
     }
     assert set(meta["files"]) == files  # every rank's files, gathered by rank 0
     for name, entry in meta["files"].items():
-        size, crc = file_checksum(os.path.join(iter_dir, name))
+        size, crc = safe_files.checksum_regular(os.path.join(iter_dir, name))
         assert entry == {"bytes": size, "crc32": crc}
     # The RNG file is tensors and numbers only: plain weights_only loading works.
     states = torch.load(os.path.join(iter_dir, "rng_state_rank_00001.pt"), weights_only=True)
