@@ -271,11 +271,13 @@ def newest_verified(
 def _choose(request: ResumeRequest) -> tuple[int, str, str | None] | None:
     """(iteration, checksum, why it is a fall-back or None) of the checkpoint --load will
     restore, verified; None: no tracker, a fresh start."""
-    ck, layout = request.checkpoint, request.layout
+    ck = request.checkpoint
     load_dir = ck.load
     if request.required and not os.path.isdir(load_dir):
         raise CheckpointError(f"--load: {load_dir} is not a directory")
-    kw = dict(tp_size=None if layout is None else layout.tp_size, models=request.models)
+    # No tp_size here: a checkpoint of another tensor-parallel size is refused by _check_layout,
+    # whose line names the command that converts it.
+    kw = dict(models=request.models)
     try:
         iteration = ck.ckpt_step if ck.ckpt_step is not None else read_tracker(load_dir)
     except CheckpointUnreadable:

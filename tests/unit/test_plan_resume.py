@@ -154,7 +154,10 @@ def test_an_unreadable_tracker_names_the_way_on(load):
     "change,line",
     [
         (dict(models=("TACO",)), "is a SAS checkpoint; this run loads TACO checkpoints"),
-        (dict(layout=RunLayout(2, 2)), "was saved with tensor parallel size 1, this run uses 2"),
+        (
+            dict(layout=RunLayout(2, 2)),
+            "was saved with tensor parallel size 1, this run uses 2; convert it: ",
+        ),
         (
             dict(layout=RunLayout(4, 1, zero_stage=1)),
             "was saved at data parallel size 2 with ZeRO stage 1",
