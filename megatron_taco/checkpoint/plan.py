@@ -119,7 +119,7 @@ class ResumeRequest:
         """Every check of one chosen checkpoint beyond its own integrity: the layout it can be
         resumed at, the tokenizer, the recipe's. Also for a fall-back chosen after the
         engine exists (load.execute_plan)."""
-        if self.layout is not None and not self.checkpoint.finetune:
+        if self.layout is not None:
             _check_layout(self.checkpoint, self.layout, candidate)
         if self.tokenizer is not None:
             _check_tokenizer(self.tokenizer, candidate)
@@ -322,8 +322,8 @@ def _way_on(request: ResumeRequest, iteration: int) -> str:
 
 def _check_layout(ck: CheckpointConfig, layout: RunLayout, candidate: Candidate) -> None:
     """Refuse a checkpoint DeepSpeed cannot restore at this run's layout (tensor/data-parallel
-    sizes, ZeRO stage, precision, world size for the RNG states), with the command that
-    converts it."""
+    sizes, ZeRO stage, precision, world size for the RNG states; --finetune: the
+    tensor-parallel size only), with the command that converts it."""
     meta, iter_dir = candidate.meta, candidate.iter_dir
     tp_size, dp = layout.tp_size, layout.dp_size
     zero_stage, precision = layout.zero_stage, layout.precision
@@ -342,6 +342,8 @@ def _check_layout(ck: CheckpointConfig, layout: RunLayout, candidate: Candidate)
             f"--tensor-model-parallel-size: {iter_dir} was saved with tensor parallel size "
             f"{saved_tp}, this run uses {tp_size}; convert it: {convert}"
         )
+    if ck.finetune:
+        return  # the module only: another data-parallel layout and ZeRO stage load as well
     if 3 in (saved_stage, zero_stage) and (saved_stage, saved_dp) != (zero_stage, dp):
         # The converter reads ZeRO-3 checkpoints but writes only stages 0-2.
         how = (
