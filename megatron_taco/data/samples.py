@@ -91,7 +91,7 @@ _GOLDEN32 = _U32(0x9E3779B9)
 
 @dataclass(frozen=True)
 class SampleIndexStats:
-    """What build_sample_index did, for logs and the build_samples summary."""
+    """What build_sample_index_with_stats did, for logs and the build_samples summary."""
 
     documents: int  # documents in the range
     empty_documents: int  # no sentences (skipped)
@@ -427,9 +427,15 @@ def build_sample_index_with_stats(
     seed: int,
     compact: bool = False,
 ) -> tuple[np.ndarray, SampleIndexStats]:
-    """:func:`build_sample_index` plus what it skipped and truncated. ``compact``: int32
-    rows when every sentence number fits (what the cache stores: half the bytes to build,
-    write and page in)."""
+    """(int64 [N, 3] rows ``(start_sentence, end_sentence_exclusive, target_length)``, what
+    was skipped and truncated).
+
+    ``sizes`` are the sentence lengths and ``document_indices`` the document boundaries of
+    an indexed dataset; only documents ``doc_range = (first, end)`` are used. Exactly one
+    of ``num_epochs`` (that many full passes) and ``num_samples`` (passes until there are
+    that many rows, then cut) is given. See the module docstring for the semantics.
+    ``compact``: int32 rows when every sentence number fits (what the cache stores: half the
+    bytes to build, write and page in)."""
     if (num_epochs is None) == (num_samples is None):
         raise ValueError(
             f"give exactly one of num_epochs and num_samples (got {num_epochs}, {num_samples})"
@@ -544,40 +550,6 @@ def build_sample_index_with_stats(
         truncated_tokens=truncated,
     )
     return index, stats
-
-
-def build_sample_index(
-    sizes,
-    document_indices,
-    doc_range,
-    *,
-    num_epochs: int | None = None,
-    num_samples: int | None = None,
-    max_seq_length: int,
-    short_seq_prob: float,
-    min_sentences: int,
-    seed: int,
-) -> np.ndarray:
-    """int64 [N, 3] rows ``(start_sentence, end_sentence_exclusive, target_length)``.
-
-    ``sizes`` are the sentence lengths and ``document_indices`` the document boundaries of
-    an indexed dataset; only documents ``doc_range = (first, end)`` are used. Exactly one
-    of ``num_epochs`` (that many full passes) and ``num_samples`` (passes until there are
-    that many rows, then cut) is given. See the module docstring for the semantics.
-    """
-    index, stats = build_sample_index_with_stats(
-        sizes,
-        document_indices,
-        doc_range,
-        num_epochs=num_epochs,
-        num_samples=num_samples,
-        max_seq_length=max_seq_length,
-        short_seq_prob=short_seq_prob,
-        min_sentences=min_sentences,
-        seed=seed,
-    )
-    log_stats(stats)
-    return index
 
 
 def log_stats(stats: SampleIndexStats, what: str = "sample index") -> None:

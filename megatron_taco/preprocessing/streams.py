@@ -13,7 +13,7 @@ import tarfile
 import xml.etree.ElementTree as ET
 import zlib
 from collections.abc import Iterator
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
 
 from megatron_taco.preprocessing.records import CorpusError
 
@@ -149,12 +149,6 @@ def open_binary(path: str | os.PathLike) -> BinaryIO:
     except OSError as e:
         raise CorpusError(f"{path}: cannot open ({e.strerror or e})") from e
     return decompress(raw, path)
-
-
-def open_text(path: str | os.PathLike) -> TextIO:
-    """Decompressed UTF-8 text of ``path``, strict decoding (readers turn an invalid byte
-    sequence into ``Skipped("undecodable")``; a plain read raises UnicodeDecodeError)."""
-    return io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="strict")
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import re
 from collections.abc import Iterator
@@ -16,32 +15,15 @@ from typing import Any
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
-
-
 FORMAT_NAME = "megatron_taco.replacement_store"
-
-
 FORMAT_VERSION = 2  # 2: a checksum after every row
-
-
 MANIFEST_NAME = "manifest.json"
-
-
 LAYOUT_NAME = "layout.json"
-
-
 MAX_VOCAB_SIZE = 2**32 - 1  # uint32's max is the sentinel, so ids go up to 2**32 - 2
-
-
 _UINT16_VOCAB_LIMIT = 65535
 CHECK_BYTES = 4
-
-
 # Bounds the memory of creation and scanning; large enough that syscalls do not dominate.
 CHUNK_BYTES = 1 << 20
-
-
 GENERATION_DIR = re.compile(r"gen_(\d{5,})")
 
 

@@ -5,7 +5,6 @@ deleting generations.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 from collections.abc import Iterable
@@ -35,8 +34,6 @@ from megatron_taco.data.replacement_store.manifest import (
     scan_message,
     scan_shard,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class GenerationReader:
@@ -86,7 +83,7 @@ class GenerationReader:
         return self.layout.num_instances
 
     def _file(self, shard: int) -> tuple[BinaryIO, str]:
-        path = os.path.join(self.directory, self.layout.shard_file(shard))
+        path = self._path(shard)
         if shard not in self._files:
             check_size(path, self.layout.shard_bytes(shard))  # also after unpickling
             self._files[shard] = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
