@@ -153,7 +153,6 @@ class _Index:
         self.path = idx_path
         self.dtype = _DTYPE_CODES[code]
         self.sequence_count = seq_count
-        self.document_count = doc_count - 1
         self._mmap = np.memmap(idx_path, mode="r", dtype=np.uint8, order="C")
         buf = memoryview(self._mmap)
         off = HEADER_SIZE

@@ -359,10 +359,14 @@ class SasCollator:
             None if self.fixed_positions else int(sample.get("epoch", 0)),
         )
 
-    def _stored_masks(self, instance: int, epoch: int, where, drop) -> np.ndarray | None:
+    def _stored_masks(self, instance: int, epoch: int, drop: np.ndarray) -> np.ndarray | None:
+        """Which slots of S read [MASK] in a self-augmentation epoch (None: none), seeded by
+        (seed, instance, epoch); a dropped hit is never one."""
         share = self.config.stored_mask_share
-        masked = _stored_mask_choice(share, self.seed, instance, epoch, where.shape[0])
-        return None if masked is None else masked & ~drop
+        if share <= 0:
+            return None
+        rng = np.random.default_rng([self.seed, int(instance), MASK_SHARE_STREAM, int(epoch)])
+        return (rng.random(drop.shape[0]) < share) & ~drop
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         b, s = len(samples), self.seq_length
@@ -376,6 +380,7 @@ class SasCollator:
         from_store = np.zeros(b, dtype=np.int64)
         instances = np.empty(b, dtype=np.int64)
         epochs = np.empty(b, dtype=np.int64)
+        lengths = np.empty(b, dtype=np.int64)
         fault = None
         for i, sample in enumerate(samples):
             tokens = np.asarray(sample["tokens"], dtype=np.int64)
@@ -397,7 +402,7 @@ class SasCollator:
             hits = placed == tokens[where]
             drop = hits if (stored and self.drop_hits) else np.zeros_like(hits)
             kept = where[~drop]
-            masked = self._stored_masks(instance, epoch, where, drop) if stored else None
+            masked = self._stored_masks(instance, epoch, drop) if stored else None
             if masked is not None:
                 placed = np.where(masked, self.mask_id, placed)
             replaced = tokens.copy()
@@ -415,10 +420,10 @@ class SasCollator:
             dropped[i, : where.shape[0]] = drop
             read = kept.shape[0] - (0 if masked is None else int(masked.sum()))
             from_store[i] = read if stored else 0
-            instances[i], epochs[i] = instance, epoch
+            instances[i], epochs[i], lengths[i] = instance, epoch, length
         batch = {
             "input_ids": torch.from_numpy(input_ids),
-            "attention_mask": torch.from_numpy(np.arange(s) < _lengths(samples)[:, None]),
+            "attention_mask": torch.from_numpy(np.arange(s) < lengths[:, None]),
             "mlm_labels": torch.from_numpy(mlm_labels),
             "rtd_labels": torch.from_numpy(rtd_labels),
             "instance_ids": torch.from_numpy(instances),
@@ -430,18 +435,3 @@ class SasCollator:
         if fault is not None:
             batch[DATA_FAULT] = fault
         return batch
-
-
-def _stored_mask_choice(
-    share: float, seed: int, instance: int, epoch: int, n: int
-) -> np.ndarray | None:
-    """Which of the n slots of S read [MASK] in a self-augmentation epoch (None: none),
-    seeded by (seed, instance, epoch)."""
-    if share <= 0:
-        return None
-    rng = np.random.default_rng([seed, int(instance), MASK_SHARE_STREAM, int(epoch)])
-    return rng.random(n) < share
-
-
-def _lengths(samples: Sequence[Mapping[str, Any]]) -> np.ndarray:
-    return np.asarray([int(sample["length"]) for sample in samples], dtype=np.int64)
