@@ -137,9 +137,7 @@ def _remove_quietly(path: str) -> None:
 def merge_datasets(config: MergeConfig) -> str:
     """Merge; returns the output prefix. Raises ConfigError/IndexedDatasetError on bad inputs."""
     prefixes = resolve_inputs(config)
-    datasets = []
-    for p in prefixes:
-        datasets.append(IndexedDataset(p))  # full validation of every input up front
+    datasets = [IndexedDataset(p) for p in prefixes]  # full validation of every input up front
     dtypes = {ds.dtype for ds in datasets}
     if len(dtypes) > 1:
         listing = ", ".join(f"{ds.path_prefix}: {ds.dtype}" for ds in datasets)

@@ -354,7 +354,8 @@ def _is_text_type(t, numbers: bool = False) -> bool:
 
 
 def _open_table(path: str, fmt: str):
-    """(schema, batch iterator factory) of a parquet/arrow/feather file."""
+    """(schema, columns -> record batch iterator, to call once) of a parquet/arrow/feather
+    file."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
     import pyarrow.parquet as pq
@@ -370,23 +371,12 @@ def _open_table(path: str, fmt: str):
         source = pa.memory_map(path)
         try:
             reader = ipc.open_file(source)
-            schema = reader.schema
-
-            def batches(cols, reader=reader):
-                for i in range(reader.num_record_batches):
-                    b = reader.get_batch(i)
-                    yield b.select(cols) if cols is not None else b
-
-            return schema, batches
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         except pa.ArrowInvalid:
             # Hugging Face datasets caches are IPC *streams*, not IPC files.
-            stream = ipc.open_stream(pa.memory_map(path))
-
-            def sbatches(cols, stream=stream):
-                for b in stream:
-                    yield b.select(cols) if cols is not None else b
-
-            return stream.schema, sbatches
+            reader = ipc.open_stream(pa.memory_map(path))
+            batches = reader  # iterating a stream reader yields its record batches
+        return reader.schema, lambda cols: (b if cols is None else b.select(cols) for b in batches)
     except (OSError, pa.ArrowException) as e:
         raise CorpusError(f"{path}: not a readable parquet/arrow/feather file ({e})") from e
 

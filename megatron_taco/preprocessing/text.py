@@ -23,21 +23,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mwparserfromhell import nodes as mw
 
-__all__ = [
-    "DEFAULT_SENTENCE_SPLITTER",
-    "NO_LLAMA_INDEX_ENV",
-    "SENTENCE_SPLITTERS",
-    "BlingfireSplitter",
-    "PunktNotFoundError",
-    "SentenceSplitter",
-    "SplitterUnavailableError",
-    "find_punkt_tab",
-    "make_sentence_splitter",
-    "normalize_text",
-    "split_lines",
-    "wikitext_to_plain",
-]
-
 # ---------------------------------------------------------------------------------------
 # normalisation
 # ---------------------------------------------------------------------------------------
@@ -577,12 +562,8 @@ def _llama_index_caches() -> list[str]:
     with contextlib.suppress(AttributeError):  # site is stubbed out in some embedded interpreters
         roots += site.getsitepackages() + [site.getusersitepackages()]
     bases.extend(os.path.join(r, "llama_index") for r in roots if r)
-    out: list[str] = []
-    for base in bases:
-        cache = os.path.join(base, "core", "_static", "nltk_cache")
-        if os.path.isdir(cache) and cache not in out:
-            out.append(os.path.abspath(cache))
-    return out
+    caches = (os.path.abspath(os.path.join(b, "core", "_static", "nltk_cache")) for b in bases)
+    return [cache for cache in dict.fromkeys(caches) if os.path.isdir(cache)]
 
 
 def _candidate_roots(search_llama_index: bool) -> list[str]:
@@ -595,12 +576,7 @@ def _candidate_roots(search_llama_index: bool) -> list[str]:
     roots.extend(str(p) for p in nltk.data.path)
     if search_llama_index:
         roots.extend(_llama_index_caches())
-    seen: list[str] = []
-    for r in roots:
-        r = os.path.abspath(os.path.expanduser(r))
-        if r not in seen:
-            seen.append(r)
-    return seen
+    return list(dict.fromkeys(os.path.abspath(os.path.expanduser(r)) for r in roots))
 
 
 _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
