@@ -3,6 +3,7 @@ and the train/valid/test datasets (blended when several --data-path prefixes are
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from megatron_taco.data.cache import (
     load_or_build,
 )
 from megatron_taco.data.config import DataConfig
-from megatron_taco.data.indexed_dataset import IndexedDataset, index_file_path
+from megatron_taco.data.indexed_dataset import IndexedDataset, check_index, index_file_path
 from megatron_taco.data.samples import (
     NUM_SPECIAL_TOKENS,
     SAMPLE_INDEX_VERSION,
@@ -92,12 +93,7 @@ class BertSampleDataset(torch.utils.data.Dataset):
         return int(self.sample_index.shape[0])
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
-        i = int(idx)
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"{self.name}: sample {idx} out of range [0, {n})")
+        i = check_index(idx, len(self), f"{self.name}: sample")
         start, end, target = (int(x) for x in self.sample_index[i])
         max_body = self.seq_length - NUM_SPECIAL_TOKENS
         if target > max_body:
@@ -211,7 +207,7 @@ def get_sample_index(
         except ValueError as e:
             raise ConfigError(f"--data-path: {ds.path_prefix} ({split_name} split): {e}") from None
         log_stats(stats, f"{ds.path_prefix} {split_name}")
-        return {"sample_index": index}, stats.to_dict()
+        return {"sample_index": index}, dataclasses.asdict(stats)
 
     return load_or_build(
         "bert_sample_index", description, ("sample_index",), build, cache_dir, barrier

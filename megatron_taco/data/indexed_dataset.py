@@ -99,6 +99,16 @@ def _dtype_code(dtype: Any) -> int:
     return _CODE_OF_DTYPE[dt]
 
 
+def check_index(idx: Any, n: int, what: str) -> int:
+    """``idx`` into ``n`` items, negative ones counted from the end; IndexError naming ``what``."""
+    i = int(idx)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"{what} {idx} out of range [0, {n})")
+    return i
+
+
 class _Index:
     """The validated, memory-mapped contents of one .idx file."""
 
@@ -255,13 +265,7 @@ class IndexedDataset:
     def _check_index(self, idx: Any) -> int:
         if not isinstance(idx, (int, np.integer)) or isinstance(idx, bool):
             raise TypeError(f"{self.path_prefix}: index must be an int, got {type(idx).__name__}")
-        n = len(self)
-        i = int(idx)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"{self.path_prefix}: sequence index {idx} out of range [0, {n})")
-        return i
+        return check_index(idx, len(self), f"{self.path_prefix}: sequence index")
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         return np.frombuffer(self._bin, dtype=self.dtype, count=count, offset=byte_offset)

@@ -50,7 +50,6 @@ finished by pointer doubling over their remaining sentences, O(sentences x log(c
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -102,9 +101,6 @@ class SampleIndexStats:
     short_target_samples: int  # rows whose target is shorter than the longest
     tokens: int  # body tokens kept over all rows (after truncation to the target)
     truncated_tokens: int  # body tokens cut by truncation to the target
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def parse_split(split: str) -> list[float]:

@@ -515,8 +515,6 @@ class BlingfireSplitter:
     def split(self, text: str) -> list[str]:
         return self.split_many([text])[0]
 
-    __call__ = split
-
     def __getstate__(self):
         return {}
 
@@ -670,8 +668,6 @@ class SentenceSplitter:
 
     def split_many(self, texts: list[str]) -> list[list[str]]:
         return [self.split(t) for t in texts]
-
-    __call__ = split
 
     def __getstate__(self):
         return {"language": self.language, "nltk_data": self.nltk_data}
