@@ -90,44 +90,25 @@ class ReplacementConfig:
     )
 
     def __post_init__(self) -> None:
+        cls, cold = type(self), self.cold_start
+        share, prob = self.stored_mask_share, self.mask_prob
+        iters, power = self.cold_start_warmup_iters, self.cold_start_warmup_power
+        require(0.0 <= share <= 1.0, cls, "stored_mask_share", f"must be in [0, 1], got {share}")
+        require(0.0 < prob < 1.0, cls, "mask_prob", f"must be in (0, 1), got {prob}")
         require(
-            0.0 <= self.stored_mask_share <= 1.0,
-            type(self),
-            "stored_mask_share",
-            f"must be in [0, 1], got {self.stored_mask_share}",
+            cold in COLD_STARTS, cls, "cold_start", f"must be one of {COLD_STARTS}, got {cold!r}"
         )
+        iters_ok = isinstance(iters, int) and iters >= 0
+        require(iters_ok, cls, "cold_start_warmup_iters", f"must be an integer >= 0, got {iters!r}")
         require(
-            0.0 < self.mask_prob < 1.0,
-            type(self),
-            "mask_prob",
-            f"must be in (0, 1), got {self.mask_prob}",
-        )
-        require(
-            self.cold_start in COLD_STARTS,
-            type(self),
-            "cold_start",
-            f"must be one of {COLD_STARTS}, got {self.cold_start!r}",
-        )
-        require(
-            isinstance(self.cold_start_warmup_iters, int) and self.cold_start_warmup_iters >= 0,
-            type(self),
+            cold not in MASKED_COLD_STARTS or iters == 0,
+            cls,
             "cold_start_warmup_iters",
-            f"must be an integer >= 0, got {self.cold_start_warmup_iters!r}",
-        )
-        require(
-            self.cold_start not in MASKED_COLD_STARTS or self.cold_start_warmup_iters == 0,
-            type(self),
-            "cold_start_warmup_iters",
-            f"flattens a sampled cold start; --cold-start {self.cold_start} draws no cold-start "
+            f"flattens a sampled cold start; --cold-start {cold} draws no cold-start "
             "samples to flatten (drop --cold-start-warmup-iters)",
         )
-        power = self.cold_start_warmup_power
-        require(
-            math.isfinite(power) and power > 0,
-            type(self),
-            "cold_start_warmup_power",
-            f"must be > 0, got {power}",
-        )
+        power_ok = math.isfinite(power) and power > 0
+        require(power_ok, cls, "cold_start_warmup_power", f"must be > 0, got {power}")
 
     def width(self, seq_length: int) -> int:
         """Largest |S|: slots per instance (a store row)."""
