@@ -89,12 +89,8 @@ class DataConfig:
             ("seed", 0),
         ):
             value = getattr(self, name)
-            require(
-                isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-                DataConfig,
-                name,
-                f"must be an integer >= {minimum}, got {value!r}",
-            )
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+            require(ok, DataConfig, name, f"must be an integer >= {minimum}, got {value!r}")
         prob = self.short_seq_prob
         require(
             isinstance(prob, (int, float))

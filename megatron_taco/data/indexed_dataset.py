@@ -238,7 +238,6 @@ class IndexedDataset:
                 f"{bin_path}: data file {what}: {bin_size} bytes, but {index.path} describes "
                 f"{index.total_bytes} bytes ({index.sequence_count} sequences of {index.dtype})"
             )
-        self._index = index
         self.dtype: np.dtype = index.dtype
         self.sizes: np.ndarray = index.sizes
         self.pointers: np.ndarray = index.pointers

@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -29,6 +29,24 @@ GENERATION_DIR = re.compile(r"gen_(\d{5,})")
 
 class ReplacementStoreError(ValueError):
     """A bad layout or argument, or a missing or corrupt store file (the message names it)."""
+
+
+class ShardFiles:
+    """The shard files a reader or writer holds open; ``close()``, or the end of a ``with``
+    block, closes them."""
+
+    _files: dict[int, BinaryIO]
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def is_int(value: Any) -> bool:

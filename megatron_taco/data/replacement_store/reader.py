@@ -18,6 +18,7 @@ from megatron_taco.data.replacement_store.layout import (
     LAYOUT_NAME,
     MANIFEST_NAME,
     ReplacementStoreError,
+    ShardFiles,
     check_generation,
     check_size,
     checked_ids,
@@ -36,7 +37,7 @@ from megatron_taco.data.replacement_store.manifest import (
 )
 
 
-class GenerationReader:
+class GenerationReader(ShardFiles):
     """Reads rows of a committed generation; knows nothing of who wrote them.
 
     ``verify`` re-computes every shard's crc32 (a full read of the generation: do it once per
@@ -122,25 +123,11 @@ class GenerationReader:
     def _path(self, shard: int) -> str:
         return os.path.join(self.directory, self.layout.shard_file(shard))
 
-    def close(self) -> None:
-        files, self._files = self._files, {}
-        for f in files.values():
-            f.close()
-
-    def __enter__(self) -> GenerationReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __getstate__(self) -> dict[str, Any]:
         # Open files do not travel; the copy reopens (and size-checks) shards on first read.
         state = dict(self.__dict__)
         state["_files"] = {}
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 def list_generations(root: str | os.PathLike) -> list[int]:
