@@ -124,9 +124,8 @@ class BertSampleDataset(torch.utils.data.Dataset):
         tokens[sep_at] = self.sep_id
 
         sentence_ids = np.full(self.seq_length, -1, dtype=np.int64)
-        sentence_ids[1:sep_at] = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)[
-            :nb
-        ]
+        sentence_of_token = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)
+        sentence_ids[1:sep_at] = sentence_of_token[:nb]
 
         word_starts = np.zeros(self.seq_length, dtype=bool)
         word_starts[1:sep_at] = self.word_start_mask[body]

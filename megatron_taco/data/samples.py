@@ -50,6 +50,7 @@ finished by pointer doubling over their remaining sentences, O(sentences x log(c
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from dataclasses import dataclass
@@ -137,15 +138,10 @@ def get_split_document_ranges(num_docs: int, split: str) -> list[tuple[int, int]
     """
     if isinstance(num_docs, bool) or not isinstance(num_docs, (int, np.integer)) or num_docs < 0:
         raise ValueError(f"num_docs must be an integer >= 0, got {num_docs!r}")
-    weights = parse_split(split)
-    bounds = [0]
-    cumulative = 0.0
-    for w in weights:
-        cumulative += w
-        bounds.append(min(int(round(cumulative * num_docs)), int(num_docs)))
+    cumulative = itertools.accumulate(parse_split(split))
+    bounds = [0] + [min(int(round(c * num_docs)), int(num_docs)) for c in cumulative]
     bounds[-1] = int(num_docs)  # the float sum may land a hair below 1.0
-    for i in range(1, len(bounds)):
-        bounds[i] = max(bounds[i], bounds[i - 1])
+    bounds = list(itertools.accumulate(bounds, max))
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
