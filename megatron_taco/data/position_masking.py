@@ -120,13 +120,9 @@ def span_mask_positions(
     units = np.flatnonzero(maskable)
     linked = np.concatenate((units[1:] == units[:-1] + 1, [False]))
     budget = mask_budget(mask_prob, units.size)
+    ones = np.ones(units.size, dtype=np.int64)  # a unit is one token
     first, count, _ = sample_spans(
-        np.ones(units.size, dtype=np.int64),
-        linked,
-        budget,
-        rng,
-        geometric_p=geometric_p,
-        max_span=max_span,
+        ones, linked, budget, rng, geometric_p=geometric_p, max_span=max_span
     )
     position_ids = true_position_ids(length, seq_length)
     labels = np.full(seq_length, IGNORE_INDEX, dtype=np.int64)

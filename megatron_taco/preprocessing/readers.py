@@ -333,10 +333,6 @@ def _cc_news_text(payload) -> tuple[str, dict]:
     return "\n".join(parts), obj
 
 
-def _read_jsonl(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
-    return read_jsonl(path, "jsonl")
-
-
 def _is_text_type(t, numbers: bool = False) -> bool:
     import pyarrow as pa
 
@@ -418,10 +414,6 @@ def table_columns(path: str) -> list[str]:
     return list(_open_table(path, "parquet")[0].names)
 
 
-def _read_parquet(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
-    return _read_table(path, "parquet", json_keys)
-
-
 # The order is the order of --input-format's choices.
 READERS: dict[str, Reader] = {
     "wikipedia-xml": Reader(_read_wikipedia_xml, _wikipedia_text),
@@ -430,8 +422,8 @@ READERS: dict[str, Reader] = {
     "bookcorpus-lines": Reader(_read_bookcorpus_lines, _plain_text),
     "openwebtext": Reader(_read_openwebtext, _plain_text),
     "cc-news": Reader(_read_cc_news, _cc_news_text),
-    "jsonl": Reader(_read_jsonl),
-    "parquet": Reader(_read_parquet),
+    "jsonl": Reader(lambda path, json_keys: read_jsonl(path, "jsonl")),
+    "parquet": Reader(lambda path, json_keys: _read_table(path, "parquet", json_keys)),
 }
 # "auto": detected per file by inputs.detect_format.
 FORMATS = ("auto", *READERS)

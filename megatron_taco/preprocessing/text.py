@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mwparserfromhell import nodes as mw
 
-# ---------------------------------------------------------------------------------------
-# normalisation
-# ---------------------------------------------------------------------------------------
+# -- normalisation ----------------------------------------------------------------------
 
 # C0 controls except \t \n \r, DEL, C1 controls, and zero-width/bidi marks. They come from
 # bad OCR, PDF and HTML extraction, and only produce junk pieces in the tokenizer.
@@ -92,9 +90,7 @@ def normalize_text(text: str) -> str:
     return "\n".join(stripped)
 
 
-# ---------------------------------------------------------------------------------------
-# wikitext -> plain text
-# ---------------------------------------------------------------------------------------
+# -- wikitext -> plain text -------------------------------------------------------------
 
 # Tags whose content is not article prose (or not shown on the article page at all).
 _DROP_TAGS = frozenset(
@@ -380,9 +376,7 @@ def wikitext_to_plain(wikitext: str) -> str:
     return "\n".join(paragraphs)
 
 
-# ---------------------------------------------------------------------------------------
-# sentence splitting
-# ---------------------------------------------------------------------------------------
+# -- sentence splitting -----------------------------------------------------------------
 
 # Both splitters follow the same contract: split(text) -> the sentences of text, every line
 # split on its own (a newline is a hard boundary), stripped, none empty; split_many(texts)
