@@ -500,11 +500,8 @@ class BlingfireSplitter:
                     call, call_bytes = [], 0
         if call:
             self._split_call(call, sentences_per_line)
-        out: list[list[str]] = []
         it = iter(sentences_per_line)
-        for lines in per_text:
-            out.append([s for _ in lines for s in next(it)])
-        return out
+        return [[s for _ in lines for s in next(it)] for lines in per_text]
 
     def split(self, text: str) -> list[str]:
         return self.split_many([text])[0]
@@ -664,12 +661,7 @@ class SentenceSplitter:
         return [self.split(t) for t in texts]
 
     def __getstate__(self):
-        return {"language": self.language, "nltk_data": self.nltk_data}
-
-    def __setstate__(self, state):
-        self.language = state["language"]
-        self.nltk_data = state["nltk_data"]
-        self._tokenizer = None
+        return {**self.__dict__, "_tokenizer": None}  # each process loads the model itself
 
     def __repr__(self) -> str:
         return f"SentenceSplitter(language={self.language!r}, nltk_data={self.nltk_data!r})"
