@@ -342,10 +342,7 @@ def _as_numpy(tokens: Any) -> np.ndarray:
     # Duck-typed torch support keeps this module importable (and fast to import) without torch.
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
         tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        arr = arr.reshape(-1)
-    return arr
+    return np.asarray(tokens).reshape(-1)
 
 
 class IndexedDatasetBuilder:

@@ -170,9 +170,7 @@ _DOC_ATTR = re.compile(r'\b(id|url|title)="')
 def _doc_attrs(header: str) -> dict[str, str]:
     # WikiExtractor writes attribute values unescaped, so a title may contain quotes:
     # each value runs to the quote before the next attribute (or before the closing ">").
-    header = header.strip()
-    if header.endswith(">"):
-        header = header[:-1]
+    header = header.strip().removesuffix(">")
     starts = [(m.group(1), m.end()) for m in _DOC_ATTR.finditer(header)]
     attrs = {}
     for i, (key, start) in enumerate(starts):

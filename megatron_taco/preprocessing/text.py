@@ -433,8 +433,7 @@ class BlingfireSplitter:
                 "--sentence-splitter punkt"
             ) from None
         lib = blingfire.blingfire
-        fn = lib.TextToSentencesWithOffsets
-        fn.restype = ctypes.c_int
+        lib.TextToSentencesWithOffsets.restype = ctypes.c_int
         return lib
 
     def _buffers(self, nbytes: int):
