@@ -340,9 +340,7 @@ def _is_text_type(t, numbers: bool = False) -> bool:
         return True
     if hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t):
         return True
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return _is_text_type(t.value_type)
-    if pa.types.is_dictionary(t):
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_dictionary(t):
         return _is_text_type(t.value_type)
     return False
 

@@ -5,6 +5,7 @@ ending the file) rather than a failing disk (fatal)."""
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
 import io
 import lzma
@@ -159,18 +160,14 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
         tarfile.ReadError,
         ET.ParseError,
     ]
-    try:
+    with contextlib.suppress(ImportError):
         import zstandard
 
         errors.append(zstandard.ZstdError)
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         import pyarrow
 
         errors.append(pyarrow.ArrowException)
-    except ImportError:
-        pass
     return tuple(errors)
 
 
