@@ -262,7 +262,7 @@ def train_samples_per_dataset(
     split, in --data-path order (their sum is SAS's instance count before rounding to whole
     batches). Call it on every rank (it synchronises on the cache with ``barrier``)."""
     config.validate_files()
-    counts = []
+    counts, train = [], SPLIT_NAMES[0]
     for prefix in config.prefixes:
         ds = IndexedDataset(prefix)
         doc_range = get_split_document_ranges(ds.num_documents, config.split)[0]
@@ -271,14 +271,7 @@ def train_samples_per_dataset(
                 f"--split: {config.split!r} gives the train split none of the documents of {prefix}"
             )
         entry = get_sample_index(
-            ds,
-            config,
-            SPLIT_NAMES[0],
-            doc_range,
-            None,
-            config.cache_dir(),
-            num_epochs=1,
-            barrier=barrier,
+            ds, config, train, doc_range, None, config.cache_dir(), num_epochs=1, barrier=barrier
         )
         counts.append(int(entry.arrays["sample_index"].shape[0]))
     return counts

@@ -91,13 +91,8 @@ class BatchEncoder:
             kb.doc_seq_counts = kb.doc_seq_counts[has_tokens]
             if self.append_eod:
                 self._append_eod(kb)
-        return EncodedBatch(
-            per_key,
-            int(has_tokens.sum()),
-            int(np.count_nonzero(flat == self.tokenizer.unk_id)),
-            int(flat.shape[0]),
-            skips,
-        )
+        unk = int(np.count_nonzero(flat == self.tokenizer.unk_id))
+        return EncodedBatch(per_key, int(has_tokens.sum()), unk, int(flat.shape[0]), skips)
 
     def _parse(self, records: list[RawRecord | Skipped] | RawLines, skips: Skips) -> list[Document]:
         if isinstance(records, RawLines):

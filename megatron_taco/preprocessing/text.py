@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
+import itertools
 import os
 import re
 import site
@@ -353,27 +354,14 @@ def wikitext_to_plain(wikitext: str) -> str:
         pieces.append(_node(node))
     text = _MAGIC_WORD.sub("", _CONTROL.sub("", "".join(pieces)))
 
-    paragraphs: list[str] = []
-    current: list[str] = []
+    def prose(line: str) -> bool:  # blank lines and list items end a paragraph
+        return bool(line.strip()) and not line.lstrip().startswith(_LIST_MARK)
 
-    def flush() -> None:
-        if current:
-            para = _clean_paragraph(current)
-            if _HAS_WORD.search(para):
-                paragraphs.append(para)
-            current.clear()
-
-    for line in text.split("\n"):
-        if line.lstrip().startswith(_LIST_MARK):
-            flush()
-            continue
-        line = line.strip()
-        if not line:
-            flush()
-        else:
-            current.append(line)
-    flush()
-    return "\n".join(paragraphs)
+    runs = itertools.groupby(text.split("\n"), key=prose)
+    paragraphs = (
+        _clean_paragraph([s.strip() for s in lines]) for is_prose, lines in runs if is_prose
+    )
+    return "\n".join(p for p in paragraphs if _HAS_WORD.search(p))
 
 
 # -- sentence splitting -----------------------------------------------------------------
