@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from megatron_taco.data.samples import build_sample_index
+    from megatron_taco.data.samples import build_sample_index_with_stats
     from megatron_taco.data.taco_collator import TacoMaskingCollator
     from megatron_taco.data.tokenizer import Tokenizer
 
@@ -288,9 +288,9 @@ def main(argv=None) -> int:
     from megatron_taco.data.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix)
-    per_epoch = len(build_sample_index(ds.sizes, ds.document_indices, (0, ds.num_documents),
+    per_epoch = len(build_sample_index_with_stats(ds.sizes, ds.document_indices, (0, ds.num_documents),
                                        num_epochs=1, max_seq_length=args.seq_length,
-                                       short_seq_prob=SHORT_SEQ_PROB, min_sentences=1, seed=SEED))  # fmt: skip
+                                       short_seq_prob=SHORT_SEQ_PROB, min_sentences=1, seed=SEED)[0])  # fmt: skip
     num_samples = per_epoch * args.epochs
     log(f"{prefix}: {len(ds):,} sentences in {ds.num_documents:,} documents, "
         f"{int(ds.sizes.sum()):,} tokens; {num_samples:,} samples ({args.epochs} epochs), "

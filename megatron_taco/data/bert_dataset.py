@@ -3,6 +3,7 @@ and the train/valid/test datasets (blended when several --data-path prefixes are
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from megatron_taco.data.cache import (
     load_or_build,
 )
 from megatron_taco.data.config import DataConfig
-from megatron_taco.data.indexed_dataset import IndexedDataset, index_file_path
+from megatron_taco.data.indexed_dataset import IndexedDataset, check_index, index_file_path
 from megatron_taco.data.samples import (
     NUM_SPECIAL_TOKENS,
     SAMPLE_INDEX_VERSION,
@@ -92,12 +93,7 @@ class BertSampleDataset(torch.utils.data.Dataset):
         return int(self.sample_index.shape[0])
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
-        i = int(idx)
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"{self.name}: sample {idx} out of range [0, {n})")
+        i = check_index(idx, len(self), f"{self.name}: sample")
         start, end, target = (int(x) for x in self.sample_index[i])
         max_body = self.seq_length - NUM_SPECIAL_TOKENS
         if target > max_body:
@@ -128,9 +124,8 @@ class BertSampleDataset(torch.utils.data.Dataset):
         tokens[sep_at] = self.sep_id
 
         sentence_ids = np.full(self.seq_length, -1, dtype=np.int64)
-        sentence_ids[1:sep_at] = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)[
-            :nb
-        ]
+        sentence_of_token = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)
+        sentence_ids[1:sep_at] = sentence_of_token[:nb]
 
         word_starts = np.zeros(self.seq_length, dtype=bool)
         word_starts[1:sep_at] = self.word_start_mask[body]
@@ -211,7 +206,7 @@ def get_sample_index(
         except ValueError as e:
             raise ConfigError(f"--data-path: {ds.path_prefix} ({split_name} split): {e}") from None
         log_stats(stats, f"{ds.path_prefix} {split_name}")
-        return {"sample_index": index}, stats.to_dict()
+        return {"sample_index": index}, dataclasses.asdict(stats)
 
     return load_or_build(
         "bert_sample_index", description, ("sample_index",), build, cache_dir, barrier
@@ -267,7 +262,7 @@ def train_samples_per_dataset(
     split, in --data-path order (their sum is SAS's instance count before rounding to whole
     batches). Call it on every rank (it synchronises on the cache with ``barrier``)."""
     config.validate_files()
-    counts = []
+    counts, train = [], SPLIT_NAMES[0]
     for prefix in config.prefixes:
         ds = IndexedDataset(prefix)
         doc_range = get_split_document_ranges(ds.num_documents, config.split)[0]
@@ -276,14 +271,7 @@ def train_samples_per_dataset(
                 f"--split: {config.split!r} gives the train split none of the documents of {prefix}"
             )
         entry = get_sample_index(
-            ds,
-            config,
-            SPLIT_NAMES[0],
-            doc_range,
-            None,
-            config.cache_dir(),
-            num_epochs=1,
-            barrier=barrier,
+            ds, config, train, doc_range, None, config.cache_dir(), num_epochs=1, barrier=barrier
         )
         counts.append(int(entry.arrays["sample_index"].shape[0]))
     return counts

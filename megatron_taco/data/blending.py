@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron_taco.data.cache import array_from_state, array_state
+from megatron_taco.data.indexed_dataset import check_index
 from megatron_taco.errors import ConfigError
 
 BLEND_INDEX_VERSION = 1  # part of the cache key; bump when the stream changes
@@ -205,11 +206,7 @@ class BlendedDataset:
         return self.size
 
     def __getitem__(self, idx: int):
-        i = int(idx)
-        if i < 0:
-            i += self.size
-        if not 0 <= i < self.size:
-            raise IndexError(f"blended sample {idx} out of range [0, {self.size})")
+        i = check_index(idx, self.size, "blended sample")
         sample = self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
         if isinstance(sample, dict) and "index" in sample:
             sample["index"] = i

@@ -123,7 +123,7 @@ def load_or_build(
     description_path, paths = _paths(cache_dir, kind, key, names)
     entry: CacheEntry | None = None
     error: BaseException | None = None
-    if rank == 0:
+    if rank == 0 and not _complete(description_path, paths):
         try:
             entry = _build_and_save(
                 kind, description, key, build, cache_dir, description_path, paths
@@ -161,10 +161,6 @@ def _build_and_save(
     description_path: str,
     paths: dict[str, str],
 ) -> CacheEntry:
-    if _complete(description_path, paths):
-        arrays, info = _load(description_path, paths)
-        logger.info("loaded cached %s %s from %s", kind, key, cache_dir)
-        return CacheEntry(arrays, "loaded", key, info, paths)
     t0 = time.perf_counter()
     arrays, info = build()
     elapsed = time.perf_counter() - t0

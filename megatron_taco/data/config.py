@@ -79,13 +79,9 @@ class DataConfig:
         object.__setattr__(self, "data_path", tuple(str(p) for p in data_path))
         parse_data_path(self.data_path)  # raises ConfigError naming --data-path
         check_tokenizer_options(self)
-        require(
-            isinstance(self.split, str),
-            DataConfig,
-            "split",
-            f"expected a string, got {self.split!r}",
-        )
-        parse_split(self.split)  # raises ConfigError naming --split
+        split = self.split
+        require(isinstance(split, str), DataConfig, "split", f"expected a string, got {split!r}")
+        parse_split(split)  # raises ConfigError naming --split
         for name, minimum in (
             ("seq_length", MIN_SEQ_LENGTH),
             ("min_sentences", 1),
@@ -93,12 +89,8 @@ class DataConfig:
             ("seed", 0),
         ):
             value = getattr(self, name)
-            require(
-                isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-                DataConfig,
-                name,
-                f"must be an integer >= {minimum}, got {value!r}",
-            )
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+            require(ok, DataConfig, name, f"must be an integer >= {minimum}, got {value!r}")
         prob = self.short_seq_prob
         require(
             isinstance(prob, (int, float))

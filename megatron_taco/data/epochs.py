@@ -109,8 +109,4 @@ class InstanceEpochDataset:
 
     def __getitem__(self, g: int) -> dict[str, Any]:
         epoch, instance = self.instance_of(g)
-        sample = dict(self.base[instance])
-        sample["index"] = instance
-        sample["epoch"] = epoch
-        sample["global_index"] = int(g)
-        return sample
+        return {**self.base[instance], "index": instance, "epoch": epoch, "global_index": int(g)}

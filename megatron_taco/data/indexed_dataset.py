@@ -99,6 +99,16 @@ def _dtype_code(dtype: Any) -> int:
     return _CODE_OF_DTYPE[dt]
 
 
+def check_index(idx: Any, n: int, what: str) -> int:
+    """``idx`` into ``n`` items, negative ones counted from the end; IndexError naming ``what``."""
+    i = int(idx)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"{what} {idx} out of range [0, {n})")
+    return i
+
+
 class _Index:
     """The validated, memory-mapped contents of one .idx file."""
 
@@ -153,7 +163,6 @@ class _Index:
         self.path = idx_path
         self.dtype = _DTYPE_CODES[code]
         self.sequence_count = seq_count
-        self.document_count = doc_count - 1
         self._mmap = np.memmap(idx_path, mode="r", dtype=np.uint8, order="C")
         buf = memoryview(self._mmap)
         off = HEADER_SIZE
@@ -229,7 +238,6 @@ class IndexedDataset:
                 f"{bin_path}: data file {what}: {bin_size} bytes, but {index.path} describes "
                 f"{index.total_bytes} bytes ({index.sequence_count} sequences of {index.dtype})"
             )
-        self._index = index
         self.dtype: np.dtype = index.dtype
         self.sizes: np.ndarray = index.sizes
         self.pointers: np.ndarray = index.pointers
@@ -256,13 +264,7 @@ class IndexedDataset:
     def _check_index(self, idx: Any) -> int:
         if not isinstance(idx, (int, np.integer)) or isinstance(idx, bool):
             raise TypeError(f"{self.path_prefix}: index must be an int, got {type(idx).__name__}")
-        n = len(self)
-        i = int(idx)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"{self.path_prefix}: sequence index {idx} out of range [0, {n})")
-        return i
+        return check_index(idx, len(self), f"{self.path_prefix}: sequence index")
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         return np.frombuffer(self._bin, dtype=self.dtype, count=count, offset=byte_offset)
@@ -340,10 +342,7 @@ def _as_numpy(tokens: Any) -> np.ndarray:
     # Duck-typed torch support keeps this module importable (and fast to import) without torch.
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
         tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        arr = arr.reshape(-1)
-    return arr
+    return np.asarray(tokens).reshape(-1)
 
 
 class IndexedDatasetBuilder:

@@ -61,27 +61,33 @@ class TokenMaskingConfig:
     )
 
     def __post_init__(self) -> None:
-        cls = type(self)
-        check_span_options(self, "mask_prob", "span_geometric_p", "max_span_length")
-        for name in ("mask_replace_prob", "random_replace_prob"):
-            value = getattr(self, name)
-            require(0.0 <= value <= 1.0, cls, name, f"must be in [0, 1], got {value}")
-        require(
-            self.mask_replace_prob + self.random_replace_prob <= 1.0,
-            cls,
-            "random_replace_prob",
-            "mask and random replacement probabilities must sum to at most 1",
+        check_span_options(
+            self,
+            ("mask_prob", "span_geometric_p", "max_span_length"),
+            ("mask_replace_prob", "random_replace_prob"),
+            "random replacement",
         )
 
 
-def check_span_options(config, prob: str, geometric_p: str, max_span: str) -> None:
-    """Validate a masking config's (selection probability, span p, longest span) fields."""
+def check_span_options(config, span: tuple[str, str, str], actions: tuple[str, str], second: str):
+    """Validate a masking config's (selection probability, span p, longest span) fields and
+    its two per-span action probabilities (mask, then ``second``), which share one span."""
     cls = type(config)
+    prob, geometric_p, max_span = span
     for name in (prob, geometric_p):
         value = getattr(config, name)
         require(0.0 < value <= 1.0, cls, name, f"must be in (0, 1], got {value}")
     value = getattr(config, max_span)
     require(isinstance(value, int) and value >= 1, cls, max_span, f"must be >= 1, got {value}")
+    for name in actions:
+        value = getattr(config, name)
+        require(0.0 <= value <= 1.0, cls, name, f"must be in [0, 1], got {value}")
+    require(
+        sum(getattr(config, name) for name in actions) <= 1.0,
+        cls,
+        actions[1],
+        f"mask and {second} probabilities must sum to at most 1",
+    )
 
 
 @functools.lru_cache(maxsize=32)

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from megatron_taco.arguments import option, require
+from megatron_taco.arguments import option
 from megatron_taco.data.masking import (
     ACTION_MASK,
     ACTION_RANDOM,
@@ -45,18 +45,11 @@ class PositionMaskingConfig:
     )
 
     def __post_init__(self) -> None:
-        cls = type(self)
         check_span_options(
-            self, "position_mask_prob", "position_span_geometric_p", "max_position_span_length"
-        )
-        for name in ("position_mask_replace_prob", "position_shuffle_prob"):
-            value = getattr(self, name)
-            require(0.0 <= value <= 1.0, cls, name, f"must be in [0, 1], got {value}")
-        require(
-            self.position_mask_replace_prob + self.position_shuffle_prob <= 1.0,
-            cls,
-            "position_shuffle_prob",
-            "mask and shuffle probabilities must sum to at most 1",
+            self,
+            ("position_mask_prob", "position_span_geometric_p", "max_position_span_length"),
+            ("position_mask_replace_prob", "position_shuffle_prob"),
+            "shuffle",
         )
 
 
@@ -127,13 +120,9 @@ def span_mask_positions(
     units = np.flatnonzero(maskable)
     linked = np.concatenate((units[1:] == units[:-1] + 1, [False]))
     budget = mask_budget(mask_prob, units.size)
+    ones = np.ones(units.size, dtype=np.int64)  # a unit is one token
     first, count, _ = sample_spans(
-        np.ones(units.size, dtype=np.int64),
-        linked,
-        budget,
-        rng,
-        geometric_p=geometric_p,
-        max_span=max_span,
+        ones, linked, budget, rng, geometric_p=geometric_p, max_span=max_span
     )
     position_ids = true_position_ids(length, seq_length)
     labels = np.full(seq_length, IGNORE_INDEX, dtype=np.int64)

@@ -50,7 +50,7 @@ finished by pointer doubling over their remaining sentences, O(sentences x log(c
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
 import re
 from dataclasses import dataclass
@@ -91,7 +91,7 @@ _GOLDEN32 = _U32(0x9E3779B9)
 
 @dataclass(frozen=True)
 class SampleIndexStats:
-    """What build_sample_index did, for logs and the build_samples summary."""
+    """What build_sample_index_with_stats did, for logs and the build_samples summary."""
 
     documents: int  # documents in the range
     empty_documents: int  # no sentences (skipped)
@@ -102,9 +102,6 @@ class SampleIndexStats:
     short_target_samples: int  # rows whose target is shorter than the longest
     tokens: int  # body tokens kept over all rows (after truncation to the target)
     truncated_tokens: int  # body tokens cut by truncation to the target
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def parse_split(split: str) -> list[float]:
@@ -141,15 +138,10 @@ def get_split_document_ranges(num_docs: int, split: str) -> list[tuple[int, int]
     """
     if isinstance(num_docs, bool) or not isinstance(num_docs, (int, np.integer)) or num_docs < 0:
         raise ValueError(f"num_docs must be an integer >= 0, got {num_docs!r}")
-    weights = parse_split(split)
-    bounds = [0]
-    cumulative = 0.0
-    for w in weights:
-        cumulative += w
-        bounds.append(min(int(round(cumulative * num_docs)), int(num_docs)))
+    cumulative = itertools.accumulate(parse_split(split))
+    bounds = [0] + [min(int(round(c * num_docs)), int(num_docs)) for c in cumulative]
     bounds[-1] = int(num_docs)  # the float sum may land a hair below 1.0
-    for i in range(1, len(bounds)):
-        bounds[i] = max(bounds[i], bounds[i - 1])
+    bounds = list(itertools.accumulate(bounds, max))
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
@@ -427,9 +419,15 @@ def build_sample_index_with_stats(
     seed: int,
     compact: bool = False,
 ) -> tuple[np.ndarray, SampleIndexStats]:
-    """:func:`build_sample_index` plus what it skipped and truncated. ``compact``: int32
-    rows when every sentence number fits (what the cache stores: half the bytes to build,
-    write and page in)."""
+    """(int64 [N, 3] rows ``(start_sentence, end_sentence_exclusive, target_length)``, what
+    was skipped and truncated).
+
+    ``sizes`` are the sentence lengths and ``document_indices`` the document boundaries of
+    an indexed dataset; only documents ``doc_range = (first, end)`` are used. Exactly one
+    of ``num_epochs`` (that many full passes) and ``num_samples`` (passes until there are
+    that many rows, then cut) is given. See the module docstring for the semantics.
+    ``compact``: int32 rows when every sentence number fits (what the cache stores: half the
+    bytes to build, write and page in)."""
     if (num_epochs is None) == (num_samples is None):
         raise ValueError(
             f"give exactly one of num_epochs and num_samples (got {num_epochs}, {num_samples})"
@@ -544,40 +542,6 @@ def build_sample_index_with_stats(
         truncated_tokens=truncated,
     )
     return index, stats
-
-
-def build_sample_index(
-    sizes,
-    document_indices,
-    doc_range,
-    *,
-    num_epochs: int | None = None,
-    num_samples: int | None = None,
-    max_seq_length: int,
-    short_seq_prob: float,
-    min_sentences: int,
-    seed: int,
-) -> np.ndarray:
-    """int64 [N, 3] rows ``(start_sentence, end_sentence_exclusive, target_length)``.
-
-    ``sizes`` are the sentence lengths and ``document_indices`` the document boundaries of
-    an indexed dataset; only documents ``doc_range = (first, end)`` are used. Exactly one
-    of ``num_epochs`` (that many full passes) and ``num_samples`` (passes until there are
-    that many rows, then cut) is given. See the module docstring for the semantics.
-    """
-    index, stats = build_sample_index_with_stats(
-        sizes,
-        document_indices,
-        doc_range,
-        num_epochs=num_epochs,
-        num_samples=num_samples,
-        max_seq_length=max_seq_length,
-        short_seq_prob=short_seq_prob,
-        min_sentences=min_sentences,
-        seed=seed,
-    )
-    log_stats(stats)
-    return index
 
 
 def log_stats(stats: SampleIndexStats, what: str = "sample index") -> None:

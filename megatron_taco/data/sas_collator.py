@@ -90,44 +90,25 @@ class ReplacementConfig:
     )
 
     def __post_init__(self) -> None:
+        cls, cold = type(self), self.cold_start
+        share, prob = self.stored_mask_share, self.mask_prob
+        iters, power = self.cold_start_warmup_iters, self.cold_start_warmup_power
+        require(0.0 <= share <= 1.0, cls, "stored_mask_share", f"must be in [0, 1], got {share}")
+        require(0.0 < prob < 1.0, cls, "mask_prob", f"must be in (0, 1), got {prob}")
         require(
-            0.0 <= self.stored_mask_share <= 1.0,
-            type(self),
-            "stored_mask_share",
-            f"must be in [0, 1], got {self.stored_mask_share}",
+            cold in COLD_STARTS, cls, "cold_start", f"must be one of {COLD_STARTS}, got {cold!r}"
         )
+        iters_ok = isinstance(iters, int) and iters >= 0
+        require(iters_ok, cls, "cold_start_warmup_iters", f"must be an integer >= 0, got {iters!r}")
         require(
-            0.0 < self.mask_prob < 1.0,
-            type(self),
-            "mask_prob",
-            f"must be in (0, 1), got {self.mask_prob}",
-        )
-        require(
-            self.cold_start in COLD_STARTS,
-            type(self),
-            "cold_start",
-            f"must be one of {COLD_STARTS}, got {self.cold_start!r}",
-        )
-        require(
-            isinstance(self.cold_start_warmup_iters, int) and self.cold_start_warmup_iters >= 0,
-            type(self),
+            cold not in MASKED_COLD_STARTS or iters == 0,
+            cls,
             "cold_start_warmup_iters",
-            f"must be an integer >= 0, got {self.cold_start_warmup_iters!r}",
-        )
-        require(
-            self.cold_start not in MASKED_COLD_STARTS or self.cold_start_warmup_iters == 0,
-            type(self),
-            "cold_start_warmup_iters",
-            f"flattens a sampled cold start; --cold-start {self.cold_start} draws no cold-start "
+            f"flattens a sampled cold start; --cold-start {cold} draws no cold-start "
             "samples to flatten (drop --cold-start-warmup-iters)",
         )
-        power = self.cold_start_warmup_power
-        require(
-            math.isfinite(power) and power > 0,
-            type(self),
-            "cold_start_warmup_power",
-            f"must be > 0, got {power}",
-        )
+        power_ok = math.isfinite(power) and power > 0
+        require(power_ok, cls, "cold_start_warmup_power", f"must be > 0, got {power}")
 
     def width(self, seq_length: int) -> int:
         """Largest |S|: slots per instance (a store row)."""
@@ -359,10 +340,14 @@ class SasCollator:
             None if self.fixed_positions else int(sample.get("epoch", 0)),
         )
 
-    def _stored_masks(self, instance: int, epoch: int, where, drop) -> np.ndarray | None:
+    def _stored_masks(self, instance: int, epoch: int, drop: np.ndarray) -> np.ndarray | None:
+        """Which slots of S read [MASK] in a self-augmentation epoch (None: none), seeded by
+        (seed, instance, epoch); a dropped hit is never one."""
         share = self.config.stored_mask_share
-        masked = _stored_mask_choice(share, self.seed, instance, epoch, where.shape[0])
-        return None if masked is None else masked & ~drop
+        if share <= 0:
+            return None
+        rng = np.random.default_rng([self.seed, int(instance), MASK_SHARE_STREAM, int(epoch)])
+        return (rng.random(drop.shape[0]) < share) & ~drop
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         b, s = len(samples), self.seq_length
@@ -376,6 +361,7 @@ class SasCollator:
         from_store = np.zeros(b, dtype=np.int64)
         instances = np.empty(b, dtype=np.int64)
         epochs = np.empty(b, dtype=np.int64)
+        lengths = np.empty(b, dtype=np.int64)
         fault = None
         for i, sample in enumerate(samples):
             tokens = np.asarray(sample["tokens"], dtype=np.int64)
@@ -397,7 +383,7 @@ class SasCollator:
             hits = placed == tokens[where]
             drop = hits if (stored and self.drop_hits) else np.zeros_like(hits)
             kept = where[~drop]
-            masked = self._stored_masks(instance, epoch, where, drop) if stored else None
+            masked = self._stored_masks(instance, epoch, drop) if stored else None
             if masked is not None:
                 placed = np.where(masked, self.mask_id, placed)
             replaced = tokens.copy()
@@ -415,10 +401,10 @@ class SasCollator:
             dropped[i, : where.shape[0]] = drop
             read = kept.shape[0] - (0 if masked is None else int(masked.sum()))
             from_store[i] = read if stored else 0
-            instances[i], epochs[i] = instance, epoch
+            instances[i], epochs[i], lengths[i] = instance, epoch, length
         batch = {
             "input_ids": torch.from_numpy(input_ids),
-            "attention_mask": torch.from_numpy(np.arange(s) < _lengths(samples)[:, None]),
+            "attention_mask": torch.from_numpy(np.arange(s) < lengths[:, None]),
             "mlm_labels": torch.from_numpy(mlm_labels),
             "rtd_labels": torch.from_numpy(rtd_labels),
             "instance_ids": torch.from_numpy(instances),
@@ -430,18 +416,3 @@ class SasCollator:
         if fault is not None:
             batch[DATA_FAULT] = fault
         return batch
-
-
-def _stored_mask_choice(
-    share: float, seed: int, instance: int, epoch: int, n: int
-) -> np.ndarray | None:
-    """Which of the n slots of S read [MASK] in a self-augmentation epoch (None: none),
-    seeded by (seed, instance, epoch)."""
-    if share <= 0:
-        return None
-    rng = np.random.default_rng([seed, int(instance), MASK_SHARE_STREAM, int(epoch)])
-    return rng.random(n) < share
-
-
-def _lengths(samples: Sequence[Mapping[str, Any]]) -> np.ndarray:
-    return np.asarray([int(sample["length"]) for sample in samples], dtype=np.int64)

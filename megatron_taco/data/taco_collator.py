@@ -25,8 +25,6 @@ from megatron_taco.data.position_masking import (
     true_position_ids,
 )
 
-__all__ = ["TacoMaskingCollator"]
-
 TOKEN_STREAM = 0
 POSITION_STREAM = 1
 
@@ -34,8 +32,7 @@ POSITION_STREAM = 1
 class TacoMaskingCollator:
     """Plain values only (no Tokenizer object), so it pickles cheaply into workers.
 
-    random_token_ids: ids random replacement may draw; else every id in
-    [0, vocab_size) not in special_ids; else [NUM_SPECIAL_IDS, vocab_size).
+    random_token_ids: ids random replacement may draw; else [NUM_SPECIAL_IDS, vocab_size).
     """
 
     def __init__(
@@ -50,7 +47,6 @@ class TacoMaskingCollator:
         position_masking: PositionMaskingConfig | None = None,
         num_positions: int | None = None,
         random_token_ids: Sequence[int] | np.ndarray | None = None,
-        special_ids: Sequence[int] | None = None,
     ) -> None:
         if seq_length < 2:
             raise ValueError(f"seq_length must be >= 2, got {seq_length}")
@@ -69,15 +65,9 @@ class TacoMaskingCollator:
         self.num_positions = int(num_positions) if num_positions is not None else self.seq_length
         if self.num_positions < self.seq_length:
             raise ValueError(f"num_positions {self.num_positions} < seq_length {self.seq_length}")
-        if random_token_ids is None and special_ids is not None:
-            keep = np.ones(self.vocab_size, dtype=bool)
-            keep[np.asarray(list(special_ids), dtype=np.int64)] = False
-            random_token_ids = np.flatnonzero(keep)
-        self.random_token_ids = (
-            None if random_token_ids is None else np.asarray(random_token_ids, dtype=np.int64)
-        )
-        if self.random_token_ids is not None:
-            ids = self.random_token_ids
+        self.random_token_ids = None
+        if random_token_ids is not None:
+            ids = self.random_token_ids = np.asarray(random_token_ids, dtype=np.int64)
             if ids.size == 0 or ids.min() < 0 or ids.max() >= self.vocab_size:
                 raise ValueError(
                     f"random_token_ids must be a non-empty subset of [0, {self.vocab_size})"

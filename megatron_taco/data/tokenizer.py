@@ -355,13 +355,10 @@ class WordPieceTokenizer:
         already makes every punctuation character a word of its own, so a piece without "##"
         always starts one (the specials included)."""
         if self._word_start is None:
-            mask = np.array(
-                [
-                    not (p.startswith(CONTINUATION) and len(p) > len(CONTINUATION))
-                    for p in self._pieces
-                ],
-                dtype=bool,
-            )
+            continues = [
+                p.startswith(CONTINUATION) and len(p) > len(CONTINUATION) for p in self._pieces
+            ]
+            mask = ~np.array(continues, dtype=bool)
             mask[[self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id]] = True
             mask.setflags(write=False)
             self._word_start = mask

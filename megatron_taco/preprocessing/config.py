@@ -107,14 +107,10 @@ class PreprocessConfig:
             "sentence_splitter",
             f"must be one of {SENTENCE_SPLITTERS}, got {self.sentence_splitter!r}",
         )
-        require(len(self.json_keys) > 0, cls, "json_keys", "at least one key is required")
-        require(
-            len(set(self.json_keys)) == len(self.json_keys),
-            cls,
-            "json_keys",
-            f"duplicate key in {list(self.json_keys)}",
-        )
-        for key in self.json_keys:
+        keys = self.json_keys
+        require(len(keys) > 0, cls, "json_keys", "at least one key is required")
+        require(len(set(keys)) == len(keys), cls, "json_keys", f"duplicate key in {list(keys)}")
+        for key in keys:
             # The key becomes part of a file name.
             require(
                 bool(key) and "/" not in key and os.sep not in key and key not in (".", ".."),

@@ -118,9 +118,6 @@ def iter_records(
     """Both stages in one process: Documents and Skipped records of ``path`` in file order."""
     if not json_keys:
         raise ValueError("json_keys must name at least one field")
-    for rec in iter_raw(path, fmt, json_keys=tuple(json_keys)):
-        yield (
-            rec
-            if isinstance(rec, Skipped)
-            else parse_raw(rec, tuple(json_keys), min_chars=min_chars)
-        )
+    keys = tuple(json_keys)
+    for rec in iter_raw(path, fmt, json_keys=keys):
+        yield rec if isinstance(rec, Skipped) else parse_raw(rec, keys, min_chars=min_chars)

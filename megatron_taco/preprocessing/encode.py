@@ -4,8 +4,9 @@ split into sentences, encode, laid out per json key as flat arrays ready for the
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -59,25 +60,20 @@ class EncodedBatch:
     skips: Skips
 
 
+@dataclass
 class BatchEncoder:
     """parse -> split -> encode for one batch of RawRecords (runs inside a worker)."""
 
-    def __init__(
-        self,
-        tokenizer,
-        json_keys: tuple[str, ...],
-        *,
-        splitter=None,
-        append_eod: bool = False,
-        min_chars: int = 0,
-        encode_threads: int = 1,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.json_keys = tuple(json_keys)
-        self.splitter = splitter
-        self.append_eod = append_eod
-        self.min_chars = min_chars
-        self.encode_threads = encode_threads
+    tokenizer: Any
+    json_keys: tuple[str, ...]
+    _: KW_ONLY
+    splitter: Any = None  # a text.make_sentence_splitter() splitter
+    append_eod: bool = False
+    min_chars: int = 0
+    encode_threads: int = 1
+
+    def __post_init__(self) -> None:
+        self.json_keys = tuple(self.json_keys)
 
     def encode(self, records: list[RawRecord | Skipped] | RawLines) -> EncodedBatch:
         skips = Skips()
@@ -95,13 +91,8 @@ class BatchEncoder:
             kb.doc_seq_counts = kb.doc_seq_counts[has_tokens]
             if self.append_eod:
                 self._append_eod(kb)
-        return EncodedBatch(
-            per_key,
-            int(has_tokens.sum()),
-            int(np.count_nonzero(flat == self.tokenizer.unk_id)),
-            int(flat.shape[0]),
-            skips,
-        )
+        unk = int(np.count_nonzero(flat == self.tokenizer.unk_id))
+        return EncodedBatch(per_key, int(has_tokens.sum()), unk, int(flat.shape[0]), skips)
 
     def _parse(self, records: list[RawRecord | Skipped] | RawLines, skips: Skips) -> list[Document]:
         if isinstance(records, RawLines):

@@ -129,17 +129,10 @@ def _load_unigram_counts(prefixes: list[str]) -> np.ndarray | None:
     return total
 
 
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
-
-
 def merge_datasets(config: MergeConfig) -> str:
     """Merge; returns the output prefix. Raises ConfigError/IndexedDatasetError on bad inputs."""
     prefixes = resolve_inputs(config)
-    datasets = []
-    for p in prefixes:
-        datasets.append(IndexedDataset(p))  # full validation of every input up front
+    datasets = [IndexedDataset(p) for p in prefixes]  # full validation of every input up front
     dtypes = {ds.dtype for ds in datasets}
     if len(dtypes) > 1:
         listing = ", ".join(f"{ds.path_prefix}: {ds.dtype}" for ds in datasets)
@@ -178,7 +171,8 @@ def merge_datasets(config: MergeConfig) -> str:
     except BaseException:
         builder.close()
         for path in tmp_files:
-            _remove_quietly(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
         raise
     logger.info(
         "merged %d datasets into %s: %d documents, %d sequences, dtype %s%s in %.1fs",

@@ -17,7 +17,7 @@ a tenth of the tokenizer's CPU again.
 The parts: config.py (the flags, checked before any work), corpora.py (reading), encode.py
 (one batch -> token ids), workers.py (the processes and the bounded queue), shards.py (each
 worker's shard and the merge in batch order), staging.py (the temporary directory, signals,
-the final renames), progress.py and summary.py.
+the final renames), report.py (the progress bar and the summary).
 
 Megatron's ``--partitions`` is not needed: Megatron splits the input into partitions so
 that several pools can tokenize in parallel and merges them afterwards (with

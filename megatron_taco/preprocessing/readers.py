@@ -170,9 +170,7 @@ _DOC_ATTR = re.compile(r'\b(id|url|title)="')
 def _doc_attrs(header: str) -> dict[str, str]:
     # WikiExtractor writes attribute values unescaped, so a title may contain quotes:
     # each value runs to the quote before the next attribute (or before the closing ">").
-    header = header.strip()
-    if header.endswith(">"):
-        header = header[:-1]
+    header = header.strip().removesuffix(">")
     starts = [(m.group(1), m.end()) for m in _DOC_ATTR.finditer(header)]
     attrs = {}
     for i, (key, start) in enumerate(starts):
@@ -333,10 +331,6 @@ def _cc_news_text(payload) -> tuple[str, dict]:
     return "\n".join(parts), obj
 
 
-def _read_jsonl(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
-    return read_jsonl(path, "jsonl")
-
-
 def _is_text_type(t, numbers: bool = False) -> bool:
     import pyarrow as pa
 
@@ -346,15 +340,14 @@ def _is_text_type(t, numbers: bool = False) -> bool:
         return True
     if hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t):
         return True
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return _is_text_type(t.value_type)
-    if pa.types.is_dictionary(t):
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_dictionary(t):
         return _is_text_type(t.value_type)
     return False
 
 
 def _open_table(path: str, fmt: str):
-    """(schema, batch iterator factory) of a parquet/arrow/feather file."""
+    """(schema, columns -> record batch iterator, to call once) of a parquet/arrow/feather
+    file."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
     import pyarrow.parquet as pq
@@ -370,23 +363,12 @@ def _open_table(path: str, fmt: str):
         source = pa.memory_map(path)
         try:
             reader = ipc.open_file(source)
-            schema = reader.schema
-
-            def batches(cols, reader=reader):
-                for i in range(reader.num_record_batches):
-                    b = reader.get_batch(i)
-                    yield b.select(cols) if cols is not None else b
-
-            return schema, batches
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         except pa.ArrowInvalid:
             # Hugging Face datasets caches are IPC *streams*, not IPC files.
-            stream = ipc.open_stream(pa.memory_map(path))
-
-            def sbatches(cols, stream=stream):
-                for b in stream:
-                    yield b.select(cols) if cols is not None else b
-
-            return stream.schema, sbatches
+            reader = ipc.open_stream(pa.memory_map(path))
+            batches = reader  # iterating a stream reader yields its record batches
+        return reader.schema, lambda cols: (b if cols is None else b.select(cols) for b in batches)
     except (OSError, pa.ArrowException) as e:
         raise CorpusError(f"{path}: not a readable parquet/arrow/feather file ({e})") from e
 
@@ -428,10 +410,6 @@ def table_columns(path: str) -> list[str]:
     return list(_open_table(path, "parquet")[0].names)
 
 
-def _read_parquet(path: str, json_keys) -> Iterator[RawRecord | Skipped]:
-    return _read_table(path, "parquet", json_keys)
-
-
 # The order is the order of --input-format's choices.
 READERS: dict[str, Reader] = {
     "wikipedia-xml": Reader(_read_wikipedia_xml, _wikipedia_text),
@@ -440,8 +418,8 @@ READERS: dict[str, Reader] = {
     "bookcorpus-lines": Reader(_read_bookcorpus_lines, _plain_text),
     "openwebtext": Reader(_read_openwebtext, _plain_text),
     "cc-news": Reader(_read_cc_news, _cc_news_text),
-    "jsonl": Reader(_read_jsonl),
-    "parquet": Reader(_read_parquet),
+    "jsonl": Reader(lambda path, json_keys: read_jsonl(path, "jsonl")),
+    "parquet": Reader(lambda path, json_keys: _read_table(path, "parquet", json_keys)),
 }
 # "auto": detected per file by inputs.detect_format.
 FORMATS = ("auto", *READERS)

@@ -55,7 +55,7 @@ class InputMeter:
     def _fd_position(self) -> int | None:
         if not self._proc or self._real is None:
             return None
-        best = None
+        best = 0
         try:
             fds = os.listdir("/proc/self/fd")
         except OSError:
@@ -67,8 +67,7 @@ class InputMeter:
                 with open(f"/proc/self/fdinfo/{fd}") as info:
                     for line in info:
                         if line.startswith("pos:"):
-                            pos = int(line.split()[1])
-                            best = pos if best is None else max(best, pos)
+                            best = max(best, int(line.split()[1]))
                             break
             except (OSError, ValueError):
                 continue

@@ -5,6 +5,7 @@ ending the file) rather than a failing disk (fatal)."""
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
 import io
 import lzma
@@ -13,7 +14,7 @@ import tarfile
 import xml.etree.ElementTree as ET
 import zlib
 from collections.abc import Iterator
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
 
 from megatron_taco.preprocessing.records import CorpusError
 
@@ -151,12 +152,6 @@ def open_binary(path: str | os.PathLike) -> BinaryIO:
     return decompress(raw, path)
 
 
-def open_text(path: str | os.PathLike) -> TextIO:
-    """Decompressed UTF-8 text of ``path``, strict decoding (readers turn an invalid byte
-    sequence into ``Skipped("undecodable")``; a plain read raises UnicodeDecodeError)."""
-    return io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="strict")
-
-
 def _stream_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [
         EOFError,
@@ -165,18 +160,14 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
         tarfile.ReadError,
         ET.ParseError,
     ]
-    try:
+    with contextlib.suppress(ImportError):
         import zstandard
 
         errors.append(zstandard.ZstdError)
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         import pyarrow
 
         errors.append(pyarrow.ArrowException)
-    except ImportError:
-        pass
     return tuple(errors)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
+import itertools
 import os
 import re
 import site
@@ -23,24 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mwparserfromhell import nodes as mw
 
-__all__ = [
-    "DEFAULT_SENTENCE_SPLITTER",
-    "NO_LLAMA_INDEX_ENV",
-    "SENTENCE_SPLITTERS",
-    "BlingfireSplitter",
-    "PunktNotFoundError",
-    "SentenceSplitter",
-    "SplitterUnavailableError",
-    "find_punkt_tab",
-    "make_sentence_splitter",
-    "normalize_text",
-    "split_lines",
-    "wikitext_to_plain",
-]
-
-# ---------------------------------------------------------------------------------------
-# normalisation
-# ---------------------------------------------------------------------------------------
+# -- normalisation ----------------------------------------------------------------------
 
 # C0 controls except \t \n \r, DEL, C1 controls, and zero-width/bidi marks. They come from
 # bad OCR, PDF and HTML extraction, and only produce junk pieces in the tokenizer.
@@ -107,9 +91,7 @@ def normalize_text(text: str) -> str:
     return "\n".join(stripped)
 
 
-# ---------------------------------------------------------------------------------------
-# wikitext -> plain text
-# ---------------------------------------------------------------------------------------
+# -- wikitext -> plain text -------------------------------------------------------------
 
 # Tags whose content is not article prose (or not shown on the article page at all).
 _DROP_TAGS = frozenset(
@@ -372,32 +354,17 @@ def wikitext_to_plain(wikitext: str) -> str:
         pieces.append(_node(node))
     text = _MAGIC_WORD.sub("", _CONTROL.sub("", "".join(pieces)))
 
-    paragraphs: list[str] = []
-    current: list[str] = []
+    def prose(line: str) -> bool:  # blank lines and list items end a paragraph
+        return bool(line.strip()) and not line.lstrip().startswith(_LIST_MARK)
 
-    def flush() -> None:
-        if current:
-            para = _clean_paragraph(current)
-            if _HAS_WORD.search(para):
-                paragraphs.append(para)
-            current.clear()
-
-    for line in text.split("\n"):
-        if line.lstrip().startswith(_LIST_MARK):
-            flush()
-            continue
-        line = line.strip()
-        if not line:
-            flush()
-        else:
-            current.append(line)
-    flush()
-    return "\n".join(paragraphs)
+    runs = itertools.groupby(text.split("\n"), key=prose)
+    paragraphs = (
+        _clean_paragraph([s.strip() for s in lines]) for is_prose, lines in runs if is_prose
+    )
+    return "\n".join(p for p in paragraphs if _HAS_WORD.search(p))
 
 
-# ---------------------------------------------------------------------------------------
-# sentence splitting
-# ---------------------------------------------------------------------------------------
+# -- sentence splitting -----------------------------------------------------------------
 
 # Both splitters follow the same contract: split(text) -> the sentences of text, every line
 # split on its own (a newline is a hard boundary), stripped, none empty; split_many(texts)
@@ -454,8 +421,7 @@ class BlingfireSplitter:
                 "--sentence-splitter punkt"
             ) from None
         lib = blingfire.blingfire
-        fn = lib.TextToSentencesWithOffsets
-        fn.restype = ctypes.c_int
+        lib.TextToSentencesWithOffsets.restype = ctypes.c_int
         return lib
 
     def _buffers(self, nbytes: int):
@@ -521,16 +487,11 @@ class BlingfireSplitter:
                     call, call_bytes = [], 0
         if call:
             self._split_call(call, sentences_per_line)
-        out: list[list[str]] = []
         it = iter(sentences_per_line)
-        for lines in per_text:
-            out.append([s for _ in lines for s in next(it)])
-        return out
+        return [[s for _ in lines for s in next(it)] for lines in per_text]
 
     def split(self, text: str) -> list[str]:
         return self.split_many([text])[0]
-
-    __call__ = split
 
     def __getstate__(self):
         return {}
@@ -577,12 +538,8 @@ def _llama_index_caches() -> list[str]:
     with contextlib.suppress(AttributeError):  # site is stubbed out in some embedded interpreters
         roots += site.getsitepackages() + [site.getusersitepackages()]
     bases.extend(os.path.join(r, "llama_index") for r in roots if r)
-    out: list[str] = []
-    for base in bases:
-        cache = os.path.join(base, "core", "_static", "nltk_cache")
-        if os.path.isdir(cache) and cache not in out:
-            out.append(os.path.abspath(cache))
-    return out
+    caches = (os.path.abspath(os.path.join(b, "core", "_static", "nltk_cache")) for b in bases)
+    return [cache for cache in dict.fromkeys(caches) if os.path.isdir(cache)]
 
 
 def _candidate_roots(search_llama_index: bool) -> list[str]:
@@ -595,12 +552,7 @@ def _candidate_roots(search_llama_index: bool) -> list[str]:
     roots.extend(str(p) for p in nltk.data.path)
     if search_llama_index:
         roots.extend(_llama_index_caches())
-    seen: list[str] = []
-    for r in roots:
-        r = os.path.abspath(os.path.expanduser(r))
-        if r not in seen:
-            seen.append(r)
-    return seen
+    return list(dict.fromkeys(os.path.abspath(os.path.expanduser(r)) for r in roots))
 
 
 _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
@@ -695,15 +647,8 @@ class SentenceSplitter:
     def split_many(self, texts: list[str]) -> list[list[str]]:
         return [self.split(t) for t in texts]
 
-    __call__ = split
-
     def __getstate__(self):
-        return {"language": self.language, "nltk_data": self.nltk_data}
-
-    def __setstate__(self, state):
-        self.language = state["language"]
-        self.nltk_data = state["nltk_data"]
-        self._tokenizer = None
+        return {**self.__dict__, "_tokenizer": None}  # each process loads the model itself
 
     def __repr__(self) -> str:
         return f"SentenceSplitter(language={self.language!r}, nltk_data={self.nltk_data!r})"

@@ -3,6 +3,7 @@ readers, inputs) on the realistic fixtures in tests/fixtures/corpora (see make_f
 
 import bz2
 import gzip
+import io
 import json
 import os
 import pickle
@@ -26,7 +27,7 @@ from megatron_taco.preprocessing.records import (
     RawRecord,
     Skipped,
 )
-from megatron_taco.preprocessing.streams import open_binary, open_text
+from megatron_taco.preprocessing.streams import open_binary
 
 CORPORA = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 WIKI = CORPORA / "wikipedia" / "enwiki-20240101-pages-articles.xml"
@@ -553,6 +554,12 @@ def test_expand_inputs_sorted_recursive_deduplicated(tmp_path):
         str(CORPORA / "wikiextractor" / "json" / "AA" / "wiki_00"),
         str(CORPORA / "wikiextractor" / "json" / "AA" / "wiki_01.bz2"),
     ]
+
+
+def open_text(path):
+    """Decompressed UTF-8 text of ``path``, strict decoding (moved here from streams.py, where
+    only this test used it)."""
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="strict")
 
 
 def test_open_text_decompresses_by_magic_bytes(tmp_path):

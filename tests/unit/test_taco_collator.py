@@ -157,7 +157,9 @@ def test_random_token_sources():
     cfg = TokenMaskingConfig(mask_replace_prob=0.0, random_replace_prob=1.0, mask_prob=0.5)
     samples = [make_sample(i) for i in range(30)]
     special_ids = [PAD, UNK, CLS, SEP, MASK] + list(range(5, 400))
-    batch = collator(masking=cfg, special_ids=special_ids)(samples)
+    # (the collator's special_ids option, which no product code passed, moved here)
+    random_token_ids = np.setdiff1d(np.arange(VOCAB), special_ids)
+    batch = collator(masking=cfg, random_token_ids=random_token_ids)(samples)
     replaced = batch["input_ids"][:30][batch["mlm_labels"][:30] != IGNORE_INDEX]
     assert replaced.numel() > 100
     assert (replaced >= 400).all() and (replaced < VOCAB).all()

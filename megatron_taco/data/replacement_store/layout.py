@@ -7,46 +7,46 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
-
-
 FORMAT_NAME = "megatron_taco.replacement_store"
-
-
 FORMAT_VERSION = 2  # 2: a checksum after every row
-
-
 MANIFEST_NAME = "manifest.json"
-
-
 LAYOUT_NAME = "layout.json"
-
-
 MAX_VOCAB_SIZE = 2**32 - 1  # uint32's max is the sentinel, so ids go up to 2**32 - 2
-
-
 _UINT16_VOCAB_LIMIT = 65535
 CHECK_BYTES = 4
-
-
 # Bounds the memory of creation and scanning; large enough that syscalls do not dominate.
 CHUNK_BYTES = 1 << 20
-
-
 GENERATION_DIR = re.compile(r"gen_(\d{5,})")
 
 
 class ReplacementStoreError(ValueError):
     """A bad layout or argument, or a missing or corrupt store file (the message names it)."""
+
+
+class ShardFiles:
+    """The shard files a reader or writer holds open; ``close()``, or the end of a ``with``
+    block, closes them."""
+
+    _files: dict[int, BinaryIO]
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def is_int(value: Any) -> bool:

@@ -5,7 +5,6 @@ then sizes and CRC-32s sealed (commit_generation, written last); read_manifest c
 from __future__ import annotations
 
 import json
-import logging
 import os
 import zlib
 from dataclasses import asdict, dataclass
@@ -33,8 +32,6 @@ from megatron_taco.data.replacement_store.layout import (
     refuse_newer,
     row_checksums,
 )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ deleting generations.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 from collections.abc import Iterable
@@ -19,6 +18,7 @@ from megatron_taco.data.replacement_store.layout import (
     LAYOUT_NAME,
     MANIFEST_NAME,
     ReplacementStoreError,
+    ShardFiles,
     check_generation,
     check_size,
     checked_ids,
@@ -36,10 +36,8 @@ from megatron_taco.data.replacement_store.manifest import (
     scan_shard,
 )
 
-logger = logging.getLogger(__name__)
 
-
-class GenerationReader:
+class GenerationReader(ShardFiles):
     """Reads rows of a committed generation; knows nothing of who wrote them.
 
     ``verify`` re-computes every shard's crc32 (a full read of the generation: do it once per
@@ -86,7 +84,7 @@ class GenerationReader:
         return self.layout.num_instances
 
     def _file(self, shard: int) -> tuple[BinaryIO, str]:
-        path = os.path.join(self.directory, self.layout.shard_file(shard))
+        path = self._path(shard)
         if shard not in self._files:
             check_size(path, self.layout.shard_bytes(shard))  # also after unpickling
             self._files[shard] = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
@@ -125,25 +123,11 @@ class GenerationReader:
     def _path(self, shard: int) -> str:
         return os.path.join(self.directory, self.layout.shard_file(shard))
 
-    def close(self) -> None:
-        files, self._files = self._files, {}
-        for f in files.values():
-            f.close()
-
-    def __enter__(self) -> GenerationReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __getstate__(self) -> dict[str, Any]:
         # Open files do not travel; the copy reopens (and size-checks) shards on first read.
         state = dict(self.__dict__)
         state["_files"] = {}
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 def list_generations(root: str | os.PathLike) -> list[int]:

@@ -19,6 +19,7 @@ from megatron_taco.data.replacement_store.layout import (
     LAYOUT_NAME,
     MANIFEST_NAME,
     ReplacementStoreError,
+    ShardFiles,
     StoreLayout,
     as_bytes,
     check_generation,
@@ -110,7 +111,7 @@ def _check_owned(owned_shards: Iterable[int], layout: StoreLayout) -> list[int]:
     return sorted({int(k) for k in given})
 
 
-class GenerationWriter:
+class GenerationWriter(ShardFiles):
     """Writes the rows of the shards this process owns into generation ``generation``."""
 
     def __init__(
@@ -201,17 +202,6 @@ class GenerationWriter:
         """Makes every row written so far durable (call before recording a checkpoint)."""
         for f in self._files.values():
             os.fsync(f.fileno())
-
-    def close(self) -> None:
-        files, self._files = self._files, {}
-        for f in files.values():
-            f.close()
-
-    def __enter__(self) -> GenerationWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __getstate__(self) -> None:
         raise TypeError("GenerationWriter holds open shard files and cannot be pickled")
