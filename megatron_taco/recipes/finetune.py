@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any
 
+from megatron_taco.arguments import dataclass_from_args
 from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.data.tokenizer import load_config_tokenizer, tokenizer_file
 from megatron_taco.errors import ConfigError
@@ -350,12 +351,11 @@ def for_run(spec: ModelSpec, cfg: RunConfigs, task_data=None) -> ModelSpec:
 
 def run_finetuning(spec: ModelSpec, args, monitor) -> int:
     """taco-finetune after its flags are parsed: one run, or a protocol's sweep of runs."""
-    from megatron_taco.recipes.sweep import sweep_from_args
     from megatron_taco.runtime.launcher import launcher_world_size
     from megatron_taco.training import driver
     from megatron_taco.training.configure import configs_from_args
 
-    sweep = sweep_from_args(args)
+    sweep = dataclass_from_args(SweepConfig, args)
     if sweep.is_sweep or "," in (args.task or "") or args.task == "glue":
         return run_sweep(spec, args, sweep, monitor)
     cfg = configs_from_args(

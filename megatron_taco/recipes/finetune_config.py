@@ -37,16 +37,15 @@ from megatron_taco.data.tokenizer import (
 )
 from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
-from megatron_taco.recipes.finetune_output import claim_output, run_record
+from megatron_taco.recipes.finetune_output import CHECKPOINTS, claim_output, run_record
 from megatron_taco.tasks import TASKS
 from megatron_taco.training.config import TrainingConfig
-from megatron_taco.training.configure import add_launcher_compat_args, resume_request
+from megatron_taco.training.configure import add_launcher_compat_args, plan_run
 from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 from megatron_taco.training.resilience.exit import ExitConfig
 from megatron_taco.training.spec import ModelSpec, RunConfigs, group
 
 PRETRAINED = "pretrained"  # once_per_node's name for the --load verification
-CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -180,8 +179,6 @@ class TaskDataConfig:
     num_workers: int = option(1, "DataLoader worker processes per rank.", flag="--num-workers")
 
     def __post_init__(self) -> None:
-        from megatron_taco.tasks import TASKS
-
         cls = TaskDataConfig
         require(
             self.task in TASKS, cls, "task", f"unknown task {self.task!r}; one of {sorted(TASKS)}"
@@ -211,8 +208,6 @@ class TaskDataConfig:
 
     @property
     def info(self):
-        from megatron_taco.tasks import TASKS
-
         return TASKS[self.task]
 
 
@@ -365,7 +360,7 @@ def finetune_configs(
     # Checked before plan_resume creates OUTPUT/checkpoints in it; run.json is written by
     # for_run, once the task's files have passed too.
     claim_output(ft.output, run_record(cfg), write=False)
-    plan = plan_resume(resume_request(cfg, spec), once=verify_once_per_node)
+    plan = plan_run(cfg, spec)
     what = (
         f"a random initialisation (--random-init) of {kind.name}, the architecture"
         if ft.random_init

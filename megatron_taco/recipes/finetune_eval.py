@@ -175,7 +175,7 @@ class DevEvaluation(Callback):
             if trainer.parallel.rank == 0:
                 folder = os.path.join(self.output, SUBMISSION_DIR)
                 os.makedirs(folder, exist_ok=True)
-                write_text_atomic(os.path.join(folder, name), text)
+                io.atomic_write(os.path.join(folder, name), text)
             files.append(name)
         self.submission = {"epoch": epoch, "files": files}
 
@@ -216,18 +216,4 @@ class DevEvaluation(Callback):
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=True))
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Replace ``path`` whole: readers, and other writers (a sweep's array tasks on other
-    nodes rewrite the same summary), see the old file or the new one, never a mix."""
-    io.atomic_write(path, text)
-
-
-def read_results(output: str) -> dict[str, Any] | None:
-    path = os.path.join(output, RESULTS_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    io.atomic_write(path, json.dumps(data, indent=2, allow_nan=True))

@@ -202,12 +202,6 @@ def load_pretraining_model(
     return model.eval(), states.info
 
 
-def load_error(e: Exception) -> ConfigError:
-    """A checkpoint problem as the --load flag's one line."""
-    message = str(e)
-    return ConfigError(message if message.startswith("--load") else f"--load: {message}")
-
-
 def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
     """The preset size ("small", "base", ...) a checkpoint's metadata records (for the
     fine-tuning protocols' size-dependent grids); verified later, when its run starts."""
@@ -215,6 +209,9 @@ def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
         raise ConfigError("--load: the pretrained checkpoint directory is required")
     try:
         info = find_checkpoint(load, ckpt_step, verify=False)
-    except (CheckpointError, ConfigError) as e:
-        raise load_error(e) from None
+    except (CheckpointError, ConfigError) as e:  # as the --load flag's one line
+        message = str(e)
+        raise ConfigError(
+            message if message.startswith("--load") else f"--load: {message}"
+        ) from None
     return (info.configs.get("model") or {}).get("model_size")

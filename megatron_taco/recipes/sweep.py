@@ -303,9 +303,3 @@ def run_namespace(
         if not _same(dest, getattr(ns, dest), value):
             setattr(ns, dest, value)
     return ns
-
-
-def sweep_from_args(args: argparse.Namespace) -> SweepConfig:
-    from megatron_taco.arguments import dataclass_from_args
-
-    return dataclass_from_args(SweepConfig, args)

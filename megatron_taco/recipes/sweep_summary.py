@@ -12,6 +12,7 @@ import os
 import statistics
 from typing import Any
 
+from megatron_taco import io
 from megatron_taco.tasks.metrics import GLUE_SCORE_TASKS as GLUE_TASKS
 
 SUMMARY = "summary"
@@ -214,7 +215,9 @@ def summarize(
                 # it ran twice, e.g. at two tensor-parallel sizes: that spread is not a seed's)
                 "dev_mean": {m: statistics.fmean([r["dev"][m] for r in group]) for m in metrics},
                 "dev_std": {
-                    m: _stdev([r["dev"][m] for r in group]) if len(found_seeds) > 1 else None
+                    m: statistics.stdev([r["dev"][m] for r in group])
+                    if len(found_seeds) > 1
+                    else None
                     for m in metrics
                 },
                 "main_metric": main_key,
@@ -242,10 +245,6 @@ def summarize(
     if all(t in tasks for t in GLUE_TASKS):
         _glue_score(summary, convention)
     return summary
-
-
-def _stdev(values: list[float]) -> float | None:
-    return statistics.stdev(values) if len(values) > 1 else None
 
 
 def _finite(value: Any) -> float:
@@ -354,7 +353,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
 def collect_submission(root: str, summary: dict[str, Any]) -> None:
     """OUTPUT/submission/: each task's GLUE server files (--predict-test) from the run of its
     best configuration with the best main dev score; summary["submission"] says which."""
-    from megatron_taco.recipes.finetune_eval import SUBMISSION_DIR, write_text_atomic
+    from megatron_taco.recipes.finetune_eval import SUBMISSION_DIR
 
     chosen = {}
     for task, row in summary["tasks"].items():
@@ -366,7 +365,7 @@ def collect_submission(root: str, summary: dict[str, Any]) -> None:
         for name in sorted(os.listdir(source)):
             if name.endswith(".tsv"):
                 with open(os.path.join(source, name), encoding="utf-8") as f:
-                    write_text_atomic(os.path.join(target, name), f.read())
+                    io.atomic_write(os.path.join(target, name), f.read())
         chosen[task] = row["best_run"]
     if chosen:
         summary["submission"] = chosen
@@ -378,12 +377,14 @@ def show_std(value: float | None) -> str:
 
 
 def write_summary(root: str, protocol: str | None) -> str:
-    from megatron_taco.recipes.finetune_eval import write_json_atomic, write_text_atomic
+    from megatron_taco.recipes.finetune_eval import write_json_atomic
 
     summary = summarize(root, protocol)
     collect_submission(root, summary)
     table = markdown_table(summary)
     os.makedirs(root, exist_ok=True)
+    # Replaced whole: readers, and other writers (a sweep's array tasks on other nodes
+    # rewrite the same summary), see the old file or the new one, never a mix.
     write_json_atomic(os.path.join(root, f"{SUMMARY}.json"), summary)
-    write_text_atomic(os.path.join(root, f"{SUMMARY}.md"), table + "\n")
+    io.atomic_write(os.path.join(root, f"{SUMMARY}.md"), table + "\n")
     return table
