@@ -76,30 +76,13 @@ def save_task_model(
         raise CheckpointError(f"--load: {task.task} cannot be exported: {e}") from None
     dropout = config.hidden_dropout if classifier_dropout is None else classifier_dropout
     kwargs = {**head_kwargs, **label_kwargs(task.kind, task.labels)}
+    kwargs["cls_dropout" if family == "deberta-v2" else "classifier_dropout"] = dropout
     name = hf_class_name(family, task.kind)
     if family == "taco":
-        from megatron_taco.cli.export_taco_hf import save_taco_model
-
-        kwargs["classifier_dropout"] = dropout
-        save_taco_model(config, encoder, out, special_ids, task=(name, kwargs, head))
-        return name
-    import transformers
-    from safetensors.torch import save_file
-
-    from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
-
-    if family == "electra":
-        enc_kwargs, state = electra_config_and_state(config, encoder, heads=False)
-        hf = transformers.ElectraConfig(
-            **enc_kwargs, **kwargs, classifier_dropout=dropout, **special_ids, architectures=[name]
-        )
+        from megatron_taco.cli.export_taco_hf import save_taco_model as save
     else:
-        enc_kwargs, state, _ = deberta_v2_config_and_state(config, encoder, heads=False)
-        hf = transformers.DebertaV2Config(
-            **enc_kwargs, **kwargs, cls_dropout=dropout, **special_ids, architectures=[name]
-        )
-    hf.save_pretrained(out)
-    save_file({**state, **head}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        from megatron_taco.cli.export_hf import save_model as save
+    save(config, encoder, out, special_ids, task=(name, kwargs, head))
     return name
 
 

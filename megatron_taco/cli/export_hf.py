@@ -41,6 +41,8 @@ from megatron_taco.checkpoint.deepspeed_files import read_states
 from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.checkpoint.reshard import ModelLayout
+from megatron_taco.cli.export_finetuned import FAMILY_NAME, describe, family_of, save_finetuned
+from megatron_taco.cli.export_taco_hf import save_taco_model
 from megatron_taco.cli.hf_extra import require_hf_extra
 from megatron_taco.errors import ConfigError
 from megatron_taco.io import umask_mode
@@ -232,28 +234,28 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     }
 
 
-def save_model(config, state_dict, out: str, special_ids: dict[str, int]) -> list[str]:
+def save_model(config, state_dict, out: str, special_ids: dict[str, int], *, task=None) -> None:
     """config.json + model.safetensors (+ rtd_head.safetensors for SAS^DA) of a SAS
-    pretraining model; ``special_ids``: special_token_ids of its tokenizer."""
+    pretraining model; with ``task`` = (class name, config kwargs, head tensors), that task
+    class from a fine-tuned encoder's state dict. ``special_ids``: special_token_ids of its
+    tokenizer."""
     import transformers
     from safetensors.torch import save_file
 
     from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
 
+    heads = task is None
+    name, kwargs, head = task or (None, {}, {})
     if config.disentangled_attention:
-        kwargs, state, rtd = deberta_v2_config_and_state(config, state_dict)
-        hf = transformers.DebertaV2Config(
-            **kwargs, **special_ids, architectures=["DebertaV2ForMaskedLM"]
-        )
-        save_file(rtd, os.path.join(out, "rtd_head.safetensors"), metadata={"format": "pt"})
+        encoder, state, rtd = deberta_v2_config_and_state(config, state_dict, heads=heads)
+        hf_config, name = transformers.DebertaV2Config, name or "DebertaV2ForMaskedLM"
+        if heads:
+            save_file(rtd, os.path.join(out, "rtd_head.safetensors"), metadata={"format": "pt"})
     else:
-        kwargs, state = electra_config_and_state(config, state_dict)
-        hf = transformers.ElectraConfig(
-            **kwargs, **special_ids, architectures=["ElectraForPreTraining"]
-        )
-    hf.save_pretrained(out)
-    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    return sorted(os.listdir(out))
+        encoder, state = electra_config_and_state(config, state_dict, heads=heads)
+        hf_config, name = transformers.ElectraConfig, name or "ElectraForPreTraining"
+    hf_config(**encoder, **kwargs, **special_ids, architectures=[name]).save_pretrained(out)
+    save_file({**state, **head}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
 
 def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
@@ -276,25 +278,14 @@ def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
         )
         state_dict = states.full_state_dict()
         if task is not None:
-            from megatron_taco.cli.export_finetuned import save_finetuned
-
             save_finetuned(info, config, task, state_dict, tmp, argv or [], special_ids)
         elif encoder == "TACO":
-            from megatron_taco.cli.export_taco_hf import save_taco_model
-
             save_taco_model(config, state_dict, tmp, special_ids)
         else:
             save_model(config, state_dict, tmp, special_ids)
 
     files = write_folder(args.output, write)
-    if task is not None:
-        from megatron_taco.cli.export_finetuned import describe
-
-        kind = describe(task, config)
-    elif encoder == "TACO":
-        kind = "TACO (trust_remote_code=True)"
-    else:
-        kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
+    kind = describe(task, config) if task else FAMILY_NAME[family_of(encoder, config)]
     return f"{info.iter_dir} -> {args.output} as {kind}: {', '.join(files)}"
 
 
