@@ -85,7 +85,6 @@ class Launch:
     def __init__(self, command: list[str]) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        self.signals = 0
         for signum in FORWARDED:
             signal.signal(signum, self._forward)
         try:
@@ -96,7 +95,6 @@ class Launch:
             ) from None
 
     def _forward(self, signum: int, frame) -> None:
-        self.signals += 1
         name = signal.Signals(signum).name
         ranks = ranks_below(os.getpid())
         for pid in ranks:

@@ -197,10 +197,6 @@ class Instances:
     epochs: Fraction  # the run's length in epochs: fractional with --train-iters
     passes: list[DatasetPasses]
 
-    @property
-    def whole_epochs(self) -> int:
-        return math.floor(self.epochs)
-
 
 def build_instances(ctx: BuildContext) -> Instances:
     from megatron_taco.parallel import comm
@@ -412,7 +408,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         train_flops=train_flops,
         paper_flops=paper_flops,
         samples_per_epoch=instances.count,
-        callbacks=[RtdWeightSchedule(model, schedule, instances.whole_epochs), *callbacks],
+        callbacks=[RtdWeightSchedule(model, schedule, math.floor(instances.epochs)), *callbacks],
         banner=[
             f"variant: {variant}; hidden {model_config.hidden_size}, FFN "
             f"{model_config.ffn_hidden_size}, {model_config.num_attention_heads} heads, "
