@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +176,3 @@ def main(argv: list[str] | None = None) -> int:
         _build_and_summarise,
         user_errors=(IndexedDatasetError, ValueError, OSError),
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from typing import Any
 
 from megatron_taco import io
@@ -331,7 +330,3 @@ def main(argv: list[str] | None = None) -> int:
         lambda args: print(convert(args)),
         user_errors=(CheckpointError, MissingExtra),
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

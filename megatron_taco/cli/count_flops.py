@@ -14,7 +14,6 @@ backward = forward, the MLM softmax on 15.625% of the tokens.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_taco.arguments import program_name
 from megatron_taco.models.sas.config import SasConfig
@@ -112,7 +111,3 @@ def main(argv: list[str] | None = None) -> int:
         f"{total / args.train_iters:.4g} per iteration)"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -135,7 +135,3 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the command to run, e.g. deepspeed --num_gpus 2 pretrain_taco.py ...")
     return Launch(command).wait()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

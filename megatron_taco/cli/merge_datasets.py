@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_taco.arguments import add_dataclass_args, dataclass_from_args, program_name, run_cli
 from megatron_taco.data.indexed_dataset import IndexedDatasetError
@@ -26,7 +25,3 @@ def main(argv: list[str] | None = None) -> int:
         lambda args: merge_datasets(dataclass_from_args(MergeConfig, args)),
         user_errors=(IndexedDatasetError,),
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
