@@ -28,7 +28,7 @@ import shutil
 from typing import Any
 
 from megatron_taco import io
-from megatron_taco.arguments import program_name, run_cli
+from megatron_taco.arguments import run_cli
 from megatron_taco.checkpoint.config import CheckpointConfig
 from megatron_taco.checkpoint.deepspeed_files import (
     CheckpointInfo,
@@ -46,6 +46,7 @@ from megatron_taco.checkpoint.safe_files import (
     read_regular,
     regular_files,
 )
+from megatron_taco.cli import tool_parser
 from megatron_taco.cli.hf_extra import MissingExtra, require_hf_extra
 from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.registry import read_checkpoint
@@ -56,11 +57,7 @@ _GENERATION = re.compile(r"gen_\d{5,}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=program_name(PROG),
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
-        allow_abbrev=False,
-    )
+    p = tool_parser(PROG, __doc__, allow_abbrev=False)
     p.add_argument("--load", required=True, help="Checkpoint directory (a --save of training).")
     p.add_argument("--ckpt-step", type=int, help="Iteration to convert (default: the latest).")
     out = p.add_mutually_exclusive_group(required=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_taco.arguments import program_name
+from megatron_taco.cli import tool_parser
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.models.taco.config import TacoConfig
 
@@ -23,9 +23,7 @@ MODELS = ("sas", "bert", "electra", "taco")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=program_name("count_flops.py"), description=__doc__.split("\n")[0]
-    )
+    p = tool_parser("count_flops.py", __doc__)
     p.add_argument("--model", choices=MODELS, required=True)
     p.add_argument("--model-size", default="small", help="Preset (tiny, small, base).")
     p.add_argument("--seq-length", type=int, default=128)

@@ -41,6 +41,7 @@ from megatron_taco.checkpoint.deepspeed_files import read_states
 from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.checkpoint.reshard import ModelLayout
+from megatron_taco.cli import tool_parser
 from megatron_taco.cli.export_finetuned import FAMILY_NAME, describe, family_of, save_finetuned
 from megatron_taco.cli.export_taco_hf import save_taco_model
 from megatron_taco.cli.hf_extra import require_hf_extra
@@ -60,11 +61,7 @@ SAMPLE_TEXT = "The  quick brown fox, «naïve» café-owner, asked [MASK] twice:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=program_name(PROG),
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
-        allow_abbrev=False,
-    )
+    p = tool_parser(PROG, __doc__, allow_abbrev=False)
     p.add_argument(
         "--load",
         required=True,

@@ -30,6 +30,7 @@ import subprocess
 import sys
 
 from megatron_taco.arguments import program_name
+from megatron_taco.cli import tool_parser
 
 PROG = "launch.py"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -124,9 +125,9 @@ class Launch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=program_name(PROG),
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
+    parser = tool_parser(
+        PROG,
+        __doc__,
         usage=f"{program_name(PROG)} COMMAND [ARGS...]   (e.g. {program_name(PROG)} deepspeed --num_gpus 8 pretrain_taco.py ...)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="The launcher command line.")
