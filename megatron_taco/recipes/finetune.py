@@ -21,17 +21,26 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
 from megatron_taco.arguments import dataclass_from_args
 from megatron_taco.checkpoint.plan import find_checkpoint
+from megatron_taco.checkpoint.rendezvous import forget_node_results
+from megatron_taco.checkpoint.reshard import ModelLayout
+from megatron_taco.data.epochs import EpochPermutation
 from megatron_taco.data.tokenizer import load_config_tokenizer, tokenizer_file
 from megatron_taco.errors import ConfigError
+from megatron_taco.models.common.host import WithHost
+from megatron_taco.models.finetune import TaskModel, build_encoder, encoder_state_from_pretraining
 from megatron_taco.recipes.finetune_config import (
     PRETRAINED,
     TaskDataConfig,
     finetune_configs,
     finetune_parser,
 )
+from megatron_taco.recipes.finetune_eval import RESULTS_FILE, DevEvaluation
 from megatron_taco.recipes.finetune_output import check_test_predictable, claim_output, run_record
+from megatron_taco.recipes.registry import model_size_of, read_checkpoint
 from megatron_taco.recipes.sweep import (
     SAS_DROPOUT,
     SweepConfig,
@@ -41,13 +50,17 @@ from megatron_taco.recipes.sweep import (
     run_namespace,
 )
 from megatron_taco.recipes.sweep_summary import read_result, write_plan, write_summary
+from megatron_taco.runtime.launcher import launcher_world_size
+from megatron_taco.tasks import TaskDataError, load_task
+from megatron_taco.tasks.base import Collate, row_lengths
+from megatron_taco.training import driver
+from megatron_taco.training.configure import build_parser, configs_from_args
+from megatron_taco.training.engine import accelerator_name, destroy_distributed, release_memory
 from megatron_taco.training.observability.log import run_log
 from megatron_taco.training.spec import BuildContext, ModelParts, ModelSpec, RunConfigs
 
 
 def load_task_data(data: TaskDataConfig):
-    from megatron_taco.tasks import TaskDataError, load_task
-
     info = data.info
     test = info.test_splits if data.predict_test else ()
     try:
@@ -95,8 +108,6 @@ class EpochShuffled:
         lengths=None,
         global_batch_size: int | None = None,
     ) -> None:
-        from megatron_taco.data.epochs import EpochPermutation
-
         if not 1 <= per_epoch <= len(base):
             raise ValueError(f"per_epoch {per_epoch} must be in [1, {len(base)}]")
         if lengths is not None and (not global_batch_size or per_epoch % global_batch_size):
@@ -114,8 +125,6 @@ class EpochShuffled:
 
     def epoch_order(self, epoch: int):
         """int64 [per_epoch]: the examples of ``epoch`` in the order they are read."""
-        import numpy as np
-
         if self._order is not None and self._order[0] == epoch:
             return self._order[1]
         order = self.permutation(epoch, np.arange(self.per_epoch))
@@ -141,9 +150,6 @@ class EpochShuffled:
 
 def load_pretrained_encoder(model, cfg: RunConfigs, parallel) -> str:
     """Copy the pretrained encoder's weights into ``model.encoder``; returns a banner line."""
-    from megatron_taco.models.finetune import encoder_state_from_pretraining
-    from megatron_taco.recipes.registry import read_checkpoint
-
     ref = cfg.recipe.pretrained
     # Verified before the rendezvous already.
     info = find_checkpoint(ref.load, ref.iteration, verify=False)
@@ -161,8 +167,6 @@ def load_pretrained_encoder(model, cfg: RunConfigs, parallel) -> str:
 def load_encoder_state(model, kind: str, config, full: dict, parallel, where: str = "") -> None:
     """Full (tp-merged, unpadded) encoder tensors -> this rank's slices at this run's tp size
     (vocabulary padding re-added), copied into ``model.encoder``."""
-    from megatron_taco.checkpoint.reshard import ModelLayout
-    from megatron_taco.models.finetune import build_encoder
 
     def build(p, vocab_size):
         c = dataclasses.replace(
@@ -182,19 +186,10 @@ def load_encoder_state(model, kind: str, config, full: dict, parallel, where: st
 def finetune_collate(dynamic: bool):
     """The tasks' collator, its batches carrying what TaskModel's forward needs on the host
     (whether any token is padding), so that the forward reads nothing back from the GPU."""
-    from megatron_taco.models.common.host import WithHost
-    from megatron_taco.models.finetune import TaskModel
-    from megatron_taco.tasks.base import Collate
-
     return WithHost(Collate(dynamic=dynamic), TaskModel.host_layout)
 
 
 def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
-    from megatron_taco.checkpoint.rendezvous import forget_node_results
-    from megatron_taco.models.finetune import TaskModel
-    from megatron_taco.recipes.finetune_eval import DevEvaluation
-    from megatron_taco.tasks.base import row_lengths
-
     # Every rank of this node read the verification's result before the rendezvous.
     forget_node_results(PRETRAINED)
     cfg = ctx.configs
@@ -351,10 +346,6 @@ def for_run(spec: ModelSpec, cfg: RunConfigs, task_data=None) -> ModelSpec:
 
 def run_finetuning(spec: ModelSpec, args, monitor) -> int:
     """taco-finetune after its flags are parsed: one run, or a protocol's sweep of runs."""
-    from megatron_taco.runtime.launcher import launcher_world_size
-    from megatron_taco.training import driver
-    from megatron_taco.training.configure import configs_from_args
-
     sweep = dataclass_from_args(SweepConfig, args)
     if sweep.is_sweep or "," in (args.task or "") or args.task == "glue":
         return run_sweep(spec, args, sweep, monitor)
@@ -368,12 +359,6 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     """Every run of this shard that has not finished, in one set of processes (one process
     group for all of them), then the summary. Stops at the first run that is interrupted
     (an exit signal, a time limit): starting the command again continues from it."""
-    from megatron_taco.recipes.registry import model_size_of
-    from megatron_taco.runtime.launcher import launcher_world_size
-    from megatron_taco.training import driver
-    from megatron_taco.training.configure import build_parser, configs_from_args
-    from megatron_taco.training.engine import accelerator_name, destroy_distributed, release_memory
-
     root = args.output
     if not root:
         raise ConfigError("--output: the sweep's directory is required")
@@ -425,8 +410,6 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
 def _finished(directory: str) -> bool:
     """Whether a run's results.json says finished; an unreadable one stops the sweep (it
     would otherwise rerun, or skip, a run whose state nobody knows)."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-
     path = os.path.join(directory, RESULTS_FILE)
     if not os.path.isfile(path):
         return False
@@ -439,8 +422,6 @@ def _finished(directory: str) -> bool:
 def _warn_unsubmitted(directory: str) -> None:
     """A finished run is not run again: one that finished without --predict-test has no
     test files for OUTPUT/submission/, and the sweep says so rather than submit less."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-
     result, _ = read_result(os.path.join(directory, RESULTS_FILE))
     if result is not None and not result.get("submission"):
         run_log().warning(

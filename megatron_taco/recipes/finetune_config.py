@@ -38,6 +38,8 @@ from megatron_taco.data.tokenizer import (
 from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.recipes.finetune_output import CHECKPOINTS, claim_output, run_record
+from megatron_taco.recipes.registry import checkpoint_model_config, checkpoint_tokenizer
+from megatron_taco.recipes.sweep import SweepConfig
 from megatron_taco.tasks import TASKS
 from megatron_taco.training.config import TrainingConfig
 from megatron_taco.training.configure import add_launcher_compat_args, plan_run
@@ -222,8 +224,6 @@ class FinetuneRecipe:
 def _checkpoint_tokenizer_data(data: TaskDataConfig, info) -> TaskDataConfig:
     """``data`` with the tokenizer flags resolved against the pretrained checkpoint: the file
     given (checked to be the checkpoint's) or the checkpoint's own copy, and its type."""
-    from megatron_taco.recipes.registry import checkpoint_tokenizer
-
     flag = "--vocab-file" if data.vocab_file else "--tokenizer-model"
     path, kind = checkpoint_tokenizer(info, data.vocab_file or data.tokenizer_model, flag)
     if data.tokenizer_type not in (None, kind):
@@ -279,8 +279,6 @@ def output_paths(output: str) -> dict[str, str]:
 
 
 def finetune_parser(spec: ModelSpec) -> argparse.ArgumentParser:
-    from megatron_taco.recipes.sweep import SweepConfig
-
     parser = argparse.ArgumentParser(
         prog=program_name(spec.prog), description=spec.description, allow_abbrev=False
     )
@@ -313,8 +311,6 @@ def finetune_configs(
     spec: ModelSpec, args: argparse.Namespace, *, world_size: int, device_type: str
 ) -> RunConfigs:
     """The model kind and configuration come from the pretrained checkpoint, not flags."""
-    from megatron_taco.recipes.registry import checkpoint_model_config
-
     ft = dataclass_from_args(FinetuneConfig, args)
     data = dataclass_from_args(TaskDataConfig, args)
     parallel = dataclass_from_args(ParallelConfig, args)

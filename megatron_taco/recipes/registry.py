@@ -16,7 +16,9 @@ from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.checkpoint.layout import METADATA_FILENAME as METADATA
 from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.checkpoint.reshard import ModelBuilder, ModelLayout
+from megatron_taco.data.tokenizer import SENTENCEPIECE, WORDPIECE_TYPES, file_sha256, load_tokenizer
 from megatron_taco.errors import ConfigError
+from megatron_taco.parallel.state import single_process_state
 
 FINETUNED = "finetune"  # metadata.json's "model" in a fine-tuning run's checkpoints
 
@@ -80,8 +82,6 @@ def checkpoint_tokenizer(
     ``flag``'s) when given, else the copy in the checkpoint's --save directory, else the file
     its configs name (checkpoints written before the copy). A file whose content is not the
     one the checkpoint recorded is refused."""
-    from megatron_taco.data.tokenizer import SENTENCEPIECE, WORDPIECE_TYPES, file_sha256
-
     data = info.configs.get("data") or {}
     record = info.meta.get("tokenizer")
     record = record if isinstance(record, dict) else {}
@@ -116,8 +116,6 @@ def checkpoint_tokenizer(
 
 def checkpoint_model_config(info: CheckpointInfo, tokenizer_model: str | None) -> tuple[Any, Any]:
     """(ModelKind, model config with its vocabulary size) from a checkpoint's metadata."""
-    from megatron_taco.data.tokenizer import load_tokenizer
-
     name = finetuned_task(info).encoder if info.model == FINETUNED else info.model
     kind = model_kind(name, f"{info.iter_dir}/{METADATA}")
     path, tokenizer_type = checkpoint_tokenizer(info, tokenizer_model)
@@ -193,8 +191,6 @@ def load_pretraining_model(
     eval mode without dropout; the checkpoint's info). Reads the optimizer files too: under
     ZeRO 1-2 with bf16 the fp32 master weights live there, the model files hold only bf16
     copies."""
-    from megatron_taco.parallel.state import single_process_state
-
     states, config, build = read_checkpoint(path, ckpt_step, tokenizer_model=tokenizer_model)
     (state_dict,) = ModelLayout(build, 1, config.vocab_size).split(states.full_state_dict())
     model = build(single_process_state(), config.vocab_size)

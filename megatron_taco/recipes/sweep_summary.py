@@ -13,6 +13,8 @@ import statistics
 from typing import Any
 
 from megatron_taco import io
+from megatron_taco.recipes.finetune_eval import RESULTS_FILE, SUBMISSION_DIR, write_json_atomic
+from megatron_taco.tasks import TASKS, glue_score, glue_task_scores
 from megatron_taco.tasks.metrics import GLUE_SCORE_TASKS as GLUE_TASKS
 
 SUMMARY = "summary"
@@ -28,8 +30,6 @@ def show(value: Any) -> str:
 def write_plan(root: str, protocol: str | None, runs: list) -> None:
     """OUTPUT/sweep.json: the protocol and the seeds each task's configurations should have
     (merged with an earlier sweep's tasks in the same directory)."""
-    from megatron_taco.recipes.finetune_eval import write_json_atomic
-
     plan = read_plan(root)
     seeds = plan.get("seeds", {})
     for task in dict.fromkeys(r.task for r in runs):
@@ -70,8 +70,6 @@ def read_result(path: str) -> tuple[dict[str, Any] | None, str | None]:
 def _results(root: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Every readable results.json under root, and a warning line for each unreadable one
     (skipped: a directory of partly copied or foreign runs still gets its table)."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-
     found, warnings = [], []
     for directory, _dirs, files in sorted(os.walk(root)):
         if RESULTS_FILE in files:
@@ -252,8 +250,6 @@ def _finite(value: Any) -> float:
 
 
 def _glue_score(summary: dict[str, Any], convention: str) -> None:
-    from megatron_taco.tasks import glue_score, glue_task_scores
-
     tasks = summary["tasks"]
     nested = {t: nested_scores(t, tasks[t]["dev"]) for t in GLUE_TASKS}
     try:
@@ -292,8 +288,6 @@ def _glue_score(summary: dict[str, Any], convention: str) -> None:
 def nested_scores(task: str, flat: dict[str, float]) -> dict[str, dict[str, float]]:
     """results.json's flat dev scores -> {split: {metric: value}} (finetune_eval.flat_scores
     names a task's only split's metrics plainly, several splits' as split/metric)."""
-    from megatron_taco.tasks import TASKS
-
     splits = TASKS[task].dev_splits
     if len(splits) == 1:
         return {splits[0]: dict(flat)}
@@ -353,8 +347,6 @@ def markdown_table(summary: dict[str, Any]) -> str:
 def collect_submission(root: str, summary: dict[str, Any]) -> None:
     """OUTPUT/submission/: each task's GLUE server files (--predict-test) from the run of its
     best configuration with the best main dev score; summary["submission"] says which."""
-    from megatron_taco.recipes.finetune_eval import SUBMISSION_DIR
-
     chosen = {}
     for task, row in summary["tasks"].items():
         source = os.path.join(root, row["best_run"], SUBMISSION_DIR)
@@ -377,8 +369,6 @@ def show_std(value: float | None) -> str:
 
 
 def write_summary(root: str, protocol: str | None) -> str:
-    from megatron_taco.recipes.finetune_eval import write_json_atomic
-
     summary = summarize(root, protocol)
     collect_submission(root, summary)
     table = markdown_table(summary)
