@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_taco.cli import tool_parser
+from megatron_taco.models import flops
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.models.taco.config import TacoConfig
 
@@ -49,15 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _shape(args: argparse.Namespace):
-    from megatron_taco.models.flops import EncoderShape
-
     cfg = SasConfig.preset(args.model_size)
     hidden = args.hidden_size or cfg.hidden_size
     embedding = args.embedding_size or (
         128 if args.model == "electra" and args.model_size == "small" else cfg.embedding_size
     )
     heads = cfg.num_attention_heads if args.hidden_size is None else max(hidden // 64, 1)
-    return EncoderShape(
+    return flops.EncoderShape(
         layers=args.num_layers or cfg.num_layers,
         hidden=hidden,
         ffn=cfg.ffn_hidden_size if args.hidden_size is None else 4 * hidden,
@@ -70,8 +69,6 @@ def _shape(args: argparse.Namespace):
 
 
 def count(args: argparse.Namespace) -> float:
-    from megatron_taco.models import flops
-
     b, steps = args.global_batch_size, args.train_iters
     if args.model == "taco":
         overrides = {"num_layers": args.num_layers} if args.num_layers else {}

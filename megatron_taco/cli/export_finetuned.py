@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.models.finetune import PRETRAINING_ENCODER_PREFIX
 from megatron_taco.models.finetune_hf import (
     AUTO_CLASS,
@@ -71,8 +72,6 @@ def save_task_model(
             family, task.kind, state_dict["head.weight"], state_dict["head.bias"]
         )
     except ValueError as e:  # a head transformers' class cannot hold: the checkpoint's, one line
-        from megatron_taco.checkpoint.errors import CheckpointError
-
         raise CheckpointError(f"--load: {task.task} cannot be exported: {e}") from None
     dropout = config.hidden_dropout if classifier_dropout is None else classifier_dropout
     kwargs = {**head_kwargs, **label_kwargs(task.kind, task.labels)}

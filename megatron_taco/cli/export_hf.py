@@ -32,6 +32,7 @@ sequence-classification, question-answering and multiple-choice Auto classes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -43,10 +44,12 @@ from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.checkpoint.reshard import ModelLayout
 from megatron_taco.cli import tool_parser
 from megatron_taco.cli.export_finetuned import FAMILY_NAME, describe, family_of, save_finetuned
-from megatron_taco.cli.export_taco_hf import save_taco_model
+from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
 from megatron_taco.cli.hf_extra import require_hf_extra
+from megatron_taco.data.tokenizer import WORDPIECE_TYPES, Tokenizer, load_tokenizer
 from megatron_taco.errors import ConfigError
 from megatron_taco.io import umask_mode
+from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
 from megatron_taco.recipes.registry import (
     FINETUNED,
     checkpoint_tokenizer,
@@ -158,8 +161,6 @@ def save_wordpiece_tokenizer(vocab_file: str, tokenizer_type: str, out: str, max
     """BertTokenizerFast's files, checked to give our ids on a sample text."""
     from transformers import BertTokenizerFast
 
-    from megatron_taco.data.tokenizer import load_tokenizer
-
     ours = load_tokenizer(vocab_file, tokenizer_type)
     # Positional: transformers 5.23's BertTokenizerFast(vocab_file=...) ignores the file
     # and maps every word to [UNK].
@@ -177,10 +178,6 @@ def save_wordpiece_tokenizer(vocab_file: str, tokenizer_type: str, out: str, max
 def save_tokenizer(
     spm_path: str, out: str, max_length: int, tokenizer_type: str = "SentencePiece"
 ) -> None:
-    import json
-
-    from megatron_taco.data.tokenizer import WORDPIECE_TYPES, Tokenizer
-
     if tokenizer_type in WORDPIECE_TYPES:
         save_wordpiece_tokenizer(spm_path, tokenizer_type, out, max_length)
         return
@@ -212,8 +209,6 @@ def write_tokenizer(
     ("TACO" | "SAS") model."""
     save_tokenizer(path, out, max_length, tokenizer_type)
     if encoder == "TACO":
-        from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs
-
         restrict_tokenizer_inputs(out)
 
 
@@ -239,8 +234,6 @@ def save_model(config, state_dict, out: str, special_ids: dict[str, int], *, tas
     import transformers
     from safetensors.torch import save_file
 
-    from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
-
     heads = task is None
     name, kwargs, head = task or (None, {}, {})
     if config.disentangled_attention:
@@ -256,8 +249,6 @@ def save_model(config, state_dict, out: str, special_ids: dict[str, int], *, tas
 
 
 def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
-    from megatron_taco.data.tokenizer import load_tokenizer
-
     require_hf_extra(program_name(PROG))
     info = find_checkpoint(args.load, args.ckpt_step)
     if os.path.exists(args.output) and os.listdir(args.output):
