@@ -79,8 +79,9 @@ def load_task_data(data: TaskDataConfig):
         raise ConfigError(f"--data-dir: {e}") from None
 
 
-# or of a quarter of the epoch's batches when that is fewer (transformers'
-# get_length_grouped_indices: "50 or the number to get 4 megabatches, whichever is smaller").
+# Global batches that --group-by-length sorts together, or a quarter of the epoch's when that
+# is fewer (transformers' get_length_grouped_indices: "50 or the number to get 4 megabatches,
+# whichever is smaller").
 LENGTH_GROUP_BATCHES = 50
 
 
@@ -92,11 +93,10 @@ class EpochShuffled:
     With ``lengths`` (--group-by-length), the epoch's examples are taken in runs of
     LENGTH_GROUP_BATCHES global batches (a quarter of the epoch's, if fewer), each run sorted
     by length (longest first) and cut into global batches, and the epoch's global batches
-    are then shuffled: a batch (and each
-    micro-batch in it) holds examples of similar length, so dynamic padding pads little,
-    while which examples meet and in what order still changes every epoch. Like the plain
-    order it is a function of (seed, epoch, position) only, so a resumed run reads what the
-    uninterrupted one read."""
+    are then shuffled: a batch (and each micro-batch in it) holds examples of similar length,
+    so dynamic padding pads little, while which examples meet and in what order still changes
+    every epoch. Like the plain order it is a function of (seed, epoch, position) only, so a
+    resumed run reads what the uninterrupted one read."""
 
     def __init__(
         self,

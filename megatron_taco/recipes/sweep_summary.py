@@ -152,12 +152,6 @@ def _config_names(configs: list[dict[str, Any]]) -> list[str]:
     return names
 
 
-def _main_key(result: dict[str, Any]) -> str:
-    """The main metric's key among a result's dev scores (split/metric for MNLI)."""
-    main = result["main_metric"]
-    return main if main in result["dev"] else f"{result.get('main_split')}/{main}"
-
-
 def _seed_order(seed: Any) -> tuple:
     return (seed is None, seed if isinstance(seed, int) else 0, str(seed))
 
@@ -201,7 +195,9 @@ def summarize(
         rows = {}
         for name, group, found_seeds in zip(_config_names(configs), groups, seeds):
             metrics = sorted(set.intersection(*(set(r["dev"]) for r in group)))
-            main_key = _main_key(group[0])
+            first = group[0]  # the main metric's key among its dev scores: split/metric for MNLI
+            metric = first["main_metric"]
+            main_key = metric if metric in first["dev"] else f"{first.get('main_split')}/{metric}"
             rows[name] = {
                 "seeds": len(found_seeds),
                 "seeds_expected": expected,
