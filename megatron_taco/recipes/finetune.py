@@ -224,7 +224,6 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         summary=_run_summary(cfg, task_data),
         collate_fn=collate,
     )
-    stats = task_data.stats
     lengths = row_lengths(task_data.train) if data.group_by_length else None
     train = EpochShuffled(
         task_data.train, per_epoch, epochs, data.seed, lengths=lengths, global_batch_size=gbs
@@ -235,6 +234,11 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         forwards = -(-samples // cfg.training.micro_batch_size)
         return model.train_flops(samples * rows_per_sample, data.seq_length, forwards)
 
+    def sizes(splits: dict) -> str:
+        return ", ".join(f"{s} {len(d):,}" for s, d in splits.items())
+
+    truncated = (task_data.stats.get("truncated") or {}).items()
+    test = [f"test: {sizes(task_data.test)} -> {ft.output}/submission/ (the chosen epoch's)"]
     return ModelParts(
         model=model,
         collate_fn=collate,
@@ -249,22 +253,10 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         banner=[
             source,
             f"task {info.name} ({info.kind}, {info.num_labels} outputs) from {data.data_dir}: "
-            f"{n:,} training features ({per_epoch:,} per epoch), dev "
-            + ", ".join(f"{s} {len(d):,}" for s, d in task_data.dev.items())
-            + "".join(
-                f"; {count:,} {split} truncated"
-                for split, count in (stats.get("truncated") or {}).items()
-                if count
-            ),
+            f"{n:,} training features ({per_epoch:,} per epoch), dev {sizes(task_data.dev)}"
+            + "".join(f"; {count:,} {split} truncated" for split, count in truncated if count),
             f"selection: {ft.epoch_selection} epoch by {info.main_metric}",
-            *(
-                [
-                    f"test: {', '.join(f'{s} {len(d):,}' for s, d in task_data.test.items())} "
-                    f"-> {ft.output}/submission/ (the chosen epoch's)"
-                ]
-                if task_data.test
-                else []
-            ),
+            *(test if task_data.test else []),
         ],
         # The labels too: a custom task's are read from its train.tsv, which export_hf.py
         # (id2label) does not have.
