@@ -31,6 +31,7 @@ from megatron_taco.models.finetune_hf import (
     label_kwargs,
     task_head,
 )
+from megatron_taco.recipes.finetune_eval import RESULTS_FILE
 
 FAMILY_PREFIX = {"taco": "Taco", "electra": "Electra", "deberta-v2": "DebertaV2"}
 FAMILY_NAME = {
@@ -38,7 +39,6 @@ FAMILY_NAME = {
     "electra": "ELECTRA (SAS)",
     "deberta-v2": "DeBERTa-v2 (SAS^DA)",
 }
-RESULTS = "results.json"
 
 
 def family_of(encoder: str, config) -> str:
@@ -105,7 +105,7 @@ def save_finetuned(
 def read_results(load: str, task: str) -> tuple[dict[str, Any] | None, str]:
     """The run's results.json (beside --load, the run's checkpoints/ folder), if it is this
     task's; and where it was looked for."""
-    path = os.path.join(os.path.dirname(os.path.abspath(load)), RESULTS)
+    path = os.path.join(os.path.dirname(os.path.abspath(load)), RESULTS_FILE)
     try:
         with open(path, encoding="utf-8") as f:
             results = json.load(f)
@@ -121,7 +121,7 @@ def _table(rows: dict[str, Any]) -> list[str]:
 
 def _scores(results: dict[str, Any] | None, iteration: int, where: str) -> list[str]:
     if results is None:
-        return [f"No {RESULTS} of this task was found at {where}: no scores are recorded."]
+        return [f"No {RESULTS_FILE} of this task was found at {where}: no scores are recorded."]
     epochs = [e for e in results.get("epochs", []) if isinstance(e, dict)]
     if not epochs:
         return [f"{where} holds no evaluated epoch."]

@@ -394,8 +394,7 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     finally:
         destroy_distributed(None)
     if rank0:
-        table = write_summary(root, sweep.protocol)
-        run_log().info(table)
+        run_log().info(write_summary(root, sweep.protocol))
     return status
 
 

@@ -21,7 +21,6 @@ from megatron_taco.arguments import (
 )
 from megatron_taco.checkpoint.config import CheckpointConfig
 from megatron_taco.checkpoint.plan import (
-    ResumePlan,
     ResumeRequest,
     find_checkpoint,
     plan_resume,
@@ -301,12 +300,6 @@ def finetune_parser(spec: ModelSpec) -> argparse.ArgumentParser:
     return parser
 
 
-def pretrained_plan(ft: FinetuneConfig) -> ResumePlan:
-    """The pretrained checkpoint, verified (it reads every byte: one rank per node)."""
-    request = ResumeRequest(CheckpointConfig(load=ft.load, ckpt_step=ft.ckpt_step), required=True)
-    return plan_resume(request, once=functools.partial(verify_once_per_node, name=PRETRAINED))
-
-
 def finetune_configs(
     spec: ModelSpec, args: argparse.Namespace, *, world_size: int, device_type: str
 ) -> RunConfigs:
@@ -316,7 +309,9 @@ def finetune_configs(
     parallel = dataclass_from_args(ParallelConfig, args)
     tp = parallel.tensor_model_parallel_size
     check_world_size(world_size, tp)
-    source = pretrained_plan(ft)
+    # The pretrained checkpoint, verified (it reads every byte: one rank per node).
+    request = ResumeRequest(CheckpointConfig(load=ft.load, ckpt_step=ft.ckpt_step), required=True)
+    source = plan_resume(request, once=functools.partial(verify_once_per_node, name=PRETRAINED))
     info = find_checkpoint(ft.load, source.iteration, verify=False)
     data = _checkpoint_tokenizer_data(data, info)
     kind, model = checkpoint_model_config(info, tokenizer_file(data))
