@@ -330,14 +330,13 @@ def build_sas(ctx: BuildContext) -> ModelParts:
             num_shards=augmentation.replacement_store_shards,
             origin=store_origin(data, replacement, augmentation),
         )
-        special_ids = np.flatnonzero(ctx.tokenizer.is_special_mask())
         callbacks.append(
             SelfAugmentation(
                 augmentation,
                 root=root,
                 layout=layout,
                 seed=ctx.seed,
-                special_ids=special_ids,
+                special_ids=np.flatnonzero(ctx.tokenizer.is_special_mask()),
                 vocab_size=ctx.tokenizer.vocab_size,
             )
         )
