@@ -13,20 +13,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from megatron_taco.arguments import (
-    add_dataclass_args,
-    dataclass_from_args,
-    option,
-    program_name,
-    require,
-    run_cli,
-)
+from megatron_taco.arguments import dataclass_from_args, option, require, run_cli
+from megatron_taco.cli import tool_parser
 from megatron_taco.data.bert_dataset import BertSampleDataset, build_train_valid_test_datasets
 from megatron_taco.data.blending import BlendedDataset
 from megatron_taco.data.config import DataConfig
@@ -57,16 +50,6 @@ class SampleCounts:
             "train_samples",
             "nothing to build: give --train-samples, --valid-samples and/or --test-samples",
         )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=program_name("build_samples.py"),
-        description="Build and cache BERT sample indices for --data-path and summarise them.",
-    )
-    add_dataclass_args(parser, DataConfig, "data")
-    add_dataclass_args(parser, SampleCounts, "samples")
-    return parser
 
 
 def _lengths(part: BertSampleDataset) -> np.ndarray:
@@ -172,12 +155,13 @@ def _build_and_summarise(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(
-        build_parser(),
+        tool_parser(
+            "build_samples.py",
+            "Build and cache BERT sample indices for --data-path and summarise them.",
+            (DataConfig, "data"),
+            (SampleCounts, "samples"),
+        ),
         argv,
         _build_and_summarise,
         user_errors=(IndexedDatasetError, ValueError, OSError),
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,11 +25,12 @@ import json
 import os
 import re
 import shutil
-import sys
 from typing import Any
 
+import torch
+
 from megatron_taco import io
-from megatron_taco.arguments import program_name, run_cli
+from megatron_taco.arguments import run_cli
 from megatron_taco.checkpoint.config import CheckpointConfig
 from megatron_taco.checkpoint.deepspeed_files import (
     CheckpointInfo,
@@ -39,6 +40,9 @@ from megatron_taco.checkpoint.deepspeed_files import (
     write_states,
 )
 from megatron_taco.checkpoint.errors import CheckpointError
+from megatron_taco.checkpoint.layout import checkpoint_tag, rng_state_path, tracker_path
+from megatron_taco.checkpoint.manifest import manifest_entry, write_metadata
+from megatron_taco.checkpoint.ownership import check_new_save
 from megatron_taco.checkpoint.plan import ResumeRequest, find_checkpoint, plan_resume
 from megatron_taco.checkpoint.reshard import ModelLayout
 from megatron_taco.checkpoint.safe_files import (
@@ -46,10 +50,15 @@ from megatron_taco.checkpoint.safe_files import (
     copy_regular,
     read_regular,
     regular_files,
+    unsafe_globals,
 )
+from megatron_taco.cli import tool_parser
 from megatron_taco.cli.hf_extra import MissingExtra, require_hf_extra
+from megatron_taco.data.replacement_store import MANIFEST_NAME, Manifest
+from megatron_taco.data.tokenizer import load_tokenizer, save_tokenizer_copy, saved_tokenizer_record
 from megatron_taco.errors import ConfigError
-from megatron_taco.recipes.registry import read_checkpoint
+from megatron_taco.recipes.registry import checkpoint_tokenizer, read_checkpoint
+from megatron_taco.training.deepspeed_config import load_deepspeed_json
 
 PROG = "convert_checkpoint.py"
 STORE = "replacement_store"
@@ -57,11 +66,7 @@ _GENERATION = re.compile(r"gen_\d{5,}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=program_name(PROG),
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
-        allow_abbrev=False,
-    )
+    p = tool_parser(PROG, __doc__, allow_abbrev=False)
     p.add_argument("--load", required=True, help="Checkpoint directory (a --save of training).")
     p.add_argument("--ckpt-step", type=int, help="Iteration to convert (default: the latest).")
     out = p.add_mutually_exclusive_group(required=True)
@@ -89,8 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _target_ds_config(info: CheckpointInfo, path: str | None) -> dict[str, Any]:
-    from megatron_taco.training.deepspeed_config import load_deepspeed_json
-
     saved = dict(info.configs.get("deepspeed") or {})
     if path is None:
         return saved
@@ -143,9 +146,6 @@ def _metadata(states: TrainingStates, target: TargetLayout, args, rng: bool) -> 
 def _copy_rng(info: CheckpointInfo, target: TargetLayout, tmp: str) -> list[str]:
     """The RNG files, when every rank keeps its place and they load safely: copied without
     following links, and checked against the manifest that was verified."""
-    from megatron_taco.checkpoint.layout import rng_state_path
-    from megatron_taco.checkpoint.safe_files import unsafe_globals
-
     same = (target.layout.tp_size, target.dp_size) == (info.tp_size, info.dp_size)
     paths = [rng_state_path(info.iter_dir, r) for r in range(info.tp_size * info.dp_size)]
     names = [os.path.basename(p) for p in paths]
@@ -178,10 +178,6 @@ def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[
     and write the tracker (fsynced, and the directory too), so --save never holds a partial
     checkpoint. Returns (its directory, whether it holds the RNG states, a note on the
     replacement store copied along)."""
-    from megatron_taco.checkpoint.layout import checkpoint_tag, tracker_path
-    from megatron_taco.checkpoint.manifest import manifest_entry, write_metadata
-    from megatron_taco.checkpoint.ownership import check_new_save
-
     save, tag = args.save, checkpoint_tag(states.info.iteration)
     check_new_save(save)  # again: nothing may have appeared since the plan
     os.makedirs(save, exist_ok=True)
@@ -210,13 +206,6 @@ def save_converted(states: TrainingStates, target: TargetLayout, args) -> tuple[
 
 def _copy_tokenizer(info: CheckpointInfo, tokenizer_model: str | None, save: str) -> dict:
     """The new --save holds the tokenizer too (metadata.json "tokenizer" names the copy)."""
-    from megatron_taco.data.tokenizer import (
-        load_tokenizer,
-        save_tokenizer_copy,
-        saved_tokenizer_record,
-    )
-    from megatron_taco.recipes.registry import checkpoint_tokenizer
-
     tokenizer = load_tokenizer(*checkpoint_tokenizer(info, tokenizer_model))
     record = saved_tokenizer_record(tokenizer)
     save_tokenizer_copy(save, tokenizer, record)
@@ -228,8 +217,6 @@ def _copy_store(load: str, save: str) -> str:
     parallel layout. Copies the committed generations (manifest, layout, the shards the
     manifest names, each checked against it) into a temporary directory renamed into place;
     returns what was copied, for the summary line."""
-    from megatron_taco.data.replacement_store import MANIFEST_NAME, Manifest
-
     store, target = os.path.join(load, STORE), os.path.join(save, STORE)
     if not os.path.lexists(store) or os.path.lexists(target):
         return ""
@@ -275,8 +262,6 @@ def _copy_store(load: str, save: str) -> str:
 
 
 def save_consolidated(states: TrainingStates, path: str) -> None:
-    import torch
-
     state_dict = states.full_state_dict()
     with io.atomic_path(path) as tmp:  # given the umask's mode: safetensors writes 0600
         if path.endswith(".safetensors"):
@@ -330,7 +315,3 @@ def main(argv: list[str] | None = None) -> int:
         lambda args: print(convert(args)),
         user_errors=(CheckpointError, MissingExtra),
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

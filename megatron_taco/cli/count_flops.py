@@ -14,9 +14,9 @@ backward = forward, the MLM softmax on 15.625% of the tokens.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from megatron_taco.arguments import program_name
+from megatron_taco.cli import tool_parser
+from megatron_taco.models import flops
 from megatron_taco.models.sas.config import SasConfig
 from megatron_taco.models.taco.config import TacoConfig
 
@@ -24,9 +24,7 @@ MODELS = ("sas", "bert", "electra", "taco")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=program_name("count_flops.py"), description=__doc__.split("\n")[0]
-    )
+    p = tool_parser("count_flops.py", __doc__)
     p.add_argument("--model", choices=MODELS, required=True)
     p.add_argument("--model-size", default="small", help="Preset (tiny, small, base).")
     p.add_argument("--seq-length", type=int, default=128)
@@ -52,15 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _shape(args: argparse.Namespace):
-    from megatron_taco.models.flops import EncoderShape
-
     cfg = SasConfig.preset(args.model_size)
     hidden = args.hidden_size or cfg.hidden_size
     embedding = args.embedding_size or (
         128 if args.model == "electra" and args.model_size == "small" else cfg.embedding_size
     )
     heads = cfg.num_attention_heads if args.hidden_size is None else max(hidden // 64, 1)
-    return EncoderShape(
+    return flops.EncoderShape(
         layers=args.num_layers or cfg.num_layers,
         hidden=hidden,
         ffn=cfg.ffn_hidden_size if args.hidden_size is None else 4 * hidden,
@@ -73,8 +69,6 @@ def _shape(args: argparse.Namespace):
 
 
 def count(args: argparse.Namespace) -> float:
-    from megatron_taco.models import flops
-
     b, steps = args.global_batch_size, args.train_iters
     if args.model == "taco":
         overrides = {"num_layers": args.num_layers} if args.num_layers else {}
@@ -112,7 +106,3 @@ def main(argv: list[str] | None = None) -> int:
         f"{total / args.train_iters:.4g} per iteration)"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

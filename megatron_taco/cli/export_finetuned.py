@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.models.finetune import PRETRAINING_ENCODER_PREFIX
 from megatron_taco.models.finetune_hf import (
     AUTO_CLASS,
@@ -30,6 +31,7 @@ from megatron_taco.models.finetune_hf import (
     label_kwargs,
     task_head,
 )
+from megatron_taco.recipes.finetune_eval import RESULTS_FILE
 
 FAMILY_PREFIX = {"taco": "Taco", "electra": "Electra", "deberta-v2": "DebertaV2"}
 FAMILY_NAME = {
@@ -37,7 +39,6 @@ FAMILY_NAME = {
     "electra": "ELECTRA (SAS)",
     "deberta-v2": "DeBERTa-v2 (SAS^DA)",
 }
-RESULTS = "results.json"
 
 
 def family_of(encoder: str, config) -> str:
@@ -71,35 +72,16 @@ def save_task_model(
             family, task.kind, state_dict["head.weight"], state_dict["head.bias"]
         )
     except ValueError as e:  # a head transformers' class cannot hold: the checkpoint's, one line
-        from megatron_taco.checkpoint.errors import CheckpointError
-
         raise CheckpointError(f"--load: {task.task} cannot be exported: {e}") from None
     dropout = config.hidden_dropout if classifier_dropout is None else classifier_dropout
     kwargs = {**head_kwargs, **label_kwargs(task.kind, task.labels)}
+    kwargs["cls_dropout" if family == "deberta-v2" else "classifier_dropout"] = dropout
     name = hf_class_name(family, task.kind)
     if family == "taco":
-        from megatron_taco.cli.export_taco_hf import save_taco_model
-
-        kwargs["classifier_dropout"] = dropout
-        save_taco_model(config, encoder, out, special_ids, task=(name, kwargs, head))
-        return name
-    import transformers
-    from safetensors.torch import save_file
-
-    from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
-
-    if family == "electra":
-        enc_kwargs, state = electra_config_and_state(config, encoder, heads=False)
-        hf = transformers.ElectraConfig(
-            **enc_kwargs, **kwargs, classifier_dropout=dropout, **special_ids, architectures=[name]
-        )
+        from megatron_taco.cli.export_taco_hf import save_taco_model as save
     else:
-        enc_kwargs, state, _ = deberta_v2_config_and_state(config, encoder, heads=False)
-        hf = transformers.DebertaV2Config(
-            **enc_kwargs, **kwargs, cls_dropout=dropout, **special_ids, architectures=[name]
-        )
-    hf.save_pretrained(out)
-    save_file({**state, **head}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        from megatron_taco.cli.export_hf import save_model as save
+    save(config, encoder, out, special_ids, task=(name, kwargs, head))
     return name
 
 
@@ -123,7 +105,7 @@ def save_finetuned(
 def read_results(load: str, task: str) -> tuple[dict[str, Any] | None, str]:
     """The run's results.json (beside --load, the run's checkpoints/ folder), if it is this
     task's; and where it was looked for."""
-    path = os.path.join(os.path.dirname(os.path.abspath(load)), RESULTS)
+    path = os.path.join(os.path.dirname(os.path.abspath(load)), RESULTS_FILE)
     try:
         with open(path, encoding="utf-8") as f:
             results = json.load(f)
@@ -139,7 +121,7 @@ def _table(rows: dict[str, Any]) -> list[str]:
 
 def _scores(results: dict[str, Any] | None, iteration: int, where: str) -> list[str]:
     if results is None:
-        return [f"No {RESULTS} of this task was found at {where}: no scores are recorded."]
+        return [f"No {RESULTS_FILE} of this task was found at {where}: no scores are recorded."]
     epochs = [e for e in results.get("epochs", []) if isinstance(e, dict)]
     if not epochs:
         return [f"{where} holds no evaluated epoch."]

@@ -32,6 +32,7 @@ sequence-classification, question-answering and multiple-choice Auto classes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -41,9 +42,14 @@ from megatron_taco.checkpoint.deepspeed_files import read_states
 from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.checkpoint.reshard import ModelLayout
+from megatron_taco.cli import tool_parser
+from megatron_taco.cli.export_finetuned import FAMILY_NAME, describe, family_of, save_finetuned
+from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs, save_taco_model
 from megatron_taco.cli.hf_extra import require_hf_extra
+from megatron_taco.data.tokenizer import WORDPIECE_TYPES, Tokenizer, load_tokenizer
 from megatron_taco.errors import ConfigError
 from megatron_taco.io import umask_mode
+from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
 from megatron_taco.recipes.registry import (
     FINETUNED,
     checkpoint_tokenizer,
@@ -58,11 +64,7 @@ SAMPLE_TEXT = "The  quick brown fox, «naïve» café-owner, asked [MASK] twice:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=program_name(PROG),
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
-        allow_abbrev=False,
-    )
+    p = tool_parser(PROG, __doc__, allow_abbrev=False)
     p.add_argument(
         "--load",
         required=True,
@@ -159,8 +161,6 @@ def save_wordpiece_tokenizer(vocab_file: str, tokenizer_type: str, out: str, max
     """BertTokenizerFast's files, checked to give our ids on a sample text."""
     from transformers import BertTokenizerFast
 
-    from megatron_taco.data.tokenizer import load_tokenizer
-
     ours = load_tokenizer(vocab_file, tokenizer_type)
     # Positional: transformers 5.23's BertTokenizerFast(vocab_file=...) ignores the file
     # and maps every word to [UNK].
@@ -178,10 +178,6 @@ def save_wordpiece_tokenizer(vocab_file: str, tokenizer_type: str, out: str, max
 def save_tokenizer(
     spm_path: str, out: str, max_length: int, tokenizer_type: str = "SentencePiece"
 ) -> None:
-    import json
-
-    from megatron_taco.data.tokenizer import WORDPIECE_TYPES, Tokenizer
-
     if tokenizer_type in WORDPIECE_TYPES:
         save_wordpiece_tokenizer(spm_path, tokenizer_type, out, max_length)
         return
@@ -213,8 +209,6 @@ def write_tokenizer(
     ("TACO" | "SAS") model."""
     save_tokenizer(path, out, max_length, tokenizer_type)
     if encoder == "TACO":
-        from megatron_taco.cli.export_taco_hf import restrict_tokenizer_inputs
-
         restrict_tokenizer_inputs(out)
 
 
@@ -232,33 +226,29 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     }
 
 
-def save_model(config, state_dict, out: str, special_ids: dict[str, int]) -> list[str]:
+def save_model(config, state_dict, out: str, special_ids: dict[str, int], *, task=None) -> None:
     """config.json + model.safetensors (+ rtd_head.safetensors for SAS^DA) of a SAS
-    pretraining model; ``special_ids``: special_token_ids of its tokenizer."""
+    pretraining model; with ``task`` = (class name, config kwargs, head tensors), that task
+    class from a fine-tuned encoder's state dict. ``special_ids``: special_token_ids of its
+    tokenizer."""
     import transformers
     from safetensors.torch import save_file
 
-    from megatron_taco.models.sas.hf import deberta_v2_config_and_state, electra_config_and_state
-
+    heads = task is None
+    name, kwargs, head = task or (None, {}, {})
     if config.disentangled_attention:
-        kwargs, state, rtd = deberta_v2_config_and_state(config, state_dict)
-        hf = transformers.DebertaV2Config(
-            **kwargs, **special_ids, architectures=["DebertaV2ForMaskedLM"]
-        )
-        save_file(rtd, os.path.join(out, "rtd_head.safetensors"), metadata={"format": "pt"})
+        encoder, state, rtd = deberta_v2_config_and_state(config, state_dict, heads=heads)
+        hf_config, name = transformers.DebertaV2Config, name or "DebertaV2ForMaskedLM"
+        if heads:
+            save_file(rtd, os.path.join(out, "rtd_head.safetensors"), metadata={"format": "pt"})
     else:
-        kwargs, state = electra_config_and_state(config, state_dict)
-        hf = transformers.ElectraConfig(
-            **kwargs, **special_ids, architectures=["ElectraForPreTraining"]
-        )
-    hf.save_pretrained(out)
-    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    return sorted(os.listdir(out))
+        encoder, state = electra_config_and_state(config, state_dict, heads=heads)
+        hf_config, name = transformers.ElectraConfig, name or "ElectraForPreTraining"
+    hf_config(**encoder, **kwargs, **special_ids, architectures=[name]).save_pretrained(out)
+    save_file({**state, **head}, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
 
 def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
-    from megatron_taco.data.tokenizer import load_tokenizer
-
     require_hf_extra(program_name(PROG))
     info = find_checkpoint(args.load, args.ckpt_step)
     if os.path.exists(args.output) and os.listdir(args.output):
@@ -276,25 +266,14 @@ def export(args: argparse.Namespace, argv: list[str] | None = None) -> str:
         )
         state_dict = states.full_state_dict()
         if task is not None:
-            from megatron_taco.cli.export_finetuned import save_finetuned
-
             save_finetuned(info, config, task, state_dict, tmp, argv or [], special_ids)
         elif encoder == "TACO":
-            from megatron_taco.cli.export_taco_hf import save_taco_model
-
             save_taco_model(config, state_dict, tmp, special_ids)
         else:
             save_model(config, state_dict, tmp, special_ids)
 
     files = write_folder(args.output, write)
-    if task is not None:
-        from megatron_taco.cli.export_finetuned import describe
-
-        kind = describe(task, config)
-    elif encoder == "TACO":
-        kind = "TACO (trust_remote_code=True)"
-    else:
-        kind = "DeBERTa-v2 (SAS^DA)" if config.disentangled_attention else "ELECTRA (SAS)"
+    kind = describe(task, config) if task else FAMILY_NAME[family_of(encoder, config)]
     return f"{info.iter_dir} -> {args.output} as {kind}: {', '.join(files)}"
 
 
@@ -326,7 +305,3 @@ def main(argv: list[str] | None = None) -> int:
         lambda args: print(export(args, sys.argv[1:] if argv is None else argv)),
         user_errors=(CheckpointError, ImportError),
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

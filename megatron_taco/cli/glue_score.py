@@ -18,16 +18,15 @@ import json
 import os
 import sys
 
-from megatron_taco.arguments import program_name, run_cli
+from megatron_taco.arguments import run_cli
+from megatron_taco.cli import tool_parser
 from megatron_taco.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
     from megatron_taco.tasks.metrics import GLUE_SCORE_CONVENTIONS
 
-    p = argparse.ArgumentParser(
-        prog=program_name("glue_score.py"), description=__doc__.split("\n\n")[0].replace("\n", " ")
-    )
+    p = tool_parser("glue_score.py", __doc__)
     p.add_argument("results", help="Directory searched (recursively) for results.json files.")
     p.add_argument(
         "--aggregate",
@@ -75,7 +74,3 @@ def score(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(build_parser(), argv, score)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

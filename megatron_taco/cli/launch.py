@@ -30,6 +30,7 @@ import subprocess
 import sys
 
 from megatron_taco.arguments import program_name
+from megatron_taco.cli import tool_parser
 
 PROG = "launch.py"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -81,54 +82,50 @@ def ranks_below(pid: int) -> list[int]:
     return sorted(p for p in with_rank if below[p] not in with_rank)
 
 
-class Launch:
-    def __init__(self, command: list[str]) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        self.signals = 0
-        for signum in FORWARDED:
-            signal.signal(signum, self._forward)
+def _forward(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    ranks = ranks_below(os.getpid())
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    print(
+        f"{program_name(PROG)}: {name} passed to {len(ranks)} rank(s) on this node; waiting for them "
+        "to save and exit",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def launch(command: list[str]) -> int:
+    """Start ``command``, then reap every process below (the command and anything
+    re-parented here); the command's status."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    for signum in FORWARDED:
+        signal.signal(signum, _forward)
+    try:
+        child = subprocess.Popen(command, preexec_fn=os.setpgrp)
+    except OSError as e:
+        raise SystemExit(
+            f"{program_name(PROG)}: error: cannot start {command[0]}: {e.strerror}"
+        ) from None
+    status = None
+    while True:
         try:
-            self.child = subprocess.Popen(command, preexec_fn=os.setpgrp)
-        except OSError as e:
-            raise SystemExit(
-                f"{program_name(PROG)}: error: cannot start {command[0]}: {e.strerror}"
-            ) from None
-
-    def _forward(self, signum: int, frame) -> None:
-        self.signals += 1
-        name = signal.Signals(signum).name
-        ranks = ranks_below(os.getpid())
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-        print(
-            f"{program_name(PROG)}: {name} passed to {len(ranks)} rank(s) on this node; waiting for them "
-            "to save and exit",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def wait(self) -> int:
-        """Reap every process below (the command and anything re-parented here); the
-        command's status."""
-        status = None
-        while True:
-            try:
-                pid, raw = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            if pid == self.child.pid:
-                status = os.waitstatus_to_exitcode(raw)
-                self.child.returncode = status
-        assert status is not None
-        return status if status >= 0 else 128 - status
+            pid, raw = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid == child.pid:
+            status = os.waitstatus_to_exitcode(raw)
+            child.returncode = status
+    assert status is not None
+    return status if status >= 0 else 128 - status
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=program_name(PROG),
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
+    parser = tool_parser(
+        PROG,
+        __doc__,
         usage=f"{program_name(PROG)} COMMAND [ARGS...]   (e.g. {program_name(PROG)} deepspeed --num_gpus 8 pretrain_taco.py ...)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="The launcher command line.")
@@ -136,8 +133,4 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run, e.g. deepspeed --num_gpus 2 pretrain_taco.py ...")
-    return Launch(command).wait()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return launch(command)

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-from megatron_taco.arguments import add_dataclass_args, dataclass_from_args, program_name, run_cli
+from megatron_taco.arguments import dataclass_from_args, run_cli
+from megatron_taco.cli import tool_parser
 from megatron_taco.data.indexed_dataset import IndexedDatasetError
 from megatron_taco.preprocessing.merge import MergeConfig, merge_datasets
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=program_name("merge_datasets.py"),
-        description="Merge Megatron indexed datasets (.bin/.idx) and their unigram counts.",
-    )
-    add_dataclass_args(parser, MergeConfig, "merge")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     return run_cli(
-        build_parser(),
+        tool_parser(
+            "merge_datasets.py",
+            "Merge Megatron indexed datasets (.bin/.idx) and their unigram counts.",
+            (MergeConfig, "merge"),
+        ),
         argv,
         lambda args: merge_datasets(dataclass_from_args(MergeConfig, args)),
         user_errors=(IndexedDatasetError,),
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,8 @@ import argparse
 import signal
 import sys
 
-from megatron_taco.arguments import add_dataclass_args, dataclass_from_args, program_name
+from megatron_taco.arguments import dataclass_from_args
+from megatron_taco.cli import tool_parser
 from megatron_taco.errors import ConfigError
 from megatron_taco.preprocessing.config import PreprocessConfig, PreprocessError
 from megatron_taco.preprocessing.preprocess import preprocess
@@ -18,12 +19,12 @@ from megatron_taco.preprocessing.staging import PreprocessInterrupted
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=program_name("preprocess_data.py"),
-        description="Tokenize corpora (Wikipedia XML, WikiExtractor, BookCorpus, OpenWebText, "
-        "CC-News, JSON lines, parquet) into Megatron .bin/.idx datasets with unigram counts.",
+    parser = tool_parser(
+        "preprocess_data.py",
+        "Tokenize corpora (Wikipedia XML, WikiExtractor, BookCorpus, OpenWebText, CC-News, JSON "
+        "lines, parquet) into Megatron .bin/.idx datasets with unigram counts.",
+        (PreprocessConfig, "preprocess"),
     )
-    add_dataclass_args(parser, PreprocessConfig, "preprocess")
     parser.add_argument(
         "--no-progress", action="store_true", help="Do not show the progress bar on stderr"
     )
@@ -50,7 +51,3 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 128 + int(signum)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

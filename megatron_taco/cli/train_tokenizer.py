@@ -13,7 +13,6 @@ the same corpus and seed gave a different model on every run.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import itertools
@@ -21,7 +20,6 @@ import logging
 import os
 import random
 import re
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,13 +28,12 @@ import sentencepiece as spm
 
 from megatron_taco import io
 from megatron_taco.arguments import (
-    add_dataclass_args,
     dataclass_from_args,
     option,
-    program_name,
     require,
     run_cli,
 )
+from megatron_taco.cli import tool_parser
 from megatron_taco.data.tokenizer import (
     SENTENCEPIECE,
     SPECIAL_PIECES,
@@ -384,24 +381,15 @@ def _report(config, model_path: str, tok, stream: _SentenceStream, files: int, s
         )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=program_name("train_tokenizer.py"),
-        description="Train a sentencepiece tokenizer with [PAD] [UNK] [CLS] [SEP] [MASK] at ids "
-        "0-4, or a BERT WordPiece vocabulary (--tokenizer-type BertWordPieceLowerCase).",
-    )
-    add_dataclass_args(parser, TrainTokenizerConfig, "tokenizer training")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     return run_cli(
-        build_parser(),
+        tool_parser(
+            "train_tokenizer.py",
+            "Train a sentencepiece tokenizer with [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0-4, or a "
+            "BERT WordPiece vocabulary (--tokenizer-type BertWordPieceLowerCase).",
+            (TrainTokenizerConfig, "tokenizer training"),
+        ),
         argv,
         lambda args: train_tokenizer(dataclass_from_args(TrainTokenizerConfig, args)),
         user_errors=(CorpusError, LookupError, OSError),  # LookupError: no punkt data
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,16 +21,26 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
+from megatron_taco.arguments import dataclass_from_args
 from megatron_taco.checkpoint.plan import find_checkpoint
+from megatron_taco.checkpoint.rendezvous import forget_node_results
+from megatron_taco.checkpoint.reshard import ModelLayout
+from megatron_taco.data.epochs import EpochPermutation
 from megatron_taco.data.tokenizer import load_config_tokenizer, tokenizer_file
 from megatron_taco.errors import ConfigError
+from megatron_taco.models.common.host import WithHost
+from megatron_taco.models.finetune import TaskModel, build_encoder, encoder_state_from_pretraining
 from megatron_taco.recipes.finetune_config import (
     PRETRAINED,
     TaskDataConfig,
     finetune_configs,
     finetune_parser,
 )
+from megatron_taco.recipes.finetune_eval import RESULTS_FILE, DevEvaluation
 from megatron_taco.recipes.finetune_output import check_test_predictable, claim_output, run_record
+from megatron_taco.recipes.registry import model_size_of, read_checkpoint
 from megatron_taco.recipes.sweep import (
     SAS_DROPOUT,
     SweepConfig,
@@ -40,13 +50,17 @@ from megatron_taco.recipes.sweep import (
     run_namespace,
 )
 from megatron_taco.recipes.sweep_summary import read_result, write_plan, write_summary
+from megatron_taco.runtime.launcher import launcher_world_size
+from megatron_taco.tasks import TaskDataError, load_task
+from megatron_taco.tasks.base import Collate, row_lengths
+from megatron_taco.training import driver
+from megatron_taco.training.configure import build_parser, configs_from_args
+from megatron_taco.training.engine import accelerator_name, destroy_distributed, release_memory
 from megatron_taco.training.observability.log import run_log
 from megatron_taco.training.spec import BuildContext, ModelParts, ModelSpec, RunConfigs
 
 
 def load_task_data(data: TaskDataConfig):
-    from megatron_taco.tasks import TaskDataError, load_task
-
     info = data.info
     test = info.test_splits if data.predict_test else ()
     try:
@@ -65,8 +79,9 @@ def load_task_data(data: TaskDataConfig):
         raise ConfigError(f"--data-dir: {e}") from None
 
 
-# or of a quarter of the epoch's batches when that is fewer (transformers'
-# get_length_grouped_indices: "50 or the number to get 4 megabatches, whichever is smaller").
+# Global batches that --group-by-length sorts together, or a quarter of the epoch's when that
+# is fewer (transformers' get_length_grouped_indices: "50 or the number to get 4 megabatches,
+# whichever is smaller").
 LENGTH_GROUP_BATCHES = 50
 
 
@@ -78,11 +93,10 @@ class EpochShuffled:
     With ``lengths`` (--group-by-length), the epoch's examples are taken in runs of
     LENGTH_GROUP_BATCHES global batches (a quarter of the epoch's, if fewer), each run sorted
     by length (longest first) and cut into global batches, and the epoch's global batches
-    are then shuffled: a batch (and each
-    micro-batch in it) holds examples of similar length, so dynamic padding pads little,
-    while which examples meet and in what order still changes every epoch. Like the plain
-    order it is a function of (seed, epoch, position) only, so a resumed run reads what the
-    uninterrupted one read."""
+    are then shuffled: a batch (and each micro-batch in it) holds examples of similar length,
+    so dynamic padding pads little, while which examples meet and in what order still changes
+    every epoch. Like the plain order it is a function of (seed, epoch, position) only, so a
+    resumed run reads what the uninterrupted one read."""
 
     def __init__(
         self,
@@ -94,8 +108,6 @@ class EpochShuffled:
         lengths=None,
         global_batch_size: int | None = None,
     ) -> None:
-        from megatron_taco.data.epochs import EpochPermutation
-
         if not 1 <= per_epoch <= len(base):
             raise ValueError(f"per_epoch {per_epoch} must be in [1, {len(base)}]")
         if lengths is not None and (not global_batch_size or per_epoch % global_batch_size):
@@ -113,8 +125,6 @@ class EpochShuffled:
 
     def epoch_order(self, epoch: int):
         """int64 [per_epoch]: the examples of ``epoch`` in the order they are read."""
-        import numpy as np
-
         if self._order is not None and self._order[0] == epoch:
             return self._order[1]
         order = self.permutation(epoch, np.arange(self.per_epoch))
@@ -140,9 +150,6 @@ class EpochShuffled:
 
 def load_pretrained_encoder(model, cfg: RunConfigs, parallel) -> str:
     """Copy the pretrained encoder's weights into ``model.encoder``; returns a banner line."""
-    from megatron_taco.models.finetune import encoder_state_from_pretraining
-    from megatron_taco.recipes.registry import read_checkpoint
-
     ref = cfg.recipe.pretrained
     # Verified before the rendezvous already.
     info = find_checkpoint(ref.load, ref.iteration, verify=False)
@@ -160,8 +167,6 @@ def load_pretrained_encoder(model, cfg: RunConfigs, parallel) -> str:
 def load_encoder_state(model, kind: str, config, full: dict, parallel, where: str = "") -> None:
     """Full (tp-merged, unpadded) encoder tensors -> this rank's slices at this run's tp size
     (vocabulary padding re-added), copied into ``model.encoder``."""
-    from megatron_taco.checkpoint.reshard import ModelLayout
-    from megatron_taco.models.finetune import build_encoder
 
     def build(p, vocab_size):
         c = dataclasses.replace(
@@ -181,19 +186,10 @@ def load_encoder_state(model, kind: str, config, full: dict, parallel, where: st
 def finetune_collate(dynamic: bool):
     """The tasks' collator, its batches carrying what TaskModel's forward needs on the host
     (whether any token is padding), so that the forward reads nothing back from the GPU."""
-    from megatron_taco.models.common.host import WithHost
-    from megatron_taco.models.finetune import TaskModel
-    from megatron_taco.tasks.base import Collate
-
     return WithHost(Collate(dynamic=dynamic), TaskModel.host_layout)
 
 
 def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
-    from megatron_taco.checkpoint.rendezvous import forget_node_results
-    from megatron_taco.models.finetune import TaskModel
-    from megatron_taco.recipes.finetune_eval import DevEvaluation
-    from megatron_taco.tasks.base import row_lengths
-
     # Every rank of this node read the verification's result before the rendezvous.
     forget_node_results(PRETRAINED)
     cfg = ctx.configs
@@ -228,7 +224,6 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         summary=_run_summary(cfg, task_data),
         collate_fn=collate,
     )
-    stats = task_data.stats
     lengths = row_lengths(task_data.train) if data.group_by_length else None
     train = EpochShuffled(
         task_data.train, per_epoch, epochs, data.seed, lengths=lengths, global_batch_size=gbs
@@ -239,6 +234,11 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         forwards = -(-samples // cfg.training.micro_batch_size)
         return model.train_flops(samples * rows_per_sample, data.seq_length, forwards)
 
+    def sizes(splits: dict) -> str:
+        return ", ".join(f"{s} {len(d):,}" for s, d in splits.items())
+
+    truncated = (task_data.stats.get("truncated") or {}).items()
+    test = [f"test: {sizes(task_data.test)} -> {ft.output}/submission/ (the chosen epoch's)"]
     return ModelParts(
         model=model,
         collate_fn=collate,
@@ -253,22 +253,10 @@ def build_finetune(ctx: BuildContext, task_data) -> ModelParts:
         banner=[
             source,
             f"task {info.name} ({info.kind}, {info.num_labels} outputs) from {data.data_dir}: "
-            f"{n:,} training features ({per_epoch:,} per epoch), dev "
-            + ", ".join(f"{s} {len(d):,}" for s, d in task_data.dev.items())
-            + "".join(
-                f"; {count:,} {split} truncated"
-                for split, count in (stats.get("truncated") or {}).items()
-                if count
-            ),
+            f"{n:,} training features ({per_epoch:,} per epoch), dev {sizes(task_data.dev)}"
+            + "".join(f"; {count:,} {split} truncated" for split, count in truncated if count),
             f"selection: {ft.epoch_selection} epoch by {info.main_metric}",
-            *(
-                [
-                    f"test: {', '.join(f'{s} {len(d):,}' for s, d in task_data.test.items())} "
-                    f"-> {ft.output}/submission/ (the chosen epoch's)"
-                ]
-                if task_data.test
-                else []
-            ),
+            *(test if task_data.test else []),
         ],
         # The labels too: a custom task's are read from its train.tsv, which export_hf.py
         # (id2label) does not have.
@@ -350,12 +338,7 @@ def for_run(spec: ModelSpec, cfg: RunConfigs, task_data=None) -> ModelSpec:
 
 def run_finetuning(spec: ModelSpec, args, monitor) -> int:
     """taco-finetune after its flags are parsed: one run, or a protocol's sweep of runs."""
-    from megatron_taco.recipes.sweep import sweep_from_args
-    from megatron_taco.runtime.launcher import launcher_world_size
-    from megatron_taco.training import driver
-    from megatron_taco.training.configure import configs_from_args
-
-    sweep = sweep_from_args(args)
+    sweep = dataclass_from_args(SweepConfig, args)
     if sweep.is_sweep or "," in (args.task or "") or args.task == "glue":
         return run_sweep(spec, args, sweep, monitor)
     cfg = configs_from_args(
@@ -368,12 +351,6 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     """Every run of this shard that has not finished, in one set of processes (one process
     group for all of them), then the summary. Stops at the first run that is interrupted
     (an exit signal, a time limit): starting the command again continues from it."""
-    from megatron_taco.recipes.registry import model_size_of
-    from megatron_taco.runtime.launcher import launcher_world_size
-    from megatron_taco.training import driver
-    from megatron_taco.training.configure import build_parser, configs_from_args
-    from megatron_taco.training.engine import accelerator_name, destroy_distributed, release_memory
-
     root = args.output
     if not root:
         raise ConfigError("--output: the sweep's directory is required")
@@ -417,16 +394,13 @@ def run_sweep(spec, args: argparse.Namespace, sweep: SweepConfig, monitor=None) 
     finally:
         destroy_distributed(None)
     if rank0:
-        table = write_summary(root, sweep.protocol)
-        run_log().info(table)
+        run_log().info(write_summary(root, sweep.protocol))
     return status
 
 
 def _finished(directory: str) -> bool:
     """Whether a run's results.json says finished; an unreadable one stops the sweep (it
     would otherwise rerun, or skip, a run whose state nobody knows)."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-
     path = os.path.join(directory, RESULTS_FILE)
     if not os.path.isfile(path):
         return False
@@ -439,8 +413,6 @@ def _finished(directory: str) -> bool:
 def _warn_unsubmitted(directory: str) -> None:
     """A finished run is not run again: one that finished without --predict-test has no
     test files for OUTPUT/submission/, and the sweep says so rather than submit less."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-
     result, _ = read_result(os.path.join(directory, RESULTS_FILE))
     if result is not None and not result.get("submission"):
         run_log().warning(

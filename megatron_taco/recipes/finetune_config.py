@@ -21,7 +21,6 @@ from megatron_taco.arguments import (
 )
 from megatron_taco.checkpoint.config import CheckpointConfig
 from megatron_taco.checkpoint.plan import (
-    ResumePlan,
     ResumeRequest,
     find_checkpoint,
     plan_resume,
@@ -37,16 +36,17 @@ from megatron_taco.data.tokenizer import (
 )
 from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
-from megatron_taco.recipes.finetune_output import claim_output, run_record
+from megatron_taco.recipes.finetune_output import CHECKPOINTS, claim_output, run_record
+from megatron_taco.recipes.registry import checkpoint_model_config, checkpoint_tokenizer
+from megatron_taco.recipes.sweep import SweepConfig
 from megatron_taco.tasks import TASKS
 from megatron_taco.training.config import TrainingConfig
-from megatron_taco.training.configure import add_launcher_compat_args, resume_request
+from megatron_taco.training.configure import add_launcher_compat_args, plan_run
 from megatron_taco.training.deepspeed_config import resolve_deepspeed_config
 from megatron_taco.training.resilience.exit import ExitConfig
 from megatron_taco.training.spec import ModelSpec, RunConfigs, group
 
 PRETRAINED = "pretrained"  # once_per_node's name for the --load verification
-CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -180,8 +180,6 @@ class TaskDataConfig:
     num_workers: int = option(1, "DataLoader worker processes per rank.", flag="--num-workers")
 
     def __post_init__(self) -> None:
-        from megatron_taco.tasks import TASKS
-
         cls = TaskDataConfig
         require(
             self.task in TASKS, cls, "task", f"unknown task {self.task!r}; one of {sorted(TASKS)}"
@@ -211,8 +209,6 @@ class TaskDataConfig:
 
     @property
     def info(self):
-        from megatron_taco.tasks import TASKS
-
         return TASKS[self.task]
 
 
@@ -227,8 +223,6 @@ class FinetuneRecipe:
 def _checkpoint_tokenizer_data(data: TaskDataConfig, info) -> TaskDataConfig:
     """``data`` with the tokenizer flags resolved against the pretrained checkpoint: the file
     given (checked to be the checkpoint's) or the checkpoint's own copy, and its type."""
-    from megatron_taco.recipes.registry import checkpoint_tokenizer
-
     flag = "--vocab-file" if data.vocab_file else "--tokenizer-model"
     path, kind = checkpoint_tokenizer(info, data.vocab_file or data.tokenizer_model, flag)
     if data.tokenizer_type not in (None, kind):
@@ -284,8 +278,6 @@ def output_paths(output: str) -> dict[str, str]:
 
 
 def finetune_parser(spec: ModelSpec) -> argparse.ArgumentParser:
-    from megatron_taco.recipes.sweep import SweepConfig
-
     parser = argparse.ArgumentParser(
         prog=program_name(spec.prog), description=spec.description, allow_abbrev=False
     )
@@ -308,24 +300,18 @@ def finetune_parser(spec: ModelSpec) -> argparse.ArgumentParser:
     return parser
 
 
-def pretrained_plan(ft: FinetuneConfig) -> ResumePlan:
-    """The pretrained checkpoint, verified (it reads every byte: one rank per node)."""
-    request = ResumeRequest(CheckpointConfig(load=ft.load, ckpt_step=ft.ckpt_step), required=True)
-    return plan_resume(request, once=functools.partial(verify_once_per_node, name=PRETRAINED))
-
-
 def finetune_configs(
     spec: ModelSpec, args: argparse.Namespace, *, world_size: int, device_type: str
 ) -> RunConfigs:
     """The model kind and configuration come from the pretrained checkpoint, not flags."""
-    from megatron_taco.recipes.registry import checkpoint_model_config
-
     ft = dataclass_from_args(FinetuneConfig, args)
     data = dataclass_from_args(TaskDataConfig, args)
     parallel = dataclass_from_args(ParallelConfig, args)
     tp = parallel.tensor_model_parallel_size
     check_world_size(world_size, tp)
-    source = pretrained_plan(ft)
+    # The pretrained checkpoint, verified (it reads every byte: one rank per node).
+    request = ResumeRequest(CheckpointConfig(load=ft.load, ckpt_step=ft.ckpt_step), required=True)
+    source = plan_resume(request, once=functools.partial(verify_once_per_node, name=PRETRAINED))
     info = find_checkpoint(ft.load, source.iteration, verify=False)
     data = _checkpoint_tokenizer_data(data, info)
     kind, model = checkpoint_model_config(info, tokenizer_file(data))
@@ -365,7 +351,7 @@ def finetune_configs(
     # Checked before plan_resume creates OUTPUT/checkpoints in it; run.json is written by
     # for_run, once the task's files have passed too.
     claim_output(ft.output, run_record(cfg), write=False)
-    plan = plan_resume(resume_request(cfg, spec), once=verify_once_per_node)
+    plan = plan_run(cfg, spec)
     what = (
         f"a random initialisation (--random-init) of {kind.name}, the architecture"
         if ft.random_init

@@ -24,7 +24,10 @@ import torch.distributed as dist
 
 from megatron_taco import io
 from megatron_taco.parallel import comm
+from megatron_taco.tasks import write_squad_predictions
+from megatron_taco.tasks.base import Collate, row_lengths
 from megatron_taco.training.callbacks import Callback
+from megatron_taco.training.engine import to_device
 
 RESULTS_FILE = "results.json"
 SUBMISSION_DIR = "submission"  # the benchmark server's files of the chosen epoch
@@ -40,8 +43,6 @@ def evaluation_order(dataset, dp: int, rank: int) -> tuple[np.ndarray, np.ndarra
     outputs), both int64. The features sorted by length (stably) are dealt to the ranks
     round-robin, so every rank's micro-batches hold similar lengths and the ranks similar
     work; the gathered [dp, per_rank] outputs, transposed, are in that sorted order."""
-    from megatron_taco.tasks.base import row_lengths
-
     n = len(dataset)
     lengths = row_lengths(dataset) if hasattr(dataset, "lengths") else np.zeros(n, np.int64)
     order = np.argsort(lengths, kind="stable")
@@ -52,8 +53,6 @@ def evaluation_order(dataset, dp: int, rank: int) -> tuple[np.ndarray, np.ndarra
 
 def predict(trainer, dataset, micro_batch_size: int, collate_fn) -> dict[str, np.ndarray]:
     """The model's outputs on every feature of ``dataset``, in feature order, on every rank."""
-    from megatron_taco.training.engine import to_device
-
     parallel, engine = trainer.parallel, trainer.model_engine
     n, dp = len(dataset), parallel.dp_size
     mine, gathered_order = evaluation_order(dataset, dp, parallel.dp_rank)
@@ -122,8 +121,6 @@ class DevEvaluation(Callback):
         summary: dict[str, Any],
         collate_fn=None,
     ) -> None:
-        from megatron_taco.tasks.base import Collate
-
         self.task = task_data
         self.output = output
         self.selection = selection
@@ -160,8 +157,6 @@ class DevEvaluation(Callback):
     def write_predictions(self, split: str, epoch: int, outputs: dict[str, Any]) -> None:
         """SQuAD: the answers in the official evaluation scripts' input format
         (predictions.json, v2.0's null_odds.json, nbest_predictions.json)."""
-        from megatron_taco.tasks import write_squad_predictions
-
         folder = os.path.join(self.output, "predictions", split, f"epoch{epoch}")
         write_squad_predictions(folder, self.task.predict(split, outputs))
 
@@ -175,7 +170,7 @@ class DevEvaluation(Callback):
             if trainer.parallel.rank == 0:
                 folder = os.path.join(self.output, SUBMISSION_DIR)
                 os.makedirs(folder, exist_ok=True)
-                write_text_atomic(os.path.join(folder, name), text)
+                io.atomic_write(os.path.join(folder, name), text)
             files.append(name)
         self.submission = {"epoch": epoch, "files": files}
 
@@ -216,18 +211,4 @@ class DevEvaluation(Callback):
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=True))
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Replace ``path`` whole: readers, and other writers (a sweep's array tasks on other
-    nodes rewrite the same summary), see the old file or the new one, never a mix."""
-    io.atomic_write(path, text)
-
-
-def read_results(output: str) -> dict[str, Any] | None:
-    path = os.path.join(output, RESULTS_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    io.atomic_write(path, json.dumps(data, indent=2, allow_nan=True))

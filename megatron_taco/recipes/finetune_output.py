@@ -11,6 +11,8 @@ from typing import Any
 
 from megatron_taco import io
 from megatron_taco.errors import ConfigError
+from megatron_taco.recipes.finetune_eval import RESULTS_FILE
+from megatron_taco.recipes.sweep_summary import read_result
 
 RUN_FILE = "run.json"  # what OUTPUT was started with: a restart must match it
 CHECKPOINTS = "checkpoints"
@@ -21,9 +23,6 @@ def check_test_predictable(output: str) -> None:
     run cannot go back to that epoch's model, so unless a later epoch overtakes it the run
     would end without the test files, silently (a finished run at once). Refused, unless a
     later epoch is sure to be the chosen one (--epoch-selection last, not finished)."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-    from megatron_taco.recipes.sweep_summary import read_result
-
     path = os.path.join(output, RESULTS_FILE)
     if not os.path.isfile(path):
         return

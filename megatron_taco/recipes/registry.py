@@ -16,7 +16,9 @@ from megatron_taco.checkpoint.errors import CheckpointError
 from megatron_taco.checkpoint.layout import METADATA_FILENAME as METADATA
 from megatron_taco.checkpoint.plan import find_checkpoint
 from megatron_taco.checkpoint.reshard import ModelBuilder, ModelLayout
+from megatron_taco.data.tokenizer import SENTENCEPIECE, WORDPIECE_TYPES, file_sha256, load_tokenizer
 from megatron_taco.errors import ConfigError
+from megatron_taco.parallel.state import single_process_state
 
 FINETUNED = "finetune"  # metadata.json's "model" in a fine-tuning run's checkpoints
 
@@ -80,8 +82,6 @@ def checkpoint_tokenizer(
     ``flag``'s) when given, else the copy in the checkpoint's --save directory, else the file
     its configs name (checkpoints written before the copy). A file whose content is not the
     one the checkpoint recorded is refused."""
-    from megatron_taco.data.tokenizer import SENTENCEPIECE, WORDPIECE_TYPES, file_sha256
-
     data = info.configs.get("data") or {}
     record = info.meta.get("tokenizer")
     record = record if isinstance(record, dict) else {}
@@ -116,8 +116,6 @@ def checkpoint_tokenizer(
 
 def checkpoint_model_config(info: CheckpointInfo, tokenizer_model: str | None) -> tuple[Any, Any]:
     """(ModelKind, model config with its vocabulary size) from a checkpoint's metadata."""
-    from megatron_taco.data.tokenizer import load_tokenizer
-
     name = finetuned_task(info).encoder if info.model == FINETUNED else info.model
     kind = model_kind(name, f"{info.iter_dir}/{METADATA}")
     path, tokenizer_type = checkpoint_tokenizer(info, tokenizer_model)
@@ -193,19 +191,11 @@ def load_pretraining_model(
     eval mode without dropout; the checkpoint's info). Reads the optimizer files too: under
     ZeRO 1-2 with bf16 the fp32 master weights live there, the model files hold only bf16
     copies."""
-    from megatron_taco.parallel.state import single_process_state
-
     states, config, build = read_checkpoint(path, ckpt_step, tokenizer_model=tokenizer_model)
     (state_dict,) = ModelLayout(build, 1, config.vocab_size).split(states.full_state_dict())
     model = build(single_process_state(), config.vocab_size)
     model.load_state_dict(state_dict, strict=True)
     return model.eval(), states.info
-
-
-def load_error(e: Exception) -> ConfigError:
-    """A checkpoint problem as the --load flag's one line."""
-    message = str(e)
-    return ConfigError(message if message.startswith("--load") else f"--load: {message}")
 
 
 def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
@@ -215,6 +205,9 @@ def model_size_of(load: str | None, ckpt_step: int | None) -> str | None:
         raise ConfigError("--load: the pretrained checkpoint directory is required")
     try:
         info = find_checkpoint(load, ckpt_step, verify=False)
-    except (CheckpointError, ConfigError) as e:
-        raise load_error(e) from None
+    except (CheckpointError, ConfigError) as e:  # as the --load flag's one line
+        message = str(e)
+        raise ConfigError(
+            message if message.startswith("--load") else f"--load: {message}"
+        ) from None
     return (info.configs.get("model") or {}).get("model_size")

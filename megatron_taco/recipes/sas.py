@@ -21,11 +21,35 @@ import os
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from megatron_taco.arguments import option, require
-from megatron_taco.data.sas_collator import ReplacementConfig
+from megatron_taco.data.bert_dataset import (
+    build_train_valid_test_datasets,
+    train_samples_per_dataset,
+)
+from megatron_taco.data.blending import dataset_passes
+from megatron_taco.data.epochs import InstanceEpochDataset
+from megatron_taco.data.replacement_store import StoreLayout
+from megatron_taco.data.sas_collator import (
+    ReplacementConfig,
+    SasCollator,
+    cold_start_probs,
+    make_cold_start,
+)
 from megatron_taco.errors import ConfigError
+from megatron_taco.models.common.host import WithHost
+from megatron_taco.models.flops import sas_encoder_shape, sas_train_flops, sas_train_flops_executed
 from megatron_taco.models.sas.config import SasConfig
-from megatron_taco.recipes.sas_augmentation import SelfAugmentationConfig
+from megatron_taco.models.sas.model import SasForPretraining
+from megatron_taco.parallel import comm
+from megatron_taco.recipes.sas_augmentation import (
+    SelfAugmentation,
+    SelfAugmentationConfig,
+    StoreSource,
+    check_store_origin,
+    store_origin,
+)
 from megatron_taco.training.callbacks import Callback
 from megatron_taco.training.spec import BuildContext, ModelParts, ModelSpec, RunConfigs, group
 
@@ -197,14 +221,8 @@ class Instances:
     epochs: Fraction  # the run's length in epochs: fractional with --train-iters
     passes: list[DatasetPasses]
 
-    @property
-    def whole_epochs(self) -> int:
-        return math.floor(self.epochs)
-
 
 def build_instances(ctx: BuildContext) -> Instances:
-    from megatron_taco.parallel import comm
-
     cfg = ctx.configs
     t = cfg.training
     return make_instances(
@@ -231,13 +249,6 @@ def make_instances(
     """The fixed instances of a SAS run and its train/valid/test streams (one of
     ``train_epochs``, ``train_samples`` gives its length; ``barrier``: the data cache's, see
     data/cache.py)."""
-    from megatron_taco.data.bert_dataset import (
-        build_train_valid_test_datasets,
-        train_samples_per_dataset,
-    )
-    from megatron_taco.data.blending import dataset_passes
-    from megatron_taco.data.epochs import InstanceEpochDataset
-
     gbs = global_batch_size
     per_dataset = train_samples_per_dataset(data, barrier)
     per_pass = sum(per_dataset)
@@ -292,23 +303,6 @@ def describe_passes(passes: list[DatasetPasses]) -> tuple[list[str], list[str]]:
 
 
 def build_sas(ctx: BuildContext) -> ModelParts:
-    import numpy as np
-
-    from megatron_taco.data.replacement_store import StoreLayout
-    from megatron_taco.data.sas_collator import SasCollator, cold_start_probs, make_cold_start
-    from megatron_taco.models.common.host import WithHost
-    from megatron_taco.models.flops import (
-        sas_encoder_shape,
-        sas_train_flops,
-        sas_train_flops_executed,
-    )
-    from megatron_taco.models.sas.model import SasForPretraining
-    from megatron_taco.recipes.sas_augmentation import (
-        SelfAugmentation,
-        StoreSource,
-        store_origin,
-    )
-
     cfg, model_config = ctx.configs, ctx.model_config
     data, replacement = cfg.data, cfg.recipe.replacement
     instances = build_instances(ctx)
@@ -336,14 +330,13 @@ def build_sas(ctx: BuildContext) -> ModelParts:
             num_shards=augmentation.replacement_store_shards,
             origin=store_origin(data, replacement, augmentation),
         )
-        special_ids = np.flatnonzero(ctx.tokenizer.is_special_mask())
         callbacks.append(
             SelfAugmentation(
                 augmentation,
                 root=root,
                 layout=layout,
                 seed=ctx.seed,
-                special_ids=special_ids,
+                special_ids=np.flatnonzero(ctx.tokenizer.is_special_mask()),
                 vocab_size=ctx.tokenizer.vocab_size,
             )
         )
@@ -412,7 +405,7 @@ def build_sas(ctx: BuildContext) -> ModelParts:
         train_flops=train_flops,
         paper_flops=paper_flops,
         samples_per_epoch=instances.count,
-        callbacks=[RtdWeightSchedule(model, schedule, instances.whole_epochs), *callbacks],
+        callbacks=[RtdWeightSchedule(model, schedule, math.floor(instances.epochs)), *callbacks],
         banner=[
             f"variant: {variant}; hidden {model_config.hidden_size}, FFN "
             f"{model_config.ffn_hidden_size}, {model_config.num_attention_heads} heads, "
@@ -433,8 +426,6 @@ def sas_resume_checks(cfg: RunConfigs) -> tuple:
     augmentation = cfg.recipe.self_augmentation
     if not augmentation.self_augmentation or cfg.checkpoint.finetune:
         return ()
-    from megatron_taco.recipes.sas_augmentation import check_store_origin, store_origin
-
     origin = store_origin(cfg.data, cfg.recipe.replacement, augmentation)
     root = augmentation.store_dir(cfg.checkpoint.save)
     return (lambda candidate: check_store_origin(root, origin),)

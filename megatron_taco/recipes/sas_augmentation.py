@@ -349,8 +349,8 @@ class SelfAugmentation(Callback):
         group = trainer.parallel.get_data_parallel_group()
         if trainer.parallel.dp_size > 1:
             # Every dp rank's rows, so that each keeps those of the shards it owns.
-            tokens = _all_gather(tokens, group)
-            instances = _all_gather(instances, group)
+            tokens = torch.cat(comm.all_gather(tokens, group))
+            instances = torch.cat(comm.all_gather(instances, group))
         if self.writer is not None:
             self._pending = HostRows(instances, tokens)
         self.write_seconds += time.perf_counter() - start
@@ -390,12 +390,6 @@ class SelfAugmentation(Callback):
             if close:
                 self.writer = None
 
-    def _special_ids_on(self, device: torch.device) -> torch.Tensor:
-        # Copied once: a copy from pageable host memory per micro-batch would be a sync.
-        if self.special_ids.device != device:
-            self.special_ids = self.special_ids.to(device)
-        return self.special_ids
-
     def _sample(self, parallel, batch: dict, outputs: dict) -> torch.Tensor:
         """One token per slot of S [b, W] (0 in unused slots): drawn from the MLM logits at
         the slot's position, or the original token at a dropped slot (so it stays a hit).
@@ -416,6 +410,9 @@ class SelfAugmentation(Callback):
         tokens = torch.where(dropped, originals, torch.zeros_like(slots))
         if logits.shape[0] == 0:  # no slot of S in this micro-batch
             return tokens
+        # Copied once: a copy from pageable host memory per micro-batch would be a sync.
+        if self.special_ids.device != device:
+            self.special_ids = self.special_ids.to(device)
         b, s = batch["input_ids"].shape
         row_of = torch.zeros(b * s, dtype=torch.long, device=device)
         row_of[flat] = torch.arange(flat.shape[0], device=device)
@@ -431,7 +428,7 @@ class SelfAugmentation(Callback):
             row_keys=keys.reshape(-1),
             seed=self.seed,
             temperature=self.config.sampling_temperature,
-            exclude_ids=self._special_ids_on(device),
+            exclude_ids=self.special_ids,
         ).view_as(slots)
         return torch.where(drawn_slots, drawn, tokens)
 
@@ -543,7 +540,3 @@ class HostRows:
         if self.event is not None:
             self.event.synchronize()
         return self.ids.numpy(), self.rows.numpy()
-
-
-def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    return torch.cat(comm.all_gather(x, group))

@@ -42,6 +42,7 @@ from typing import Any
 from megatron_taco.arguments import option, require
 from megatron_taco.errors import ConfigError
 from megatron_taco.recipes.sweep_summary import show
+from megatron_taco.tasks import TASKS
 from megatron_taco.tasks.metrics import GLUE_SCORE_TASKS
 
 # The folders of the GLUE distribution (download_glue_data.py).
@@ -188,8 +189,6 @@ def protocol_settings(protocol: str | None, kind: str) -> dict[str, Any]:
 
 
 def expand_tasks(spec: str) -> list[str]:
-    from megatron_taco.tasks import TASKS
-
     names = []
     for name in spec.split(","):
         name = name.strip().lower()
@@ -211,8 +210,6 @@ def task_data_dir(root: str, task: str) -> str:
 def plan_runs(
     sweep: SweepConfig, tasks: list[str], args: argparse.Namespace, model_size: str | None
 ) -> list[RunSpec]:
-    from megatron_taco.tasks import TASKS
-
     runs = []
     for task in tasks:
         kind = TASKS[task].kind
@@ -303,9 +300,3 @@ def run_namespace(
         if not _same(dest, getattr(ns, dest), value):
             setattr(ns, dest, value)
     return ns
-
-
-def sweep_from_args(args: argparse.Namespace) -> SweepConfig:
-    from megatron_taco.arguments import dataclass_from_args
-
-    return dataclass_from_args(SweepConfig, args)

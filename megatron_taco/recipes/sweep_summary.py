@@ -12,6 +12,9 @@ import os
 import statistics
 from typing import Any
 
+from megatron_taco import io
+from megatron_taco.recipes.finetune_eval import RESULTS_FILE, SUBMISSION_DIR, write_json_atomic
+from megatron_taco.tasks import TASKS, glue_score, glue_task_scores
 from megatron_taco.tasks.metrics import GLUE_SCORE_TASKS as GLUE_TASKS
 
 SUMMARY = "summary"
@@ -27,8 +30,6 @@ def show(value: Any) -> str:
 def write_plan(root: str, protocol: str | None, runs: list) -> None:
     """OUTPUT/sweep.json: the protocol and the seeds each task's configurations should have
     (merged with an earlier sweep's tasks in the same directory)."""
-    from megatron_taco.recipes.finetune_eval import write_json_atomic
-
     plan = read_plan(root)
     seeds = plan.get("seeds", {})
     for task in dict.fromkeys(r.task for r in runs):
@@ -69,8 +70,6 @@ def read_result(path: str) -> tuple[dict[str, Any] | None, str | None]:
 def _results(root: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Every readable results.json under root, and a warning line for each unreadable one
     (skipped: a directory of partly copied or foreign runs still gets its table)."""
-    from megatron_taco.recipes.finetune_eval import RESULTS_FILE
-
     found, warnings = [], []
     for directory, _dirs, files in sorted(os.walk(root)):
         if RESULTS_FILE in files:
@@ -153,12 +152,6 @@ def _config_names(configs: list[dict[str, Any]]) -> list[str]:
     return names
 
 
-def _main_key(result: dict[str, Any]) -> str:
-    """The main metric's key among a result's dev scores (split/metric for MNLI)."""
-    main = result["main_metric"]
-    return main if main in result["dev"] else f"{result.get('main_split')}/{main}"
-
-
 def _seed_order(seed: Any) -> tuple:
     return (seed is None, seed if isinstance(seed, int) else 0, str(seed))
 
@@ -202,7 +195,9 @@ def summarize(
         rows = {}
         for name, group, found_seeds in zip(_config_names(configs), groups, seeds):
             metrics = sorted(set.intersection(*(set(r["dev"]) for r in group)))
-            main_key = _main_key(group[0])
+            first = group[0]  # the main metric's key among its dev scores: split/metric for MNLI
+            metric = first["main_metric"]
+            main_key = metric if metric in first["dev"] else f"{first.get('main_split')}/{metric}"
             rows[name] = {
                 "seeds": len(found_seeds),
                 "seeds_expected": expected,
@@ -214,7 +209,9 @@ def summarize(
                 # it ran twice, e.g. at two tensor-parallel sizes: that spread is not a seed's)
                 "dev_mean": {m: statistics.fmean([r["dev"][m] for r in group]) for m in metrics},
                 "dev_std": {
-                    m: _stdev([r["dev"][m] for r in group]) if len(found_seeds) > 1 else None
+                    m: statistics.stdev([r["dev"][m] for r in group])
+                    if len(found_seeds) > 1
+                    else None
                     for m in metrics
                 },
                 "main_metric": main_key,
@@ -244,17 +241,11 @@ def summarize(
     return summary
 
 
-def _stdev(values: list[float]) -> float | None:
-    return statistics.stdev(values) if len(values) > 1 else None
-
-
 def _finite(value: Any) -> float:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else -math.inf
 
 
 def _glue_score(summary: dict[str, Any], convention: str) -> None:
-    from megatron_taco.tasks import glue_score, glue_task_scores
-
     tasks = summary["tasks"]
     nested = {t: nested_scores(t, tasks[t]["dev"]) for t in GLUE_TASKS}
     try:
@@ -293,8 +284,6 @@ def _glue_score(summary: dict[str, Any], convention: str) -> None:
 def nested_scores(task: str, flat: dict[str, float]) -> dict[str, dict[str, float]]:
     """results.json's flat dev scores -> {split: {metric: value}} (finetune_eval.flat_scores
     names a task's only split's metrics plainly, several splits' as split/metric)."""
-    from megatron_taco.tasks import TASKS
-
     splits = TASKS[task].dev_splits
     if len(splits) == 1:
         return {splits[0]: dict(flat)}
@@ -354,8 +343,6 @@ def markdown_table(summary: dict[str, Any]) -> str:
 def collect_submission(root: str, summary: dict[str, Any]) -> None:
     """OUTPUT/submission/: each task's GLUE server files (--predict-test) from the run of its
     best configuration with the best main dev score; summary["submission"] says which."""
-    from megatron_taco.recipes.finetune_eval import SUBMISSION_DIR, write_text_atomic
-
     chosen = {}
     for task, row in summary["tasks"].items():
         source = os.path.join(root, row["best_run"], SUBMISSION_DIR)
@@ -366,7 +353,7 @@ def collect_submission(root: str, summary: dict[str, Any]) -> None:
         for name in sorted(os.listdir(source)):
             if name.endswith(".tsv"):
                 with open(os.path.join(source, name), encoding="utf-8") as f:
-                    write_text_atomic(os.path.join(target, name), f.read())
+                    io.atomic_write(os.path.join(target, name), f.read())
         chosen[task] = row["best_run"]
     if chosen:
         summary["submission"] = chosen
@@ -378,12 +365,12 @@ def show_std(value: float | None) -> str:
 
 
 def write_summary(root: str, protocol: str | None) -> str:
-    from megatron_taco.recipes.finetune_eval import write_json_atomic, write_text_atomic
-
     summary = summarize(root, protocol)
     collect_submission(root, summary)
     table = markdown_table(summary)
     os.makedirs(root, exist_ok=True)
+    # Replaced whole: readers, and other writers (a sweep's array tasks on other nodes
+    # rewrite the same summary), see the old file or the new one, never a mix.
     write_json_atomic(os.path.join(root, f"{SUMMARY}.json"), summary)
-    write_text_atomic(os.path.join(root, f"{SUMMARY}.md"), table + "\n")
+    io.atomic_write(os.path.join(root, f"{SUMMARY}.md"), table + "\n")
     return table

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_taco.data.bert_dataset import build_train_valid_test_datasets
 from megatron_taco.data.masking import TokenMaskingConfig
 from megatron_taco.data.position_masking import PositionMaskingConfig
+from megatron_taco.data.taco_collator import TacoMaskingCollator
+from megatron_taco.models.common.host import WithHost
+from megatron_taco.models.flops import taco_electra_train_flops, taco_train_flops
 from megatron_taco.models.taco.config import TacoConfig
+from megatron_taco.models.taco.model import TacoForPretraining
+from megatron_taco.parallel import comm
 from megatron_taco.training.spec import BuildContext, ModelParts, ModelSpec, group
 
 
@@ -29,13 +35,6 @@ class TacoRecipe:
 
 
 def build_taco(ctx: BuildContext) -> ModelParts:
-    from megatron_taco.data.bert_dataset import build_train_valid_test_datasets
-    from megatron_taco.data.taco_collator import TacoMaskingCollator
-    from megatron_taco.models.common.host import WithHost
-    from megatron_taco.models.flops import taco_electra_train_flops, taco_train_flops
-    from megatron_taco.models.taco.model import TacoForPretraining
-    from megatron_taco.parallel import comm
-
     cfg, model_config = ctx.configs, ctx.model_config
     data, t, dp = cfg.data, cfg.training, ctx.parallel.dp_size
     masking, position_masking = cfg.recipe.masking, cfg.recipe.position_masking

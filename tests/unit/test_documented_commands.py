@@ -246,13 +246,13 @@ def _check_finetuning(command: Command) -> None:
     from megatron_taco.parallel.config import check_world_size
     from megatron_taco.recipes.finetune import SPEC as FINETUNE
     from megatron_taco.recipes.finetune_config import CHECKPOINTS, output_paths
-    from megatron_taco.recipes.sweep import expand_tasks, plan_runs, run_namespace, sweep_from_args
+    from megatron_taco.recipes.sweep import SweepConfig, expand_tasks, plan_runs, run_namespace
 
     args = build_parser(FINETUNE).parse_args(command.args)
     tp = args.tensor_model_parallel_size
     check_world_size(command.world, tp)
     dp = command.world // tp
-    sweep = sweep_from_args(args)
+    sweep = dataclass_from_args(SweepConfig, args)
     if sweep.is_sweep or "," in args.task or args.task == "glue":
         runs = plan_runs(sweep, expand_tasks(args.task), args, "small")
         namespaces = [run_namespace(args, run, args.output, dp) for run in runs]
