@@ -23,6 +23,8 @@ from tests.processes import REPO as REPO
 from tests.processes import deepspeed as deepspeed
 from tests.processes import deepspeed_command as deepspeed_command
 from tests.processes import free_port as free_port
+from tests.processes import kill_session as kill_session
+from tests.processes import kill_when as kill_when
 from tests.processes import launch as launch
 from tests.processes import run as run
 from tests.processes import run_distributed as run_distributed

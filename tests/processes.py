@@ -15,10 +15,12 @@ in forked ranks with the variables torchrun gives its ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -378,3 +380,49 @@ def deepspeed_command(script: str, *args: str, num_gpus: int = 2) -> list[str]:
 
 def deepspeed(script: str, *args: str, num_gpus: int = 2, timeout: int = 240):
     return run(deepspeed_command(script, *args, num_gpus=num_gpus), timeout=timeout)
+
+
+def session_members(sid: int) -> list[int]:
+    """The live (not zombie) processes of session ``sid``, from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            continue  # exited while we looked
+        # Fields after the command name: state, ppid, pgrp, session, ...
+        state, _ppid, _pgrp, session = text[text.rindex(")") + 2 :].split()[:4]
+        if int(session) == sid and state not in "ZXx":
+            members.append(int(entry))
+    return members
+
+
+def kill_session(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout: float = 60) -> None:
+    """Signal every process of ``proc``'s session (it was started with start_new_session:
+    launcher, ranks, DataLoader workers) and return once none is left. Waiting for the
+    launcher alone is not enough: under load a SIGKILLed rank takes seconds to exit and
+    until then holds its --save lock, so a requeue started at once is rightly refused."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    proc.wait()
+    deadline = time.monotonic() + timeout
+    while (left := session_members(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes {left} of the killed session outlived it by {timeout} s"
+
+
+def kill_when(cmd: list[str], ready: Callable[[], bool], timeout: float = 240) -> None:
+    """Run ``cmd`` in a session of its own and SIGKILL all of it (a node lost) once
+    ``ready()`` holds; returns when every process of it has exited."""
+    out = subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=out, stderr=out, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and not ready():
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+    finally:
+        kill_session(proc)

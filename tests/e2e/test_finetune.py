@@ -16,12 +16,8 @@ one process group).
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,10 +25,9 @@ import torch
 
 from tests.helpers import (
     BIN,
-    ENV,
-    REPO,
     deepspeed_command,
     free_port,
+    kill_when,
     launch,
     run,
     write_marker_task,
@@ -289,23 +284,6 @@ def dev_features(task: str, folder: Path, tokenizer, **options):
     return data, Collate(dynamic=False)([dev[i] for i in range(len(dev))])
 
 
-def _kill_after(cmd: list[str], metrics: Path, iteration: int, timeout: float = 600) -> None:
-    """Start ``cmd`` in its own session and SIGKILL all of it (launcher and ranks) once
-    ``iteration`` is logged."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.is_file() and f'"iteration": {iteration},' in metrics.read_text():
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, "the run ended before it could be killed"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def test_killed_run_resumes_to_the_same_dev_metrics_at_tp2(pretrained, tasks, tmp_path):
     """2 ranks at tensor parallel 2 (the checkpoint was saved at 1), ZeRO-1, length-grouped
     batches: killed in epoch 2, the same flags resume from the epoch-1 checkpoint."""
@@ -323,7 +301,12 @@ def test_killed_run_resumes_to_the_same_dev_metrics_at_tp2(pretrained, tasks, tm
     assert "world size 2 = tensor parallel 2 x data parallel 1" in res.stdout
     # 663 examples at batch 16: 41 iterations per epoch; killed at 60, resumed from 41. The
     # killed one through the real deepspeed launcher, all of it killed (a node lost).
-    _kill_after(deepspeed_command(*args(crashed)), crashed / "metrics.jsonl", iteration=60)
+    metrics = crashed / "metrics.jsonl"
+    kill_when(
+        deepspeed_command(*args(crashed)),
+        lambda: metrics.is_file() and '"iteration": 60,' in metrics.read_text(),
+        timeout=600,
+    )
     assert not results(crashed)["finished"]
     res = launch(*args(crashed), world=2, timeout=900)
     assert "resumed from" in res.stdout and "at iteration 41" in res.stdout

@@ -15,7 +15,6 @@ forked ranks):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -35,6 +34,7 @@ from tests.helpers import (
     TACO_METRIC_KEYS,
     deepspeed_command,
     free_port,
+    kill_session,
     launch,
     run,
     train_records,
@@ -121,12 +121,6 @@ def seconds_until_gone(procs, timeout: float) -> float:
     while any(alive(p) for p in procs) and time.monotonic() - start < timeout:
         time.sleep(0.05)
     return time.monotonic() - start
-
-
-def kill_session(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the whole session, stragglers included
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def latest(ckpt: Path) -> int:

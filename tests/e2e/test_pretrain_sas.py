@@ -14,23 +14,18 @@ a whole launch through the real `deepspeed` launcher):
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from megatron_taco.training.callbacks import Callback
 from tests.helpers import (
-    ENV,
-    REPO,
     SAS_METRIC_KEYS,
     assert_pretrained_and_random_rows,
     deepspeed_command,
     demo_evaluate,
+    kill_when,
     launch,
     train_records,
 )
@@ -92,25 +87,6 @@ def _store_bytes(root: Path) -> dict[str, bytes]:
     }
 
 
-def _run_until_killed(cmd: list[str], metrics: Path, iteration: int, timeout: float = 240):
-    """Start ``cmd`` in its own process group and SIGKILL all of it once ``iteration`` is
-    in the metrics file (the launcher and every rank: a node lost mid-epoch)."""
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.is_file() and iteration in train_records(metrics):
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset, tmp_path):
     # About 200 instances per epoch at global batch 16: E = 12 or 13 iterations per epoch
     # (the splitter decides); the kill at 16 and the save at 15 fall in epoch 2, the
@@ -134,7 +110,8 @@ def test_sigkill_mid_epoch_resumes_to_the_same_losses_and_store(botchan_dataset,
 
     cmd = deepspeed_command("pretrain_sas.py", *common, "--save", str(crash_dir), "--load",
                             str(crash_dir))  # fmt: skip
-    _run_until_killed(cmd, crash_dir / "metrics.jsonl", iteration=16)
+    metrics = crash_dir / "metrics.jsonl"  # killed, launcher and ranks, once 16 is logged
+    kill_when(cmd, lambda: metrics.is_file() and 16 in train_records(metrics))
     assert (crash_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "15"
     launch("pretrain_sas.py", *common, "--save", str(crash_dir), "--load", str(crash_dir),
            world=2, timeout=300)  # fmt: skip
