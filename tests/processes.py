@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -102,6 +103,11 @@ def _enter(environ: dict, cwd: str, out: str, err: str) -> None:
     """In the forked process: the parent's environment and directory, output to files."""
     os.environ.clear()
     os.environ.update(environ)
+    # torch took its thread count from the server's OMP_NUM_THREADS; a fresh process takes
+    # the job's. Sums differ in the last bits between thread counts, so a forked run must
+    # use the job's to compute as a launched one does (test_sigkill_mid_epoch compares them).
+    if environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
