@@ -330,20 +330,3 @@ class VocabParallelEmbedding(nn.Module):
             f"embedding_dim={self.embedding_dim}, rows=[{self.vocab_start_index}, "
             f"{self.vocab_end_index})"
         )
-
-
-__all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "copy_tensor_model_parallel_attributes",
-    "gather_full_weight",
-    "init_method_normal",
-    "merge_partitions",
-    "pad_vocab_size",
-    "param_is_not_tensor_parallel_duplicate",
-    "param_is_tensor_parallel",
-    "scaled_init_method_normal",
-    "set_tensor_model_parallel_attributes",
-    "split_partition",
-]
