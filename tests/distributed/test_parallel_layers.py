@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_taco.parallel.cross_entropy import (
-    vocab_parallel_accuracy,
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
@@ -35,7 +34,7 @@ from megatron_taco.parallel.mappings import (
 from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, model_parallel_seed
 from megatron_taco.parallel.state import init_parallel, single_process_state
 from megatron_taco.training.engine import disable_deepspeed_shm_comm
-from tests.helpers import run_distributed
+from tests.helpers import run_distributed, vocab_parallel_accuracy
 
 ATOL = 1e-6
 

@@ -10,7 +10,6 @@ from torch import nn
 from megatron_taco.errors import ConfigError
 from megatron_taco.parallel.config import ParallelConfig, check_world_size
 from megatron_taco.parallel.cross_entropy import (
-    vocab_parallel_accuracy,
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
@@ -36,6 +35,7 @@ from megatron_taco.parallel.state import (
     single_process_state,
     tp_group_ranks,
 )
+from tests.helpers import vocab_parallel_accuracy
 
 
 @pytest.fixture
