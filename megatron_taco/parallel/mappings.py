@@ -78,7 +78,8 @@ def _identity(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _adjoint(forward, backward, name: str) -> type[torch.autograd.Function]:
-    """An autograd op that runs ``forward`` and has ``backward`` as its gradient."""
+    """An autograd op that runs ``forward`` and has ``backward`` as its gradient; both take
+    (x, group, dim), the all-reduces and the identity ignoring ``dim``."""
 
     def fwd(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
