@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_taco.models.taco.config import TacoConfig
 from megatron_taco.models.taco.model import TacoForPretraining
+from megatron_taco.parallel.cross_entropy import vocab_parallel_argmax
 from megatron_taco.parallel.state import single_process_state
 from megatron_taco.training.observability.log import read_metrics
 from tests.processes import BIN as BIN
@@ -798,3 +799,19 @@ def committed_generations(root) -> list[int]:
             read_manifest(root, generation)
             committed.append(generation)
     return committed
+
+
+@torch.no_grad()
+def vocab_parallel_accuracy(
+    local_logits: torch.Tensor,
+    target: torch.Tensor,
+    group,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(number correct, number of non-ignored targets) as int64 scalars, for MLM accuracy.
+    Identical on all ranks of ``group``; sum over data-parallel ranks yourself."""
+    predicted = vocab_parallel_argmax(local_logits, group, vocab_size)
+    valid = target != ignore_index
+    correct = (predicted == target) & valid
+    return correct.sum(), valid.sum()

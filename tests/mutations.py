@@ -48,10 +48,8 @@ MUTATIONS = (
         "megatron_taco/parallel/mappings.py",
         (
             (
-                "        return x\n\n    @staticmethod\n    def backward(ctx, grad):\n"
-                "        return _all_reduce(grad, ctx.group), None\n",
-                "        return x\n\n    @staticmethod\n    def backward(ctx, grad):\n"
-                "        return grad, None\n",
+                "_CopyToTP = _adjoint(_identity, _all_reduce, ",
+                "_CopyToTP = _adjoint(_identity, _identity, ",
             ),
         ),
         ("tests/distributed/test_taco_tp.py", "tests/distributed/test_tp_dp_training.py"),

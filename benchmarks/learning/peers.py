@@ -209,7 +209,7 @@ class SasObjective(nn.Module):
 
 
 class SasMlm(nn.Module):
-    """Our SAS encoder and MLM head (megatron_taco.models.sas.SasForPretraining, built as
+    """Our SAS encoder and MLM head (megatron_taco.models.sas.model.SasForPretraining, built as
     the driver builds it for these sizes) under BERT's objective: lambda 0, the batch a SAS
     collator's under BERT's masking at S (no RTD labels). The parity comparison's side of
     ours, beside BertMlm(all_rows=True) on the same batches. ``output_layer_init``: our

@@ -198,19 +198,11 @@ def taco_forward_flops(
     )
 
 
-def taco_train_flops(
-    config: TacoSizes,
-    seq_length: int,
-    rows: int,
-    labelled_fraction: float = 0.15,
-    vocab_size: int | None = None,
-    forwards: int = 1,
-) -> float:
+def taco_train_flops(*args, **kwargs) -> float:
+    """A training step's model FLOPs, for taco_forward_flops' arguments."""
     # Backward = 2x forward (gradients w.r.t. inputs and w.r.t. weights); recompute, when
     # on, is overhead and not counted (model FLOPs, not hardware FLOPs).
-    return 3.0 * taco_forward_flops(
-        config, seq_length, rows, labelled_fraction, vocab_size, forwards
-    )
+    return 3.0 * taco_forward_flops(*args, **kwargs)
 
 
 def sas_forward_flops(
@@ -239,18 +231,10 @@ def sas_forward_flops(
     return float(rows * (s * per_token + per_row) + forwards * per_forward + mlm_tokens * mlm)
 
 
-def sas_train_flops_executed(
-    shape: EncoderShape,
-    rows: int,
-    mlm_tokens: float,
-    *,
-    relative_rows: int = 0,
-    forwards: int = 1,
-) -> float:
-    """A training step's model FLOPs: 3x the forward (see taco_train_flops)."""
-    return 3.0 * sas_forward_flops(
-        shape, rows, mlm_tokens, relative_rows=relative_rows, forwards=forwards
-    )
+def sas_train_flops_executed(*args, **kwargs) -> float:
+    """A training step's model FLOPs, for sas_forward_flops' arguments: 3x the forward (see
+    taco_train_flops)."""
+    return 3.0 * sas_forward_flops(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------

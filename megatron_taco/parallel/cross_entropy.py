@@ -122,19 +122,3 @@ def vocab_parallel_argmax(
     sentinel = torch.iinfo(torch.int64).max
     candidate = torch.where(local_max == global_max, local_idx + start, sentinel)
     return _all_reduce(candidate, group, "min")
-
-
-@torch.no_grad()
-def vocab_parallel_accuracy(
-    local_logits: torch.Tensor,
-    target: torch.Tensor,
-    group,
-    vocab_size: int | None = None,
-    ignore_index: int = -100,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(number correct, number of non-ignored targets) as int64 scalars, for MLM accuracy.
-    Identical on all ranks of ``group``; sum over data-parallel ranks yourself."""
-    predicted = vocab_parallel_argmax(local_logits, group, vocab_size)
-    valid = target != ignore_index
-    correct = (predicted == target) & valid
-    return correct.sum(), valid.sum()

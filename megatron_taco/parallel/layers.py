@@ -36,8 +36,6 @@ from megatron_taco.parallel.state import ParallelState
 
 InitMethod = Callable[[torch.Tensor], object]
 
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
-
 
 def init_method_normal(std: float = 0.02) -> InitMethod:
     def init_(tensor: torch.Tensor):
@@ -57,12 +55,6 @@ def set_tensor_model_parallel_attributes(
     param.tensor_model_parallel = is_parallel
     param.partition_dim = dim
     param.partition_stride = stride
-
-
-def copy_tensor_model_parallel_attributes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    for attr in _TP_ATTRS:
-        if hasattr(src, attr):
-            setattr(dst, attr, getattr(src, attr))
 
 
 def param_is_tensor_parallel(param: torch.Tensor) -> bool:
@@ -304,16 +296,8 @@ class VocabParallelEmbedding(nn.Module):
         )
         # Only the real rows are drawn from the RNG, then zero rows are appended, so the
         # random stream (and the model) is the same for any tp even though padding differs.
-        _init_partition(
-            self.weight,
-            (vocab_size, embedding_dim),
-            init_method,
-            0,
-            1,
-            rank,
-            tp,
-            pad_to=self.padded_vocab_size,
-        )
+        full = (vocab_size, embedding_dim)
+        _init_partition(self.weight, full, init_method, 0, 1, rank, tp, self.padded_vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
@@ -330,20 +314,3 @@ class VocabParallelEmbedding(nn.Module):
             f"embedding_dim={self.embedding_dim}, rows=[{self.vocab_start_index}, "
             f"{self.vocab_end_index})"
         )
-
-
-__all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "copy_tensor_model_parallel_attributes",
-    "gather_full_weight",
-    "init_method_normal",
-    "merge_partitions",
-    "pad_vocab_size",
-    "param_is_not_tensor_parallel_duplicate",
-    "param_is_tensor_parallel",
-    "scaled_init_method_normal",
-    "set_tensor_model_parallel_attributes",
-    "split_partition",
-]

@@ -33,7 +33,7 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int) -> int:
     return dim
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     # all_reduce is in place; never modify a tensor autograd may have saved.
@@ -73,104 +73,60 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return comm.reduce_scatter_tensor(out, stacked, group)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+def _adjoint(forward, backward, name: str) -> type[torch.autograd.Function]:
+    """An autograd op that runs ``forward`` and has ``backward`` as its gradient; both take
+    (x, group, dim), the all-reduces and the identity ignoring ``dim``."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
+    def fwd(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _split(x, group, dim)
+        return forward(x, group, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.dim), None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group, ctx.dim), None, None
 
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.group, ctx.dim), None, None
+    methods = {"forward": staticmethod(fwd), "backward": staticmethod(bwd)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _ReduceScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.dim), None, None
+_CopyToTP = _adjoint(_identity, _all_reduce, "_CopyToTP")
+_ReduceFromTP = _adjoint(_all_reduce, _identity, "_ReduceFromTP")
+_ScatterToTP = _adjoint(_split, _gather, "_ScatterToTP")
+_GatherFromTP = _adjoint(_gather, _split, "_GatherFromTP")
+_ReduceScatterToTP = _adjoint(_reduce_scatter, _gather, "_ReduceScatterToTP")
+_AllGatherToTP = _adjoint(_gather, _reduce_scatter, "_AllGatherToTP")
 
 
-class _AllGatherToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+def _apply(op: type[torch.autograd.Function], x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return x if group_size(group) == 1 else op.apply(x, group, dim)
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Forward identity; backward all-reduce (sum) of the gradient (input of a column-parallel op)."""
-    if group_size(group) == 1:
-        return x
-    return _CopyToTP.apply(x, group)
+    return _apply(_CopyToTP, x, group, 0)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Forward all-reduce (sum); backward identity (output of a row-parallel op)."""
-    if group_size(group) == 1:
-        return x
-    return _ReduceFromTP.apply(x, group)
+    return _apply(_ReduceFromTP, x, group, 0)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Forward: keep this rank's chunk along dim; backward: all-gather the gradient."""
-    if group_size(group) == 1:
-        return x
-    return _ScatterToTP.apply(x, group, dim)
+    return _apply(_ScatterToTP, x, group, dim)
 
 
 def gather_from_tp_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Forward: all-gather along dim; backward: keep this rank's chunk of the gradient."""
-    if group_size(group) == 1:
-        return x
-    return _GatherFromTP.apply(x, group, dim)
+    return _apply(_GatherFromTP, x, group, dim)
 
 
 def reduce_scatter_to_tp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Forward: sum over ranks and keep this rank's chunk along dim; backward: all-gather."""
-    if group_size(group) == 1:
-        return x
-    return _ReduceScatterToTP.apply(x, group, dim)
+    return _apply(_ReduceScatterToTP, x, group, dim)
 
 
 def all_gather_to_tp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -180,6 +136,4 @@ def all_gather_to_tp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tenso
     gathered output feeds a *different* computation (sequence parallelism), so the gradient
     contributions must be summed, not just sliced.
     """
-    if group_size(group) == 1:
-        return x
-    return _AllGatherToTP.apply(x, group, dim)
+    return _apply(_AllGatherToTP, x, group, dim)

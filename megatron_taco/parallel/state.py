@@ -94,10 +94,7 @@ class ParallelState:
             groups = (self.tp_group, self.dp_group, self.file_group, self.host_group)
             for group in {id(g): g for g in groups if g is not None}.values():
                 dist.destroy_process_group(group)
-        self.tp_group = None
-        self.dp_group = None
-        self.file_group = None
-        self.host_group = None
+        self.tp_group = self.dp_group = self.file_group = self.host_group = None
 
     # --- DeepSpeed / Megatron mpu interface ----------------------------------------------
     # Model parallel == tensor parallel here (no pipeline stages).

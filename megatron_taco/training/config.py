@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,6 +232,11 @@ class TrainingConfig:
                 f"must be an integer >= {minimum}, got {value!r}",
             )
 
+        def number(name: str, within: Callable[[float], bool], rule: str) -> None:
+            value = getattr(self, name)
+            ok = _is_number(value) and within(value)
+            require(ok, cls, name, f"must be {rule}, got {value!r}")
+
         lengths = (self.train_iters, self.train_epochs, self.total_train_samples)
         require(
             sum(x is not None for x in lengths) == 1 or self._samples_resolved,
@@ -252,13 +258,8 @@ class TrainingConfig:
                 f"{self.global_batch_size} is not a multiple of --micro-batch-size "
                 f"{self.micro_batch_size}",
             )
-        require(_is_number(self.lr) and self.lr > 0, cls, "lr", f"must be > 0, got {self.lr!r}")
-        require(
-            _is_number(self.min_lr) and 0 <= self.min_lr <= self.lr,
-            cls,
-            "min_lr",
-            f"must be in [0, --lr {self.lr}], got {self.min_lr!r}",
-        )
+        number("lr", lambda v: v > 0, "> 0")
+        number("min_lr", lambda v: 0 <= v <= self.lr, f"in [0, --lr {self.lr}]")
         self._check_schedule_units()
         if self.lr_warmup_iters is not None:
             positive_int("lr_warmup_iters", self.lr_warmup_iters, 0)
@@ -274,12 +275,7 @@ class TrainingConfig:
                 "lr_warmup_fraction",
                 f"give either --lr-warmup-fraction or {flag_of(cls, warmup)}, not both",
             )
-            require(
-                _is_number(self.lr_warmup_fraction) and 0 <= self.lr_warmup_fraction <= 1,
-                cls,
-                "lr_warmup_fraction",
-                f"must be in [0, 1], got {self.lr_warmup_fraction!r}",
-            )
+            number("lr_warmup_fraction", lambda v: 0 <= v <= 1, "in [0, 1]")
         require(
             self.lr_decay_style in DECAY_STYLES,
             cls,
@@ -317,36 +313,13 @@ class TrainingConfig:
                 f"{self.warmup_iters} warmup iterations from {source} must be fewer than the "
                 f"{self.decay_iters} decay iterations (--lr-decay-iters, default --train-iters)",
             )
-        require(
-            _is_number(self.weight_decay) and self.weight_decay >= 0,
-            cls,
-            "weight_decay",
-            f"must be >= 0, got {self.weight_decay!r}",
-        )
+        number("weight_decay", lambda v: v >= 0, ">= 0")
         if self.layerwise_lr_decay is not None:
-            require(
-                _is_number(self.layerwise_lr_decay) and 0 < self.layerwise_lr_decay <= 1,
-                cls,
-                "layerwise_lr_decay",
-                f"must be in (0, 1], got {self.layerwise_lr_decay!r}",
-            )
+            number("layerwise_lr_decay", lambda v: 0 < v <= 1, "in (0, 1]")
         for name in ("adam_beta1", "adam_beta2"):
-            value = getattr(self, name)
-            require(
-                _is_number(value) and 0 <= value < 1, cls, name, f"must be in [0, 1), got {value!r}"
-            )
-        require(
-            _is_number(self.adam_eps) and self.adam_eps > 0,
-            cls,
-            "adam_eps",
-            f"must be > 0, got {self.adam_eps!r}",
-        )
-        require(
-            _is_number(self.clip_grad) and self.clip_grad >= 0,
-            cls,
-            "clip_grad",
-            f"must be >= 0 (0 disables clipping), got {self.clip_grad!r}",
-        )
+            number(name, lambda v: 0 <= v < 1, "in [0, 1)")
+        number("adam_eps", lambda v: v > 0, "> 0")
+        number("clip_grad", lambda v: v >= 0, ">= 0 (0 disables clipping)")
         positive_int("log_interval", self.log_interval)
         positive_int("eval_interval", self.eval_interval)
         positive_int("eval_iters", self.eval_iters, 0)

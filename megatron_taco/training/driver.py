@@ -65,12 +65,9 @@ def main(spec: ModelSpec, argv: list[str] | None = None) -> int:
             # Errors found later (e.g. ranks disagreeing on the checkpoint) are reported the
             # same way, after run() has torn the process groups down.
             return run(cfg, spec, monitor=monitor, lock=lock)
-    except ConfigError as e:
+    except (ConfigError, RunError) as e:
         print(f"{program_name(spec.prog)}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except RunError as e:  # a failed save, a diverged loss, a dead peer
-        print(f"{program_name(spec.prog)}: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     finally:
         monitor.uninstall()
 

@@ -63,10 +63,8 @@ def apply_numerics(training: TrainingConfig) -> None:
     # float32 GEMMs on CPUs that support it, changing CPU results.
     torch.backends.cuda.matmul.allow_tf32 = training.tf32
     torch.backends.cudnn.allow_tf32 = training.tf32
-    if training.deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (
-        ":4096:8",
-        ":16:8",
-    ):
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if training.deterministic and workspace not in (CUBLAS_DETERMINISTIC, ":16:8"):
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC
     # Not warn_only: an op without a deterministic kernel must stop the run, not quietly
     # break the bitwise promise.

@@ -94,13 +94,10 @@ class MetricAccumulator:
 
     def finish(self, values: list[float], iterations: int) -> dict[str, float]:
         *totals, micro_batches = values
-        out = {}
-        for key, total in zip(sorted(self.sums), totals):
-            if key.endswith(COUNT_SUFFIX):
-                out[key] = total / max(iterations, 1)
-            else:
-                out[key] = total / micro_batches
-        return out
+        return {
+            key: total / (max(iterations, 1) if key.endswith(COUNT_SUFFIX) else micro_batches)
+            for key, total in zip(sorted(self.sums), totals)
+        }
 
     def reduce(self, parallel: ParallelState, iterations: int) -> dict[str, float]:
         totals = self.reduced(parallel)
@@ -548,11 +545,7 @@ class Trainer:
             if stop is not None:
                 self.save(state, for_exit=True)
                 return state
-            if (
-                self.parts.valid_dataset is not None
-                and t.eval_iters > 0
-                and state.iteration % t.eval_interval == 0
-            ):
+            if self._validates and state.iteration % t.eval_interval == 0:
                 self.evaluate("valid", self.parts.valid_dataset, state.iteration)
                 last_evaluated = state.iteration
             if ck.save_interval is not None and state.iteration % ck.save_interval == 0:
@@ -572,11 +565,7 @@ class Trainer:
 
         # Validation before the final save: with --exit-on-collapse a collapsed encoder is
         # not saved over the last good checkpoint.
-        if (
-            self.parts.valid_dataset is not None
-            and t.eval_iters > 0
-            and last_evaluated != state.iteration
-        ):
+        if self._validates and last_evaluated != state.iteration:
             self.evaluate("valid", self.parts.valid_dataset, state.iteration)
         if self.learning_monitor is not None:
             self.learning_monitor.check_end(state.iteration)
@@ -600,6 +589,10 @@ class Trainer:
             "checkpoints and leftovers is left to the next save"
         )
 
+    @property
+    def _validates(self) -> bool:
+        return self.parts.valid_dataset is not None and self.training.eval_iters > 0
+
     def _saves_or_evaluates(self, iteration: int) -> bool:
         """Whether the loop saves, evaluates or exits after ``iteration`` (not counting an
         exit request or the last iteration): its values must be read first."""
@@ -608,10 +601,9 @@ class Trainer:
         def due(interval: int | None) -> bool:
             return interval is not None and iteration % interval == 0
 
-        evaluates = self.parts.valid_dataset is not None and t.eval_iters > 0
         return (
             (self.checkpoint.save is not None and due(self.checkpoint.save_interval))
-            or (evaluates and due(t.eval_interval))
+            or (self._validates and due(t.eval_interval))
             or due(t.exit_interval)
         )
 

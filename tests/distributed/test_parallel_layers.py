@@ -12,28 +12,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_taco.parallel import (
-    MODEL_PARALLEL_RNG,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    all_gather_to_tp_region,
-    copy_to_tp_region,
-    gather_from_tp_region,
-    gather_full_weight,
-    init_parallel,
-    model_parallel_seed,
-    param_is_not_tensor_parallel_duplicate,
-    reduce_from_tp_region,
-    reduce_scatter_to_tp_region,
-    scatter_to_tp_region,
-    single_process_state,
-    vocab_parallel_accuracy,
+from megatron_taco.parallel.cross_entropy import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
+from megatron_taco.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_full_weight,
+    param_is_not_tensor_parallel_duplicate,
+)
+from megatron_taco.parallel.mappings import (
+    all_gather_to_tp_region,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_tp_region,
+    scatter_to_tp_region,
+)
+from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, model_parallel_seed
+from megatron_taco.parallel.state import init_parallel, single_process_state
 from megatron_taco.training.engine import disable_deepspeed_shm_comm
-from tests.helpers import run_distributed
+from tests.helpers import run_distributed, vocab_parallel_accuracy
 
 ATOL = 1e-6
 

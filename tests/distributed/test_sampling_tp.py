@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_taco.parallel import init_parallel, pad_vocab_size
+from megatron_taco.parallel.layers import pad_vocab_size
 from megatron_taco.parallel.sampling import sample_row_keys, vocab_parallel_sample
+from megatron_taco.parallel.state import init_parallel
 from tests.helpers import run_distributed
 from tests.unit.test_sampling import PASS_P, chi_square_pvalue
 

@@ -8,29 +8,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_taco.errors import ConfigError
-from megatron_taco.parallel import (
-    MODEL_PARALLEL_RNG,
-    ColumnParallelLinear,
-    ParallelConfig,
-    RNGTracker,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    check_world_size,
-    checkpoint,
-    dp_group_ranks,
-    init_parallel,
-    merge_partitions,
-    model_parallel_seed,
-    pad_vocab_size,
-    param_is_not_tensor_parallel_duplicate,
-    single_process_state,
-    split_partition,
-    tp_group_ranks,
-    vocab_parallel_accuracy,
+from megatron_taco.parallel.config import ParallelConfig, check_world_size
+from megatron_taco.parallel.cross_entropy import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
-from megatron_taco.parallel.state import cuda_device_index
+from megatron_taco.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    merge_partitions,
+    pad_vocab_size,
+    param_is_not_tensor_parallel_duplicate,
+    split_partition,
+)
+from megatron_taco.parallel.random import (
+    MODEL_PARALLEL_RNG,
+    RNGTracker,
+    checkpoint,
+    model_parallel_seed,
+)
+from megatron_taco.parallel.state import (
+    cuda_device_index,
+    dp_group_ranks,
+    init_parallel,
+    single_process_state,
+    tp_group_ranks,
+)
+from tests.helpers import vocab_parallel_accuracy
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_taco.errors import ConfigError
-from megatron_taco.models.sas import PRESETS, SasConfig, SasForPretraining
-from megatron_taco.models.sas.model import rtd_labels
+from megatron_taco.models.sas.config import PRESETS, SasConfig
+from megatron_taco.models.sas.model import SasForPretraining, rtd_labels
 from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, model_parallel_seed
 from megatron_taco.parallel.state import ParallelState, single_process_state
 from megatron_taco.training.configure import build_parser, configs_from_args

@@ -12,6 +12,11 @@ from megatron_taco.arguments import add_dataclass_args, flag_of, option, require
 from megatron_taco.errors import ConfigError
 
 
+def opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
+    # Positional flag keeps a model config's field table on one line per field.
+    return option(default, help, flag=flag, **kw)
+
+
 class PresetConfig:
     """Mixin for a frozen model-config dataclass with a ``PRESETS`` table, a ``model_size``
     field (the preset's name) and a ``vocab_size`` field (0 until set)."""

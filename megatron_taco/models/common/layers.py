@@ -10,12 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_taco.parallel.layers import (
-    init_method_normal,
-    scaled_init_method_normal,
-    set_tensor_model_parallel_attributes,
-    split_partition,
-)
+from megatron_taco.parallel.layers import set_tensor_model_parallel_attributes, split_partition
 
 try:  # apex's fused kernel on GPU; it falls back to F.layer_norm itself for CPU tensors.
     # The CUDA extension itself: apex built without it (a common broken install) imports
@@ -31,19 +26,6 @@ except Exception:  # apex can fail at import for many reasons (ABI, CUDA mismatc
 InitMethod = Callable[[torch.Tensor], object]
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "HAVE_APEX",
-    "DropoutMask",
-    "compile_layers",
-    "LayerNorm",
-    "gelu",
-    "init_from_master_",
-    "init_method_normal",
-    "init_partitioned_",
-    "scaled_init_method_normal",
-    "uniform_fan_in_init",
-]
 
 
 def LayerNorm(hidden_size: int, eps: float) -> nn.Module:  # a factory named like the class

@@ -17,14 +17,17 @@ from megatron_taco.models.common.layers import (
     LayerNorm,
     gelu,
     init_from_master_,
-    init_method_normal,
 )
 from megatron_taco.parallel.cross_entropy import (
     at_least_float32,
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
-from megatron_taco.parallel.layers import pad_vocab_size, set_tensor_model_parallel_attributes
+from megatron_taco.parallel.layers import (
+    init_method_normal,
+    pad_vocab_size,
+    set_tensor_model_parallel_attributes,
+)
 from megatron_taco.parallel.mappings import copy_to_tp_region
 from megatron_taco.parallel.state import ParallelState
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_taco.models.common.layers import gelu, init_method_normal, scaled_init_method_normal
-from megatron_taco.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_taco.models.common.layers import gelu
+from megatron_taco.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_method_normal,
+    scaled_init_method_normal,
+)
 from megatron_taco.parallel.state import ParallelState
 
 

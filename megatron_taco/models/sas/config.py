@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from megatron_taco.arguments import flag_of, option, require
-from megatron_taco.models.common.config import EncoderConfig
+from megatron_taco.arguments import flag_of, require
+from megatron_taco.models.common.config import EncoderConfig, opt
 
 BERT_LAYERNORM_EPSILON = 1e-12  # BERT, ELECTRA
 DEBERTA_LAYERNORM_EPSILON = 1e-7  # DeBERTa-v2/v3 (transformers' DebertaV2Config default)
@@ -53,10 +53,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
-    return option(default, help, flag=flag, **kw)
-
-
 @dataclass(frozen=True)
 class SasConfig(EncoderConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
@@ -64,52 +60,52 @@ class SasConfig(EncoderConfig):
     # The SAS paper's Table 5 (small: batch 512, base: 256); tiny as small.
     DEFAULT_LR: ClassVar[dict[str, float]] = {"tiny": 1e-3, "small": 1e-3, "base": 2e-4}
 
-    num_layers: int = _opt(12, "Number of encoder layers.", "--num-layers")
-    hidden_size: int = _opt(768, "Hidden size of the encoder.", "--hidden-size")
-    ffn_hidden_size: int = _opt(3072, "FFN inner hidden size.", "--ffn-hidden-size")
-    num_attention_heads: int = _opt(
+    num_layers: int = opt(12, "Number of encoder layers.", "--num-layers")
+    hidden_size: int = opt(768, "Hidden size of the encoder.", "--hidden-size")
+    ffn_hidden_size: int = opt(3072, "FFN inner hidden size.", "--ffn-hidden-size")
+    num_attention_heads: int = opt(
         12, "Attention heads (head size = hidden size / heads).", "--num-attention-heads"
     )
-    embedding_size: int = _opt(
+    embedding_size: int = opt(
         768,
         "Width of the token (and absolute position) embeddings; a projection to the hidden "
         "size is added when they differ (ELECTRA's factorised embedding).",
         "--embedding-size",
     )
-    max_position_embeddings: int = _opt(
+    max_position_embeddings: int = opt(
         512, "Longest sequence (rows of the absolute position table).", "--max-position-embeddings"
     )
-    disentangled_attention: bool = _opt(
+    disentangled_attention: bool = opt(
         False,
         "SAS^DA: DeBERTa-v2's disentangled attention (c2c + c2p + p2c, relative positions "
         "projected by each layer's shared query/key projections).",
         "--disentangled-attention",
     )
-    position_buckets: int = _opt(
+    position_buckets: int = opt(
         256,
         "SAS^DA: DeBERTa's log-bucketed relative positions (table of 2 x this rows); 0 = plain "
         "clipping at --max-relative-positions.",
         "--position-buckets",
     )
-    max_relative_positions: int | None = _opt(
+    max_relative_positions: int | None = opt(
         None,
         "SAS^DA: largest relative distance of the log buckets, or the clipping distance when "
         "--position-buckets is 0 (default: --max-position-embeddings).",
         "--max-relative-positions",
     )
-    position_biased_input: bool | None = _opt(
+    position_biased_input: bool | None = opt(
         None,
         "Add absolute position embeddings to the input (default: on for SAS, off for SAS^DA, "
         "as in DeBERTa-v2/v3).",
         "--position-biased-input",
     )
-    layernorm_epsilon: float | None = _opt(
+    layernorm_epsilon: float | None = opt(
         None,
         "LayerNorm epsilon (default: 1e-12 as BERT/ELECTRA for SAS and SAS^c, 1e-7 as "
         "DeBERTa for SAS^DA).",
         "--layernorm-epsilon",
     )
-    output_layer_init: str = _opt(
+    output_layer_init: str = opt(
         "megatron",
         "Init of the attention-output and FFN-output projections: 'megatron' draws them from "
         "normal(--init-method-std / sqrt(2 * layers)) (Megatron-LM's scaled init); 'electra' "
@@ -117,7 +113,7 @@ class SasConfig(EncoderConfig):
         "--output-layer-init",
         choices=OUTPUT_LAYER_INITS,
     )
-    gradient_disentangled_embedding: bool = _opt(
+    gradient_disentangled_embedding: bool = opt(
         False,
         "A departure from the paper, off by default: DeBERTaV3's gradient-disentangled "
         "embedding sharing for one network. The encoder reads stop_gradient(E) + E_delta "
@@ -126,7 +122,7 @@ class SasConfig(EncoderConfig):
         "the input: it trains E_delta).",
         "--gradient-disentangled-embedding",
     )
-    model_size: str | None = _opt(
+    model_size: str | None = opt(
         None,
         "Start from a preset (Table 5); explicitly given flags override it.",
         "--model-size",

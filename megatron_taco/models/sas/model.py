@@ -30,7 +30,6 @@ from megatron_taco.models.common.layers import (
     compile_layers,
     gelu,
     init_from_master_,
-    init_method_normal,
 )
 from megatron_taco.models.common.lm_head import (
     PredictionTransform,
@@ -57,6 +56,7 @@ from megatron_taco.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    init_method_normal,
 )
 from megatron_taco.parallel.mappings import copy_to_tp_region
 from megatron_taco.parallel.random import MODEL_PARALLEL_RNG, checkpoint

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from megatron_taco.arguments import flag_of, option, require
-from megatron_taco.models.common.config import EncoderConfig
+from megatron_taco.arguments import flag_of, require
+from megatron_taco.models.common.config import EncoderConfig, opt
 
 # Presets override only architecture sizes; dropout/init/eps keep the defaults.
 # "base" is TACO-base (Table 7 + A.5: relative embeddings enlarged to 768).
@@ -41,11 +41,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
-    # Positional flag keeps the field table below on one line per field.
-    return option(default, help, flag=flag, **kw)
-
-
 @dataclass(frozen=True)
 class TacoConfig(EncoderConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
@@ -55,51 +50,51 @@ class TacoConfig(EncoderConfig):
     # learns at 5e-4 where 1e-3 with a short warm-up collapsed it; tiny (tests/learning) at 1e-3.
     DEFAULT_LR: ClassVar[dict[str, float]] = {"tiny": 1e-3, "small": 5e-4, "base": 1e-4}
 
-    num_layers: int = _opt(12, "Number of TACO layers.", "--num-layers")
-    we_hidden_size: int = _opt(
+    num_layers: int = opt(12, "Number of TACO layers.", "--num-layers")
+    we_hidden_size: int = opt(
         648, "Hidden size d_WE of the word (content) stream.", "--we-hidden-size"
     )
-    pe_hidden_size: int = _opt(120, "Hidden size d_PE of the position stream.", "--pe-hidden-size")
-    we_attention_heads: int = _opt(
+    pe_hidden_size: int = opt(120, "Hidden size d_PE of the position stream.", "--pe-hidden-size")
+    we_attention_heads: int = opt(
         12, "Attention heads h_WE of the word stream.", "--we-attention-heads"
     )
-    pe_attention_heads: int = _opt(
+    pe_attention_heads: int = opt(
         6, "Attention heads h_PE of the position stream.", "--pe-attention-heads"
     )
-    kv_channels: int = _opt(
+    kv_channels: int = opt(
         64, "Query/key head size d_k (also of the relative projections).", "--kv-channels"
     )
-    we_value_channels: int | None = _opt(
+    we_value_channels: int | None = opt(
         None,
         "Value head size d_v of the WE heads (default d_WE / h_WE, as the paper's parameter "
         "counts require).",
         "--we-value-channels",
     )
-    pe_value_channels: int | None = _opt(
+    pe_value_channels: int | None = opt(
         None,
         "Value head size d_v of the PE heads (default d_PE / h_PE).",
         "--pe-value-channels",
     )
-    we_ffn_hidden_size: int = _opt(
+    we_ffn_hidden_size: int = opt(
         2592, "FFN inner size of the word stream.", "--we-ffn-hidden-size"
     )
-    pe_ffn_hidden_size: int = _opt(
+    pe_ffn_hidden_size: int = opt(
         480, "FFN inner size of the position stream.", "--pe-ffn-hidden-size"
     )
-    max_relative_distance: int = _opt(
+    max_relative_distance: int = opt(
         511,
         "Maximum relative distance k (distances are clipped to [-k, k]).",
         "--max-relative-distance",
     )
-    relative_embedding_size: int = _opt(
+    relative_embedding_size: int = opt(
         768, "Width of the shared relative-position embedding table.", "--relative-embedding-size"
     )
-    max_position_embeddings: int = _opt(
+    max_position_embeddings: int = opt(
         512,
         "Number of absolute positions (position ids lie in [0, this)).",
         "--max-position-embeddings",
     )
-    model_size: str | None = _opt(
+    model_size: str | None = opt(
         None,
         "Start from a preset; explicitly given flags override it.",
         "--model-size",

@@ -28,9 +28,7 @@ from megatron_taco.models.common.layers import (
     LayerNorm,
     compile_layers,
     init_from_master_,
-    init_method_normal,
     init_partitioned_,
-    scaled_init_method_normal,
     uniform_fan_in_init,
 )
 from megatron_taco.models.common.lm_head import gather_labelled, labelled_count, masked_mean
@@ -53,6 +51,8 @@ from megatron_taco.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    init_method_normal,
+    scaled_init_method_normal,
     set_tensor_model_parallel_attributes,
 )
 from megatron_taco.parallel.mappings import reduce_scatter_to_tp_region

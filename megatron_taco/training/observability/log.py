@@ -271,18 +271,11 @@ class TrainingLogger:
             self.tracker.image(name, path, iteration)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
-        if self.tracker is not None:
-            self.tracker.close()
-            self.tracker = None
+        for name in ("_bar", "_writer", "_metrics", "tracker"):
+            output = getattr(self, name)
+            if output is not None:
+                output.close()
+                setattr(self, name, None)
 
 
 def _ends_with_newline(path: str) -> bool:
