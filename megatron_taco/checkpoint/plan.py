@@ -275,15 +275,17 @@ def _choose(request: ResumeRequest) -> tuple[int, str, str | None] | None:
     load_dir = ck.load
     if request.required and not os.path.isdir(load_dir):
         raise CheckpointError(f"--load: {load_dir} is not a directory")
-    # No tp_size here: a checkpoint of another tensor-parallel size is refused by _check_layout,
-    # whose line names the command that converts it.
+    # The checkpoint the tracker or --ckpt-step names is not checked for its tensor-parallel
+    # size here: _check_layout refuses it with the command that converts it. The fall-back
+    # search skips other sizes, as load._agreed_newest_verified does.
     kw = dict(models=request.models)
+    tp = None if request.layout is None else request.layout.tp_size
     try:
         iteration = ck.ckpt_step if ck.ckpt_step is not None else read_tracker(load_dir)
     except CheckpointUnreadable:
         raise
     except ConfigError as e:
-        older = newest_verified(load_dir, None, **kw)
+        older = newest_verified(load_dir, None, tp_size=tp, **kw)
         if older is None:
             raise
         if not ck.load_fallback:
@@ -300,7 +302,7 @@ def _choose(request: ResumeRequest) -> tuple[int, str, str | None] | None:
             f"--load: checkpoint iteration {iteration} (named by {named}) is incomplete or "
             f"corrupt: {e}"
         )
-        older = newest_verified(load_dir, iteration, **kw)
+        older = newest_verified(load_dir, iteration, tp_size=tp, **kw)
     if older is None:
         raise CheckpointInvalid(f"{problem}; no older checkpoint in {load_dir} verifies either")
     if ck.load_fallback:

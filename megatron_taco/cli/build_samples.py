@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,3 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         _build_and_summarise,
         user_errors=(IndexedDatasetError, ValueError, OSError),
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from typing import Any
 
 import torch
@@ -315,3 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda args: print(convert(args)),
         user_errors=(CheckpointError, MissingExtra),
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,7 @@ backward = forward, the MLM softmax on 15.625% of the tokens.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megatron_taco.cli import tool_parser
 from megatron_taco.models import flops
@@ -106,3 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{total / args.train_iters:.4g} per iteration)"
     )
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -305,3 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda args: print(export(args, sys.argv[1:] if argv is None else argv)),
         user_errors=(CheckpointError, ImportError),
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -74,3 +74,7 @@ def score(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(build_parser(), argv, score)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -134,3 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the command to run, e.g. deepspeed --num_gpus 2 pretrain_taco.py ...")
     return launch(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

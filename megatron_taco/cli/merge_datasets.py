@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from megatron_taco.arguments import dataclass_from_args, run_cli
 from megatron_taco.cli import tool_parser
 from megatron_taco.data.indexed_dataset import IndexedDatasetError
@@ -19,3 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda args: merge_datasets(dataclass_from_args(MergeConfig, args)),
         user_errors=(IndexedDatasetError,),
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

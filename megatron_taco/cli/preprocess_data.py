@@ -51,3 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 128 + int(signum)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import re
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -393,3 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda args: train_tokenizer(dataclass_from_args(TrainTokenizerConfig, args)),
         user_errors=(CorpusError, LookupError, OSError),  # LookupError: no punkt data
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

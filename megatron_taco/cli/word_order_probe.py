@@ -4,6 +4,7 @@ megatron_taco/evaluation/figure1.py, whose docstring is this command's help."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megatron_taco.arguments import add_dataclass_args, dataclass_from_args, run_cli
 from megatron_taco.checkpoint.errors import CheckpointError
@@ -37,3 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         run(dataclass_from_args(ProbeConfig, args, load=tuple(args.load)))
 
     return run_cli(build_parser(), argv, body, user_errors=(CheckpointError, ImportError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

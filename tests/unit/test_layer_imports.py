@@ -152,3 +152,17 @@ def test_the_check_sees_an_edge_coming_back(tmp_path, module, planted, expected)
     with open(root / module, "a", encoding="utf-8") as f:
         f.write(f"\n\n{planted}\n")
     assert expected in violations(root)
+
+
+def test_every_cli_module_runs_as_python_dash_m():
+    """``python -m megatron_taco.cli.X`` runs the tool: a module with a main() and no
+    ``__main__`` guard would exit 0 having done nothing."""
+    import ast
+
+    for path in sorted((Path(megatron_taco.__file__).parent / "cli").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        has_main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+        guarded = any(
+            isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body
+        )
+        assert guarded or not has_main, f"{path.name}: main() is never called under -m"

@@ -338,3 +338,14 @@ def test_fine_tuning_resumes_its_output_at_another_world_size_with_its_own_flags
     assert "holds the RNG states of 2 ranks, this run has 1; pass --no-load-rng" in line
     plan = configs(1, "--no-load-rng").plan  # the flag the line names
     assert (plan.action, plan.iteration, plan.restore_rng) == (RESUME, 3, False)
+
+
+def test_load_fallback_skips_a_checkpoint_of_another_tensor_parallel_size(tmp_path):
+    load = tmp_path / "load"
+    _save(load, 6)  # tp 1: fits this run
+    _save(load, 8, tp=2)  # tp 2 (world 2): does not
+    _save(load, 10)
+    (load / "iter_0000010" / "mp_rank_00_model_states.pt.bin").write_bytes(b"torn")
+    ck = CheckpointConfig(load=str(load), load_fallback=True)
+    plan = plan_resume(ResumeRequest(ck, layout=LAYOUT, models=("SAS",)))
+    assert (plan.action, plan.iteration) == (FALLBACK, 6)

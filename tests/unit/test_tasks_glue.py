@@ -774,3 +774,39 @@ def test_hf_test_splits_use_the_hubs_idx(tmp_path, tokenizer):
     pq.write_table(pa.table(table), folder / "test.parquet")
     with pytest.raises(TaskDataError, match=r"test\.parquet: row 1: index '7' repeats .*row 0"):
         load_task("qnli", folder, tokenizer, seq_length=32, splits=("test",))
+
+
+# A test split is read as the server's input: no row of it is skipped or counted as such,
+# and its errors keep their own line (the merged reader must not give it the train split's).
+class _WordTok:
+    cls_id, sep_id, pad_id, vocab_size = 1, 2, 0, 100
+
+    def encode_batch(self, texts):
+        return [[3 + len(w) % 90 for w in t.split()] for t in texts]
+
+
+def _rte(tmp_path, test_rows):
+    d = tmp_path / "rte"
+    d.mkdir()
+    (d / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta b\tc\tentailment\n")
+    (d / "test.tsv").write_text("index\tsentence1\tsentence2\n" + test_rows)
+    return d
+
+
+def test_a_split_named_twice_still_loads(tmp_path):
+    d = _rte(tmp_path, "0\ta b\tc d\n1\te\tf\n")
+    data = load_task("rte", d, _WordTok(), seq_length=16, splits=("train", "test", "test"))
+    assert set(data.test) == {"test"}
+
+
+def test_a_test_row_with_too_many_columns_keeps_its_line(tmp_path):
+    d = _rte(tmp_path, "0\ta b\tc d\n1\te\tf\textra\n")
+    with pytest.raises(TaskDataError) as e:
+        load_task("rte", d, _WordTok(), seq_length=16, splits=("test",))
+    assert "a tab inside a field" not in str(e.value)
+
+
+def test_a_test_split_counts_no_skipped_rows(tmp_path):
+    d = _rte(tmp_path, "0\ta b\tc d\n\n1\te\tf\n")
+    data = load_task("rte", d, _WordTok(), seq_length=16, splits=("test",))
+    assert data.stats["skipped"]["test"] == {}
