@@ -199,6 +199,32 @@ class Job:
                 out.append(int(name))
         return out
 
+    def describe(self, out_dir: Path) -> list[dict]:
+        """What each process still alive is and where it waits, for a hung trial: pid,
+        parent, state and command line, and a ``py-spy dump`` of its Python stacks in
+        ``out_dir/<pid>.txt`` where py-spy is installed."""
+        from megatron_taco.runtime.procfs import cmdline, proc_stat
+
+        spy = Path(sys.executable).parent / "py-spy"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for pid in self.pids():
+            stat = proc_stat(pid)
+            rows.append(
+                {
+                    "pid": pid,
+                    "ppid": stat and stat.ppid,
+                    "state": stat and stat.state,
+                    "cmdline": cmdline(pid)[:400],
+                }
+            )
+            if spy.is_file():
+                with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                    cmd = [str(spy), "dump", "--pid", str(pid)]
+                    dump = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+                    (out_dir / f"{pid}.txt").write_text(dump.stdout + dump.stderr)
+        return rows
+
     def ranks(self) -> dict[int, int]:
         """{global rank: pid}: processes with RANK whose parent has none (DataLoader
         workers inherit their rank's variables)."""

@@ -104,6 +104,8 @@ class Attempt:
     tracebacks: int = 0
     damage: dict[str, Any] | None = None
     extra_args: list[str] = dataclasses.field(default_factory=list)
+    # Hung: the processes left when the attempt timed out or outlived its launcher.
+    stuck: list[dict] = dataclasses.field(default_factory=list)
 
 
 def _markers(path: Path) -> list[dict]:
@@ -142,6 +144,8 @@ def _supervise(attempt: Attempt, job: Job, watch: MetricsWatch, fault: Fault | N
     if driver is not None:
         driver.join(timeout=30)
     attempt.lingered = not job.wait_gone(0 if attempt.timed_out else limits.linger)
+    if attempt.timed_out or attempt.lingered:
+        attempt.stuck = job.describe(trial_dir / f"attempt_{attempt.index}_stuck")
     gone = time.time()
     job.cleanup()
     watch.poll()

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,23 @@ print(c.set_rng_states.__name__)
 """
     assert run_shim({"bug": "no_rng_restore"}, code, tmp_path).stdout.strip() == "<lambda>"
     assert run_shim({}, code, tmp_path).stdout.strip() == "set_rng_states"
+
+
+def test_a_hung_job_is_described_with_its_processes_and_stacks(tmp_path):
+    from benchmarks.faults.jobs import Job
+
+    code = "import time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()\n"
+    job = Job([sys.executable, "-c", code], tmp_path, dict(os.environ), tmp_path / "log")
+    try:
+        deadline = time.monotonic() + 30
+        while not job.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # into the sleep
+        (row,) = job.describe(tmp_path / "stuck")
+    finally:
+        job.cleanup()
+    assert row["pid"] == job.proc.pid and row["ppid"] == os.getpid()
+    assert row["cmdline"].startswith(sys.executable) and row["state"] in "SR"
+    spy = Path(sys.executable).parent / "py-spy"
+    if spy.is_file():  # a dev tool, used where installed
+        assert "waiting_here" in (tmp_path / "stuck" / f"{job.proc.pid}.txt").read_text()
