@@ -286,6 +286,42 @@ def test_dataloader_workers_ignore_exit_signals_and_die_with_their_rank():
         child.wait()
 
 
+# The rank dies between forking a DataLoader worker and the worker's init (a fault-campaign
+# trial under load): the worker, deaf to SIGTERM, outlived the job and held its launcher.
+_ORPHANED_BEFORE_INIT = """
+    import os, sys, time
+    from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
+
+    monitor = ExitMonitor(ExitConfig())
+    monitor.install()
+    init = monitor.worker_init_fn  # built in the rank, as its DataLoader is
+    rank = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the worker, before torch calls its worker_init_fn
+        while os.getppid() == rank:
+            time.sleep(0.01)
+        init(0)
+        with open(sys.argv[-1], "w") as f:
+            f.write("survived")
+        os._exit(0)
+    print(pid, flush=True)
+    os._exit(0)
+"""
+
+
+def test_dataloader_worker_whose_rank_died_before_its_init_exits(tmp_path):
+    marker = tmp_path / "worker"
+    child = python(_ORPHANED_BEFORE_INIT, str(marker))
+    try:
+        worker = int(child.stdout.readline())
+        assert child.wait(timeout=20) == 0
+        wait_for(lambda: proc_stat(worker) is None or proc_stat(worker).state == "Z")
+    finally:
+        child.kill()
+        child.wait()
+    assert not marker.exists()
+
+
 # A launcher that starts one rank; the rank reports what it noticed once its launcher died.
 _LAUNCHER = """
     import subprocess, sys, time

@@ -206,7 +206,7 @@ def exit_line(program: str, what: str, error: bool) -> str:
     return f"{program}: {'error: ' if error else ''}rank {launcher_rank()}: {what}; exiting"
 
 
-def ignore_in_worker(signums: tuple[int, ...], _worker_id: int = 0) -> None:
+def ignore_in_worker(signums: tuple[int, ...], rank_pid: int, _worker_id: int = 0) -> None:
     """DataLoader worker_init_fn. The rank decides when to stop: a worker killed by the
     group's (or the launcher's) SIGTERM would make the rank raise before it could save. The
     worker dies with its rank instead, at once: it holds copies of the rank's sockets, and
@@ -216,6 +216,14 @@ def ignore_in_worker(signums: tuple[int, ...], _worker_id: int = 0) -> None:
     # The fork inherited the rank's wakeup pipe: this process's signals are not the rank's.
     signal.set_wakeup_fd(-1)
     set_pdeathsig(signal.SIGKILL)
+    # A rank killed between the fork and the line above sends no death signal, and torch's
+    # watchdog, created after this function, would take the new parent (a subreaper such as
+    # taco-launch) for the rank: the worker, deaf to SIGTERM, would outlive the job and hold
+    # its launcher forever (a fault-campaign trial under load). Checked after arming, so a
+    # rank dying from here on is covered by the signal.
+    stat = proc_stat(rank_pid)
+    if stat is None or stat.state in ("Z", "X"):
+        os._exit(0)
 
 
 def _kill_leftover_workers() -> None:
@@ -390,7 +398,8 @@ class ExitMonitor:
             # Registered after multiprocessing's hook, so it runs before it.
             atexit.register(_kill_leftover_workers)
             _LEFTOVER_HOOK = True
-        return functools.partial(ignore_in_worker, tuple(int(s) for s in self._previous))
+        signums = tuple(int(s) for s in self._previous)
+        return functools.partial(ignore_in_worker, signums, os.getpid())
 
     # -- the watchdog ---------------------------------------------------------------------
 
