@@ -37,7 +37,12 @@ from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
 from megatron_taco.errors import ConfigError
 from megatron_taco.evaluation.encoders import OurEncoder, twins
-from megatron_taco.evaluation.word_order import fitting, held_out_sentences, word_order
+from megatron_taco.evaluation.word_order import (
+    clip_to_fit,
+    fitting,
+    held_out_sentences,
+    word_order,
+)
 
 # bench_sas_variants' run folders: VARIANT[_lrLR]_sSEED
 RUN_FOLDER = re.compile(r"^(?P<variant>[a-z0-9_]+?)(?:_lr(?P<lr>[0-9.e+-]+))?_s(?P<seed>\d+)$")
@@ -108,8 +113,14 @@ class Part:
     shuffles: list
 
 
-def part(prefix: str, tok, split: str, name: str, limit: int, seeds: int, seq: int) -> Part:
+def part(prefix: str, tok, split: str, name: str, limit: int, seeds: int, seq: int,
+         clip: bool = True) -> Part:  # fmt: skip
+    """``clip``: sentences cut to the words that fit ``seq`` (the figures and the fine-tuning
+    rows); the learning-rate choice reads whole sentences, as bench_sas_variants --select-lr
+    did when it picked the learning rate whose seeds were trained."""
     sentences = held_out_sentences(prefix, tok, split, parts=(name,))
+    if clip:
+        sentences = clip_to_fit(tok, sentences, seq)
     if len(sentences) > limit:
         rng = np.random.default_rng(0)
         sentences = [sentences[i] for i in sorted(rng.choice(len(sentences), limit, False))]
@@ -140,7 +151,8 @@ SELECTION_SENTENCES, SELECTION_SHUFFLES = 600, 3
 
 
 def selection_part(prefix: str, tok, split: str, seq: int) -> Part:
-    return part(prefix, tok, split, "valid", SELECTION_SENTENCES, SELECTION_SHUFFLES, seq)
+    return part(prefix, tok, split, "valid", SELECTION_SENTENCES, SELECTION_SHUFFLES, seq,
+                clip=False)  # fmt: skip
 
 
 def choose_lr(runs: list[Run], dev: Part, s: Setting, tok) -> tuple[float | None, dict]:
@@ -192,9 +204,9 @@ def campaign(args, s: Setting, tok) -> dict:
                   seq=args.seq_length, limit=args.sentences)  # fmt: skip
     dev = selection_part(args.data_path, tok, args.split, args.seq_length)
     test = part(name="test", **common)
-    print(f"held-out sentences that fit {args.seq_length} positions: {len(dev.originals)} "
-          f"(validation documents: the lr choice), {len(test.originals)} (test documents: the "
-          f"figures); {args.seeds} shuffles")  # fmt: skip
+    print(f"held-out sentences that fit {args.seq_length} positions: {len(dev.originals)} whole "
+          f"(validation documents: the lr choice), {len(test.originals)} cut to fit (test "
+          f"documents: the figures); {args.seeds} shuffles")  # fmt: skip
     task = None
     if args.finetune:  # train and dev rows from the validation documents
         valid = part(name="valid", **common)

@@ -46,6 +46,23 @@ def held_out_sentences(
     return out
 
 
+def clip_to_fit(tokenizer: Tokenizer, sentences: list[str], limit: int, min_words: int = 8):
+    """Each sentence cut to its longest word prefix whose pieces, with [CLS] and [SEP], fit
+    ``limit`` positions; those under ``min_words`` words dropped. Cut before any corruption,
+    so a row and its corrupted form hold the same words: at a short sequence length most
+    whole sentences do not fit (wiki at 32 positions: 74 of 600 validation sentences)."""
+    out = []
+    for sentence in sentences:
+        words = sentence.split()
+        for k in range(len(words), min_words - 1, -1):
+            text = " ".join(words[:k])
+            if len(tokenizer.encode(text)) + 2 <= limit:
+                if len(set(words[:k])) > 1:
+                    out.append(text)
+                break
+    return out
+
+
 def swap_adjacent(sentence: str, rng: np.random.Generator) -> str:
     words = sentence.split()
     # Never a pair of equal words (the swap would change nothing).

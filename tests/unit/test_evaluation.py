@@ -20,6 +20,7 @@ from megatron_taco.evaluation.encoders import (
 )
 from megatron_taco.evaluation.probe import mean_pooled, probe
 from megatron_taco.evaluation.word_order import (
+    clip_to_fit,
     fitting,
     originality_scores,
     swap_adjacent,
@@ -58,6 +59,27 @@ def test_sentences_longer_than_the_position_table_are_left_out_not_cut(tokenizer
         # Each pair holds the same pieces in another order: a cut shuffle would not.
         for a, b in zip(originals, shuffled):
             assert sorted(a) == sorted(b) and a != b
+
+
+def test_clip_to_fit_keeps_the_longest_word_prefix_that_fits(tokenizer_model):
+    from megatron_taco.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer_model)
+    sentences = botchan_sentences(min_words=8, max_words=40)[:40]
+    limit = sorted(len(tok.encode(s)) + 2 for s in sentences)[len(sentences) // 3]
+    clipped = clip_to_fit(tok, sentences, limit)
+    kept = iter(clipped)
+    for sentence in sentences:
+        words = sentence.split()
+        fits = [k for k in range(8, len(words) + 1)
+                if len(tok.encode(" ".join(words[:k]))) + 2 <= limit]  # fmt: skip
+        if fits:  # the longest prefix of 8 words or more, in the input's order
+            assert next(kept) == " ".join(words[: max(fits)])
+    assert next(kept, None) is None
+    assert 0 < len(clipped) < len(sentences)  # some cut, some too long even at 8 words
+    assert any(c in sentences for c in clipped) and any(c not in sentences for c in clipped)
+    originals, _ = fitting(tok, clipped, seeds=1, limit=limit)
+    assert len(originals) > 0.9 * len(clipped)  # shuffled, the same words mostly fit too
 
 
 def test_held_out_sentences_of_the_validation_or_the_test_documents(tokenizer_model, tmp_path):
