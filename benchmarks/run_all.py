@@ -39,7 +39,7 @@ class Benchmark:
 
 
 # docs/sas_variants.md's long run: the bundled corpus with the learning tier's tokenizer.
-SAS_LONG_RUN = (
+SAS_CAMPAIGN = (
     "--corpus demo --vocab-size 1000 --split 90,5,5 --layers 2 --hidden 128 --seq-length 32 "
     "--batch 64"
 )
@@ -88,18 +88,21 @@ BENCHMARKS = (
     Benchmark(
         "bench_sas_variants",
         "SAS's variants (the paper's recipe, the release's cold starts, departures) "
-        "beside ELECTRA and BERT: tokens to leave the plateau, MLM, RTD, collapse",
-        "the paper's recipe off the plateau within ~10M tokens",
-        f"python -m benchmarks.bench_sas_variants {SAS_LONG_RUN} --iters 5000 --eval-interval "
-        "250 --lr 1e-3 --variants paper electra --out OUT",
+        "beside ELECTRA and BERT: tokens to leave the plateau, MLM, RTD, collapse; with "
+        "--select-lr each variant's own learning rate, then its seeds",
+        "a recipe counts as learning when every seed leaves the plateau (1.5x) on both corpora",
+        f"python -m benchmarks.bench_sas_variants {SAS_CAMPAIGN} --iters 800 --eval-interval "
+        "200 --variants paper mlm_lambda_small electra --lrs 5e-4 1e-3 --seeds 3 --select-lr "
+        "--equal-flops --out OUT (then --corpus wiki)",
     ),
     Benchmark(
         "bench_sas_downstream",
-        "SAS checkpoints vs ELECTRA's at equal training FLOPs and time: zero-shot "
-        "word order, frozen probe, or (--finetune) fine-tuned, beside random twins",
-        "SAS >= ELECTRA (the paper's claim)",
-        f"python -m benchmarks.bench_sas_downstream {SAS_LONG_RUN} --sas "
-        "paper=OUT/paper_s1234 --electra OUT/electra_s1234 (OUT: bench_sas_variants' --out)",
+        "a bench_sas_variants campaign downstream at equal training FLOPs: zero-shot word "
+        "order, frozen probe and Table 6 fine-tuning ([CLS] and mean-pooled heads; lr and "
+        "epoch chosen on dev, figures on test), mean ± std over seeds, paired t-tests",
+        "SAS >= ELECTRA (the paper's claim), p < 0.05 over the seeds",
+        f"python -m benchmarks.bench_sas_downstream {SAS_CAMPAIGN} --runs OUT --sentences 600 "
+        "--finetune (OUT: the campaign's --out)",
     ),
     Benchmark(
         "bench_finetune",
