@@ -289,37 +289,68 @@ def test_dataloader_workers_ignore_exit_signals_and_die_with_their_rank():
 # The rank dies between forking a DataLoader worker and the worker's init (a fault-campaign
 # trial under load): the worker, deaf to SIGTERM, outlived the job and held its launcher.
 _ORPHANED_BEFORE_INIT = """
-    import os, sys, time
+    import os, sys, time, torch
     from megatron_taco.training.resilience.exit import ExitConfig, ExitMonitor
 
-    monitor = ExitMonitor(ExitConfig())
+    monitor = ExitMonitor(ExitConfig(exit_signal_handler=sys.argv[-1] == "handler"))
     monitor.install()
-    init = monitor.worker_init_fn  # built in the rank, as its DataLoader is
+    ours = monitor.worker_init_fn  # built in the rank, as its DataLoader is
+    assert ours is not None
     rank = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the worker, before torch calls its worker_init_fn
+
+    def init(worker_id):  # runs in the worker, before torch's watchdog exists
+        print(os.getpid(), flush=True)
         while os.getppid() == rank:
             time.sleep(0.01)
-        init(0)
-        with open(sys.argv[-1], "w") as f:
-            f.write("survived")
-        os._exit(0)
-    print(pid, flush=True)
+        ours(worker_id)
+        print("survived", flush=True)
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+        def __getitem__(self, i):
+            return i
+
+    it = iter(torch.utils.data.DataLoader(Items(), num_workers=1, worker_init_fn=init))
+    sys.stdin.readline()
     os._exit(0)
 """
 
 
-def test_dataloader_worker_whose_rank_died_before_its_init_exits(tmp_path):
-    marker = tmp_path / "worker"
-    child = python(_ORPHANED_BEFORE_INIT, str(marker))
+@pytest.mark.parametrize("handler", ["handler", "no-handler"])  # --no-exit-signal-handler
+def test_dataloader_worker_whose_rank_died_before_its_init_exits(handler):
+    child = python(_ORPHANED_BEFORE_INIT, handler)
+    worker = None
     try:
         worker = int(child.stdout.readline())
+        child.stdin.write("\n")  # the rank dies before its worker's init ran
+        child.stdin.flush()
         assert child.wait(timeout=20) == 0
         wait_for(lambda: proc_stat(worker) is None or proc_stat(worker).state == "Z")
+        assert child.stdout.read() == ""  # not "survived"
     finally:
         child.kill()
         child.wait()
-    assert not marker.exists()
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
+def test_dataloader_worker_tells_its_rank_from_a_process_that_took_its_pid():
+    from megatron_taco.training.resilience.exit import ignore_in_worker
+
+    init = proc_stat(1)  # a live process that is not the worker's parent (as under forkserver)
+
+    def survives(rank) -> bool:
+        pid = os.fork()
+        if pid == 0:
+            ignore_in_worker((), rank)
+            os._exit(7)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
+
+    assert survives((1, init.start_ticks))  # the rank itself, alive
+    assert not survives((1, init.start_ticks + 1))  # another process on the rank's pid
+    assert survives((os.getpid(), -1))  # the worker's parent: no /proc needed
 
 
 # A launcher that starts one rank; the rank reports what it noticed once its launcher died.

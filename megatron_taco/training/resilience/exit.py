@@ -206,23 +206,29 @@ def exit_line(program: str, what: str, error: bool) -> str:
     return f"{program}: {'error: ' if error else ''}rank {launcher_rank()}: {what}; exiting"
 
 
-def ignore_in_worker(signums: tuple[int, ...], rank_pid: int, _worker_id: int = 0) -> None:
+def ignore_in_worker(signums: tuple[int, ...], rank: tuple[int, int], _worker_id: int = 0) -> None:
     """DataLoader worker_init_fn. The rank decides when to stop: a worker killed by the
     group's (or the launcher's) SIGTERM would make the rank raise before it could save. The
     worker dies with its rank instead, at once: it holds copies of the rank's sockets, and
-    peers notice a dead rank only when those close."""
+    peers notice a dead rank only when those close. ``rank``: (pid, start ticks)."""
     for signum in signums:
         signal.signal(signum, signal.SIG_IGN)
-    # The fork inherited the rank's wakeup pipe: this process's signals are not the rank's.
-    signal.set_wakeup_fd(-1)
+    if signums:
+        # The fork inherited the rank's wakeup pipe: this process's signals are not the rank's.
+        signal.set_wakeup_fd(-1)
     set_pdeathsig(signal.SIGKILL)
     # A rank killed between the fork and the line above sends no death signal, and torch's
     # watchdog, created after this function, would take the new parent (a subreaper such as
-    # taco-launch) for the rank: the worker, deaf to SIGTERM, would outlive the job and hold
-    # its launcher forever (a fault-campaign trial under load). Checked after arming, so a
-    # rank dying from here on is covered by the signal.
+    # taco-launch) for the rank: the worker would outlive the job and hold its launcher
+    # forever (a fault-campaign trial under load). Checked after arming, so a rank dying from
+    # here on is covered by the signal.
+    rank_pid, rank_start = rank
+    if os.getppid() == rank_pid:
+        return  # still the rank's child (fork, spawn): armed while it lived
+    # forkserver (the parent is the server), or the rank is gone and this was re-parented;
+    # the start time tells the rank from a process that took its pid since.
     stat = proc_stat(rank_pid)
-    if stat is None or stat.state in ("Z", "X"):
+    if stat is None or stat.state in "ZXx" or stat.start_ticks != rank_start:
         os._exit(0)
 
 
@@ -391,15 +397,17 @@ class ExitMonitor:
 
     @property
     def worker_init_fn(self):
+        """Every loader's, also with --no-exit-signal-handler: a worker must die with its
+        rank either way (it then ignores no signal)."""
         global _LEFTOVER_HOOK
-        if not self._previous:
-            return None
-        if not _LEFTOVER_HOOK:
+        if self._previous and not _LEFTOVER_HOOK:
             # Registered after multiprocessing's hook, so it runs before it.
             atexit.register(_kill_leftover_workers)
             _LEFTOVER_HOOK = True
         signums = tuple(int(s) for s in self._previous)
-        return functools.partial(ignore_in_worker, signums, os.getpid())
+        me = proc_stat(os.getpid())
+        rank = (os.getpid(), me.start_ticks if me is not None else -1)
+        return functools.partial(ignore_in_worker, signums, rank)
 
     # -- the watchdog ---------------------------------------------------------------------
 
