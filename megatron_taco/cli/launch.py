@@ -16,7 +16,8 @@ only: the processes below that carry a rank variable (RANK, LOCAL_RANK, PMI_RANK
 OMPI_COMM_WORLD_RANK), not the runner or the launcher, whose own timers would then start.
 The ranks agree on the request in their next all-reduce (ranks on other nodes too), save
 and exit 0, and the launchers then exit 0 by themselves. The wrapper returns when every
-process below it has exited, with the command's exit status.
+process below it has exited (a DataLoader worker left without its rank is killed), with the
+command's exit status.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from megatron_taco.arguments import program_name
 from megatron_taco.cli import tool_parser
@@ -36,6 +38,7 @@ PROG = "launch.py"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 RANK_ENV = (b"RANK=", b"LOCAL_RANK=", b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")
 _PR_SET_CHILD_SUBREAPER = 36
+DATA_WORKER = b"pt_data_worker"
 
 
 def _children() -> dict[int, list[int]]:
@@ -74,12 +77,35 @@ def is_rank(pid: int) -> bool:
     return any(entry.startswith(RANK_ENV) for entry in env)
 
 
+def is_data_worker(pid: int) -> bool:
+    """A torch DataLoader worker (torch names its process so)."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().strip() == DATA_WORKER
+    except OSError:
+        return False
+
+
 def ranks_below(pid: int) -> list[int]:
     """The ranks: processes with a rank variable whose parent has none (a rank's DataLoader
-    workers inherit its variables, and ignore exit signals anyway)."""
+    workers inherit its variables, and ignore exit signals anyway; one whose rank died is
+    re-parented here and is no rank)."""
     below = descendants(pid)
-    with_rank = {p for p in below if is_rank(p)}
+    with_rank = {p for p in below if is_rank(p) and not is_data_worker(p)}
     return sorted(p for p in with_rank if below[p] not in with_rank)
+
+
+def _end_orphaned_workers(reported: set[int]) -> None:
+    """SIGKILL the DataLoader workers re-parented here, once the command has ended: their
+    rank is gone, they ignore exit signals, and one that missed its rank's death (forked
+    just before it) would otherwise hold this wrapper, and the job, forever."""
+    for pid in _children().get(os.getpid(), []):
+        if pid not in reported and is_data_worker(pid):
+            reported.add(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            print(f"{program_name(PROG)}: a DataLoader worker (pid {pid}) outlived its rank; "
+                  "killed it", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _forward(signum: int, frame) -> None:
@@ -109,15 +135,20 @@ def launch(command: list[str]) -> int:
         raise SystemExit(
             f"{program_name(PROG)}: error: cannot start {command[0]}: {e.strerror}"
         ) from None
-    status = None
+    status, reported = None, set()
     while True:
         try:
-            pid, raw = os.waitpid(-1, 0)
+            # Once the command ended, what is left (ranks still saving, workers) was
+            # re-parented here: poll, to end the workers that have no rank.
+            pid, raw = os.waitpid(-1, 0 if status is None else os.WNOHANG)
         except ChildProcessError:
             break
         if pid == child.pid:
             status = os.waitstatus_to_exitcode(raw)
             child.returncode = status
+        elif pid == 0:
+            _end_orphaned_workers(reported)
+            time.sleep(0.2)
     assert status is not None
     return status if status >= 0 else 128 - status
 
