@@ -50,6 +50,8 @@ _RANK = """
         reads.append(path)
         time.sleep(0.5)  # long enough for the other rank to be waiting
         if os.environ.get("DIE") == os.environ["LOCAL_RANK"]:
+            open(os.environ["HOLDING"], "w").close()  # the other rank may start now
+            time.sleep(0.5)
             os._exit(9)  # dies holding the lock, before any verdict
         return real(path)
     manifest.checksum_regular = counting
@@ -59,7 +61,9 @@ _RANK = """
     sys.argv = ["pretrain_taco.py", f"--local_rank={os.environ['LOCAL_RANK']}", "--load", load]
 
     request = ResumeRequest(CheckpointConfig(load=load, load_fallback=True), models=("TOY",))
-    time.sleep(float(os.environ.get("DELAY", "0")))
+    if os.environ.get("DIE") not in (None, os.environ["LOCAL_RANK"]):
+        while not os.path.exists(os.environ["HOLDING"]):  # the dying rank takes the lock first
+            time.sleep(0.05)
     try:
         plan = plan_resume(request, once=verify_once_per_node)
         result = {"iteration": plan.iteration, "reads": len(reads)}
@@ -76,13 +80,11 @@ def _node(load: Path, *, die: str | None = None) -> list[dict]:
     # TMPDIR: where the ranks leave their verdict (megatron_taco-<uid>), apart per test.
     env = {**ENV, "LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "TMPDIR": str(load.parent)}  # fmt: skip
-    delays = {r: "0" for r in (0, 1)}
-    if die is not None:  # the other rank starts later: the dying one takes the lock first
-        env["DIE"] = die
-        delays[1 - int(die)] = "1.5"
+    if die is not None:
+        env["DIE"], env["HOLDING"] = die, str(load.parent / "holding")
     procs = [
         subprocess.Popen([sys.executable, "-c", textwrap.dedent(_RANK), str(load)], cwd=REPO,
-                         env={**env, "LOCAL_RANK": str(r), "RANK": str(r), "DELAY": delays[r]},
+                         env={**env, "LOCAL_RANK": str(r), "RANK": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in (0, 1)
     ]  # fmt: skip
@@ -117,6 +119,7 @@ def test_a_rank_that_dies_verifying_leaves_the_work_to_the_next(tmp_path):
     load = tmp_path / "load"
     _checkpoint(load, 8, b"eight" * 1000)
     for die in ("0", "1"):
+        (tmp_path / "holding").unlink(missing_ok=True)
         results = _node(load, die=die)
         survivor = results[1 - int(die)]
         assert results[int(die)]["exit"] == 9, results
