@@ -91,8 +91,8 @@ def ranks_below(pid: int) -> list[int]:
     workers inherit its variables, and ignore exit signals anyway; one whose rank died is
     re-parented here and is no rank)."""
     below = descendants(pid)
-    with_rank = {p for p in below if is_rank(p) and not is_data_worker(p)}
-    return sorted(p for p in with_rank if below[p] not in with_rank)
+    with_rank = {p for p in below if is_rank(p)}
+    return sorted(p for p in with_rank if below[p] not in with_rank and not is_data_worker(p))
 
 
 def _end_orphaned_workers(reported: set[int]) -> None:
@@ -146,6 +146,8 @@ def launch(command: list[str]) -> int:
         if pid == child.pid:
             status = os.waitstatus_to_exitcode(raw)
             child.returncode = status
+        elif pid > 0:
+            reported.discard(pid)  # reaped: its pid may come back as another process
         elif pid == 0:
             _end_orphaned_workers(reported)
             time.sleep(0.2)
