@@ -406,6 +406,17 @@ def session_members(sid: int) -> list[int]:
     return members
 
 
+def reap(proc: subprocess.Popen, *others: int | None) -> None:
+    """A test's cleanup: kill and wait for ``proc``, and SIGKILL the other pids (processes it
+    left in other sessions or parents: a re-parented worker, a launcher)."""
+    proc.kill()
+    proc.wait()
+    for pid in others:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def kill_session(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout: float = 60) -> None:
     """Signal every process of ``proc``'s session (it was started with start_new_session:
     launcher, ranks, DataLoader workers) and return once none is left. Waiting for the

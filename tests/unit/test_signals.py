@@ -23,6 +23,7 @@ from megatron_taco.parallel.config import ParallelConfig
 from megatron_taco.runtime.procfs import proc_stat
 from megatron_taco.training.resilience.exit import REPEAT_WINDOW_S, ExitConfig, ExitMonitor
 from tests.helpers import ENV, REPO, free_port
+from tests.processes import reap
 
 
 class _Flags:
@@ -329,11 +330,7 @@ def test_dataloader_worker_whose_rank_died_before_its_init_exits(handler):
         wait_for(lambda: proc_stat(worker) is None or proc_stat(worker).state == "Z")
         assert child.stdout.read() == ""  # not "survived"
     finally:
-        child.kill()
-        child.wait()
-        if worker is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker, signal.SIGKILL)
+        reap(child, worker)
 
 
 def test_dataloader_worker_tells_its_rank_from_a_process_that_took_its_pid():
@@ -495,11 +492,7 @@ def _launched_rank(runner, out):
         launcher = proc_stat(rank).ppid
         yield rank, launcher
     finally:
-        runner.kill()
-        runner.wait()
-        if launcher is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(launcher, signal.SIGKILL)
+        reap(runner, launcher)
 
 
 @pytest.mark.parametrize("then", ["launcher lives", "launcher dies"])
