@@ -111,7 +111,8 @@ def test_results_are_written_one_way(tmp_path):
     assert run_all.status(back[0]) == "MISSED by 25%"
 
 
-def test_jobs_run_in_fresh_folders_with_their_logs(tmp_path):
+def test_jobs_run_in_fresh_folders_with_their_logs(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the cores shared out
     stale = tmp_path / "ok" / "stale.txt"
     stale.parent.mkdir()
     stale.write_text("from an earlier run")
@@ -126,6 +127,9 @@ def test_jobs_run_in_fresh_folders_with_their_logs(tmp_path):
     threads = max(1, (os.cpu_count() or 1) // 2)
     for name in ("ok", "bad", "third"):
         assert (tmp_path / name / "log.txt").read_text() == f"threads {threads}\n"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the caller's choice wins
+    assert jobs.run_parallel(commands[:1], parallel=1) == {0: 0}
+    assert (tmp_path / "ok" / "log.txt").read_text() == "threads 1\n"
     log = tmp_path / "run.log"
     assert jobs.run_logged([sys.executable, "-c", "print('to both')"], str(log)) == 0
     assert log.read_text() == "to both\n"
