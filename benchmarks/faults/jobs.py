@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.faults.plan import LAYOUTS, Config
+from megatron_taco.runtime.procfs import proc_stat
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
@@ -154,21 +155,13 @@ def _environ(pid: int) -> list[bytes]:
 
 
 def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-        return int(text[text.rindex(b")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    stat = proc_stat(pid)
+    return stat and stat.ppid
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-        return text[text.rindex(b")") + 2 : text.rindex(b")") + 3] != b"Z"
-    except (OSError, ValueError):
-        return False
+    stat = proc_stat(pid)
+    return stat is not None and stat.state != "Z"
 
 
 def cmdline(pid: int) -> list[str]:
@@ -203,7 +196,7 @@ class Job:
         """What each process still alive is and where it waits, for a hung trial: pid,
         parent, state and command line, and a ``py-spy dump`` of its Python stacks in
         ``out_dir/<pid>.txt`` where py-spy is installed."""
-        from megatron_taco.runtime.procfs import cmdline, proc_stat
+        from megatron_taco.runtime.procfs import cmdline
 
         spy = Path(sys.executable).parent / "py-spy"
         out_dir.mkdir(parents=True, exist_ok=True)

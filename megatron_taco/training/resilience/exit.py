@@ -213,9 +213,8 @@ def ignore_in_worker(signums: tuple[int, ...], rank: tuple[int, int], _worker_id
     peers notice a dead rank only when those close. ``rank``: (pid, start ticks)."""
     for signum in signums:
         signal.signal(signum, signal.SIG_IGN)
-    if signums:
-        # The fork inherited the rank's wakeup pipe: this process's signals are not the rank's.
-        signal.set_wakeup_fd(-1)
+    # The fork inherited the rank's wakeup pipe: this process's signals are not the rank's.
+    signal.set_wakeup_fd(-1)
     set_pdeathsig(signal.SIGKILL)
     # A rank killed between the fork and the line above sends no death signal, and torch's
     # watchdog, created after this function, would take the new parent (a subreaper such as
