@@ -40,8 +40,9 @@ def run_jobs(
     jobs: list[Job], s0: Setting, out_dir: str, parallel: int, reuse: bool = False
 ) -> dict:
     """Runs ``parallel`` jobs at a time; {(name, seed): metrics.jsonl} of those that ended
-    well. ``reuse``: a job whose folder holds a run that ended is not run again (a campaign
-    of many runs resumes where it stopped)."""
+    well. ``reuse``: a job whose folder holds a run that ended is not run again, and one
+    that was cut short resumes from its own checkpoints (a campaign of many runs resumes
+    where it stopped)."""
     commands, metrics, kept = [], [], {}
     for job in jobs:
         s = dataclasses.replace(
@@ -57,7 +58,7 @@ def run_jobs(
             continue
         metrics.append(os.path.join(work, "metrics.jsonl"))
         script = OURS[job.model][0] if job.model in OURS else None
-        argv = job_command(job.model, s, metrics[-1], work, {script: list(job.flags)})
+        argv = job_command(job.model, s, metrics[-1], work, {script: list(job.flags)}, reuse)
         commands.append(Command(f"{job.name} (seed {job.seed})", tuple(argv), work))
     status = run_parallel(commands, parallel)
     ran = [job for job in jobs if (job.name, job.seed) not in kept]

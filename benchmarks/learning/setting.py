@@ -134,15 +134,26 @@ class Setting:
 
 
 def job_command(
-    model: str, s: Setting, metrics: str, workdir: str, flags: dict[str, list[str]]
+    model: str,
+    s: Setting,
+    metrics: str,
+    workdir: str,
+    flags: dict[str, list[str]],
+    resume: bool = False,
 ) -> list[str]:
+    """``resume``: our driver loads its own --save (Megatron's requeue: the latest
+    checkpoint there, or a fresh start rewriting its own store when it died before the
+    first); the peers keep no checkpoints and start again."""
     if model in OURS:
         script, extra = OURS[model]
         # A checkpoint at every evaluation, for downstream evaluations at equal FLOPs or
         # training time (bench_sas_downstream).
+        save = os.path.join(workdir, "checkpoints")
         cmd = [sys.executable, os.path.join(REPO, script), *extra, *s.driver_flags(),
-               "--metrics-file", metrics, "--save", os.path.join(workdir, "checkpoints"),
+               "--metrics-file", metrics, "--save", save,
                "--save-interval", str(s.eval_interval), *flags.get(script, [])]  # fmt: skip
+        if resume:
+            cmd += ["--load", save]
         if model.startswith("sas"):
             cmd += [*s.sas_size_flags(), "--replacement-store", os.path.join(workdir, "store"),
                     "--cold-start", s.cold_start]  # fmt: skip

@@ -160,6 +160,14 @@ def test_setting_travels_to_the_peer_process_unchanged():
     argv = job_command("electra", s, "m.jsonl", "w", {})
     assert argv[1:4] == ["-m", "benchmarks.learning.peer_loop", "electra"]
     assert Setting(**json.loads(argv[4])) == s and argv[5] == "m.jsonl"
+    assert job_command("electra", s, "m.jsonl", "w", {}, resume=True) == argv
+    # A campaign's run cut short resumes from its own checkpoints (the driver refuses a
+    # fresh run over them); a run not resumed loads nothing.
+    ours = job_command("sas", s, "m.jsonl", "w", {})
+    assert "--load" not in ours
+    resumed = job_command("sas", s, "m.jsonl", "w", {}, resume=True)
+    save = resumed[resumed.index("--save") + 1]
+    assert save == os.path.join("w", "checkpoints") and resumed[resumed.index("--load") + 1] == save
     assert asdict(s.size()) == {
         "layers": 2,
         "hidden": 128,
