@@ -49,10 +49,10 @@ from benchmarks.harness.results import write_json
 from benchmarks.learning.campaign import campaign
 from benchmarks.learning.downstream import (
     POOLINGS,
-    electra_encoder,
-    electra_net,
     finetune_grid,
     finetune_task,
+    peer_encoder,
+    peer_net,
 )
 from benchmarks.learning.setting import Setting
 from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
@@ -117,7 +117,8 @@ def main(argv=None) -> int:
                    help="Instead of --sas/--electra: a bench_sas_variants --out holding a "
                    "campaign (variants x --lrs x --seeds, --equal-flops): each variant's lr "
                    "picked on the validation documents, its seeds evaluated on the test "
-                   "documents, paired tests against ELECTRA (benchmarks/learning/campaign.py).")  # fmt: skip
+                   "documents, paired tests against each model's peer (SAS's: ELECTRA; "
+                   "TACO's: BERT; benchmarks/learning/campaign.py).")  # fmt: skip
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                    help="--runs: only these variants (default: every one found).")  # fmt: skip
     data = p.add_mutually_exclusive_group(required=True)
@@ -303,16 +304,16 @@ def compare(args, runs: dict, points: list) -> int:
                       f"{got / want:.2f}x SAS's; its 'equal {how}' row is not equal")  # fmt: skip
         for how, (e_it, e_s, path) in chosen.items():
             try:
-                net = electra_net(tok.vocab_size, s, torch.load(path, weights_only=True))
+                net = peer_net("electra", tok.vocab_size, s, torch.load(path, weights_only=True))
             except RuntimeError as e:  # load_state_dict's size mismatches
                 raise ConfigError(
                     f"--electra {path}: not an ELECTRA of --layers {args.layers} "
                     f"--hidden {args.hidden} over the SAS runs' {tok.vocab_size}-"
                     f"piece vocabulary: {str(e).strip().splitlines()[-1].strip()}"
                 ) from e
-            add(f"ELECTRA ({how} as SAS {name})", "pretrained", [electra_encoder(net)], e_it,
+            add(f"ELECTRA ({how} as SAS {name})", "pretrained", [peer_encoder(net)], e_it,
                 e_it * f_electra, e_s)  # fmt: skip
-    electra_twins = [electra_encoder(electra_net(tok.vocab_size, s, None, seed=1000 + k))
+    electra_twins = [peer_encoder(peer_net("electra", tok.vocab_size, s, None, seed=1000 + k))
                      for k in range(args.random_twins)]  # fmt: skip
     add("ELECTRA", f"random x{len(electra_twins)}", electra_twins, 0, 0, 0)
     (print_finetune_table if task is not None else print_table)(rows)

@@ -37,7 +37,13 @@ from benchmarks.learning.curves import (
 )
 from benchmarks.learning.runs import Job, run_jobs
 from benchmarks.learning.setting import Setting
-from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
+from benchmarks.learning.variants import (
+    PEER_OF,
+    PEERS,
+    VARIANTS,
+    flops_reference,
+    train_flops_per_iteration,
+)
 
 
 def summarise(curves: dict, tokens: int, factor: float) -> dict:
@@ -82,7 +88,7 @@ def report(curves: dict, variants: dict, s: Setting, args, vocab: int) -> dict:
     table = summarise(curves, tokens, args.left_plateau)
     flops = {n: train_flops_per_iteration(variants[n][0][0], s, vocab) for n in curves}
     print(f"\n{s.layers} layers x {s.hidden}, batch {s.batch} x seq {s.seq_length}, "
-          f"{s.iters} iterations (SAS's), lr {' '.join(sorted({f'{v[1]:g}' for v in variants.values()}))}; "
+          f"{s.iters} iterations ({flops_reference(m[0][0] for m in variants.values())}'s), lr {' '.join(sorted({f'{v[1]:g}' for v in variants.values()}))}; "
           f"'left' = first evaluation at >= "
           f"{args.left_plateau:g}x the baseline (of the mean over seeds; 'k/n': seeds whose "
           "own curve left); MLM figures mean over seeds, x base ± std")  # fmt: skip
@@ -100,24 +106,32 @@ def report(curves: dict, variants: dict, s: Setting, args, vocab: int) -> dict:
               f"{flops[name] / 1e9:>9.2f}  {variants[name][0][3]}")  # fmt: skip
         row["train_flops_per_iteration"] = flops[name]
         row["variant"], row["lr"] = variants[name][0][0], variants[name][1]
-    electras = [n for n in curves if variants[n][0][0] == "electra"]
-    if electras:
-        print("\nheld-out MLM accuracy at ELECTRA's training FLOPs (SAS's MLM head vs ELECTRA's "
-              f"generator, {electras[0]})")  # fmt: skip
-        ref = curves[electras[0]]
-        for name in curves:
-            if variants[name][0][0] in ("electra", "bert"):
-                continue
-            budgets = [it * flops[electras[0]] for it in sorted(ref)]
-            pairs = [(b, at_equal_flops(curves[name], flops[name], b)) for b in budgets]
-            pairs = [(b, a) for b, a in pairs if a is not None]
-            if pairs:
-                b, a = pairs[-1]
-                e = at_equal_flops(ref, flops[electras[0]], b)
-                print(f"  {name:<24} at {b:.3g} FLOPs: {100 * a:.2f}% vs ELECTRA {100 * e:.2f}%")
-                table[name]["vs_electra_equal_flops"] = {"flops": b, "mlm_acc": a, "electra": e}
+    for peer in PEERS:
+        compare_at_peer_flops(curves, variants, flops, table, peer)
     plot(curves, table, flops, tokens, os.path.join(args.out, "sas_variants.png"))
     return table
+
+
+def compare_at_peer_flops(curves: dict, variants: dict, flops: dict, table: dict, peer: str):
+    """Held-out MLM accuracy of each of our variants whose peer is ``peer`` (PEER_OF), at
+    the peer's last training FLOPs that both reached (its first curve: the first lr)."""
+    runs = [n for n in curves if variants[n][0][0] == peer]
+    if not runs:
+        return
+    ref = curves[runs[0]]
+    print(f"\nheld-out MLM accuracy at {peer}'s training FLOPs ({runs[0]})")
+    for name in curves:
+        if PEER_OF.get(variants[name][0][0]) != peer:
+            continue
+        budgets = [it * flops[runs[0]] for it in sorted(ref)]
+        pairs = [(b, at_equal_flops(curves[name], flops[name], b)) for b in budgets]
+        pairs = [(b, a) for b, a in pairs if a is not None]
+        if pairs:
+            b, a = pairs[-1]
+            e = at_equal_flops(ref, flops[runs[0]], b)
+            print(f"  {name:<24} at {b:.3g} FLOPs: {100 * a:.2f}% vs {peer} {100 * e:.2f}%")
+            table[name]["vs_peer_equal_flops"] = {"peer": runs[0], "flops": b,
+                                                  "mlm_acc": a, "peer_mlm_acc": e}  # fmt: skip
 
 
 def plot(curves: dict, table: dict, flops: dict, tokens: int, path: str) -> None:
@@ -191,6 +205,33 @@ def run_selected(jobs: list[Job], s: Setting, args, variants: dict, variant_of: 
     return done
 
 
+def campaign_jobs(args, s: Setting, vocab: int, existing: dict) -> tuple[list, dict, dict]:
+    """(jobs, {curve name: (its VARIANTS entry, lr)}, {curve name: its variant}): every
+    variant of --variants not given by --with, at each lr of the grid, for --seeds seeds;
+    with --equal-flops each for the reference's (flops_reference) FLOPs at --iters."""
+    lrs = args.lrs or [args.lr]
+    variants = {name: (VARIANTS[name], args.lr) for name in existing}
+    variant_of = {}  # a run's curve name -> its variant
+    ref = flops_reference(VARIANTS[v][0] for v in args.variants)
+    jobs = []
+    for name in args.variants:
+        if name in existing:
+            continue
+        model, cold, flags, _ = VARIANTS[name]
+        iters = args.iters
+        if args.equal_flops:  # the reference's FLOPs at --iters, in this variant's iterations
+            budget = args.iters * train_flops_per_iteration(ref, s, vocab)
+            iters = max(1, round(budget / train_flops_per_iteration(model, s, vocab)))
+        flags = tuple(f.replace("{warmup}", str(iters // 2)) for f in flags)
+        for lr in lrs:
+            run = f"{name}_lr{lr:g}" if args.lrs else name
+            variants[run] = (VARIANTS[name], lr)
+            variant_of[run] = name
+            jobs += [Job(run, model, args.seed + k, cold, flags, lr=lr, iters=iters)
+                     for k in range(args.seeds)]  # fmt: skip
+    return jobs, variants, variant_of
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_sas_variants", description=__doc__.split("\n\n")[0]
@@ -232,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                    "held-out split.")  # fmt: skip
     p.add_argument("--equal-flops", action="store_true",
                    help="Each variant trains for the training FLOPs of SAS at --iters "
-                   "(ELECTRA's convention): its own --iters, schedule and warm-up scaled "
-                   "to that budget (ELECTRA, with its generator, runs fewer iterations).")  # fmt: skip
+                   "(TACO's where taco is in --variants; ELECTRA's convention): its own "
+                   "--iters, schedule and warm-up scaled to that budget (ELECTRA, with its "
+                   "generator, runs fewer iterations).")  # fmt: skip
     p.add_argument("--select-lr", action="store_true",
                    help="With --lrs and --seeds > 1: run the grid at --seed only, pick each "
                    "variant's lr on the validation documents (bench_sas_downstream --runs' "
@@ -283,25 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                    eval_iters=args.eval_iters, split=args.split or "949,50,1", seed=args.seed,
                    layers=args.layers, hidden=args.hidden)  # fmt: skip
     vocab = Tokenizer(args.tokenizer_model).vocab_size
-    lrs = args.lrs or [args.lr]
-    variants = {name: (VARIANTS[name], args.lr) for name in existing}
-    variant_of = {}  # a run's curve name -> its variant
-    jobs = []
-    for name in args.variants:
-        if name in existing:
-            continue
-        model, cold, flags, _ = VARIANTS[name]
-        iters = args.iters
-        if args.equal_flops:  # SAS's FLOPs at --iters, in this variant's iterations
-            budget = args.iters * train_flops_per_iteration("sas", s, vocab)
-            iters = max(1, round(budget / train_flops_per_iteration(model, s, vocab)))
-        flags = tuple(f.replace("{warmup}", str(iters // 2)) for f in flags)
-        for lr in lrs:
-            run = f"{name}_lr{lr:g}" if args.lrs else name
-            variants[run] = (VARIANTS[name], lr)
-            variant_of[run] = name
-            jobs += [Job(run, model, args.seed + k, cold, flags, lr=lr, iters=iters)
-                     for k in range(args.seeds)]  # fmt: skip
+    jobs, variants, variant_of = campaign_jobs(args, s, vocab, existing)
     os.makedirs(args.out, exist_ok=True)
     if args.select_lr:
         done = run_selected(jobs, s, args, variants, variant_of)

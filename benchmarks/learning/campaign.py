@@ -12,8 +12,9 @@ judged downstream, model selection kept apart from the reported figures:
    from the test documents'; (lr, epoch) chosen on dev, the figure on test), with a [CLS]
    and a mean-pooled linear head;
 3. each figure is the mean ± std over the pretraining seeds, beside random twins, and each
-   variant is compared with ELECTRA by a paired t-test over the seeds (seed k of both read
-   the same documents in the same order).
+   of our variants is compared with its peer (SAS's with ELECTRA, TACO with BERT: PEER_OF)
+   by a paired t-test over the seeds (seed k of both read the same documents in the same
+   order).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ import numpy as np
 import torch
 
 from benchmarks.learning.downstream import (
-    electra_encoder,
-    electra_net,
     finetune_run,
     finetune_task,
+    peer_encoder,
+    peer_net,
     select_and_test,
 )
 from benchmarks.learning.setting import Setting
-from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
+from benchmarks.learning.variants import PEER_OF, PEERS, VARIANTS, train_flops_per_iteration
 from megatron_taco.errors import ConfigError
 from megatron_taco.evaluation.encoders import OurEncoder, twins
 from megatron_taco.evaluation.word_order import (
@@ -61,9 +62,14 @@ class Run:
     def model(self) -> str:
         return VARIANTS[self.variant][0]
 
+    @property
+    def kind(self) -> str:
+        """OurEncoder's kind of our models."""
+        return "TACO" if self.model == "taco" else "SAS"
+
 
 def discover(root: str, variants: list[str] | None = None) -> list[Run]:
-    """The runs of ``root`` that ended (ours: a checkpoint; ELECTRA: its weights at the
+    """The runs of ``root`` that ended (ours: a checkpoint; a peer: its weights at the
     last evaluation), of the named variants or all."""
     runs = []
     for folder in sorted(glob.glob(os.path.join(root, "*_s*"))):
@@ -74,8 +80,8 @@ def discover(root: str, variants: list[str] | None = None) -> list[Run]:
             continue
         lr = None if match["lr"] is None else float(match["lr"])
         run = Run(match["variant"], lr, int(match["seed"]), folder)
-        if run.model in ("electra", "bert"):
-            ended = run.model == "electra" and glob.glob(os.path.join(folder, "peer_iter_*.pt"))
+        if run.model in PEERS:
+            ended = glob.glob(os.path.join(folder, "peer_iter_*.pt"))
         else:
             ended = os.path.isdir(os.path.join(folder, "checkpoints"))
         if ended:
@@ -85,22 +91,23 @@ def discover(root: str, variants: list[str] | None = None) -> list[Run]:
 
 def load(run: Run, s: Setting, vocab: int):
     """(encoder, iteration, training FLOPs) of the run's last checkpoint."""
-    if run.model == "electra":
+    if run.model in PEERS:
         path = sorted(glob.glob(os.path.join(run.folder, "peer_iter_*.pt")))[-1]
         it = int(re.search(r"peer_iter_(\d+)\.pt$", path).group(1))
-        enc = electra_encoder(electra_net(vocab, s, torch.load(path, weights_only=True)))
+        state = torch.load(path, weights_only=True)
+        enc = peer_encoder(peer_net(run.model, vocab, s, state))
     else:
         info, model, _ = twins(os.path.join(run.folder, "checkpoints"), None, 0)
-        enc, it = OurEncoder(model.eval(), "SAS"), info.iteration
+        enc, it = OurEncoder(model.eval(), run.kind), info.iteration
     return enc, it, it * train_flops_per_iteration(run.model, s, vocab)
 
 
 def random_twins(model: str, runs: list[Run], s: Setting, vocab: int, count: int) -> list:
-    if model == "electra":
-        return [electra_encoder(electra_net(vocab, s, None, seed=1000 + k)) for k in range(count)]
+    if model in PEERS:
+        return [peer_encoder(peer_net(model, vocab, s, None, seed=1000 + k)) for k in range(count)]
     first = next(r for r in runs if r.model == model)
     _, _, randoms = twins(os.path.join(first.folder, "checkpoints"), None, count)
-    return [OurEncoder(m, "SAS") for m in randoms]
+    return [OurEncoder(m, first.kind) for m in randoms]
 
 
 @dataclasses.dataclass
@@ -190,7 +197,7 @@ def evaluate(encoders: list, test: Part, task, tok, args) -> dict:
 
 def campaign(args, s: Setting, tok) -> dict:
     """Every variant of args.runs: the learning-rate choice on dev, its seeds on test,
-    random twins, paired tests against ELECTRA. The rows, for the JSON."""
+    random twins, paired tests against each one's peer. The rows, for the JSON."""
     runs = discover(args.runs, args.variants)
     if not runs:
         raise ConfigError(f"--runs {args.runs}: no bench_sas_variants run that ended")
@@ -241,19 +248,18 @@ def _brief(scores: dict) -> str:
 
 
 def paired(rows: list[dict]) -> None:
-    """Each pretrained variant against the ELECTRA one (the first): per evaluation, the
-    mean of the per-seed differences and a paired t-test over the seeds both have."""
+    """Each of our pretrained variants against its peer's (PEER_OF; the first such row):
+    per evaluation, the mean of the per-seed differences and a paired t-test over the seeds
+    both have ("vs_peer", and "peer": the peer's variant)."""
     from scipy import stats
 
-    ref = next((r for r in rows if r["model"] == "electra" and r["lr"] is not None
-                and "random" not in r["variant"]), None)  # fmt: skip
-    if ref is None:
-        return
-    for row in rows:
-        if row is ref or row["model"] in ("electra", "bert") or "random" in row["variant"]:
+    pretrained = [r for r in rows if r["lr"] is not None and "random" not in r["variant"]]
+    for row in pretrained:
+        ref = next((r for r in pretrained if r["model"] == PEER_OF.get(row["model"])), None)
+        if ref is None:
             continue
         seeds = sorted(set(row["by_seed"]) & set(ref["by_seed"]))
-        row["vs_electra"] = {}
+        row["peer"], row["vs_peer"] = ref["variant"], {}
         for key in EVALUATIONS:
             a = [row["by_seed"][k].get(key) for k in seeds]
             b = [ref["by_seed"][k].get(key) for k in seeds]
@@ -261,7 +267,7 @@ def paired(rows: list[dict]) -> None:
                 continue
             diff = [x - y for x, y in zip(a, b)]
             p = float(stats.ttest_rel(a, b).pvalue) if len(seeds) > 2 and np.std(diff) else None
-            row["vs_electra"][key] = {"diff": float(np.mean(diff)), "p": p, "seeds": seeds}
+            row["vs_peer"][key] = {"diff": float(np.mean(diff)), "p": p, "seeds": seeds}
 
 
 def _ms(values: list[float]) -> str:
@@ -288,11 +294,11 @@ def print_campaign(rows: list[dict]) -> None:
     print("\n(test documents; % mean ± std over pretraining seeds, each seed's figure the "
           "mean over the shuffles / fine-tuning seeds; random rows: over the twins)")  # fmt: skip
     for r in rows:
-        if r.get("vs_electra"):
+        if r.get("vs_peer"):
             cells = [
-                f"{k} {100 * v['diff']:+.1f} (p {_p(v['p'])})" for k, v in r["vs_electra"].items()
+                f"{k} {100 * v['diff']:+.1f} (p {_p(v['p'])})" for k, v in r["vs_peer"].items()
             ]
-            print(f"  {r['variant']} - ELECTRA, paired over seeds: {'; '.join(cells)}")
+            print(f"  {r['variant']} - {r['peer']}, paired over seeds: {'; '.join(cells)}")
 
 
 def _p(p: float | None) -> str:

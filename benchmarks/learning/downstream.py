@@ -1,6 +1,7 @@
-"""What bench_sas_downstream measures on a pretrained encoder, ours or transformers'
-ELECTRA's: ELECTRA read as megatron_taco/evaluation reads ours (its discriminator's
-vectors and RTD logits, its generator's MLM head), the word-order fine-tuning task, and the
+"""What bench_sas_downstream measures on a pretrained encoder, ours or a peer's
+(transformers' ELECTRA or BERT, as peer_loop trains them): a peer read as
+megatron_taco/evaluation reads ours (ELECTRA: its discriminator's vectors and RTD logits,
+its generator's MLM head; BERT: its vectors and MLM head), the word-order fine-tuning task, and the
 SAS paper's fine-tuning protocol (its appendix Table 6) on it with a [CLS] or a
 mean-pooled linear head.
 """
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.learning.setting import Setting
+from benchmarks.learning.variants import PEERS
 from megatron_taco.evaluation.encoders import (
     FrozenEncoder,
     TransformersEncoder,
@@ -26,21 +28,34 @@ from megatron_taco.evaluation.word_order import train_dev_rows
 POOLINGS = ("cls", "mean")
 
 
-def electra_encoder(net) -> FrozenEncoder:
-    """benchmarks.learning.peers.Electra read as ours are: the discriminator's vectors and
-    RTD logits, the generator's MLM head (``model``: the discriminator)."""
-    return TransformersEncoder(net.disc.eval(), mlm=net.gen.eval(), rtd=net.disc, kind="ELECTRA")
+def peer_net(model: str, vocab: int, s: Setting, state: dict | None, seed: int = 0):
+    """peer_loop's ``model`` ("electra" or "bert") as peer_loop.run_peer builds it, holding
+    ``state`` (a peer_iter_*.pt) or, with None, a random initialisation seeded ``seed``."""
+    from benchmarks.learning.peers import BertMlm, Electra
 
-
-def electra_net(vocab: int, s: Setting, state: dict | None, seed: int = 0):
-    from benchmarks.learning.peers import Electra
-
+    if model not in PEERS:
+        raise ValueError(f"{model!r} is not a peer ({', '.join(PEERS)})")
     torch.manual_seed(seed)
     size = s.size()
-    net = Electra(vocab, size, embedding=size.hidden // 2)  # as peer_loop.run_peer
+    if model == "electra":  # ELECTRA-small's factorised embedding: half the hidden width
+        net = Electra(vocab, size, embedding=size.hidden // 2)
+    else:
+        net = BertMlm(vocab, size)
     if state is not None:
         net.load_state_dict(state)
     return net
+
+
+def peer_encoder(net) -> FrozenEncoder:
+    """A peer read as ours are. ELECTRA: the discriminator's vectors and RTD logits, the
+    generator's MLM head; BERT: BertForMaskedLM's vectors and MLM head."""
+    from benchmarks.learning.peers import Electra
+
+    if isinstance(net, Electra):
+        return TransformersEncoder(
+            net.disc.eval(), mlm=net.gen.eval(), rtd=net.disc, kind="ELECTRA"
+        )
+    return TransformersEncoder(net.bert.eval(), mlm=net.bert, kind="BERT")
 
 
 # ---------------------------------------------------------------------------------------
@@ -72,30 +87,27 @@ def finetune_task(tok, sentences: list[str], seq_length: int, corruption: str = 
     return tuple(parts)
 
 
-class ElectraClassifier(nn.Module):
-    """transformers' ElectraModel holding a pretrained discriminator under the head our
-    TaskModel puts on SAS (dropout + one linear layer, normal(0.02), bias 0; the SAS
-    paper's Table 6: "linear classifier on the encoder"), on [CLS] or the mean of the real
-    tokens' vectors."""
+class PeerClassifier(nn.Module):
+    """A transformers base model (ELECTRA's discriminator's ElectraModel, BERT's BertModel),
+    copied, under the head our TaskModel puts on ours (dropout + one linear layer,
+    normal(initializer_range), bias 0; the SAS paper's Table 6: "linear classifier on the
+    encoder"), on [CLS] or the mean of the real tokens' vectors."""
 
-    def __init__(self, disc, pooling: str, dropout: float = 0.1) -> None:
+    def __init__(self, base, pooling: str, dropout: float = 0.1) -> None:
         super().__init__()
-        from transformers import ElectraModel
-
         from benchmarks.learning.peers import no_token_types
 
-        self.electra = ElectraModel(copy.deepcopy(disc.config))
-        self.electra.load_state_dict(disc.electra.state_dict())
-        no_token_types(self.electra)  # as pretrained: no segments, none learned now
+        self.base = copy.deepcopy(base)
+        no_token_types(self.base)  # as pretrained: no segments, none learned now
         self.pooling = pooling
         self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(disc.config.hidden_size, 2)
+        self.head = nn.Linear(base.config.hidden_size, 2)
         with torch.no_grad():
-            self.head.weight.normal_(0.0, disc.config.initializer_range)
+            self.head.weight.normal_(0.0, base.config.initializer_range)
             self.head.bias.zero_()
 
     def forward(self, ids, mask) -> torch.Tensor:
-        hidden = self.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        hidden = self.base(input_ids=ids, attention_mask=mask.long()).last_hidden_state
         return self.head(self.dropout(pool(hidden, mask, self.pooling)))
 
 
@@ -110,13 +122,13 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
 def classifier(enc: FrozenEncoder, seed: int, pooling: str = "cls"):
     """(model, step): the encoder under a fresh 2-class linear head (its init seeded) on the
     ``pooling`` vector, and step(ids, mask, labels) -> (cross-entropy loss, logits [b, 2]).
-    SAS: our fine-tuning model (models/finetune.TaskModel, the encoder taken by
-    encoder_state_from_pretraining); ELECTRA: ElectraClassifier, the same head."""
+    TACO, SAS: our fine-tuning model (models/finetune.TaskModel, the encoder taken by
+    encoder_state_from_pretraining); ELECTRA, BERT: PeerClassifier, the same head."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     torch.manual_seed(seed)
-    if enc.kind == "ELECTRA":
-        model = ElectraClassifier(enc.model, pooling)  # enc.model: the discriminator
+    if enc.kind in ("ELECTRA", "BERT"):
+        model = PeerClassifier(enc.model.base_model, pooling)
 
         def step(ids, mask, labels):
             logits = model(ids, mask)
@@ -126,10 +138,10 @@ def classifier(enc: FrozenEncoder, seed: int, pooling: str = "cls"):
     from megatron_taco.models.finetune import TaskModel, encoder_state_from_pretraining
     from megatron_taco.parallel.state import single_process_state
 
-    pre = enc.model
-    model = TaskModel("SAS", pre.config, single_process_state(), task_kind="classification",
+    pre, kind = enc.model, enc.kind
+    model = TaskModel(kind, pre.config, single_process_state(), task_kind="classification",
                       num_labels=2, classifier_dropout=0.1)  # fmt: skip
-    model.encoder.load_state_dict(encoder_state_from_pretraining("SAS", pre.state_dict()))
+    model.encoder.load_state_dict(encoder_state_from_pretraining(kind, pre.state_dict()))
 
     def step(ids, mask, labels):
         if pooling == "cls":  # TaskModel's own forward

@@ -1,6 +1,7 @@
-"""SAS's variants that bench_sas_variants trains (the paper's recipe, the reference
-release's cold starts, the named departures and their pairs, SAS^c, SAS^DA, and the peers),
-and each model's training FLOPs per iteration, by which bench_sas_downstream matches them."""
+"""The variants that bench_sas_variants trains (SAS's: the paper's recipe, the reference
+release's cold starts, the named departures and their pairs, SAS^c, SAS^DA; our TACO; the
+peers), each model's peer, and each model's training FLOPs per iteration, by which the
+campaigns and bench_sas_downstream match them."""
 
 from __future__ import annotations
 
@@ -45,7 +46,19 @@ VARIANTS = {
                                 "SAS^DA: release mlm + lambda 1 -> 4"),
     "electra": ("electra", "unigram", (), "transformers' ELECTRA (generator 1/4 wide)"),
     "bert": ("bert", "unigram", (), "transformers' BERT ([MASK] MLM)"),
+    "taco": ("taco", "unigram", (), "our TACO (TACO-small's widths; SpanBERT MLM + MPM)"),
 }  # fmt: skip
+
+# Each of our models' peer (the method it replaces), judged beside it at equal FLOPs; the
+# peers are transformers' models that benchmarks/learning/peer_loop.py trains.
+PEER_OF = {"sas": "electra", "sas_c": "electra", "sas_da": "electra", "taco": "bert"}
+PEERS = ("electra", "bert")
+
+
+def flops_reference(models) -> str:
+    """The model whose FLOPs at --iters are an --equal-flops campaign's budget: TACO where
+    the campaign trains it (TACO against BERT), else SAS."""
+    return "taco" if "taco" in models else "sas"
 
 
 def train_flops_per_iteration(

@@ -82,3 +82,37 @@ def test_taco_vs_bert_at_equal_flops_reads_bert_at_tacos_flops():
     worst, end = taco_vs_bert_at_equal_flops(curves, {"taco": 2.0, "bert": 1.0}, tokens=2048)
     assert abs(end.value - 0.8) < 1e-12 and end.met() is False
     assert worst.value == end.value and "worst of 2; at or above at 1" in worst.note
+
+
+@pytest.mark.parametrize(
+    "names, reference",
+    [(["taco", "bert"], "taco"), (["paper", "electra", "bert"], "sas")],
+)
+def test_an_equal_flops_campaign_gives_each_variant_the_references_budget(names, reference):
+    """bench_sas_variants --equal-flops: TACO's FLOPs at --iters where the campaign has
+    TACO, SAS's otherwise; each variant's iterations that budget over its own FLOPs per
+    iteration (ELECTRA's convention), every lr of the grid and every seed."""
+    import argparse
+
+    from benchmarks.bench_sas_variants import campaign_jobs
+    from benchmarks.learning.setting import Setting
+    from benchmarks.learning.variants import VARIANTS, train_flops_per_iteration
+
+    s = Setting(prefix="p", tokenizer="t.model", cache="c", seq_length=32, batch=64,
+                iters=600, lr=1e-3, warmup_fraction=0.1, eval_interval=200, eval_iters=1,
+                split="90,5,5", seed=1234, layers=4, hidden=256)  # fmt: skip
+    args = argparse.Namespace(variants=names, lrs=[5e-4, 1e-3], lr=1e-3, iters=600,
+                              equal_flops=True, seed=1234, seeds=2)  # fmt: skip
+    jobs, variants, variant_of = campaign_jobs(args, s, 1000, {})
+    assert len(jobs) == len(names) * 2 * 2 and set(variant_of.values()) == set(names)
+    budget = 600 * train_flops_per_iteration(reference, s, 1000)
+    for job in jobs:
+        model = VARIANTS[variant_of[job.name]][0]
+        flops = train_flops_per_iteration(model, s, 1000)
+        assert job.model == model and abs(job.iters * flops - budget) <= flops / 2
+        assert job.iters == 600 or model != reference
+        assert variants[job.name][1] == job.lr and job.name.endswith(f"_lr{job.lr:g}")
+    assert {j.seed for j in jobs} == {1234, 1235}
+    # TACO and BERT are not the same size: a budget in iterations alone would not match.
+    bert = next(j for j in jobs if j.model == "bert")
+    assert bert.iters != 600

@@ -101,11 +101,11 @@ def test_classifiers_start_from_the_pretrained_encoders():
     labels = torch.tensor([0, 1, 1])
     # Another seed than the discriminator's: built alike, a seed-0 classifier would start
     # from its weights even without the copy.
-    model, step = dn.classifier(dn.electra_encoder(net), seed=5)
+    model, step = dn.classifier(dn.peer_encoder(net), seed=5)
     model.double().eval()
     with torch.no_grad():
         want = net.disc.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-        got = model.electra(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        got = model.base(input_ids=ids, attention_mask=mask.long()).last_hidden_state
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
         loss, logits = step(ids, mask, labels)
         ce = torch.nn.functional.cross_entropy(logits, labels)
@@ -135,7 +135,7 @@ def test_classifiers_start_from_the_pretrained_encoders():
         # Not the [CLS] logits of the same head.
         assert not torch.allclose(logits, mean_model.head(hidden[:, 0]))
 
-    model, step = dn.classifier(dn.electra_encoder(net), seed=5, pooling="mean")
+    model, step = dn.classifier(dn.peer_encoder(net), seed=5, pooling="mean")
     model.double().eval()
     ids, mask = torch.randint(5, 60, (3, 10)), torch.ones(3, 10, dtype=torch.bool)
     mask[2, 7:] = False
@@ -145,6 +145,74 @@ def test_classifiers_start_from_the_pretrained_encoders():
         _, logits = step(ids, mask, labels)
         torch.testing.assert_close(logits, model.head((hidden * m).sum(1) / m.sum(1)),
                                    rtol=1e-12, atol=0)  # fmt: skip
+
+
+def test_taco_and_bert_classifiers_start_from_their_pretrained_encoders():
+    """TACO (our TaskModel; its vectors [h_WE; h_PE] at true positions) and its peer BERT
+    (PeerClassifier over a copy of BertForMaskedLM's BertModel) fine-tune from their
+    pretrained encoders, under [CLS] and mean pooling; the copy leaves the peer alone."""
+    from benchmarks.learning.peers import BertMlm
+    from megatron_taco.evaluation.encoders import OurEncoder
+    from tests.helpers import VOCAB, build, tiny_config
+
+    ids = torch.randint(5, VOCAB, (3, 10))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[2, 7:] = False
+    labels = torch.tensor([0, 1, 1])
+    pre = build(tiny_config(), seed=1).double().eval()
+    enc = OurEncoder(pre, "TACO")
+    for pooling in dn.POOLINGS:
+        model, step = dn.classifier(enc, seed=0, pooling=pooling)
+        model.double().eval()
+        with torch.no_grad():
+            want = enc.hidden(ids, mask, torch.arange(10).expand(3, 10))
+            torch.testing.assert_close(model.encode(ids, mask), want, rtol=1e-12, atol=0)
+            _, logits = step(ids, mask, labels)
+            pooled = dn.pool(want, mask, pooling)
+            torch.testing.assert_close(logits.double(), model.head(pooled), rtol=1e-12, atol=0)
+
+    torch.manual_seed(0)
+    net = BertMlm(60, Size(1, 32, 2, 64, max_positions=16)).double().eval()
+    ids = ids % 60
+    model, step = dn.classifier(dn.peer_encoder(net), seed=5, pooling="mean")
+    model.double().eval()
+    with torch.no_grad():
+        want = net.bert.bert(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        _, logits = step(ids, mask, labels)
+        torch.testing.assert_close(logits, model.head(dn.pool(want, mask, "mean")),
+                                   rtol=1e-12, atol=0)  # fmt: skip
+        model.base.encoder.layer[0].output.dense.weight.add_(1.0)
+        again = net.bert.bert(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+def test_each_variant_is_paired_with_its_own_peer():
+    """Hand-derived: SAS's row against ELECTRA's, TACO's against BERT's, over the seeds both
+    have (TACO's third seed has no BERT twin: two seeds, no p-value); the peers and random
+    rows are not paired."""
+    from benchmarks.learning.campaign import paired
+
+    def row(variant, model, scores, lr=1e-3):
+        return {"variant": variant, "model": model, "lr": lr,
+                "by_seed": {s: {"probe_32": v} for s, v in scores.items()}}  # fmt: skip
+
+    rows = [
+        row("paper", "sas", {1: 0.60, 2: 0.70, 3: 0.65}),
+        row("electra", "electra", {1: 0.50, 2: 0.55, 3: 0.60}),
+        row("taco", "taco", {1: 0.80, 2: 0.90, 3: 0.99}),
+        row("bert", "bert", {1: 0.70, 2: 0.60}),
+        row("taco random x2", "taco", {0: 0.5}, lr=None),
+    ]
+    paired(rows)
+    sas, electra, taco, bert, randoms = rows
+    assert sas["peer"] == "electra" and taco["peer"] == "bert"
+    got = sas["vs_peer"]["probe_32"]
+    assert abs(got["diff"] - 0.1) < 1e-12 and got["seeds"] == [1, 2, 3]
+    # diffs 0.10, 0.15, 0.05: mean 0.1, sd 0.05, t = 0.1 / (0.05 / sqrt 3) = 3.464, df 2
+    assert abs(got["p"] - 0.0742) < 1e-3
+    got = taco["vs_peer"]["probe_32"]
+    assert abs(got["diff"] - 0.2) < 1e-12 and got["seeds"] == [1, 2] and got["p"] is None
+    assert all("vs_peer" not in r for r in (electra, bert, randoms))
 
 
 def test_select_and_test_chooses_lr_and_epoch_on_dev_and_reports_test():
@@ -172,12 +240,19 @@ def test_campaign_finds_the_runs_that_ended_by_variant_lr_and_seed(tmp_path):
     (tmp_path / "paper_s1234" / "checkpoints").mkdir(parents=True)
     (tmp_path / "paper_s1236").mkdir()  # did not end: no checkpoint
     (tmp_path / "electra_s7").mkdir()  # did not end: no weights
+    (tmp_path / "bert_lr0.001_s1234").mkdir()
+    (tmp_path / "bert_lr0.001_s1234" / "peer_iter_0000800.pt").write_bytes(b"")
+    (tmp_path / "taco_lr0.001_s1234" / "checkpoints").mkdir(parents=True)
     (tmp_path / "nonsense_s1" / "checkpoints").mkdir(parents=True)  # not a variant
     runs = discover(str(tmp_path))
     assert sorted((r.variant, r.lr, r.seed) for r in runs) == [
+        ("bert", 1e-3, 1234),
         ("electra", 5e-4, 1235),
         ("mlm_lambda_small", 1e-3, 1234),
         ("paper", None, 1234),
+        ("taco", 1e-3, 1234),
     ]
+    assert {r.variant: r.kind for r in runs if r.model not in dn.PEERS} == {
+        "mlm_lambda_small": "SAS", "paper": "SAS", "taco": "TACO"}  # fmt: skip
     assert all(isinstance(r, Run) for r in runs)
     assert [r.variant for r in discover(str(tmp_path), ["paper"])] == ["paper"]

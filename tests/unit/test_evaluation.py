@@ -201,16 +201,16 @@ def test_our_encoder_mlm_nll_is_the_models_own_mlm_loss(kind):
 
 def test_electra_adapter_is_the_peers_own_heads():
     """The downstream benchmarks' ELECTRA (benchmarks.learning.peers.Electra: generator and
-    discriminator, read by benchmarks/learning/downstream.electra_encoder) read as ours are:
+    discriminator, read by benchmarks/learning/downstream.peer_encoder) read as ours are:
     the generator's MLM loss as the peer trains it, the discriminator's own RTD logits and
     vectors."""
-    from benchmarks.learning.downstream import electra_encoder
+    from benchmarks.learning.downstream import peer_encoder
     from benchmarks.learning.peers import Electra, Size
 
     torch.manual_seed(0)
     net = Electra(60, Size(1, 32, 2, 64, max_positions=16), embedding=16).double().eval()
     ids, mask, labels, masked = _ids_and_labels(60)
-    enc = electra_encoder(net)
+    enc = peer_encoder(net)
     assert isinstance(enc, TransformersEncoder) and enc.kind == "ELECTRA"
     assert enc.heads == ("rtd", "mlm") and enc.max_positions == 16
     # The generator's MLM loss as the peer trains it (rows doubled: it reads the first half).
@@ -229,6 +229,31 @@ def test_electra_adapter_is_the_peers_own_heads():
         torch.testing.assert_close(enc.rtd_logits(ids, mask), theirs, rtol=1e-12, atol=0)
         vectors = enc.hidden(ids, mask, None)
         assert vectors.shape == (3, 10, 32)
+
+
+def test_bert_peer_adapter_is_the_peers_own_mlm_loss():
+    """The downstream benchmarks' BERT (benchmarks.learning.peers.BertMlm, TACO's peer):
+    its MLM loss as the peer trains it on [MASK]ed rows, its base model's vectors, no RTD
+    head."""
+    from benchmarks.learning.downstream import peer_encoder
+    from benchmarks.learning.peers import BertMlm, Size
+
+    torch.manual_seed(0)
+    net = BertMlm(60, Size(1, 32, 2, 64, max_positions=16), all_rows=True).double().eval()
+    ids, mask, labels, masked = _ids_and_labels(60)
+    enc = peer_encoder(net)
+    assert isinstance(enc, TransformersEncoder) and enc.kind == "BERT"
+    assert enc.heads == ("mlm",) and enc.max_positions == 16
+    batch = {"input_ids": masked, "attention_mask": mask, "mlm_labels": labels}
+    with torch.no_grad():
+        own = net(batch)["mlm_loss"]
+        nll = enc.mlm_nll(masked, None, mask, labels)
+        assert nll.dtype == torch.float64 and nll.shape == (4,)
+        torch.testing.assert_close(nll.mean(), own, rtol=1e-12, atol=0)
+        want = net.bert.bert(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        torch.testing.assert_close(enc.hidden(ids, mask, None), want, rtol=1e-12, atol=0)
+    with pytest.raises(NotImplementedError, match="no RTD head"):
+        enc.rtd_logits(ids, mask)
 
 
 @pytest.mark.parametrize("family", ["bert", "deberta-v2"])
