@@ -21,6 +21,10 @@ discriminator's weights under the same linear head (benchmarks/learning/downstre
 training loop runs both (our driver, a DeepSpeed engine per run, is too slow for the grid on
 a CPU). Only ELECTRA at SAS's FLOPs is tuned.
 
+--runs judges a whole bench_sas_variants campaign the same way, each of our models against
+its own peer (SAS's variants against ELECTRA, TACO against BERT; benchmarks/learning/
+campaign.py).
+
 Inputs are the run folders of bench_sas_variants (or bench_learning) from
 one setting: a SAS variant's folder keeps its final checkpoint and metrics, ELECTRA's keeps
 its weights at every evaluation (peer_iter_*.pt) and its training seconds, so ELECTRA is

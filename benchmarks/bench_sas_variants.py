@@ -7,6 +7,11 @@ variants are listed in benchmarks/learning/variants.py).
         --tokenizer-model demo_output/tokenizer.model --split 90,5,5 --iters 600
     python -m benchmarks.bench_sas_variants ... --variants paper mlm mlm_lambda_small electra
     python -m benchmarks.bench_sas_variants --corpus wiki --iters 600   # on Wikipedia leads
+    python -m benchmarks.bench_sas_variants --corpus wiki --variants taco bert --equal-flops
+
+The same campaign judges TACO against BERT (the TACO paper's claim): ``taco`` is our TACO at
+TACO-small's widths, ``bert`` transformers' BERT at --layers x --hidden on the MLM rows of
+the same TACO batches; with --equal-flops BERT trains for TACO's FLOPs at --iters.
 
 Per variant, at the end of the run: the tokens after which held-out MLM accuracy first
 reaches --left-plateau (1.5) x the most frequent target's share ("leaves the plateau"), the

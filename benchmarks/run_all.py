@@ -88,19 +88,21 @@ BENCHMARKS = (
     Benchmark(
         "bench_sas_variants",
         "SAS's variants (the paper's recipe, the release's cold starts, departures) "
-        "beside ELECTRA and BERT: tokens to leave the plateau, MLM, RTD, collapse; with "
-        "--select-lr each variant's own learning rate, then its seeds",
-        "a recipe counts as learning when every seed leaves the plateau (1.5x) on both corpora",
+        "beside ELECTRA and BERT, or TACO beside BERT: tokens to leave the plateau, MLM, "
+        "RTD, collapse; with --select-lr each variant's own learning rate, then its seeds",
+        "a recipe counts as learning when every seed leaves the plateau (1.5x) on both "
+        "corpora; TACO >= BERT at equal FLOPs",
         f"python -m benchmarks.bench_sas_variants {SAS_CAMPAIGN} --iters 800 --eval-interval "
         "200 --variants paper mlm_lambda_small electra --lrs 5e-4 1e-3 --seeds 3 --select-lr "
-        "--equal-flops --out OUT (then --corpus wiki)",
+        "--equal-flops --out OUT (then --corpus wiki; TACO against BERT: --layers 4 --hidden "
+        "256 --iters 600 --eval-interval 150 --variants taco bert)",
     ),
     Benchmark(
         "bench_sas_downstream",
         "a bench_sas_variants campaign downstream at equal training FLOPs: zero-shot word "
         "order, frozen probe and Table 6 fine-tuning ([CLS] and mean-pooled heads; lr and "
         "epoch chosen on dev, figures on test), mean ± std over seeds, paired t-tests",
-        "SAS >= ELECTRA (the paper's claim), p < 0.05 over the seeds",
+        "SAS >= ELECTRA and TACO >= BERT (the papers' claims), p < 0.05 over the seeds",
         f"python -m benchmarks.bench_sas_downstream {SAS_CAMPAIGN} --runs OUT --sentences 600 "
         "--finetune (OUT: the campaign's --out)",
     ),
