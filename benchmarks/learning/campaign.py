@@ -253,7 +253,7 @@ def paired(rows: list[dict]) -> None:
     both have ("vs_peer", and "peer": the peer's variant)."""
     from scipy import stats
 
-    pretrained = [r for r in rows if r["lr"] is not None and "random" not in r["variant"]]
+    pretrained = [r for r in rows if "random" not in r["variant"]]  # lr None: no grid
     for row in pretrained:
         ref = next((r for r in pretrained if r["model"] == PEER_OF.get(row["model"])), None)
         if ref is None:
