@@ -179,11 +179,13 @@ def main(argv=None) -> int:
     for item in args.sas:
         name, _, where = item.partition("=")
         folder, _, step = where.partition("@")
-        if (name not in VARIANTS or not os.path.isdir(os.path.join(folder, "checkpoints"))
+        sas = name in VARIANTS and VARIANTS[name][0] in ("sas", "sas_c", "sas_da")
+        if (not sas or not os.path.isdir(os.path.join(folder, "checkpoints"))
                 or not os.path.isfile(os.path.join(folder, "metrics.jsonl"))
                 or not (step == "" or step.isdigit())):  # fmt: skip
             p.error(f"--sas {item}: expected VARIANT=FOLDER[@ITERATION], a bench_sas_variants "
-                    "variant and its run folder holding checkpoints/ and metrics.jsonl")  # fmt: skip
+                    "SAS variant and its run folder holding checkpoints/ and metrics.jsonl "
+                    "(TACO's campaign: --runs)")  # fmt: skip
         runs[f"{name}@{step}" if step else name] = (name, folder, int(step) if step else None)
     if not os.path.isfile(os.path.join(args.electra, "metrics.jsonl")):
         p.error(f"--electra {args.electra}: no metrics.jsonl (a bench_learning peer's folder)")

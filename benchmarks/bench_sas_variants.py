@@ -217,7 +217,7 @@ def campaign_jobs(args, s: Setting, vocab: int, existing: dict) -> tuple[list, d
     lrs = args.lrs or [args.lr]
     variants = {name: (VARIANTS[name], args.lr) for name in existing}
     variant_of = {}  # a run's curve name -> its variant
-    ref = flops_reference(VARIANTS[v][0] for v in args.variants)
+    ref = flops_reference(VARIANTS[v][0] for v in [*args.variants, *existing])
     jobs = []
     for name in args.variants:
         if name in existing:
@@ -237,16 +237,17 @@ def campaign_jobs(args, s: Setting, vocab: int, existing: dict) -> tuple[list, d
     return jobs, variants, variant_of
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_sas_variants", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
         "--variants",
         nargs="*",
-        default=list(VARIANTS),
+        default=[v for v in VARIANTS if v != "taco"],
         choices=list(VARIANTS),
-        help="Variants to run (none: only report the --with ones).",
+        help="Variants to run (none: only report the --with ones); default: SAS's and the "
+        "peers (TACO against BERT is its own campaign: --variants taco bert).",
     )
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--data-path", help="A dataset prefix (give its --tokenizer-model).")
@@ -300,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default=os.path.join(BENCH_OUT, "sas_variants"))
     p.add_argument("--json", help="Write the summary here.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
@@ -316,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         existing[name] = path
     if bool(args.data_path) != bool(args.tokenizer_model):
         p.error("--tokenizer-model goes with --data-path (a --corpus has its own)")
+    models = {VARIANTS[v][0] for v in [*args.variants, *existing]}
+    if args.equal_flops and "taco" in models and models & {"sas", "sas_c", "sas_da"}:
+        p.error("--equal-flops: --variants mixes TACO and SAS's variants, whose budgets "
+                "differ (TACO's FLOPs or SAS's at --iters); run them as two campaigns")  # fmt: skip
     from megatron_taco.data.tokenizer import Tokenizer
 
     if args.corpus:

@@ -104,7 +104,7 @@ BENCHMARKS = (
         "epoch chosen on dev, figures on test), mean ± std over seeds, paired t-tests",
         "SAS >= ELECTRA and TACO >= BERT (the papers' claims), p < 0.05 over the seeds",
         f"python -m benchmarks.bench_sas_downstream {SAS_CAMPAIGN} --runs OUT --sentences 600 "
-        "--finetune (OUT: the campaign's --out)",
+        "--finetune (OUT: the campaign's --out; TACO's campaign: --layers 4 --hidden 256)",
     ),
     Benchmark(
         "bench_finetune",

@@ -36,12 +36,14 @@ def run_logged(argv: list[str], log_path: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    """One job: ``argv`` run in the repository with ``workdir`` as its fresh folder (emptied
-    first; its output goes to workdir/log.txt). ``label`` names it in the progress lines."""
+    """One job: ``argv`` run in the repository with ``workdir`` as its folder, emptied first
+    unless ``fresh`` is False (a run that resumes from what it left there); its output goes
+    to workdir/log.txt. ``label`` names it in the progress lines."""
 
     label: str
     argv: tuple[str, ...]
     workdir: str
+    fresh: bool = True
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -76,9 +78,11 @@ def run_parallel(commands: list[Command], parallel: int) -> dict[int, int]:
     while pending or running:
         while pending and len(running) < parallel:
             k, cmd = pending.pop(0)
-            shutil.rmtree(cmd.workdir, ignore_errors=True)  # a fresh run
-            os.makedirs(cmd.workdir)
-            log_file = open(os.path.join(cmd.workdir, "log.txt"), "w")  # noqa: SIM115
+            if cmd.fresh:
+                shutil.rmtree(cmd.workdir, ignore_errors=True)
+            os.makedirs(cmd.workdir, exist_ok=True)
+            mode = "w" if cmd.fresh else "a"
+            log_file = open(os.path.join(cmd.workdir, "log.txt"), mode)  # noqa: SIM115
             proc = subprocess.Popen(
                 list(cmd.argv), cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT
             )

@@ -94,8 +94,14 @@ def load(run: Run, s: Setting, vocab: int):
     if run.model in PEERS:
         path = sorted(glob.glob(os.path.join(run.folder, "peer_iter_*.pt")))[-1]
         it = int(re.search(r"peer_iter_(\d+)\.pt$", path).group(1))
-        state = torch.load(path, weights_only=True)
-        enc = peer_encoder(peer_net(run.model, vocab, s, state))
+        try:
+            net = peer_net(run.model, vocab, s, torch.load(path, weights_only=True))
+        except RuntimeError as e:  # load_state_dict's size mismatch
+            raise ConfigError(
+                f"--runs: {path} is not a {run.model} of --layers {s.layers} --hidden "
+                f"{s.hidden} and vocabulary {vocab} (the campaign's sizes): {str(e)[:200]}"
+            ) from e
+        enc = peer_encoder(net)
     else:
         info, model, _ = twins(os.path.join(run.folder, "checkpoints"), None, 0)
         enc, it = OurEncoder(model.eval(), run.kind), info.iteration

@@ -59,7 +59,8 @@ def run_jobs(
         metrics.append(os.path.join(work, "metrics.jsonl"))
         script = OURS[job.model][0] if job.model in OURS else None
         argv = job_command(job.model, s, metrics[-1], work, {script: list(job.flags)}, reuse)
-        commands.append(Command(f"{job.name} (seed {job.seed})", tuple(argv), work))
+        # Under reuse the folder is kept: our driver resumes from its checkpoints there.
+        commands.append(Command(f"{job.name} (seed {job.seed})", tuple(argv), work, not reuse))
     status = run_parallel(commands, parallel)
     ran = [job for job in jobs if (job.name, job.seed) not in kept]
     return {**kept, **{(job.name, job.seed): metrics[k] for k, job in enumerate(ran)

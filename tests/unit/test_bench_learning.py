@@ -116,3 +116,32 @@ def test_an_equal_flops_campaign_gives_each_variant_the_references_budget(names,
     # TACO and BERT are not the same size: a budget in iterations alone would not match.
     bert = next(j for j in jobs if j.model == "bert")
     assert bert.iters != 600
+
+
+def test_the_default_campaign_and_with_runs_keep_the_right_budget(tmp_path, capsys):
+    """The default --variants is SAS's campaign (SAS's budget, no TACO); a TACO given by
+    --with still sets BERT's budget; TACO and SAS variants in one --equal-flops campaign
+    are refused in one line."""
+    import argparse
+
+    from benchmarks import bench_sas_variants as bsv
+    from benchmarks.learning.setting import Setting
+    from benchmarks.learning.variants import train_flops_per_iteration as f
+
+    s = Setting(prefix="p", tokenizer="t.model", cache="c", seq_length=32, batch=64,
+                iters=600, lr=1e-3, warmup_fraction=0.1, eval_interval=200, eval_iters=1,
+                split="90,5,5", seed=1234, layers=4, hidden=256)  # fmt: skip
+    default = next(a for a in bsv.build_parser()._actions if a.dest == "variants").default
+    assert "taco" not in default and "paper" in default
+    args = argparse.Namespace(variants=default, lrs=None, lr=1e-3, iters=600,
+                              equal_flops=True, seed=1234, seeds=1)  # fmt: skip
+    jobs, _, _ = bsv.campaign_jobs(args, s, 1000, {})
+    assert next(j for j in jobs if j.name == "paper").iters == 600
+    args.variants = ["bert"]
+    (bert,) = bsv.campaign_jobs(args, s, 1000, {"taco": "m.jsonl"})[0]
+    assert bert.iters == round(600 * f("taco", s, 1000) / f("bert", s, 1000))
+    with pytest.raises(SystemExit) as stop:
+        bsv.main(["--data-path", "x", "--tokenizer-model", "y", "--variants", "taco", "paper",
+                  "--equal-flops", "--out", str(tmp_path)])  # fmt: skip
+    assert stop.value.code == 2
+    assert "mixes TACO and SAS's variants" in capsys.readouterr().err

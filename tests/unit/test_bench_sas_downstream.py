@@ -55,6 +55,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "holding checkpoints/ and metrics.jsonl" in error("--sas", f"paper={sas}")
     (sas / "metrics.jsonl").write_text("")
     assert "--sas nope=" in error("--sas", f"nope={sas}")
+    assert "SAS variant" in error("--sas", f"taco={sas}")  # not read as a SAS
     assert "--seeds must be >= 1, got 0" in error("--sas", f"paper={sas}", "--seeds", "0")
     assert "no metrics.jsonl" in error("--sas", f"paper={sas}")
     (electra / "metrics.jsonl").write_text(
@@ -174,16 +175,55 @@ def test_taco_and_bert_classifiers_start_from_their_pretrained_encoders():
     torch.manual_seed(0)
     net = BertMlm(60, Size(1, 32, 2, 64, max_positions=16)).double().eval()
     ids = ids % 60
-    model, step = dn.classifier(dn.peer_encoder(net), seed=5, pooling="mean")
-    model.double().eval()
     with torch.no_grad():
         want = net.bert.bert(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-        _, logits = step(ids, mask, labels)
-        torch.testing.assert_close(logits, model.head(dn.pool(want, mask, "mean")),
-                                   rtol=1e-12, atol=0)  # fmt: skip
+    for pooling, pooled in (("cls", want[:, 0]), ("mean", dn.pool(want, mask, "mean"))):
+        model, step = dn.classifier(dn.peer_encoder(net), seed=5, pooling=pooling)
+        model.double().eval()
+        with torch.no_grad():
+            _, logits = step(ids, mask, labels)
+            torch.testing.assert_close(logits, model.head(pooled), rtol=1e-12, atol=0)
+    with torch.no_grad():
         model.base.encoder.layer[0].output.dense.weight.add_(1.0)
         again = net.bert.bert(input_ids=ids, attention_mask=mask.long()).last_hidden_state
         torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+def _setting(**kw):
+    from benchmarks.learning.setting import Setting
+
+    base = dict(prefix="p", tokenizer="t", cache="c", seq_length=16, batch=4, iters=10,
+                lr=1e-3, warmup_fraction=0.1, eval_interval=5, eval_iters=1, split="90,5,5",
+                seed=1, layers=1, hidden=32)  # fmt: skip
+    return Setting(**{**base, **kw})
+
+
+def test_campaign_reads_a_taco_run_as_taco_and_a_misfit_peer_in_one_line(tmp_path, monkeypatch):
+    """A TACO run's encoder and its random twins are TACO's (its [h_WE; h_PE] vectors); a
+    BERT whose weights do not fit --layers/--hidden is a ConfigError naming the file."""
+    import pytest
+
+    from benchmarks.learning import campaign
+    from benchmarks.learning.peers import BertMlm
+    from megatron_taco.errors import ConfigError
+    from tests.helpers import build, tiny_config
+
+    pre = build(tiny_config(), seed=1).eval()
+    info = type("Info", (), {"iteration": 10})()
+    monkeypatch.setattr(campaign, "twins", lambda *a, **k: (info, pre, [pre]))
+    run = campaign.Run("taco", None, 1, str(tmp_path))
+    enc, it, flops = campaign.load(run, _setting(), 1000)
+    assert enc.kind == "TACO" and enc.we_width == pre.config.we_hidden_size and it == 10
+    (twin,) = campaign.random_twins("taco", [run], _setting(), 1000, 1)
+    assert twin.kind == "TACO"
+
+    folder = tmp_path / "bert_s1"
+    folder.mkdir()
+    torch.save(BertMlm(60, _setting().size()).state_dict(), folder / "peer_iter_0000010.pt")
+    enc, it, _ = campaign.load(campaign.Run("bert", None, 1, str(folder)), _setting(), 60)
+    assert enc.kind == "BERT" and it == 10
+    with pytest.raises(ConfigError, match="peer_iter_0000010.pt is not a bert of --layers 2"):
+        campaign.load(campaign.Run("bert", None, 1, str(folder)), _setting(layers=2), 60)
 
 
 def test_each_variant_is_paired_with_its_own_peer():

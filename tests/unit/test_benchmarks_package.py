@@ -201,3 +201,42 @@ def test_a_corpus_is_built_once_then_reused(tmp_path, botchan_path):
         corpora.prepare("demo", str(out), 2000)
     os.remove(made.prefix + ".idx")  # an incomplete folder is not reused
     assert corpora.built(str(out)) is None
+
+
+def test_a_run_cut_short_resumes_in_its_folder_under_reuse(tmp_path, monkeypatch):
+    """run_jobs --reuse: a run that did not end is started again in its own folder with
+    its checkpoints, store and metrics still there (the driver resumes from --load = its
+    --save); without --reuse its folder is emptied first. Through run_parallel, with the
+    driver replaced by a command that reports what it finds."""
+    from benchmarks.learning import runs
+    from benchmarks.learning.setting import Setting
+
+    s = Setting(prefix="p", tokenizer="t", cache="c", seq_length=16, batch=4, iters=600,
+                lr=1e-3, warmup_fraction=0.1, eval_interval=200, eval_iters=1,
+                split="90,5,5", seed=1)  # fmt: skip
+    work = tmp_path / "sas_s1"
+    real = runs.job_command
+
+    def reporting(model, s, metrics, workdir, flags, resume=False):
+        argv = real(model, s, metrics, workdir, flags, resume)
+        load = argv[argv.index("--load") + 1] if "--load" in argv else ""
+        code = ("import os, sys; load, work = sys.argv[1:]; "
+                "t = os.path.join(load, 'latest_checkpointed_iteration.txt'); "
+                "sys.exit(0 if load and os.path.isfile(t) and "
+                "os.path.isfile(os.path.join(work, 'store', 'shard')) else 3)")  # fmt: skip
+        return [sys.executable, "-c", code, load, workdir]
+
+    def cut_short():
+        (work / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (work / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("400")
+        (work / "store").mkdir(exist_ok=True)
+        (work / "store" / "shard").write_bytes(b"x")
+        (work / "metrics.jsonl").write_text(json.dumps({"split": "valid", "iteration": 400}))
+
+    monkeypatch.setattr(runs, "job_command", reporting)
+    cut_short()
+    done = runs.run_jobs([runs.Job("sas", "sas", 1)], s, str(tmp_path), 1, reuse=True)
+    assert ("sas", 1) in done and (work / "metrics.jsonl").is_file()
+    assert (work / "log.txt").is_file()
+    done = runs.run_jobs([runs.Job("sas", "sas", 1)], s, str(tmp_path), 1, reuse=False)
+    assert done == {} and not (work / "checkpoints").exists()  # emptied: a fresh run
