@@ -267,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup-fraction", type=float, default=0.1,
+                   help="Linear warm-up over this share of each run, then linear decay to 0.")  # fmt: skip
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seed", type=int, default=1234, help="The first seed.")
@@ -309,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if not 0 <= args.warmup_fraction < 1:
+        p.error(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
     if args.lrs is not None and (not args.lrs or any(not lr > 0 for lr in args.lrs)):
         p.error(f"--lrs must be one or more values > 0, got {args.lrs}")
     if args.select_lr and not (args.lrs and len(args.lrs) > 1 and args.seeds > 1):
@@ -336,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     s = Setting(prefix=args.data_path, tokenizer=args.tokenizer_model,
                    cache=args.data_cache_path or os.path.join(args.out, "cache"),
                    seq_length=args.seq_length, batch=args.batch, iters=args.iters, lr=args.lr,
-                   warmup_fraction=0.1, eval_interval=args.eval_interval,
+                   warmup_fraction=args.warmup_fraction, eval_interval=args.eval_interval,
                    eval_iters=args.eval_iters, split=args.split or "949,50,1", seed=args.seed,
                    layers=args.layers, hidden=args.hidden)  # fmt: skip
     vocab = Tokenizer(args.tokenizer_model).vocab_size

@@ -145,3 +145,13 @@ def test_the_default_campaign_and_with_runs_keep_the_right_budget(tmp_path, caps
                   "--equal-flops", "--out", str(tmp_path)])  # fmt: skip
     assert stop.value.code == 2
     assert "mixes TACO and SAS's variants" in capsys.readouterr().err
+
+
+def test_a_bad_warmup_fraction_is_one_line(tmp_path, capsys):
+    from benchmarks import bench_sas_variants as bsv
+
+    with pytest.raises(SystemExit) as stop:
+        bsv.main(["--data-path", "x", "--tokenizer-model", "y", "--warmup-fraction", "1.0",
+                  "--out", str(tmp_path)])  # fmt: skip
+    assert stop.value.code == 2
+    assert "--warmup-fraction must be in [0, 1), got 1.0" in capsys.readouterr().err
