@@ -113,6 +113,7 @@ def report(curves: dict, variants: dict, s: Setting, args, vocab: int) -> dict:
         row["variant"], row["lr"] = variants[name][0][0], variants[name][1]
     for peer in PEERS:
         compare_at_peer_flops(curves, variants, flops, table, peer)
+    taco_vs_bert(curves, variants, flops, table, tokens)
     plot(curves, table, flops, tokens, os.path.join(args.out, "sas_variants.png"))
     return table
 
@@ -137,6 +138,30 @@ def compare_at_peer_flops(curves: dict, variants: dict, flops: dict, table: dict
             print(f"  {name:<24} at {b:.3g} FLOPs: {100 * a:.2f}% vs {peer} {100 * e:.2f}%")
             table[name]["vs_peer_equal_flops"] = {"peer": runs[0], "flops": b,
                                                   "mlm_acc": a, "peer_mlm_acc": e}  # fmt: skip
+
+
+def taco_vs_bert(curves: dict, variants: dict, flops: dict, table: dict, tokens: int) -> None:
+    """TACO against BERT at equal FLOPs at each of TACO's evaluations, seed by seed
+    (bench_learning's comparison), for each model's curve with the most seeds (with
+    --select-lr: its chosen learning rate)."""
+    from benchmarks.learning.report import taco_vs_bert_at_equal_flops
+
+    def most_seeds(model: str) -> str | None:
+        names = [n for n in curves if variants[n][0][0] == model]
+        return max(names, key=lambda n: len(per_seed_curves(curves[n])), default=None)
+
+    taco, bert = most_seeds("taco"), most_seeds("bert")
+    if taco is None or bert is None:
+        return
+    print(f"\n{taco} against {bert}:", end="")
+    results = taco_vs_bert_at_equal_flops(
+        {"taco": curves[taco], "bert": curves[bert]},
+        {"taco": flops[taco], "bert": flops[bert]},
+        tokens,
+    )
+    table[taco]["vs_bert_equal_flops"] = [
+        {"metric": r.metric, "value": r.value, "note": r.note} for r in results
+    ]
 
 
 def plot(curves: dict, table: dict, flops: dict, tokens: int, path: str) -> None:

@@ -155,3 +155,32 @@ def test_a_bad_warmup_fraction_is_one_line(tmp_path, capsys):
                   "--out", str(tmp_path)])  # fmt: skip
     assert stop.value.code == 2
     assert "--warmup-fraction must be in [0, 1), got 1.0" in capsys.readouterr().err
+
+
+def test_the_taco_campaign_compares_each_models_curve_with_the_most_seeds():
+    """bench_sas_variants' TACO-against-BERT table reads the chosen rate's curves (the ones
+    with every seed), not the grid's other rate. Hand-derived as in the test above: TACO at
+    2 FLOPs per iteration, BERT at 1; at TACO's iteration 200 BERT's 400 (halfway between
+    0.20 and 0.30 = 0.25 over both seeds): 0.20 / 0.25 = 0.8."""
+    from benchmarks.bench_sas_variants import taco_vs_bert
+    from benchmarks.learning.variants import VARIANTS
+
+    def curve(points: dict) -> dict:
+        return {it: [{"mlm_acc": a, "seed": s} for s, a in enumerate(accs)]
+                for it, accs in points.items()}  # fmt: skip
+
+    curves = {
+        "taco_lr0.001": curve({100: [0.5], 200: [0.9]}),  # one seed: the grid's other rate
+        "taco_lr0.0005": curve({100: [0.09, 0.11], 200: [0.21, 0.19]}),
+        "bert_lr0.0005": curve({200: [0.07, 0.09], 300: [0.2] * 2, 500: [0.31, 0.29]}),
+    }
+    variants = {"taco_lr0.001": (VARIANTS["taco"], 1e-3), "taco_lr0.0005": (VARIANTS["taco"], 5e-4),
+                "bert_lr0.0005": (VARIANTS["bert"], 5e-4)}  # fmt: skip
+    flops = {"taco_lr0.001": 2.0, "taco_lr0.0005": 2.0, "bert_lr0.0005": 1.0}
+    table = {name: {} for name in curves}
+    taco_vs_bert(curves, variants, flops, table, tokens=2048)
+    worst, end = table["taco_lr0.0005"]["vs_bert_equal_flops"]
+    assert end["metric"] == "taco_vs_bert_equal_flops_end" and abs(end["value"] - 0.8) < 1e-12
+    # At TACO's iteration 100 (200 FLOPs) BERT's 200: 0.10 / 0.08 = 1.25; the worst is the end.
+    assert abs(worst["value"] - 0.8) < 1e-12 and "at or above at 1" in worst["note"]
+    assert "vs_bert_equal_flops" not in table["taco_lr0.001"]
