@@ -118,39 +118,41 @@ def report(curves: dict, variants: dict, s: Setting, args, vocab: int) -> dict:
     return table
 
 
+def most_seeds(curves: dict, variants: dict, model: str) -> str | None:
+    """``model``'s curve with the most seeds (with --select-lr: its chosen learning rate;
+    else its first)."""
+    names = [n for n in curves if variants[n][0][0] == model]
+    return max(names, key=lambda n: len(per_seed_curves(curves[n])), default=None)
+
+
 def compare_at_peer_flops(curves: dict, variants: dict, flops: dict, table: dict, peer: str):
     """Held-out MLM accuracy of each of our variants whose peer is ``peer`` (PEER_OF), at
-    the peer's last training FLOPs that both reached (its first curve: the first lr)."""
-    runs = [n for n in curves if variants[n][0][0] == peer]
-    if not runs:
+    the peer's last training FLOPs that both reached (the peer's most_seeds curve)."""
+    ref_name = most_seeds(curves, variants, peer)
+    if ref_name is None:
         return
-    ref = curves[runs[0]]
-    print(f"\nheld-out MLM accuracy at {peer}'s training FLOPs ({runs[0]})")
+    ref = curves[ref_name]
+    print(f"\nheld-out MLM accuracy at {peer}'s training FLOPs ({ref_name})")
     for name in curves:
         if PEER_OF.get(variants[name][0][0]) != peer:
             continue
-        budgets = [it * flops[runs[0]] for it in sorted(ref)]
+        budgets = [it * flops[ref_name] for it in sorted(ref)]
         pairs = [(b, at_equal_flops(curves[name], flops[name], b)) for b in budgets]
         pairs = [(b, a) for b, a in pairs if a is not None]
         if pairs:
             b, a = pairs[-1]
-            e = at_equal_flops(ref, flops[runs[0]], b)
+            e = at_equal_flops(ref, flops[ref_name], b)
             print(f"  {name:<24} at {b:.3g} FLOPs: {100 * a:.2f}% vs {peer} {100 * e:.2f}%")
-            table[name]["vs_peer_equal_flops"] = {"peer": runs[0], "flops": b,
+            table[name]["vs_peer_equal_flops"] = {"peer": ref_name, "flops": b,
                                                   "mlm_acc": a, "peer_mlm_acc": e}  # fmt: skip
 
 
 def taco_vs_bert(curves: dict, variants: dict, flops: dict, table: dict, tokens: int) -> None:
     """TACO against BERT at equal FLOPs at each of TACO's evaluations, seed by seed
-    (bench_learning's comparison), for each model's curve with the most seeds (with
-    --select-lr: its chosen learning rate)."""
+    (bench_learning's comparison), on each model's most_seeds curve."""
     from benchmarks.learning.report import taco_vs_bert_at_equal_flops
 
-    def most_seeds(model: str) -> str | None:
-        names = [n for n in curves if variants[n][0][0] == model]
-        return max(names, key=lambda n: len(per_seed_curves(curves[n])), default=None)
-
-    taco, bert = most_seeds("taco"), most_seeds("bert")
+    taco, bert = most_seeds(curves, variants, "taco"), most_seeds(curves, variants, "bert")
     if taco is None or bert is None:
         return
     print(f"\n{taco} against {bert}:", end="")
@@ -352,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.data_path) != bool(args.tokenizer_model):
         p.error("--tokenizer-model goes with --data-path (a --corpus has its own)")
     models = {VARIANTS[v][0] for v in [*args.variants, *existing]}
-    if args.equal_flops and "taco" in models and models & {"sas", "sas_c", "sas_da"}:
+    sas_models = {m for m, peer in PEER_OF.items() if peer == "electra"}
+    if args.equal_flops and "taco" in models and models & sas_models:
         p.error("--equal-flops: --variants mixes TACO and SAS's variants, whose budgets "
                 "differ (TACO's FLOPs or SAS's at --iters); run them as two campaigns")  # fmt: skip
     from megatron_taco.data.tokenizer import Tokenizer
