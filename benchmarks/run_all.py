@@ -98,6 +98,14 @@ BENCHMARKS = (
         "256 --iters 600 --eval-interval 150 --variants taco bert)",
     ),
     Benchmark(
+        "bench_sas_factors",
+        "the paper's SAS recipe in the campaign's setting with one factor changed at a "
+        "time (steps vs tokens: batch 32 and 128; a schedule twice as long; a 30% warm-up; "
+        "a 2000-piece tokenizer), 3 seeds on each corpus: seeds that leave the plateau",
+        "a factor holds when every seed leaves the plateau (1.5x) on both corpora",
+        "python -m benchmarks.bench_sas_factors --corpus wiki demo --out OUT",
+    ),
+    Benchmark(
         "bench_sas_downstream",
         "a bench_sas_variants campaign downstream at equal training FLOPs: zero-shot word "
         "order, frozen probe and Table 6 fine-tuning ([CLS] and mean-pooled heads; lr and "
