@@ -104,8 +104,8 @@ def report(curves: dict, s: Setting, args, out_dir: str, flops: dict | None = No
 
 def taco_vs_bert_at_equal_flops(curves: dict, flops: dict, tokens: int) -> list:
     """At each of TACO's evaluations, BERT's held-out MLM accuracy after the same training
-    FLOPs (linear between its evaluations), seed by seed; the worst ratio of the means and
-    the end's, with a paired t-test over the seeds at the end."""
+    FLOPs (linear between its evaluations), seed by seed, with a paired t-test over the
+    seeds at each (3 seeds or more); the worst ratio of the means and the end's."""
     from scipy import stats
 
     taco, bert = per_seed_curves(curves["taco"]), per_seed_curves(curves["bert"])
@@ -113,7 +113,8 @@ def taco_vs_bert_at_equal_flops(curves: dict, flops: dict, tokens: int) -> list:
     print(f"\nTACO vs BERT at equal training FLOPs (TACO {flops['taco'] / 1e9:.1f}, BERT "
           f"{flops['bert'] / 1e9:.1f} GFLOPs per iteration), held-out MLM accuracy %, "
           f"{len(seeds)} seeds")  # fmt: skip
-    print(f"{'TFLOPs':>8} {'TACO tokens':>12} {'TACO':>14} {'BERT':>14} {'ratio':>6}")
+    print(f"{'TFLOPs':>8} {'TACO tokens':>12} {'TACO':>14} {'BERT':>14} {'ratio':>6} "
+          f"{'paired p':>8}")  # fmt: skip
     rows = []
     for it in sorted(curves["taco"]):
         budget = it * flops["taco"]
@@ -122,13 +123,13 @@ def taco_vs_bert_at_equal_flops(curves: dict, flops: dict, tokens: int) -> list:
         if None in t or None in b:
             continue
         rows.append((budget, it, t, b))
+        p = stats.ttest_rel(t, b).pvalue if len(seeds) > 2 else float("nan")
         print(f"{budget / 1e12:>8.2f} {it * tokens:>12,} {_ms(t):>14} {_ms(b):>14} "
-              f"{statistics.mean(t) / max(statistics.mean(b), 1e-9):>6.2f}")  # fmt: skip
+              f"{statistics.mean(t) / max(statistics.mean(b), 1e-9):>6.2f} {p:>8.3f}")  # fmt: skip
     if not rows:
         return []
     ratios = [statistics.mean(t) / max(statistics.mean(b), 1e-9) for _, _, t, b in rows]
     _, _, t, b = rows[-1]
-    p = stats.ttest_rel(t, b).pvalue if len(seeds) > 2 else float("nan")
     worst = min(range(len(rows)), key=lambda k: ratios[k])
     return [
         Result("bench_learning", "taco_vs_bert_equal_flops_worst_point", ratios[worst], 1.0,

@@ -64,10 +64,13 @@ def test_parity_counts_the_evaluations_outside_the_seed_spread(capsys):
     assert parity({"sas_mlm": curves["sas_mlm"]}, tokens=2048) == []  # no pair, no result
 
 
-def test_taco_vs_bert_at_equal_flops_reads_bert_at_tacos_flops():
+def test_taco_vs_bert_at_equal_flops_reads_bert_at_tacos_flops(capsys):
     """TACO at 2 FLOPs per iteration, BERT at 1: TACO's iteration 100 (200 FLOPs) meets
     BERT's iteration 200, its 200 (400 FLOPs) BERT's 300-500 halfway, i.e. 400. Hand-derived
-    ratios: 0.10 / 0.08 = 1.25 and 0.20 / 0.25 = 0.8 (the worst and the end)."""
+    ratios: 0.10 / 0.08 = 1.25 and 0.20 / 0.25 = 0.8 (the worst and the end). At the end
+    BERT is 0.255, 0.245, 0.25 by seed, the paired differences -0.045, -0.055, -0.05:
+    t = -0.05 / (0.005 / sqrt 3) = -17.32 on 2 degrees of freedom, two-sided
+    p = 1 - |t| / sqrt(t^2 + 2) = 0.0033."""
     from benchmarks.learning.report import taco_vs_bert_at_equal_flops
 
     def curve(points: dict) -> dict:
@@ -82,6 +85,9 @@ def test_taco_vs_bert_at_equal_flops_reads_bert_at_tacos_flops():
     worst, end = taco_vs_bert_at_equal_flops(curves, {"taco": 2.0, "bert": 1.0}, tokens=2048)
     assert abs(end.value - 0.8) < 1e-12 and end.met() is False
     assert worst.value == end.value and "worst of 2; at or above at 1" in worst.note
+    assert "paired t-test p 0.003" in end.note
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "409,600" in line]
+    assert rows[0][-2:] == ["0.80", "0.003"]  # the p of each evaluation, in its own column
 
 
 @pytest.mark.parametrize(
