@@ -12,9 +12,9 @@ Each (corpus, factor) is one bench_sas_variants campaign in OUT/CORPUS/FACTOR, r
 read, not run again. The batch factors keep the tokens (and the tokens between
 evaluations, and those evaluated) of the base setting and change the optimizer steps at the
 same learning rate; ``long`` doubles both, so b32 against long is twice the tokens at the
-same steps. SAS's lambda ramps and its cold start acts per epoch of the corpus, so ``long``
-(more epochs) and ``v2000`` (fewer tokens per epoch) move those too, and a 2000-piece
-tokenizer has its own most-frequent-token baseline. A factor "holds" when every seed leaves
+same steps. SAS's lambda ramps over the run's whole epochs of the corpus, so ``long`` (twice
+the epochs) ramps it about half as fast; ``v2000`` keeps the whole epochs (each a little shorter)
+and has its own most-frequent-token baseline. A factor "holds" when every seed leaves
 the plateau on every corpus given.
 """
 
