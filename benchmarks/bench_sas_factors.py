@@ -27,7 +27,6 @@ import statistics
 import traceback
 
 from benchmarks import bench_sas_variants
-from benchmarks.harness.paths import BENCH_OUT
 from benchmarks.harness.results import write_json
 from benchmarks.learning.variants import VARIANTS
 
@@ -117,10 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seed", type=int, default=1234, help="The first seed.")
-    p.add_argument("--left-plateau", type=float, default=1.5)
-    p.add_argument("--jobs", type=int, default=2, help="Runs at a time (one core each).")
-    p.add_argument("--out", default=os.path.join(BENCH_OUT, "sas_factors"))
-    p.add_argument("--json", help="Write the table here.")
+    bench_sas_variants.add_output_flags(p, "sas_factors", "Write the table here.")
     return p
 
 

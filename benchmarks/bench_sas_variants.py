@@ -318,8 +318,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="store_true",
                    help="Keep the runs in --out that ended (same names and seeds) instead of "
                    "running them again: a campaign resumes where it stopped.")  # fmt: skip
-    p.add_argument("--left-plateau", type=float, default=1.5)
-    p.add_argument("--jobs", type=int, default=2, help="Runs at a time (one core each).")
     p.add_argument(
         "--with",
         dest="existing",
@@ -328,9 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="VARIANT=METRICS",
         help="A variant's metrics.jsonl from an earlier run of the same setting.",
     )
-    p.add_argument("--out", default=os.path.join(BENCH_OUT, "sas_variants"))
-    p.add_argument("--json", help="Write the summary here.")
+    add_output_flags(p, "sas_variants", "Write the summary here.")
     return p
+
+
+def add_output_flags(p: argparse.ArgumentParser, name: str, json_help: str) -> None:
+    """The flags every learning campaign shares (bench_sas_variants, bench_sas_factors):
+    the plateau bar, runs at a time, where the runs and the summary go."""
+    p.add_argument("--left-plateau", type=float, default=1.5)
+    p.add_argument("--jobs", type=int, default=2, help="Runs at a time (one core each).")
+    p.add_argument("--out", default=os.path.join(BENCH_OUT, name))
+    p.add_argument("--json", help=json_help)
 
 
 def main(argv: list[str] | None = None) -> int:
